@@ -334,9 +334,7 @@ class Ragged:
         lengths = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
         offsets = np.zeros(len(lists) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        values = np.fromiter(
-            (v for x in lists for v in x), dtype=np.int32, count=int(offsets[-1])
-        )
+        values = np.fromiter((v for x in lists for v in x), dtype=np.int32, count=int(offsets[-1]))
         return cls(offsets, values)
 
 

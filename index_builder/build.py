@@ -1,0 +1,181 @@
+"""Index build: catalog -> SIDs -> trie, matchers, SID -> ad and targeting indexes -> a
+published version (DESIGN.md §3–4). `grace build-index` and the builder sidecar call
+`build_index`; tests and benchmarks may call `build_arrays` on an in-memory catalog.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from index_builder.catalog import Catalog, catalog_fingerprint, read_catalog
+from index_builder.format import AdArrays, IndexArrays, write_index_dir
+from index_builder.kway import KwaySpec, build_partitions
+from index_builder.publish import publish
+from index_builder.targeting import Ragged, ad_blooms, location_blooms
+from index_builder.tokenizer import SIDTokenizer
+from index_builder.trie import build_trie, sid_keys, storage_stats
+
+log = logging.getLogger("grace.index_builder")
+NO_TOKENIZER = "none: SIDs taken from the catalog"
+
+
+class BuildCancelled(RuntimeError):
+    """The build was asked to stop (SIGTERM); nothing was published."""
+
+
+class BuildError(ValueError):
+    """The inputs cannot make an index (e.g. SIDs missing and no tokenizer given)."""
+
+
+@dataclass
+class BuildReport:
+    """What a build did: counts, per-phase seconds and the paper Table 1/2 statistics."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    levels: list[dict[str, Any]] = field(default_factory=list)
+    kway_levels: list[dict[str, Any]] = field(default_factory=list)
+    collisions: str = ""
+
+    def phase(self, name: str, start: float) -> float:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - start, 3)
+        return now
+
+
+def assign_sids(catalog: Catalog, tokenizer: SIDTokenizer | None) -> tuple[np.ndarray, str]:
+    """SIDs for every ad: explicit ones kept, the rest from the tokenizer."""
+    has = catalog.has_sid
+    if has.all():
+        return catalog.sid.astype(np.int64), ""
+    if tokenizer is None:
+        raise BuildError(
+            f"{catalog.source}: {int((~has).sum())} ads carry no sid; pass a SID tokenizer "
+            "(grace train-tokenizer) to compute them from their embeddings"
+        )
+    if catalog.embedding is None or catalog.embedding.shape[1] != tokenizer.dim:
+        dim = None if catalog.embedding is None else catalog.embedding.shape[1]
+        raise BuildError(
+            f"catalog embeddings have dim {dim}; the tokenizer expects {tokenizer.dim}"
+        )
+    sid = catalog.sid.astype(np.int64)
+    new, report = tokenizer.assign(catalog.embedding[~has], reserved=catalog.sid[has])
+    sid[~has] = new
+    return sid, report.summary()
+
+
+def build_arrays(
+    catalog: Catalog,
+    sids: np.ndarray,  # int [N, 4], one SID per catalog row
+    kway: KwaySpec | None = None,
+    report: BuildReport | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> IndexArrays:
+    """All index arrays for a validated catalog and its SIDs."""
+    report = report if report is not None else BuildReport()
+    t = time.perf_counter()
+    order = np.argsort(sid_keys(sids), kind="stable")
+    cat, sids = catalog.take(order), sids[order]
+    ad_bloom = ad_blooms(Ragged(cat.loc_offsets, cat.loc_ids), location_blooms(list(cat.locations)))
+    t = report.phase("encode", t)
+    built = build_trie(sids, cat.bitmask, ad_bloom)
+    t = report.phase("trie", t)
+    if should_stop():
+        raise BuildCancelled("stopped before k-way partitioning")
+    partitions = None
+    if kway is not None:
+        partitions, report.kway_levels = build_partitions(built, kway)
+        t = report.phase("kway", t)
+    vocab = [s.encode("utf-8") for s in cat.locations]
+    vocab_offsets = np.zeros(len(vocab) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in vocab], out=vocab_offsets[1:])
+    ads = AdArrays(
+        leaf_sids=built.leaf_sids,
+        leaf_ad_offsets=built.leaf_ad_offsets,
+        ad_ids=cat.ad_id.astype(np.int64),
+        ad_bitmask=cat.bitmask,
+        ad_loc_offsets=cat.loc_offsets.astype(np.int64),
+        ad_loc_ids=cat.loc_ids.astype(np.int32),
+        loc_vocab_offsets=vocab_offsets,
+        loc_vocab_bytes=np.frombuffer(b"".join(vocab), dtype=np.uint8),
+    )
+    report.levels = storage_stats(built)
+    trie = built.trie
+    report.counts.update(
+        ads=cat.n,
+        sids=len(built.leaf_sids),
+        nodes=trie.num_nodes,
+        child_entries=trie.num_entries,
+        bitmask_rows=len(trie.bitmask_table),
+        bloom_rows=len(trie.bloom_table),
+        locations=len(vocab),
+        matcher_table_bytes=trie.bitmask_table.nbytes + trie.bloom_table.nbytes,
+    )
+    report.phase("stats", t)
+    return IndexArrays(trie=built.trie, ads=ads, kway=partitions)
+
+
+def build_index(
+    catalog_path: Path | str,
+    out_root: Path | str,
+    *,
+    tokenizer_path: Path | str | None = None,
+    kway: KwaySpec | None = None,
+    keep: int = 3,
+    progress: bool = True,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> tuple[str, BuildReport]:
+    """Read, build and atomically publish one index version; returns (version, report)."""
+    report = BuildReport()
+    t0 = t = time.perf_counter()
+    fingerprint = catalog_fingerprint(catalog_path)
+    catalog = read_catalog(catalog_path, progress=progress)
+    t = report.phase("read", t)
+    tokenizer = SIDTokenizer.load(Path(tokenizer_path)) if tokenizer_path else None
+    sids, report.collisions = assign_sids(catalog, tokenizer)
+    t = report.phase("tokenize", t)
+    if should_stop():
+        raise BuildCancelled("stopped before building the trie")
+    arrays = build_arrays(catalog, sids, kway, report, should_stop)
+    t = time.perf_counter()
+
+    def write(directory: Path, version: str) -> None:
+        if should_stop():
+            raise BuildCancelled("stopped before publishing")
+        write_index_dir(
+            directory,
+            arrays,
+            {
+                "index_version": version,
+                "created": datetime.now(UTC).isoformat(),
+                "tokenizer_fingerprint": tokenizer.fingerprint if tokenizer else NO_TOKENIZER,
+                "catalog": {"source": str(catalog_path), "fingerprint": fingerprint},
+                "kway": kway.to_manifest() if kway else None,
+                "counts": report.counts,
+                "build": {
+                    "seconds": report.seconds,
+                    "levels": report.levels,
+                    "kway_levels": report.kway_levels,
+                    "collisions": report.collisions,
+                },
+            },
+        )
+
+    version = publish(Path(out_root), write, keep=keep)
+    report.phase("write", t)
+    report.seconds["total"] = round(time.perf_counter() - t0, 3)
+    log.info(
+        "published index %s: %s; seconds %s",
+        version,
+        " ".join(f"{k}={v}" for k, v in report.counts.items()),
+        report.seconds,
+    )
+    return version, report

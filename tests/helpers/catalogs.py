@@ -1,0 +1,75 @@
+"""Small catalogs for tests: hypothesis strategies and an in-memory `Catalog` builder."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from hypothesis import strategies as st
+
+from index_builder.catalog import Catalog
+from index_builder.targeting import (
+    AGE_BUCKETS,
+    GENDERS,
+    Ragged,
+    Targeting,
+    ad_bitmasks,
+    age_bucket_value_index,
+    country_index,
+    gender_value_index,
+)
+from tests.helpers.oracle import Ad
+
+COUNTRY_POOL = ("US", "CA", "GB", "DE")
+LOCATION_POOL = ("US/R1", "US/R1/C1", "US/R2", "CA/R1", "GB/R1/C9", "DE")
+
+
+def catalog_from_ads(ads: Sequence[Ad]) -> Catalog:
+    """Encode test ads with the production encoders (the oracle stays string-based)."""
+    vocab = np.array(sorted({loc for a in ads for loc in a.locations}), dtype=object)
+    ids = {s: i for i, s in enumerate(vocab)}
+    locs = Ragged.from_lists([sorted({ids[s] for s in a.locations}) for a in ads])
+    bitmask = ad_bitmasks(
+        Ragged.from_lists([[country_index(c) for c in a.countries] for a in ads]),
+        Ragged.from_lists([[age_bucket_value_index(b) for b in a.age_buckets] for a in ads]),
+        Ragged.from_lists([[gender_value_index(g) for g in a.genders] for a in ads]),
+    )
+    return Catalog(
+        ad_id=np.array([a.ad_id for a in ads], dtype=np.int64),
+        sid=np.array([a.sid for a in ads], dtype=np.int32).reshape(-1, 4),
+        embedding=None,
+        bitmask=bitmask,
+        loc_offsets=locs.offsets,
+        loc_ids=locs.values,
+        locations=vocab,
+        source="<test>",
+    )
+
+
+def _subset(pool: Sequence[str]) -> st.SearchStrategy[tuple[str, ...]]:
+    return st.lists(st.sampled_from(pool), max_size=3, unique=True).map(tuple)
+
+
+def ads_strategy(max_ads: int = 40, token_range: int = 3) -> st.SearchStrategy[list[Ad]]:
+    """Catalogs whose SIDs share prefixes a lot (tokens from a small range)."""
+    tok = st.integers(0, token_range - 1)
+    ad = st.builds(
+        lambda sid, c, a, g, loc: (sid, c, a, g, loc),
+        st.tuples(tok, tok, tok, tok),
+        _subset(COUNTRY_POOL),
+        _subset(AGE_BUCKETS),
+        st.lists(st.sampled_from(GENDERS), max_size=1).map(tuple),
+        _subset(LOCATION_POOL),
+    )
+    return st.lists(ad, min_size=1, max_size=max_ads).map(
+        lambda rows: [Ad(1000 + i, *r) for i, r in enumerate(rows)]
+    )
+
+
+requests_strategy = st.builds(
+    Targeting,
+    country=st.sampled_from(("US", "CA", "FR", "")),
+    age=st.sampled_from((0, 10, 16, 30, 50, 70)),
+    gender=st.sampled_from(("", "female", "male")),
+    locations=st.lists(st.sampled_from((*LOCATION_POOL, "XX/nowhere")), max_size=4).map(tuple),
+)

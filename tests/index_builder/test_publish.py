@@ -1,0 +1,193 @@
+"""Publishing and validation: atomic CURRENT, crash safety, pruning, corruption caught."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from index_builder.build import build_arrays
+from index_builder.format import IndexArrays, file_sha256, write_index_dir
+from index_builder.publish import (
+    PublishError,
+    current_path,
+    current_version,
+    list_versions,
+    publish,
+    writer_lock,
+)
+from index_builder.validate import IndexValidationError, validate_index
+from tests.helpers.catalogs import catalog_from_ads
+from tests.helpers.oracle import Ad
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def small_index(n: int = 50) -> IndexArrays:
+    ads = [
+        Ad(
+            100 + i,
+            (i % 5, i % 7, i % 11, i),
+            countries=("US",) if i % 2 else (),
+            locations=(f"US/R{i % 3}",) if i % 3 else (),
+        )
+        for i in range(n)
+    ]
+    cat = catalog_from_ads(ads)
+    return build_arrays(cat, cat.sid.astype(np.int64))
+
+
+def writer(arrays: IndexArrays):
+    def write(directory: Path, version: str) -> None:
+        write_index_dir(
+            directory, arrays, {"index_version": version, "tokenizer_fingerprint": "test"}
+        )
+
+    return write
+
+
+def test_publish_points_current_at_a_valid_version_and_prunes(tmp_path: Path) -> None:
+    arrays = small_index()
+    versions = [publish(tmp_path, writer(arrays), keep=2) for _ in range(4)]
+    assert current_version(tmp_path) == versions[-1]
+    assert list_versions(tmp_path) == versions[-2:]
+    validated = validate_index(current_path(tmp_path))
+    assert validated.manifest["index_version"] == versions[-1]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_failed_build_publishes_nothing(tmp_path: Path) -> None:
+    first = publish(tmp_path, writer(small_index()))
+
+    def broken(directory: Path, version: str) -> None:
+        (directory / "half.npy").write_bytes(b"partial")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        publish(tmp_path, broken)
+    assert current_version(tmp_path) == first
+    assert list_versions(tmp_path) == [first]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_second_writer_is_refused(tmp_path: Path) -> None:
+    with writer_lock(tmp_path), pytest.raises(PublishError, match="another index builder"):
+        publish(tmp_path, writer(small_index()))
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import index_builder.format as fmt
+    from tests.index_builder.test_publish import small_index, writer
+    from index_builder.publish import publish
+    real_fsync = fmt.os.fsync
+    def slow_fsync(fd):  # widen the write window so the kill lands inside it
+        real_fsync(fd); time.sleep(0.05)
+    fmt.os.fsync = slow_fsync
+    publish(sys.argv[1], writer(small_index(3000)))
+    """
+)
+
+
+@pytest.mark.parametrize("kill_after", [0.0, 0.15, 0.4])
+def test_build_killed_mid_write_leaves_current_on_the_previous_version(
+    tmp_path: Path, kill_after: float
+) -> None:
+    good = publish(tmp_path, writer(small_index()))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".tmp-*/*.npy")):  # the child is writing arrays
+        assert child.poll() is None, "child finished before it was killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    time.sleep(kill_after)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert current_version(tmp_path) == good
+    assert list_versions(tmp_path) == [good]
+    validate_index(current_path(tmp_path))
+    # the next writer cleans up the dead one's temp dir and publishes normally
+    newer = publish(tmp_path, writer(small_index()))
+    assert current_version(tmp_path) == newer
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.fixture
+def published(tmp_path: Path) -> Path:
+    publish(tmp_path, writer(small_index()))
+    path = current_path(tmp_path)
+    assert path is not None
+    return path
+
+
+def test_flipped_byte_is_caught(published: Path) -> None:
+    target = published / "trie.bloom_table.npy"
+    data = bytearray(target.read_bytes())
+    data[-3] ^= 0x10
+    target.write_bytes(bytes(data))
+    with pytest.raises(IndexValidationError, match="checksum mismatch"):
+        validate_index(published)
+
+
+def test_truncated_file_is_caught(published: Path) -> None:
+    target = published / "ads.ad_ids.npy"
+    os.truncate(target, target.stat().st_size // 2)
+    with pytest.raises(IndexValidationError, match=r"ads\.ad_ids\.npy"):
+        validate_index(published)
+
+
+def test_missing_manifest_is_caught(published: Path) -> None:
+    (published / "manifest.json").unlink()
+    with pytest.raises(IndexValidationError, match=r"no manifest\.json"):
+        validate_index(published)
+
+
+def _rewrite(published: Path, name: str, arr: np.ndarray) -> None:
+    """Replace an array *and* its checksum: only the structural checks can object."""
+    path = published / f"{name}.npy"
+    np.save(path, arr)
+    manifest = json.loads((published / "manifest.json").read_text())
+    manifest["arrays"][name].update(sha256=file_sha256(path), shape=list(arr.shape))
+    (published / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("name", "mutate", "fault"),
+    [
+        ("trie.csr_tokens", lambda a: np.where(a == a[1], 600, a).astype(a.dtype), "csr_tokens"),
+        ("trie.node_offsets", lambda a: a[::-1].copy(), "node_offsets"),
+        ("trie.bitmask_index", lambda a: a + 10_000, "bitmask_index"),
+        ("trie.bloom_table", lambda a: np.zeros_like(a), "Bloom matcher misses"),
+        ("trie.bitmask_table", lambda a: a & np.uint64(1), "bitmask matcher misses"),
+        ("ads.leaf_ad_offsets", lambda a: np.r_[a[:1], a[:1], a[2:]], "maps to no ad"),
+        ("ads.ad_ids", lambda a: np.zeros_like(a), "not unique"),
+        ("ads.leaf_sids", lambda a: a[::-1].copy(), "leaf_sids disagree"),
+    ],
+)
+def test_structural_corruption_is_caught(published: Path, name, mutate, fault) -> None:
+    arr = np.load(published / f"{name}.npy")
+    _rewrite(published, name, mutate(arr))
+    with pytest.raises(IndexValidationError, match=fault):
+        validate_index(published)
+
+
+def test_tokenizer_mismatch_is_refused(published: Path) -> None:
+    with pytest.raises(IndexValidationError, match="SID tokenizer"):
+        validate_index(published, expect_tokenizer="abc123")
+
+
+def test_newer_format_is_refused_with_an_upgrade_hint(published: Path) -> None:
+    manifest = json.loads((published / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (published / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(IndexValidationError, match="upgrade"):
+        validate_index(published)
