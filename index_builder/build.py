@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,8 +20,10 @@ from index_builder.format import AdArrays, IndexArrays, write_index_dir
 from index_builder.kway import KwaySpec, build_partitions
 from index_builder.publish import publish
 from index_builder.targeting import Ragged, ad_blooms, location_blooms
-from index_builder.tokenizer import SIDTokenizer
 from index_builder.trie import build_trie, sid_keys, storage_stats
+
+if TYPE_CHECKING:
+    from index_builder.tokenizer import SIDTokenizer
 
 log = logging.getLogger("grace.index_builder")
 NO_TOKENIZER = "none: SIDs taken from the catalog"
@@ -139,7 +141,11 @@ def build_index(
     fingerprint = catalog_fingerprint(catalog_path)
     catalog = read_catalog(catalog_path, progress=progress)
     t = report.phase("read", t)
-    tokenizer = SIDTokenizer.load(Path(tokenizer_path)) if tokenizer_path else None
+    tokenizer = None
+    if tokenizer_path:
+        from index_builder.tokenizer import SIDTokenizer  # torch: only when needed
+
+        tokenizer = SIDTokenizer.load(Path(tokenizer_path))
     sids, report.collisions = assign_sids(catalog, tokenizer)
     t = report.phase("tokenize", t)
     if should_stop():

@@ -253,13 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from index_builder.build import BuildError
-    from index_builder.catalog import CatalogError
     from index_builder.publish import PublishError
 
     try:
         return args.fn(args)
-    except (CatalogError, BuildError, PublishError, FileNotFoundError, ValueError) as exc:
+    except (PublishError, OSError, ValueError) as exc:  # bad input: CatalogError, BuildError…
         print(f"grace {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

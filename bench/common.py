@@ -1,0 +1,65 @@
+"""Shared bits of the benchmark scripts: the result header and the JSON writer.
+
+Every result file holds the command, git commit, device, date and the figures, so any
+number in docs/PERFORMANCE.md can be reproduced.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next(line.split(":", 1)[1].strip() for line in fh if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    mem = psutil.virtual_memory().total / 2**30
+    return f"{cpu}; {os.cpu_count()} CPUs; {mem:.0f} GiB RAM; no GPU used"
+
+
+def header() -> dict[str, Any]:
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "git_commit": git_commit(),
+        "device": device(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def write_result(name: str, figures: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({**header(), "figures": figures}, indent=1) + "\n")
+    return path
