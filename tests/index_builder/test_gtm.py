@@ -183,3 +183,20 @@ def test_static_kway_respects_k_per_step() -> None:
         step = groups[lo[depth] - 1 : lo[depth + 1] - 1]
         assert step.max() <= k and step.min() >= 1
     assert groups[0] == 3  # the root's one child holds 40 distinct SIDs: all 3 groups used
+
+
+@settings(max_examples=50, deadline=None)
+@given(ads=ads_strategy(max_ads=50, token_range=4))
+def test_csr_trie_and_sid_index_round_trip_random_catalogs(ads: list[Ad]) -> None:
+    index = build(ads)
+    prefix = node_prefixes(index)
+    lo = index.trie.level_offsets
+    for depth in range(SID_LENGTH + 1):
+        nodes = {prefix[n] for n in range(int(lo[depth]), int(lo[depth + 1]))}
+        assert nodes == {a.sid[:depth] for a in ads}
+    got = {}
+    for i, sid in enumerate(index.ads.leaf_sids.tolist()):
+        lo_, hi = index.ads.leaf_ad_offsets[i : i + 2]
+        for ad_id in index.ads.ad_ids[lo_:hi].tolist():
+            got[ad_id] = tuple(sid)
+    assert got == {a.ad_id: a.sid for a in ads}
