@@ -196,9 +196,13 @@ def location_bloom_bits(location: str) -> tuple[int, ...]:
 
 def location_blooms(locations: Sequence[str]) -> np.ndarray:
     """One Bloom row per location string: uint64 [len(locations), BLOOM_WORDS]."""
+    bits = np.array([location_bloom_bits(s) for s in locations], dtype=np.int64)
     rows = np.zeros((len(locations), BLOOM_WORDS), dtype=np.uint64)
-    for i, loc in enumerate(locations):
-        _set_bits(rows[i], location_bloom_bits(loc))
+    if len(locations):
+        row = np.repeat(np.arange(len(locations)), BLOOM_HASHES)
+        flat = bits.reshape(-1)
+        one = np.left_shift(np.uint64(1), (flat % 64).astype(np.uint64))
+        np.bitwise_or.at(rows, (row, flat // 64), one)
     return rows
 
 

@@ -20,6 +20,14 @@ from index_builder.format import SID_LENGTH, VOCAB_SIZE, TrieArrays
 from index_builder.targeting import BITMASK_BITS, BLOOM_BITS
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser: a bijection on uint64 with full avalanche."""
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
 
 
 def sid_keys(sids: np.ndarray) -> np.ndarray:
@@ -33,18 +41,24 @@ def sid_keys(sids: np.ndarray) -> np.ndarray:
 def dedup_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unique rows of a uint64 [n, W] table: (table [R, W], index int32 [n]), rows == table[index].
 
-    Hashes each row to one uint64 and uniques the hashes (a sort of n scalars instead of
-    n rows); the result is verified and falls back to a row-wise unique on a collision.
+    Hashes each row to one uint64 and sorts the hashes (one unstable sort of n scalars
+    instead of a row-wise sort); the result is verified, and a hash collision between
+    distinct rows falls back to numpy's row-wise unique.
     """
     if len(rows) == 0:
         return rows.copy(), np.zeros(0, dtype=np.int32)
     h = np.zeros(len(rows), dtype=np.uint64)
     for w in range(rows.shape[1]):
-        h = (h ^ rows[:, w]) * _MIX
-        h ^= h >> np.uint64(29)
-    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
-    table = rows[first]
-    if not np.array_equal(table[inverse], rows):  # hash collision between distinct rows
+        h = _splitmix64(h ^ rows[:, w] + _MIX)
+    order = np.argsort(h)
+    sorted_h = h[order]
+    starts = np.empty(len(h), dtype=bool)
+    starts[0] = True
+    np.not_equal(sorted_h[1:], sorted_h[:-1], out=starts[1:])
+    inverse = np.empty(len(h), dtype=np.int32)
+    inverse[order] = np.cumsum(starts, dtype=np.int32) - 1
+    table = rows[order[starts]]
+    if not np.array_equal(table[inverse], rows):
         table, inverse = np.unique(rows, axis=0, return_inverse=True)
     return np.ascontiguousarray(table), inverse.reshape(-1).astype(np.int32)
 
@@ -165,22 +179,26 @@ def matcher_fill(bitmask_rows: np.ndarray, bloom_rows: np.ndarray) -> tuple[floa
 
 
 def storage_stats(build: TrieBuild) -> list[dict[str, float | int]]:
-    """Per decode step: entries, matcher bytes before/after dedup, fill (paper Tables 1–2)."""
+    """Per decode step: entries, matcher bytes before/after dedup, fill (paper Tables 1–2).
+
+    "After dedup" counts the distinct rows the step's entries use in the shared tables.
+    """
+    trie = build.trie
     out = []
     for depth in range(1, SID_LENGTH + 1):
         sl = build.depth_entries(depth)
         bm, bl = build.entry_bitmask[sl], build.entry_bloom[sl]
-        bm_unique = len(dedup_rows(bm)[0])
-        bl_unique = len(dedup_rows(bl)[0])
+        bm_unique = np.count_nonzero(np.bincount(trie.bitmask_index[sl]))
+        bl_unique = np.count_nonzero(np.bincount(trie.bloom_index[sl]))
         fill_bm, fill_bl = matcher_fill(bm, bl)
         out.append(
             {
                 "step": depth,
                 "entries": len(bm),
                 "bitmask_bytes": bm.nbytes,
-                "bitmask_bytes_dedup": bm_unique * bm.shape[1] * 8,
+                "bitmask_bytes_dedup": int(bm_unique) * bm.shape[1] * 8,
                 "bloom_bytes": bl.nbytes,
-                "bloom_bytes_dedup": bl_unique * bl.shape[1] * 8,
+                "bloom_bytes_dedup": int(bl_unique) * bl.shape[1] * 8,
                 "bitmask_fill": fill_bm,
                 "bloom_fill": fill_bl,
             }
