@@ -1,0 +1,153 @@
+"""Interaction histories drawn only from eligible ads (DESIGN.md §8).
+
+Sixth stage of the synth flow (… users → **histories** → writer). Per user:
+
+1. pool: the ads keyed by the user's locations, its country and "global" in a
+   `CandidateIndex` (see `ads.pool_keys`): a superset of the ads it is eligible for;
+2. sample `candidates_per_user` pool entries uniformly (the whole pool when smaller);
+3. keep the eligible ones, exactly: `targeting.ad_bitmasks` + `exact_eligible`;
+4. draw the events i.i.d. from softmax(beta · interest·embedding + log popularity) over
+   them, so a uniform pool sample followed by this weighting approximates drawing from
+   the whole eligible pool; types (VIEW/CLICK/CONVERSION) rise with affinity,
+   timestamps are sessions of short gaps separated by long ones.
+
+The last event of each sequence is the held-out "next interaction". Users whose pool
+holds no eligible ad are dropped (counted in the summary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from index_builder.synth.ads import GLOBAL_KEY, AdState, EncodedAds
+from index_builder.synth.geography import Geography
+from index_builder.synth.profiles import WorldProfile
+from index_builder.synth.users import Users
+from index_builder.targeting import GENDERS, Targeting, exact_eligible, request_bitmask
+
+VIEW, CLICK, CONVERSION = 1, 2, 3
+BASE_TIME_MS = 1_735_689_600_000  # 2025-01-01T00:00:00Z
+
+
+@dataclass(frozen=True)
+class CandidateIndex:
+    """Pool key → ad positions, CSR. Keys: location ids, then countries, then global."""
+
+    offsets: np.ndarray  # int64 [n_keys + 1]
+    ads: np.ndarray  # int64 [m]: ad positions, ascending within a key
+    n_locations: int
+
+    @classmethod
+    def build(
+        cls, keys: list[np.ndarray], positions: list[np.ndarray], n_locations: int
+    ) -> CandidateIndex:
+        k = np.concatenate(keys)
+        order = np.argsort(k, kind="stable")
+        counts = np.bincount(k, minlength=n_locations + GLOBAL_KEY + 1)
+        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        return cls(offsets, np.concatenate(positions)[order], n_locations)
+
+    def user_keys(self, users: Users, u: int, geo: Geography) -> np.ndarray:
+        iso = int(geo.iso_index[users.country[u]])
+        extra = [self.n_locations + iso, self.n_locations + GLOBAL_KEY]
+        return np.concatenate([users.locations(u).astype(np.int64), extra])
+
+
+def request_of(users: Users, u: int, geo: Geography) -> np.ndarray:
+    """Request bitmask of user u (locations are matched separately, by id)."""
+    g = int(users.gender[u])
+    t = Targeting(geo.codes[users.country[u]], int(users.age[u]), GENDERS[g] if g >= 0 else "")
+    return request_bitmask(t)
+
+
+@dataclass(frozen=True)
+class Histories:
+    """Event sequences of the kept users, time-ordered; the last event is held out."""
+
+    user: np.ndarray  # int64 [U']: user positions kept
+    offsets: np.ndarray  # int64 [U' + 1]
+    ad: np.ndarray  # int64 [E]: ad positions
+    type: np.ndarray  # int8 [E]
+    ts: np.ndarray  # int64 [E]: timestamp_ms
+
+
+def _pool_sample(
+    index: CandidateIndex, keys: np.ndarray, k: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Ad positions drawn from the union of the pool lists under `keys`: int64."""
+    lo, hi = index.offsets[keys], index.offsets[keys + 1]
+    sizes = hi - lo
+    total = int(sizes.sum())
+    cum = np.concatenate([[0], np.cumsum(sizes)])
+    # a small pool is taken whole; a large one sampled uniformly with replacement (a repeat
+    # simply weighs twice, as in any Monte Carlo estimate of the softmax over the pool)
+    r = np.arange(total) if total <= k else rng.integers(total, size=k)
+    which = np.searchsorted(cum, r, side="right") - 1
+    return np.sort(index.ads[lo[which] + r - cum[which]])  # sorted: cache-friendly gathers
+
+
+def _events(
+    p: WorldProfile, affinity: np.ndarray, logpop: np.ndarray, n: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pick n events among eligible candidates: (choice index, type, timestamp_ms)."""
+    s = p.affinity_beta * affinity + logpop
+    w = np.exp(s - s.max())
+    pick = rng.choice(len(w), size=n, p=w / w.sum())
+    p_click = np.clip(p.click_rate * np.exp(2.0 * (affinity[pick] - 0.5)), 0.0, 0.9)
+    click = rng.random(n) < p_click
+    conv = click & (rng.random(n) < p.conversion_rate)
+    types = (VIEW + click + conv).astype(np.int8)
+    session_break = rng.random(n) < 0.15
+    gaps = np.where(
+        session_break, rng.exponential(20 * 3600e3, size=n), rng.exponential(90e3, size=n)
+    )
+    start = BASE_TIME_MS + int(rng.integers(0, 30 * 86_400_000))
+    ts = start + np.cumsum(gaps.astype(np.int64) + 1000)
+    return pick, types, ts
+
+
+def sample_histories(
+    p: WorldProfile,
+    geo: Geography,
+    ads: AdState,
+    enc: EncodedAds,
+    users: Users,
+    index: CandidateIndex,
+    rng: np.random.Generator,
+    progress: bool = True,
+) -> Histories:
+    med = np.log(p.history_len_median)
+    lengths = np.clip(
+        np.rint(rng.lognormal(med, 0.8, size=users.n)), p.history_len_min, p.history_len_max
+    ).astype(np.int64)
+    emb = ads.embedding.view(np.ndarray)  # plain gathers; memmap.__getitem__ is slow
+    kept: list[int] = []
+    seq_ad: list[np.ndarray] = []
+    seq_type: list[np.ndarray] = []
+    seq_ts: list[np.ndarray] = []
+    for u in tqdm(range(users.n), desc="histories", unit="user", disable=not progress):
+        cand = _pool_sample(index, index.user_keys(users, u, geo), p.candidates_per_user, rng)
+        bm, loc_off, loc_ids = enc.take(cand)
+        ok = exact_eligible(bm, loc_off, loc_ids, request_of(users, u, geo), users.locations(u))
+        eligible = cand[ok]
+        if not len(eligible):
+            continue
+        affinity = emb[eligible] @ users.interest[u]
+        logpop = np.log(ads.popularity[eligible])
+        pick, types, ts = _events(p, affinity, logpop, int(lengths[u]), rng)
+        kept.append(u)
+        seq_ad.append(eligible[pick])
+        seq_type.append(types)
+        seq_ts.append(ts)
+    n_ev = np.array([len(a) for a in seq_ad], dtype=np.int64)
+    return Histories(
+        user=np.array(kept, dtype=np.int64),
+        offsets=np.concatenate([[0], np.cumsum(n_ev)]).astype(np.int64),
+        ad=np.concatenate(seq_ad) if seq_ad else np.zeros(0, np.int64),
+        type=np.concatenate(seq_type) if seq_type else np.zeros(0, np.int8),
+        ts=np.concatenate(seq_ts) if seq_ts else np.zeros(0, np.int64),
+    )

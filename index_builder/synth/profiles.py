@@ -1,0 +1,158 @@
+"""World profiles: every knob of the synthetic ads world, as named frozen dataclasses.
+
+First stop of the synth flow (DESIGN.md §8): `generate_world(profile, seed, out)` looks a
+`WorldProfile` up in `PROFILES`, derives its random streams with `stream(...)`, and then
+runs geography → advertisers → ads → users → histories → writer. Nothing downstream
+reads a profile in a hot loop; each stage pulls the few numbers it needs once.
+`docs/SYNTH.md` explains which knobs drive the eligibility share.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from index_builder.targeting import AGE_BUCKETS
+
+# Targeting styles, in the order of `WorldProfile.style_mix`.
+STYLES: tuple[str, ...] = ("global", "national", "regional", "local")
+GLOBAL, NATIONAL, REGIONAL, LOCAL = range(4)
+
+# Common advertiser age rules as contiguous bucket ranges (lo, hi) into AGE_BUCKETS,
+# with how often each is chosen among advertisers that have an age rule: "18+" dominates
+# (no minors), then the classic marketing bands.
+AGE_RULES: tuple[tuple[int, int, float], ...] = (
+    (1, 6, 0.30),  # 18+
+    (1, 2, 0.14),  # 18-34
+    (2, 3, 0.14),  # 25-44
+    (2, 4, 0.14),  # 25-54
+    (3, 4, 0.08),  # 35-54
+    (4, 6, 0.08),  # 45+
+    (5, 6, 0.06),  # 55+
+    (0, 1, 0.06),  # 13-24
+)
+
+
+@dataclass(frozen=True)
+class WorldProfile:
+    """All knobs of one synthetic world; `docs/SYNTH.md` documents each group."""
+
+    name: str
+    n_ads: int
+    n_users: int
+    # --- content
+    embedding_dim: int = 32
+    n_topics: int = 64
+    topic_zipf: float = 0.8  # topic popularity ~ rank^-s
+    advertiser_topic_noise: float = 0.35  # advertiser vector = topic centroid + this noise
+    ad_noise: float = 0.12  # ad embedding = advertiser vector + this noise
+    popularity_sigma: float = 1.0  # per-ad log-normal popularity spread
+    # --- geography
+    n_countries: int = 50  # taken from a fixed list of real markets, largest first
+    country_zipf: float = 1.0  # country population share ~ rank^-s
+    regions_per_country: tuple[int, int] = (4, 40)  # min, max (largest country gets max)
+    region_zipf: float = 0.9
+    cities_per_region: tuple[int, int] = (3, 120)
+    city_zipf: float = 1.1
+    neighbourhoods_per_city: tuple[int, int] = (1, 10)
+    # --- advertisers and their targeting
+    ads_per_advertiser: float = 20.0  # mean advertiser size
+    advertiser_zipf: float = 0.9  # advertiser size ~ rank^-s
+    style_mix: tuple[float, float, float, float] = (0.30, 0.40, 0.18, 0.12)  # STYLES order
+    neighbour_country_share: float = 0.25  # national advertisers also targeting neighbours
+    age_rule_share: float = 0.35  # advertisers with a contiguous age-bucket rule
+    gender_rule_share: float = 0.15  # advertisers with a gender rule
+    female_rule_share: float = 0.6  # of gender rules, the share targeting women
+    rule_jitter: float = 0.10  # per ad: age range shifted by one bucket / gender rule dropped
+    slot_keep: float = 0.8  # per ad: keep each non-first location / neighbour-country slot
+    # --- users
+    age_bucket_weights: tuple[float, ...] = (0.06, 0.20, 0.28, 0.19, 0.13, 0.08, 0.06)
+    unknown_age_share: float = 0.05
+    unknown_gender_share: float = 0.04
+    nearby_cities_mean: float = 6.0  # other cities of the home region a user visits
+    travel_cities_mean: float = 1.5  # cities anywhere (population-weighted)
+    max_user_topics: int = 3
+    interest_noise: float = 0.3
+    # --- histories
+    history_len_median: int = 40
+    history_len_max: int = 256
+    history_len_min: int = 3  # includes the held-out event
+    candidates_per_user: int = 2048  # pool sample evaluated per user
+    affinity_beta: float = 6.0  # event logit = beta * interest·embedding + log popularity
+    click_rate: float = 0.12
+    conversion_rate: float = 0.08  # of clicks
+    # --- build
+    chunk_ads: int = 262_144  # ads per streamed chunk (fixed: output depends on it)
+    eligibility_users: int = 256  # user sample for the eligibility estimate
+    eligibility_ads: int = 50_000  # catalog sample for the eligibility estimate
+    topk_for_pass_rate: int = 500  # top-affinity ads per user for the pass-rate proxy
+
+    def __post_init__(self) -> None:
+        if self.n_ads < 1 or self.n_users < 1:
+            raise ValueError(f"{self.name}: n_ads and n_users must be >= 1")
+        if len(self.style_mix) != len(STYLES) or abs(sum(self.style_mix) - 1.0) > 1e-6:
+            raise ValueError(f"{self.name}: style_mix must have {len(STYLES)} shares summing to 1")
+        if len(self.age_bucket_weights) != len(AGE_BUCKETS):
+            raise ValueError(f"{self.name}: age_bucket_weights needs {len(AGE_BUCKETS)} entries")
+        if not 2 <= self.history_len_min <= self.history_len_median <= self.history_len_max:
+            raise ValueError(f"{self.name}: need 2 <= history min <= median <= max")
+        for lo, hi in (self.regions_per_country, self.cities_per_region):
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{self.name}: ranges must satisfy 1 <= min <= max")
+
+    def with_counts(self, n_ads: int | None = None, n_users: int | None = None) -> WorldProfile:
+        """This profile with the ad / user counts overridden (None keeps the profile's)."""
+        return replace(
+            self,
+            n_ads=self.n_ads if n_ads is None else n_ads,
+            n_users=self.n_users if n_users is None else n_users,
+        )
+
+    def knobs(self) -> dict[str, object]:
+        return asdict(self)
+
+
+PROFILES: dict[str, WorldProfile] = {
+    p.name: p
+    for p in (
+        WorldProfile(
+            name="tiny",
+            n_ads=2_000,
+            n_users=400,
+            embedding_dim=16,
+            n_topics=16,
+            n_countries=30,
+            regions_per_country=(2, 8),
+            cities_per_region=(2, 10),
+            neighbourhoods_per_city=(1, 4),
+            ads_per_advertiser=12.0,
+            nearby_cities_mean=3.0,
+            history_len_median=12,
+            history_len_max=48,
+            candidates_per_user=512,
+            chunk_ads=512,
+            eligibility_users=200,
+        ),
+        WorldProfile(
+            name="demo",
+            n_ads=200_000,
+            n_users=20_000,
+            n_topics=48,
+            n_countries=40,
+            regions_per_country=(3, 24),
+            cities_per_region=(3, 60),
+            neighbourhoods_per_city=(1, 8),
+            history_len_median=30,
+            history_len_max=128,
+            chunk_ads=65_536,
+        ),
+        WorldProfile(name="paper", n_ads=30_000_000, n_users=100_000, n_topics=128),
+    )
+}
+
+
+def stream(seed: int, name: str, *index: int) -> np.random.Generator:
+    """An independent, reproducible random stream for one stage (and chunk) of a world."""
+    return np.random.default_rng([seed, zlib.crc32(name.encode()), *index])

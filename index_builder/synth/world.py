@@ -1,0 +1,284 @@
+"""Generate a synthetic ads world and read it back: the synth package's front door.
+
+`generate_world` runs the whole flow, each stage on its own random stream:
+
+    profile → geography → topics, advertisers → ads (streamed chunks → catalog files,
+    pool index) → users → histories → eligibility estimate → users/heldout files →
+    world.json → atomic rename into `out`
+
+`load_world` is the matching reader used by tests and by training / evaluation code.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from index_builder.synth import writer
+from index_builder.synth.ads import (
+    AdState,
+    EncodedAds,
+    allocate_ads,
+    fill_chunk,
+    pool_keys,
+    rules_of,
+)
+from index_builder.synth.advertisers import Advertisers, build_advertisers, build_topics
+from index_builder.synth.calibration import estimate_eligibility
+from index_builder.synth.geography import Geography, build_geography
+from index_builder.synth.histories import CandidateIndex, Histories, sample_histories
+from index_builder.synth.profiles import PROFILES, STYLES, WorldProfile, stream
+from index_builder.synth.users import Users, build_users
+from index_builder.targeting import GENDERS, Targeting
+
+WORLD_FORMAT = 1
+
+
+def _style_counts(adv_style: np.ndarray, ads: AdState) -> dict[str, int]:
+    per_style = np.bincount(adv_style[ads.advertiser], minlength=len(STYLES))
+    return {s: int(c) for s, c in zip(STYLES, per_style, strict=True)}
+
+
+def generate_world(
+    profile: str,
+    seed: int,
+    out: Path,
+    *,
+    n_ads: int | None = None,
+    n_users: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Write the world of `profile` (counts optionally overridden) and `seed` into `out`.
+
+    Returns the summary that is also written as `out/world.json`. The same arguments give
+    the same catalog, users and held-out events; only timings differ between runs.
+    """
+    if profile not in PROFILES:
+        raise KeyError(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    p = PROFILES[profile].with_counts(n_ads, n_users)
+    out = Path(out)
+    timings: dict[str, float] = {}
+    t0 = t = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        timings[name] = round(now - t, 3)
+        t = now
+
+    tmp = writer.staging_dir(out)
+    try:
+        geo = build_geography(p, stream(seed, "geography"))
+        topics = build_topics(p, stream(seed, "topics"))
+        adv = build_advertisers(p, geo, topics, stream(seed, "advertisers"))
+        lap("advertisers")
+
+        # scratch file: 30 M embeddings stream through the page cache, not the heap
+        emb_path = tmp / "_embeddings.npy"
+        emb = np.lib.format.open_memmap(
+            emb_path, mode="w+", dtype=np.float32, shape=(p.n_ads, p.embedding_dim)
+        )
+        ads = allocate_ads(adv, emb, seed, stream(seed, "ads-layout"))
+        index, enc, rule_counts = _write_catalog(p, geo, adv, ads, tmp, seed, progress)
+        style_counts = _style_counts(adv.style, ads)
+        lap("ads")
+
+        users = build_users(p, geo, topics, seed, stream(seed, "users"))
+        lap("users")
+        hist = sample_histories(p, geo, ads, enc, users, index, stream(seed, "histories"), progress)
+        del index
+        lap("histories")
+        elig = estimate_eligibility(p, geo, ads, enc, users, stream(seed, "calibration"))
+        lap("eligibility")
+        _write_users(tmp, geo, users, ads, hist)
+        lap("write_users")
+        del emb, ads, enc
+        emb_path.unlink()
+
+        n_ev = np.diff(hist.offsets) - 1  # held-out event excluded
+        timings["total"] = round(time.perf_counter() - t0, 3)
+        summary: dict[str, Any] = {
+            "format": WORLD_FORMAT,
+            "profile": profile,
+            "seed": seed,
+            "knobs": p.knobs(),
+            "counts": {
+                "ads": p.n_ads,
+                "advertisers": adv.n,
+                "users": len(hist.user),
+                "users_dropped_no_eligible_ad": users.n - len(hist.user),
+                "history_events": int(n_ev.sum()),
+                "mean_history_length": float(n_ev.mean()) if len(n_ev) else 0.0,
+                "largest_advertiser_ads": int(adv.size.max()),
+                "median_advertiser_ads": float(np.median(adv.size)),
+                "mean_user_locations": float(np.diff(users.loc_offsets).mean()),
+                **geo.counts(),
+            },
+            "ads": {
+                "by_style": style_counts,
+                **{f"share_{k}": v / p.n_ads for k, v in rule_counts.items()},
+            },
+            "eligibility": elig,
+            "timings_s": timings,
+            "files": [
+                writer.CATALOG_JSONL,
+                writer.CATALOG_PARQUET,
+                writer.USERS_PARQUET,
+                writer.HELDOUT_PARQUET,
+            ],
+        }
+        writer.write_summary(tmp, summary)  # last: its presence marks a complete world
+        writer.publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return summary
+
+
+def _write_catalog(
+    p: WorldProfile,
+    geo: Geography,
+    adv: Advertisers,
+    ads: AdState,
+    directory: Path,
+    seed: int,
+    progress: bool,
+) -> tuple[CandidateIndex, EncodedAds, dict[str, int]]:
+    """Draw the ads chunk by chunk, streaming each into the catalog files and pool index."""
+    keys, positions, loc_chunks = [], [], []
+    enc = EncodedAds.allocate(p.n_ads)
+    counts = dict.fromkeys(("country_rule", "age_rule", "gender_rule", "location_rule"), 0)
+    bar = tqdm(total=p.n_ads, desc="ads", unit="ad", unit_scale=True, disable=not progress)
+    with writer.CatalogWriter(directory, geo.names, p.embedding_dim) as cat:
+        for k, lo in enumerate(range(0, p.n_ads, p.chunk_ads)):
+            hi = min(p.n_ads, lo + p.chunk_ads)
+            fill_chunk(p, adv, ads, lo, hi, stream(seed, "ads", k))
+            rules = rules_of(adv, ads, slice(lo, hi))
+            enc.fill(lo, rules)
+            loc_chunks.append(rules.locations.values)
+            cat.write(ads.ad_id[lo:hi], ads.advertiser[lo:hi], ads.embedding[lo:hi], rules)
+            kk, pp = pool_keys(rules, np.arange(lo, hi, dtype=np.int64), len(geo.names))
+            keys.append(kk)
+            positions.append(pp)
+            ragged = (rules.countries, rules.age_buckets, rules.genders, rules.locations)
+            for name, r in zip(counts, ragged, strict=True):
+                counts[name] += int(np.count_nonzero(np.diff(r.offsets)))
+            bar.update(hi - lo)
+    bar.close()
+    index = CandidateIndex.build(keys, positions, len(geo.names))
+    return index, EncodedAds.finish(enc, loc_chunks), counts
+
+
+def _write_users(
+    directory: Path, geo: Geography, users: Users, ads: AdState, hist: Histories
+) -> None:
+    kept = hist.user
+    last = hist.offsets[1:] - 1  # each user's held-out event
+    is_hist = np.ones(len(hist.ad), dtype=bool)
+    is_hist[last] = False
+    loc_len = np.diff(users.loc_offsets)[kept]
+    loc_sel = np.repeat(users.loc_offsets[:-1][kept], loc_len) + (
+        np.arange(loc_len.sum()) - np.repeat(np.cumsum(loc_len) - loc_len, loc_len)
+    )
+    gender = np.array([*GENDERS, ""], dtype=object)[users.gender[kept]]  # -1 -> ""
+    writer.write_users(
+        directory,
+        user_id=users.user_id[kept],
+        country=[geo.codes[c] for c in users.country[kept]],
+        age=users.age[kept],
+        gender=gender.tolist(),
+        loc_offsets=np.concatenate([[0], np.cumsum(loc_len)]),
+        loc_names=geo.names[users.loc_ids[loc_sel]].tolist(),
+        hist_offsets=hist.offsets - np.arange(len(hist.offsets)),
+        hist_ad=ads.ad_id[hist.ad[is_hist]],
+        hist_type=hist.type[is_hist],
+        hist_ts=hist.ts[is_hist],
+    )
+    writer.write_heldout(
+        directory,
+        user_id=users.user_id[kept],
+        ad_id=ads.ad_id[hist.ad[last]],
+        typ=hist.type[last],
+        ts=hist.ts[last],
+    )
+
+
+@dataclass(frozen=True)
+class World:
+    """A generated world, read back: users with their targeting, histories and held-out."""
+
+    path: Path
+    summary: dict[str, Any]  # world.json
+    user_ids: np.ndarray  # int64 [U]
+    targeting: tuple[Targeting, ...]  # [U]: the request attributes of each user
+    history_offsets: np.ndarray  # int64 [U+1]: user u's events are [off[u], off[u+1])
+    history_ad_ids: np.ndarray  # int64 [E], time-ordered per user
+    history_types: np.ndarray  # int8 [E]: 1 view, 2 click, 3 conversion
+    history_ts: np.ndarray  # int64 [E]: timestamp_ms
+    heldout_ad_ids: np.ndarray  # int64 [U]: the next interaction after the history
+    heldout_types: np.ndarray  # int8 [U]
+    heldout_ts: np.ndarray  # int64 [U]
+
+    @property
+    def catalog_parquet(self) -> Path:
+        return self.path / writer.CATALOG_PARQUET
+
+    @property
+    def catalog_jsonl(self) -> Path:
+        return self.path / writer.CATALOG_JSONL
+
+    @property
+    def n_users(self) -> int:
+        return len(self.user_ids)
+
+    def history(self, u: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ad_ids, types, timestamp_ms) of user position u, oldest first."""
+        s = slice(self.history_offsets[u], self.history_offsets[u + 1])
+        return self.history_ad_ids[s], self.history_types[s], self.history_ts[s]
+
+
+def load_world(directory: Path | str) -> World:
+    """Read a world written by `generate_world`; refuses a directory without world.json."""
+    d = Path(directory)
+    if not (d / writer.WORLD_JSON).is_file():
+        raise FileNotFoundError(f"{d} is not a complete world: {writer.WORLD_JSON} missing")
+    summary = json.loads((d / writer.WORLD_JSON).read_text())
+    if summary.get("format") != WORLD_FORMAT:
+        raise ValueError(f"{d}: world format {summary.get('format')!r}, expected {WORLD_FORMAT}")
+    users = pq.read_table(d / writer.USERS_PARQUET)
+    held = pq.read_table(d / writer.HELDOUT_PARQUET)
+    user_ids = users["user_id"].to_numpy()
+    if not np.array_equal(user_ids, held["user_id"].to_numpy()):
+        raise ValueError(f"{d}: users and held-out events are not aligned")
+    cols = {k: users[k].to_pylist() for k in ("country", "age", "gender", "locations")}
+    targeting = tuple(
+        Targeting(c, a, g, tuple(loc))
+        for c, a, g, loc in zip(
+            cols["country"], cols["age"], cols["gender"], cols["locations"], strict=True
+        )
+    )
+    hist = users["history_ad_id"].combine_chunks()
+    lengths = hist.value_lengths().to_numpy(zero_copy_only=False)
+    return World(
+        path=d,
+        summary=summary,
+        user_ids=user_ids,
+        targeting=targeting,
+        history_offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        history_ad_ids=hist.flatten().to_numpy(),
+        history_types=users["history_type"].combine_chunks().flatten().to_numpy(),
+        history_ts=users["history_ts"].combine_chunks().flatten().to_numpy(),
+        heldout_ad_ids=held["ad_id"].to_numpy(),
+        heldout_types=held["type"].to_numpy(),
+        heldout_ts=held["timestamp_ms"].to_numpy(),
+    )
