@@ -4,32 +4,38 @@ Flow: **catalog file → `read_catalog` → `Catalog`** → index_builder build 
 SID with `Catalog.take`, builds the trie and the per-ad indexes) → index on disk.
 
 A catalog is JSON Lines (`.jsonl`, `.ndjson`, `.json`; one ad object per line) or Parquet
-(`.parquet`). Both readers produce the same Arrow columns, and one shared, vectorised pass
-validates them and encodes targeting with `targeting.py`, so the two formats accept and
-reject the same catalogs and give identical arrays. JSON Lines does only what Arrow cannot
-say in the per-line loop (valid JSON, an object, an int `ad_id`, list-or-null fields);
-Parquet checks column types up front. Any bad input raises `CatalogError` naming the file,
-the line (JSONL, 1-based) or row (Parquet, 0-based) and the field; nothing partial is
-returned. Unknown fields and columns are ignored.
+(`.parquet`). Both readers (`catalog_files.py`) produce the same Arrow columns, and one
+shared, vectorised pass here validates them and encodes targeting with `targeting.py`, so
+the two formats accept and reject the same catalogs and give identical arrays. Any bad
+input raises `CatalogError` naming the file, the line (JSONL, 1-based) or row (Parquet,
+0-based) and the field; nothing partial is returned. Unknown fields and columns are ignored.
 """
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
-from tqdm import tqdm
 
+from index_builder.catalog_files import (
+    EXPECT,
+    I64_MAX,
+    JSONL_SUFFIXES,
+    LIST_FIELDS,
+    PARQUET_SUFFIXES,
+    SID_LEVELS,
+    SID_VOCAB,
+    CatalogError,
+    Source,
+    read_jsonl,
+    read_parquet,
+)
 from index_builder.targeting import (
     AGE_BUCKETS,
     BITMASK_WORDS,
@@ -40,26 +46,6 @@ from index_builder.targeting import (
     country_index,
     gender_value_index,
 )
-
-JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
-PARQUET_SUFFIXES = (".parquet",)
-SID_LEVELS = 4
-SID_VOCAB = 512
-_STRING_FIELDS = ("countries", "age_buckets", "genders", "locations")
-LIST_FIELDS = ("sid", "embedding", *_STRING_FIELDS)
-_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
-
-
-class CatalogError(ValueError):
-    """Bad catalog input; names the source, the line (JSONL, 1-based) or row (Parquet,
-    0-based), and the field."""
-
-    def __init__(self, path: str, location: str | None, field: str | None, message: str) -> None:
-        where = ": ".join(p for p in (path, location, field and f"field {field!r}") if p)
-        super().__init__(f"{where}: {message}")
-        self.path = path
-        self.location = location  # "line 17" / "row 16"; None for whole-file errors
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -127,10 +113,10 @@ def read_catalog(path: Path | str, *, progress: bool = True) -> Catalog:
     if not path.is_file():
         raise CatalogError(str(path), None, None, "no such file")
     if suffix in PARQUET_SUFFIXES:
-        src = _Source(str(path), lines=None)
-        cols = _read_parquet(path, src, progress)
+        src = Source(str(path), lines=None)
+        cols = read_parquet(path, src, progress)
     else:
-        src, cols = _read_jsonl(path, progress)
+        src, cols = read_jsonl(path, progress)
     return _build(cols, src)
 
 
@@ -146,166 +132,6 @@ def catalog_fingerprint(path: Path | str) -> str:
     except OSError as e:
         raise CatalogError(str(path), None, None, f"cannot read: {e.strerror}") from e
     return f"sha256:{h.hexdigest()}"
-
-
-# --------------------------------------------------------------------------- sources
-
-
-@dataclass(frozen=True)
-class _Source:
-    path: str
-    lines: np.ndarray | None  # JSONL: int64 [N] line number of each row; None for Parquet
-
-    def where(self, row: int | None) -> str | None:
-        if row is None:
-            return None
-        return f"row {row}" if self.lines is None else f"line {self.lines[row]}"
-
-    def error(self, row: int | None, field: str | None, message: str) -> CatalogError:
-        return CatalogError(self.path, self.where(row), field, message)
-
-
-def _is_string(t: pa.DataType) -> bool:
-    if pa.types.is_dictionary(t):
-        return _is_string(t.value_type)
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
-
-
-def _is_number(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_floating(t)
-
-
-def _list_of(item: Callable[[pa.DataType], bool]) -> Callable[[pa.DataType], bool]:
-    def accept(t: pa.DataType) -> bool:
-        if pa.types.is_null(t):  # a column of nulls: the field is absent everywhere
-            return True
-        listlike = pa.types.is_list(t) or pa.types.is_large_list(t)
-        if not (listlike or pa.types.is_fixed_size_list(t)):
-            return False
-        return pa.types.is_null(t.value_type) or item(t.value_type)
-
-    return accept
-
-
-# field -> (accepted Arrow type, what a value must be)
-_EXPECT: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
-    "ad_id": (pa.types.is_integer, "an integer in int64 range"),
-    "sid": (_list_of(pa.types.is_integer), f"a list of {SID_LEVELS} ints in [0, {SID_VOCAB})"),
-    "embedding": (_list_of(_is_number), "a list of finite numbers"),
-    **{f: (_list_of(_is_string), "a list of strings") for f in _STRING_FIELDS},
-}
-
-
-def _show(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 3]}..."
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Millions of new lists retrigger the cyclic GC over everything built so far; none of
-    them can form a cycle, so pausing it roughly halves the JSONL parse time."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _read_jsonl(path: Path, progress: bool) -> tuple[_Source, dict[str, pa.Array]]:
-    """One orjson parse per line into Python column lists, then Arrow conversion."""
-    name = str(path)
-    ids: list[int] = []
-    lines: list[int] = []
-    cols: dict[str, list[object]] = {f: [] for f in LIST_FIELDS}
-    fields = tuple(cols.items())
-    pending = 0
-    with (
-        _gc_paused(),
-        path.open("rb") as fh,
-        tqdm(total=path.stat().st_size, unit="B", unit_scale=True, disable=not progress) as bar,
-    ):
-        bar.set_description(f"catalog {path.name}")
-        for lineno, raw in enumerate(fh, 1):
-            pending += len(raw)
-            if not lineno & 0x3FFF:  # every 16k lines: bar updates are not free
-                bar.update(pending)
-                pending = 0
-            try:
-                obj = orjson.loads(raw)
-            except orjson.JSONDecodeError as e:
-                if not raw.strip():
-                    continue  # blank lines are allowed
-                raise CatalogError(name, f"line {lineno}", None, f"invalid JSON: {e}") from None
-            if type(obj) is not dict:
-                msg = f"expected a JSON object, got {type(obj).__name__}"
-                raise CatalogError(name, f"line {lineno}", None, msg)
-            ad_id = obj.get("ad_id")
-            if type(ad_id) is not int or not _I64_MIN <= ad_id <= _I64_MAX:  # bool is no int
-                msg = "missing" if ad_id is None else f"{_show(ad_id)} is not {_EXPECT['ad_id'][1]}"
-                raise CatalogError(name, f"line {lineno}", "ad_id", msg)
-            ids.append(ad_id)
-            lines.append(lineno)
-            for field, col in fields:
-                value = obj.get(field)
-                if value is not None and type(value) is not list:
-                    msg = f"{_show(value)} is not {_EXPECT[field][1]}"
-                    raise CatalogError(name, f"line {lineno}", field, msg)
-                col.append(value)
-        bar.update(pending)
-    src = _Source(name, lines=np.array(lines, dtype=np.int64))
-    out = {"ad_id": pa.array(ids, type=pa.int64())}
-    for field, col in cols.items():
-        out[field] = _to_arrow(col, field, src)
-    return src, out
-
-
-def _to_arrow(col: list[object], field: str, src: _Source) -> pa.Array:
-    """One Arrow array per field. String lists convert with their type given (twice as
-    fast, and strict: values are lists by now, and a non-string element raises); numeric
-    ones infer it, since a given int type would truncate 1.5 and a float type take `true`.
-    If the column is unacceptable, find the first line whose value alone is too."""
-    accept, expect = _EXPECT[field]
-    given = pa.large_list(pa.large_string()) if field in _STRING_FIELDS else None
-    try:
-        arr = pa.array(col, type=given)
-        if accept(arr.type):
-            return arr
-    except (pa.ArrowException, OverflowError):
-        pass
-    for row, value in enumerate(col):
-        try:
-            ok = value is None or accept(pa.array([value], type=given).type)
-        except (pa.ArrowException, OverflowError):
-            ok = False
-        if not ok:
-            raise src.error(row, field, f"{_show(value)} is not {expect}")
-    raise src.error(None, field, f"values mix types; each must be {expect}")
-
-
-def _read_parquet(path: Path, src: _Source, progress: bool) -> dict[str, pa.Array]:
-    try:
-        pf = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise src.error(None, None, f"not a readable Parquet file: {e}") from None
-    schema = pf.schema_arrow
-    if "ad_id" not in schema.names:
-        raise src.error(None, "ad_id", "missing column")
-    fields = [f for f in ("ad_id", *LIST_FIELDS) if f in schema.names]
-    for f in fields:  # column types first: the value checks below assume them
-        accept, expect = _EXPECT[f]
-        if not (accept(schema.field(f).type) or pa.types.is_null(schema.field(f).type)):
-            raise src.error(None, f, f"column has type {schema.field(f).type}; expected {expect}")
-    groups = []
-    with tqdm(total=pf.metadata.num_rows, unit="row", disable=not progress) as bar:
-        bar.set_description(f"catalog {path.name}")
-        for i in range(pf.num_row_groups):
-            groups.append(pf.read_row_group(i, columns=fields))
-            bar.update(groups[-1].num_rows)
-    table = pa.concat_tables(groups) if groups else schema.empty_table().select(fields)
-    return {f: table.column(f).combine_chunks() for f in fields}
 
 
 # --------------------------------------------------------------------------- validation
@@ -327,7 +153,7 @@ class _Lists:
         return int(np.searchsorted(self.offsets, flat, side="right") - 1)
 
 
-def _lists(arr: pa.Array | None, n: int, field: str, src: _Source) -> _Lists | None:
+def _lists(arr: pa.Array | None, n: int, field: str, src: Source) -> _Lists | None:
     if arr is None or pa.types.is_null(arr.type):
         return None
     if isinstance(arr, pa.ChunkedArray):  # pa.array() chunks columns beyond 2 GiB
@@ -338,7 +164,7 @@ def _lists(arr: pa.Array | None, n: int, field: str, src: _Source) -> _Lists | N
     out = _Lists(arr.is_valid().to_numpy(zero_copy_only=False), offsets, arr.flatten())
     if out.values.null_count:
         flat = int(np.flatnonzero(out.values.is_null().to_numpy(zero_copy_only=False))[0])
-        raise src.error(out.row_of(flat), field, f"null element; expected {_EXPECT[field][1]}")
+        raise src.error(out.row_of(flat), field, f"null element; expected {EXPECT[field][1]}")
     return out
 
 
@@ -347,15 +173,15 @@ def _first(mask: np.ndarray) -> int | None:
     return int(hits[0]) if len(hits) else None
 
 
-def _ad_ids(arr: pa.Array | None, src: _Source) -> np.ndarray:
+def _ad_ids(arr: pa.Array | None, src: Source) -> np.ndarray:
     if arr is None or arr.null_count or pa.types.is_null(arr.type):
         raise src.error(
             None if arr is None else _first(arr.is_null().to_numpy(zero_copy_only=False)),
             "ad_id",
             "missing",
         )
-    if pa.types.is_uint64(arr.type) and (row := _first(arr.to_numpy() > _I64_MAX)) is not None:
-        raise src.error(row, "ad_id", f"{arr[row].as_py()} is not {_EXPECT['ad_id'][1]}")
+    if pa.types.is_uint64(arr.type) and (row := _first(arr.to_numpy() > I64_MAX)) is not None:
+        raise src.error(row, "ad_id", f"{arr[row].as_py()} is not {EXPECT['ad_id'][1]}")
     ids = arr.cast(pa.int64()).to_numpy()
     order = np.argsort(ids, kind="stable")
     dup = np.flatnonzero(ids[order[1:]] == ids[order[:-1]])
@@ -368,11 +194,11 @@ def _ad_ids(arr: pa.Array | None, src: _Source) -> np.ndarray:
     return ids
 
 
-def _sids(lists: _Lists | None, n: int, src: _Source) -> np.ndarray:
+def _sids(lists: _Lists | None, n: int, src: Source) -> np.ndarray:
     sid = np.full((n, SID_LEVELS), -1, dtype=np.int32)
     if lists is None:
         return sid
-    expect = _EXPECT["sid"][1]
+    expect = EXPECT["sid"][1]
     if (row := _first(lists.valid & (lists.lengths != SID_LEVELS))) is not None:
         raise src.error(row, "sid", f"has {lists.lengths[row]} values; expected {expect}")
     values = lists.values.to_numpy()
@@ -382,7 +208,7 @@ def _sids(lists: _Lists | None, n: int, src: _Source) -> np.ndarray:
     return sid
 
 
-def _embeddings(lists: _Lists | None, n: int, src: _Source) -> np.ndarray | None:
+def _embeddings(lists: _Lists | None, n: int, src: Source) -> np.ndarray | None:
     if lists is None or not lists.valid.any():
         return None
     first = int(np.argmax(lists.valid))
@@ -404,7 +230,7 @@ def _embeddings(lists: _Lists | None, n: int, src: _Source) -> np.ndarray | None
     return out
 
 
-def _ragged(lists: _Lists | None, n: int, field: str, src: _Source) -> Ragged:
+def _ragged(lists: _Lists | None, n: int, field: str, src: Source) -> Ragged:
     """A low-cardinality rule as value indices (int32 [nnz]); looked up once per distinct
     string, so a million rows cost one dictionary encode."""
     if lists is None or len(lists.values) == 0:
@@ -449,7 +275,7 @@ def _locations(lists: _Lists | None, n: int) -> tuple[np.ndarray, np.ndarray, np
     return offsets, (keys % len(words)).astype(np.int32), words[order]
 
 
-def _build(cols: dict[str, pa.Array], src: _Source) -> Catalog:
+def _build(cols: dict[str, pa.Array], src: Source) -> Catalog:
     n = len(cols["ad_id"])
     if n == 0:
         raise src.error(None, None, "empty catalog")

@@ -1,0 +1,197 @@
+"""Catalog files -> Arrow columns: the JSON Lines and Parquet readers and `CatalogError`.
+
+`catalog.read_catalog` picks a reader by suffix and validates the columns it returns.
+JSON Lines does here only what Arrow cannot say (valid JSON, an object, an int `ad_id`,
+list-or-null fields); Parquet checks its column types up front.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+SID_LEVELS = 4
+SID_VOCAB = 512
+STRING_FIELDS = ("countries", "age_buckets", "genders", "locations")
+LIST_FIELDS = ("sid", "embedding", *STRING_FIELDS)
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+
+
+class CatalogError(ValueError):
+    """Bad catalog input; names the source, the line (JSONL, 1-based) or row (Parquet,
+    0-based), and the field."""
+
+    def __init__(self, path: str, location: str | None, field: str | None, message: str) -> None:
+        where = ": ".join(p for p in (path, location, field and f"field {field!r}") if p)
+        super().__init__(f"{where}: {message}")
+        self.path = path
+        self.location = location  # "line 17" / "row 16"; None for whole-file errors
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str
+    lines: np.ndarray | None  # JSONL: int64 [N] line number of each row; None for Parquet
+
+    def where(self, row: int | None) -> str | None:
+        if row is None:
+            return None
+        return f"row {row}" if self.lines is None else f"line {self.lines[row]}"
+
+    def error(self, row: int | None, field: str | None, message: str) -> CatalogError:
+        return CatalogError(self.path, self.where(row), field, message)
+
+
+def _is_string(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        return _is_string(t.value_type)
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def _list_of(item: Callable[[pa.DataType], bool]) -> Callable[[pa.DataType], bool]:
+    def accept(t: pa.DataType) -> bool:
+        if pa.types.is_null(t):  # a column of nulls: the field is absent everywhere
+            return True
+        listlike = pa.types.is_list(t) or pa.types.is_large_list(t)
+        if not (listlike or pa.types.is_fixed_size_list(t)):
+            return False
+        return pa.types.is_null(t.value_type) or item(t.value_type)
+
+    return accept
+
+
+# field -> (accepted Arrow type, what a value must be)
+EXPECT: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
+    "ad_id": (pa.types.is_integer, "an integer in int64 range"),
+    "sid": (_list_of(pa.types.is_integer), f"a list of {SID_LEVELS} ints in [0, {SID_VOCAB})"),
+    "embedding": (_list_of(_is_number), "a list of finite numbers"),
+    **{f: (_list_of(_is_string), "a list of strings") for f in STRING_FIELDS},
+}
+
+
+def show(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Millions of new lists retrigger the cyclic GC over everything built so far; none of
+    them can form a cycle, so pausing it roughly halves the JSONL parse time."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def read_jsonl(path: Path, progress: bool) -> tuple[Source, dict[str, pa.Array]]:
+    """One orjson parse per line into Python column lists, then Arrow conversion."""
+    name = str(path)
+    ids: list[int] = []
+    lines: list[int] = []
+    cols: dict[str, list[object]] = {f: [] for f in LIST_FIELDS}
+    fields = tuple(cols.items())
+    pending = 0
+    with (
+        _gc_paused(),
+        path.open("rb") as fh,
+        tqdm(total=path.stat().st_size, unit="B", unit_scale=True, disable=not progress) as bar,
+    ):
+        bar.set_description(f"catalog {path.name}")
+        for lineno, raw in enumerate(fh, 1):
+            pending += len(raw)
+            if not lineno & 0x3FFF:  # every 16k lines: bar updates are not free
+                bar.update(pending)
+                pending = 0
+            try:
+                obj = orjson.loads(raw)
+            except orjson.JSONDecodeError as e:
+                if not raw.strip():
+                    continue  # blank lines are allowed
+                raise CatalogError(name, f"line {lineno}", None, f"invalid JSON: {e}") from None
+            if type(obj) is not dict:
+                msg = f"expected a JSON object, got {type(obj).__name__}"
+                raise CatalogError(name, f"line {lineno}", None, msg)
+            ad_id = obj.get("ad_id")
+            if type(ad_id) is not int or not I64_MIN <= ad_id <= I64_MAX:  # bool is no int
+                msg = "missing" if ad_id is None else f"{show(ad_id)} is not {EXPECT['ad_id'][1]}"
+                raise CatalogError(name, f"line {lineno}", "ad_id", msg)
+            ids.append(ad_id)
+            lines.append(lineno)
+            for field, col in fields:
+                value = obj.get(field)
+                if value is not None and type(value) is not list:
+                    msg = f"{show(value)} is not {EXPECT[field][1]}"
+                    raise CatalogError(name, f"line {lineno}", field, msg)
+                col.append(value)
+        bar.update(pending)
+    src = Source(name, lines=np.array(lines, dtype=np.int64))
+    out = {"ad_id": pa.array(ids, type=pa.int64())}
+    for field, col in cols.items():
+        out[field] = _to_arrow(col, field, src)
+    return src, out
+
+
+def _to_arrow(col: list[object], field: str, src: Source) -> pa.Array:
+    """One Arrow array per field. String lists convert with their type given (twice as
+    fast, and strict: values are lists by now, and a non-string element raises); numeric
+    ones infer it, since a given int type would truncate 1.5 and a float type take `true`.
+    If the column is unacceptable, find the first line whose value alone is too."""
+    accept, expect = EXPECT[field]
+    given = pa.large_list(pa.large_string()) if field in STRING_FIELDS else None
+    try:
+        arr = pa.array(col, type=given)
+        if accept(arr.type):
+            return arr
+    except (pa.ArrowException, OverflowError):
+        pass
+    for row, value in enumerate(col):
+        try:
+            ok = value is None or accept(pa.array([value], type=given).type)
+        except (pa.ArrowException, OverflowError):
+            ok = False
+        if not ok:
+            raise src.error(row, field, f"{show(value)} is not {expect}")
+    raise src.error(None, field, f"values mix types; each must be {expect}")
+
+
+def read_parquet(path: Path, src: Source, progress: bool) -> dict[str, pa.Array]:
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise src.error(None, None, f"not a readable Parquet file: {e}") from None
+    schema = pf.schema_arrow
+    if "ad_id" not in schema.names:
+        raise src.error(None, "ad_id", "missing column")
+    fields = [f for f in ("ad_id", *LIST_FIELDS) if f in schema.names]
+    for f in fields:  # column types first: the value checks below assume them
+        accept, expect = EXPECT[f]
+        if not (accept(schema.field(f).type) or pa.types.is_null(schema.field(f).type)):
+            raise src.error(None, f, f"column has type {schema.field(f).type}; expected {expect}")
+    groups = []
+    with tqdm(total=pf.metadata.num_rows, unit="row", disable=not progress) as bar:
+        bar.set_description(f"catalog {path.name}")
+        for i in range(pf.num_row_groups):
+            groups.append(pf.read_row_group(i, columns=fields))
+            bar.update(groups[-1].num_rows)
+    table = pa.concat_tables(groups) if groups else schema.empty_table().select(fields)
+    return {f: table.column(f).combine_chunks() for f in fields}
