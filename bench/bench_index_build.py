@@ -47,14 +47,14 @@ def prepare(work: Path, n_ads: int, seed: int) -> tuple[Path, Path, float]:
 
         print(f"generating a {n_ads}-ad world in {world} …", flush=True)
         generate_world("demo", seed, world, n_ads=n_ads, n_users=2000, progress=True)
-    train_s = float("nan")
+    timing = work / f"tokenizer_{n_ads}.seconds"
     if not tok.exists():
         t = time.perf_counter()
         catalog = str(world / "catalog.parquet")
         cli = [sys.executable, "-m", "service.cli", "train-tokenizer", "--no-progress"]
         _run([*cli, "--catalog", catalog, "--out", str(tok)])
-        train_s = time.perf_counter() - t
-    return world / "catalog.parquet", tok, train_s
+        timing.write_text(f"{time.perf_counter() - t:.2f}\n")
+    return world / "catalog.parquet", tok, float(timing.read_text())
 
 
 def build(catalog: Path, out: Path, tok: Path, kway: str = "") -> dict[str, Any]:
