@@ -66,15 +66,15 @@ def build(catalog: Path, out: Path, tok: Path, kway: str = "") -> dict[str, Any]
 
 
 def table1(levels: list[dict]) -> list[dict]:
-    mb = 1e6
+    kb = 1e3  # demo-scale tables are small: kB keeps the dedup column readable
     return [
         {
             "step": lv["step"],
             "entries": lv["entries"],
-            "bitmask_MB": round(lv["bitmask_bytes"] / mb, 2),
-            "bitmask_MB_dedup": round(lv["bitmask_bytes_dedup"] / mb, 2),
-            "bloom_MB": round(lv["bloom_bytes"] / mb, 2),
-            "bloom_MB_dedup": round(lv["bloom_bytes_dedup"] / mb, 2),
+            "bitmask_kB": round(lv["bitmask_bytes"] / kb, 1),
+            "bitmask_kB_dedup": round(lv["bitmask_bytes_dedup"] / kb, 1),
+            "bloom_kB": round(lv["bloom_bytes"] / kb, 1),
+            "bloom_kB_dedup": round(lv["bloom_bytes_dedup"] / kb, 1),
         }
         for lv in levels
     ]
