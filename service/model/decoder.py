@@ -1,0 +1,112 @@
+"""The SID decoder (DESIGN.md §6): pre-norm layers of self-attention over the SID prefix,
+cross-attention to the encoder's context, and an FFN; position-specific token embeddings;
+a 512-way head. Pipeline stage 3 runs it inside the decode loop, one step per SID token.
+
+Two ways in, the same weights and arithmetic:
+- `forward_train`: teacher forcing over all 4 positions at once (causal self-attention),
+  for training and for scoring given SIDs;
+- `step`: one token for R beam rows, with the prefix keys/values in a KV cache
+  (`service/decode/kv_cache.py`) and cross-attention in the beam-as-query layout over
+  per-request K/V from `cross_kv` (computed once per request, never per beam).
+Input at position 0 is BOS; at position t > 0 it is the token chosen at t − 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.cross_attention import cross_attention
+from kernels.self_attention import prefix_self_attention
+from service.decode.kv_cache import KVCache
+from service.model.config import ModelConfig
+
+CrossKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [B, H, T_ctx, d_h]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.h, self.dh = c.n_heads, c.d_head
+        self.norm_self = nn.LayerNorm(c.d_model)
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_attn)
+        self.self_out = nn.Linear(c.d_attn, c.d_model)
+        self.norm_cross = nn.LayerNorm(c.d_model)
+        self.cross_q = nn.Linear(c.d_model, c.d_attn)
+        self.cross_kv = nn.Linear(c.d_model, 2 * c.d_attn)
+        self.cross_out = nn.Linear(c.d_attn, c.d_model)
+        self.norm_ffn = nn.LayerNorm(c.d_model)
+        self.ffn = nn.Sequential(
+            nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model)
+        )
+
+    def context_kv(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx [B, T, d_model] -> K, V [B, H, T, d_h], once per request."""
+        b, t, _ = ctx.shape
+        k, v = self.cross_kv(ctx).view(b, t, 2, self.h, self.dh).permute(2, 0, 3, 1, 4)
+        return k, v
+
+    def forward_train(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]):
+        """x [B, L, d_model] over all SID positions (causal)."""
+        b, n, _ = x.shape
+        q, k, v = self.qkv(self.norm_self(x)).view(b, n, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, L, d_h]
+        x = x + self.self_out(a.transpose(1, 2).reshape(b, n, -1))
+        q = self.cross_q(self.norm_cross(x)).view(b, n, self.h, self.dh).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, *kv)  # [B, H, L, d_h]
+        x = x + self.cross_out(a.transpose(1, 2).reshape(b, n, -1))
+        return x + self.ffn(self.norm_ffn(x))
+
+    def step(
+        self,
+        x: torch.Tensor,  # [R, d_model]: the rows' current token, R = B * M
+        kv: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        layer: int,
+        t: int,
+    ) -> torch.Tensor:
+        r = x.shape[0]
+        q, k, v = self.qkv(self.norm_self(x)).view(r, 3, self.h, self.dh).unbind(1)
+        cache.write(layer, t, k, v)
+        a = prefix_self_attention(q, *cache.gather(layer, t))  # [R, H, d_h]
+        x = x + self.self_out(a.reshape(r, -1))
+        q = self.cross_q(self.norm_cross(x)).view(r, self.h, self.dh)
+        x = x + self.cross_out(cross_attention(q, *kv).reshape(r, -1))
+        return x + self.ffn(self.norm_ffn(x))
+
+
+class SIDDecoder(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        self.bos = c.vocab_size
+        # position-specific token tables: row [t, tok] embeds token tok fed at position t
+        self.tok_emb = nn.Parameter(torch.randn(c.sid_length, c.vocab_size + 1, c.d_model) * 0.02)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers))
+        self.norm = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, c.vocab_size)
+
+    def cross_kv(self, ctx: torch.Tensor) -> CrossKV:
+        return [layer.context_kv(ctx) for layer in self.layers]
+
+    def forward_train(self, ctx: torch.Tensor, sid: torch.Tensor) -> torch.Tensor:
+        """ctx [B, T, d_model], sid [B, L] -> logits [B, L, V] for every position."""
+        inputs = torch.cat([torch.full_like(sid[:, :1], self.bos), sid[:, :-1]], dim=1)
+        pos = torch.arange(sid.shape[1], device=sid.device)
+        x = self.tok_emb[pos, inputs]  # [B, L, d_model]
+        for layer, kv in zip(self.layers, self.cross_kv(ctx), strict=True):
+            x = layer.forward_train(x, kv)
+        return self.head(self.norm(x))
+
+    def step(
+        self,
+        tokens: torch.Tensor,  # int64 [R]: previous tokens (BOS at t = 0)
+        t: int,
+        cross: CrossKV,
+        cache: KVCache,
+    ) -> torch.Tensor:  # logits [R, V]
+        x = self.tok_emb[t, tokens]
+        for i, (layer, kv) in enumerate(zip(self.layers, cross, strict=True)):
+            x = layer.step(x, kv, cache, i, t)
+        return self.head(self.norm(x))
