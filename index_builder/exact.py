@@ -62,7 +62,7 @@ def expand_and_filter(
     if exact and len(rows):
         keep = exact_eligible(
             ads.ad_bitmask[rows],
-            *_loc_slices(ads, rows),
+            *location_rows(ads, rows),
             request_bitmask(targeting),
             vocabulary.ids(targeting.locations),
         )
@@ -78,8 +78,8 @@ def expand_and_filter(
     )
 
 
-def _loc_slices(ads: AdArrays, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The location rules of `rows` as their own (offsets, ids) CSR."""
+def location_rows(ads: AdArrays, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The location rules of ads `rows` (in that order) as their own (offsets, ids) CSR."""
     lo, hi = ads.ad_loc_offsets[rows], ads.ad_loc_offsets[rows + 1]
     counts = hi - lo
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)

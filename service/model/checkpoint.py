@@ -1,0 +1,233 @@
+"""Model checkpoints: the one writer/reader pair for a trained retriever (DESIGN.md §6).
+
+Training writes with `save_checkpoint`; the server, evaluation and `grace` commands read
+with `load_checkpoint`. A checkpoint is a directory:
+
+    model.safetensors   the GenerativeRetriever state dict (names `encoder.*`, `decoder.*`)
+    config.json         format name and version, model_version, ModelConfig, the SID
+                        tokenizer fingerprint, sha256 of model.safetensors, created time,
+                        `extra` (e.g. training metrics)
+    tokenizer/          the SID tokenizer (`SIDTokenizer.save`)
+
+It is written into a hidden temporary sibling, fsynced and renamed into place, so a
+reader never sees a half-written checkpoint. The server compares `tokenizer_fingerprint`
+with each index's manifest and refuses an index built for another tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from index_builder.tokenizer import SIDTokenizer
+from service.model.config import ModelConfig
+
+FORMAT_NAME = "grace.model_checkpoint"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_DIR = "tokenizer"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: corrupt, incompatible or inconsistent."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: nn.Module  # GenerativeRetriever in eval mode, on the requested device
+    config: ModelConfig
+    tokenizer: SIDTokenizer
+    model_version: str
+    meta: dict[str, Any]  # config.json as stored
+
+
+def save_checkpoint(
+    model: nn.Module,
+    tokenizer: SIDTokenizer,
+    path: Path,
+    *,
+    model_version: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> str:
+    """Write `model` (with a `.config: ModelConfig`) and `tokenizer` to directory `path`.
+
+    Replaces an existing checkpoint at `path`. Returns the model version: `model_version`,
+    or `f"{config.name}-{sha256(model.safetensors)[:12]}"` by default.
+    """
+    path = Path(path)
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    try:
+        # clone: safetensors refuses aliased (tied) or non-contiguous tensors
+        state = {
+            k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()
+        }
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT_NAME})
+        digest = _sha256(tmp / WEIGHTS_FILE)
+        version = model_version or f"{config.name}-{digest[:12]}"
+        tokenizer.save(tmp / TOKENIZER_DIR)
+        meta = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "model_version": version,
+            "config": config.to_dict(),
+            "tokenizer_fingerprint": tokenizer.fingerprint,
+            "weights_sha256": digest,
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "extra": extra or {},
+        }
+        option = orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
+        (tmp / CONFIG_FILE).write_bytes(orjson.dumps(meta, option=option))
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                _fsync(p)
+        _fsync(tmp)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return version
+
+
+def load_checkpoint(
+    path: Path,
+    device: torch.device | str = "cpu",
+    *,
+    build: Callable[[ModelConfig], nn.Module] | None = None,
+) -> LoadedModel:
+    """Read and check a checkpoint; `build` makes the empty model (default GenerativeRetriever).
+
+    Raises FileNotFoundError for a missing file and CheckpointError, naming the problem,
+    for an unknown format version, a corrupt or truncated weights file, a tokenizer
+    whose fingerprint differs from the stored one, or weights that do not fit the config.
+    """
+    path = Path(path)
+    for p in (path / CONFIG_FILE, path / WEIGHTS_FILE, path / TOKENIZER_DIR):
+        if not p.exists():
+            raise FileNotFoundError(f"checkpoint {path}: {p.name} is missing")
+    meta = _read_meta(path / CONFIG_FILE)
+    try:
+        config = ModelConfig.from_dict(meta["config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: invalid model config ({e})") from e
+
+    digest = _sha256(path / WEIGHTS_FILE)
+    if digest != meta["weights_sha256"]:
+        raise CheckpointError(
+            f"checkpoint {path}: {WEIGHTS_FILE} is corrupt or truncated (sha256 {digest[:12]}, "
+            f"config.json records {str(meta['weights_sha256'])[:12]})"
+        )
+    try:
+        tokenizer = SIDTokenizer.load(path / TOKENIZER_DIR)
+    except (FileNotFoundError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: tokenizer unreadable: {e}") from e
+    if tokenizer.fingerprint != meta["tokenizer_fingerprint"]:
+        raise CheckpointError(
+            f"checkpoint {path}: tokenizer mismatch: config.json names fingerprint "
+            f"{meta['tokenizer_fingerprint']}, {TOKENIZER_DIR}/ holds {tokenizer.fingerprint}"
+        )
+    try:
+        weights = load_file(str(path / WEIGHTS_FILE), device="cpu")
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise CheckpointError(f"checkpoint {path}: {WEIGHTS_FILE} unreadable ({e})") from e
+
+    if build is None:
+        from service.model.retriever import GenerativeRetriever
+
+        build = GenerativeRetriever
+    model = build(config)
+    _check_weights(model.state_dict(), weights, path)
+    model.load_state_dict(weights, strict=True)
+    model.to(device).eval()
+    return LoadedModel(model, config, tokenizer, str(meta["model_version"]), meta)
+
+
+def _read_meta(p: Path) -> dict[str, Any]:
+    try:
+        meta = orjson.loads(p.read_bytes())
+    except orjson.JSONDecodeError as e:
+        raise CheckpointError(f"{p}: not valid JSON ({e})") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{p}: not a GRACE model checkpoint (format {FORMAT_NAME!r})")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{p}: unknown checkpoint format version {version!r}; "
+            f"this build reads version {FORMAT_VERSION}"
+        )
+    missing = [
+        k
+        for k in ("config", "model_version", "tokenizer_fingerprint", "weights_sha256")
+        if k not in meta
+    ]
+    if missing:
+        raise CheckpointError(f"{p}: missing keys {missing}")
+    return meta
+
+
+def _check_weights(
+    expected: dict[str, torch.Tensor], stored: dict[str, torch.Tensor], path: Path
+) -> None:
+    """Raise CheckpointError naming missing, unexpected or mis-shaped tensors."""
+    missing = sorted(expected.keys() - stored.keys())
+    unexpected = sorted(stored.keys() - expected.keys())
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing[:5]}" + (" ..." if len(missing) > 5 else ""))
+    if unexpected:
+        more = " ..." if len(unexpected) > 5 else ""
+        problems.append(f"unexpected tensors {unexpected[:5]}{more}")
+    for name in sorted(expected.keys() & stored.keys()):
+        want, got = tuple(expected[name].shape), tuple(stored[name].shape)
+        if want != got:
+            problems.append(
+                f"shape mismatch for {name}: checkpoint {list(got)}, config {list(want)}"
+            )
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path}: weights do not fit its config: " + "; ".join(problems)
+        )
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(tmp: Path, path: Path) -> None:
+    """Rename `tmp` to `path`. An old `path` is first renamed aside and removed after, so
+    `path` is always absent or complete, never partially written."""
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

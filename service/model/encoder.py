@@ -1,0 +1,183 @@
+"""Context encoder: the first half of pipeline stage 3 (DESIGN.md §2, §6).
+
+    FeatureBatch (stage 2) ──ContextEncoder──► ctx [B, t_ctx, d_model] ──► SID decoder
+
+InterFormer-style: non-sequence features and the behaviour sequence keep their own token
+streams and exchange information in both directions at every layer.
+
+- Non-sequence tokens (NUM_NONSEQ_TOKENS = 4): embeddings of the user hash, country, age
+  bucket and gender, one token each.
+- Sequence tokens, one per history event: the sum of its 4 SID-token embeddings (one
+  table per SID position), its event type, its time-gap bucket and its recency rank
+  (0 = newest event; ranks count real events only, so padding changes nothing).
+- Each `_InteractionLayer`, pre-norm:
+    1. cross-talk on summaries: the masked mean of the sequence is projected and added to
+       every non-sequence token (sequence -> non-sequence), and the mean of the
+       non-sequence tokens gives a FiLM scale/shift for every sequence token
+       (non-sequence -> sequence; zero-initialised, so it starts as the identity);
+    2. joint self-attention over [non-seq ; seq] with the padding mask on the keys;
+    3. FFN (GELU) on every token.
+- Readout: `t_ctx` learned query tokens cross-attend to all tokens, then an FFN and a
+  final LayerNorm: the context the decoder cross-attends to.
+
+The non-sequence tokens are never masked, so every attention row has a valid key: an
+empty history gives finite outputs. There is no dropout: eval mode is deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from service.model.config import ModelConfig
+from service.model.features import (
+    NUM_AGE_BUCKETS,
+    NUM_COUNTRIES,
+    NUM_EVENT_TYPES,
+    NUM_GENDERS,
+    FeatureBatch,
+)
+
+NUM_NONSEQ_TOKENS = 4  # user hash, country, age bucket, gender
+
+
+class _Attention(nn.Module):
+    """Multi-head attention of queries `xq` over keys/values `xkv`, with a key mask."""
+
+    def __init__(self, d_model: int, n_heads: int, d_head: int) -> None:
+        super().__init__()
+        self.n_heads, self.d_head = n_heads, d_head
+        self.q = nn.Linear(d_model, n_heads * d_head)
+        self.kv = nn.Linear(d_model, 2 * n_heads * d_head)
+        self.out = nn.Linear(n_heads * d_head, d_model)
+
+    def forward(
+        self,
+        xq: torch.Tensor,  # [B, Q, d_model]
+        xkv: torch.Tensor,  # [B, S, d_model]
+        key_mask: torch.Tensor,  # bool [B, S], True = attend; >= 1 True per row
+    ) -> torch.Tensor:  # [B, Q, d_model]
+        b, q_len, _ = xq.shape
+        s_len = xkv.shape[1]
+        q = self.q(xq).view(b, q_len, self.n_heads, self.d_head).transpose(1, 2)  # [B,H,Q,dh]
+        kv = self.kv(xkv).view(b, s_len, 2, self.n_heads, self.d_head)
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, S, dh] each
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :])
+        return self.out(o.transpose(1, 2).reshape(b, q_len, self.n_heads * self.d_head))
+
+
+class _FFN(nn.Module):
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_model, d_ff)
+        self.down = nn.Linear(d_ff, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x [B, L, d], mask bool [B, L] -> [B, d]; zeros for a row without real events."""
+    w = mask.to(x.dtype).unsqueeze(-1)  # [B, L, 1]
+    return (x * w).sum(1) / w.sum(1).clamp(min=1.0)
+
+
+class _InteractionLayer(nn.Module):
+    """Summary cross-talk, then a joint pre-norm transformer block (module docstring)."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        d = c.d_model
+        self.seq_summary_norm = nn.LayerNorm(d)
+        self.nonseq_summary_norm = nn.LayerNorm(d)
+        self.seq_to_nonseq = nn.Linear(d, d)
+        self.nonseq_to_seq = nn.Linear(d, 2 * d)  # FiLM scale and shift
+        nn.init.zeros_(self.nonseq_to_seq.weight)
+        nn.init.zeros_(self.nonseq_to_seq.bias)
+        self.attn_norm = nn.LayerNorm(d)
+        self.attn = _Attention(d, c.n_heads, c.d_head)
+        self.ffn_norm = nn.LayerNorm(d)
+        self.ffn = _FFN(d, c.encoder_d_ff)
+
+    def forward(
+        self,
+        nonseq: torch.Tensor,  # [B, N, d]
+        seq: torch.Tensor,  # [B, L, d]
+        mask: torch.Tensor,  # bool [B, N + L]: keys that take part (non-seq always True)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = nonseq.shape[1]
+        seq_summary = _masked_mean(self.seq_summary_norm(seq), mask[:, n:])  # [B, d]
+        nonseq_summary = self.nonseq_summary_norm(nonseq).mean(1)  # [B, d]
+        nonseq = nonseq + self.seq_to_nonseq(seq_summary).unsqueeze(1)
+        scale, shift = self.nonseq_to_seq(nonseq_summary).unsqueeze(1).chunk(2, dim=-1)
+        seq = seq * (1.0 + scale) + shift
+        x = torch.cat([nonseq, seq], dim=1)  # [B, N + L, d]
+        h = self.attn_norm(x)
+        x = x + self.attn(h, h, mask)
+        x = x + self.ffn(self.ffn_norm(x))
+        return x[:, :n], x[:, n:]
+
+
+class ContextEncoder(nn.Module):
+    """FeatureBatch -> context tokens [B, t_ctx, d_model] (module docstring)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c, d = config, config.d_model
+        self.config = config
+        self.user_emb = nn.Embedding(c.user_hash_buckets, d)
+        self.country_emb = nn.Embedding(NUM_COUNTRIES, d)
+        self.age_emb = nn.Embedding(NUM_AGE_BUCKETS, d)
+        self.gender_emb = nn.Embedding(NUM_GENDERS, d)
+        # position-specific SID tokens: row p * vocab_size + token
+        self.sid_emb = nn.Embedding(c.sid_length * c.vocab_size, d)
+        self.type_emb = nn.Embedding(NUM_EVENT_TYPES, d)
+        self.gap_emb = nn.Embedding(c.time_gap_buckets, d)
+        self.recency_emb = nn.Embedding(c.max_history, d)
+        self.layers = nn.ModuleList(_InteractionLayer(c) for _ in range(c.encoder_layers))
+        self.queries = nn.Parameter(torch.empty(c.t_ctx, d))  # [t_ctx, d]
+        self.readout_q_norm = nn.LayerNorm(d)
+        self.readout_kv_norm = nn.LayerNorm(d)
+        self.readout = _Attention(d, c.n_heads, c.d_head)
+        self.readout_ffn_norm = nn.LayerNorm(d)
+        self.readout_ffn = _FFN(d, c.encoder_d_ff)
+        self.out_norm = nn.LayerNorm(d)
+        for m in self.modules():
+            if isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=0.02)
+        nn.init.normal_(self.queries, std=0.02)
+        self.register_buffer(
+            "sid_offsets", torch.arange(c.sid_length) * c.vocab_size, persistent=False
+        )  # [sid_length]
+
+    def forward(self, f: FeatureBatch) -> torch.Tensor:  # [B, t_ctx, d_model]
+        b = f.batch_size
+        nonseq = torch.stack(
+            [
+                self.user_emb(f.user_hash),
+                self.country_emb(f.country),
+                self.age_emb(f.age_bucket),
+                self.gender_emb(f.gender),
+            ],
+            dim=1,
+        )  # [B, N, d]
+        mask = f.hist_mask  # [B, L]
+        n_real = mask.sum(1, keepdim=True)  # [B, 1]
+        pos = torch.arange(mask.shape[1], device=mask.device)  # [L]
+        recency = (n_real - 1 - pos).clamp(min=0)  # [B, L]; 0 = newest, padding -> 0
+        seq = (
+            self.sid_emb(f.hist_sid + self.sid_offsets).sum(2)  # [B, L, d]
+            + self.type_emb(f.hist_type)
+            + self.gap_emb(f.hist_gap)
+            + self.recency_emb(recency)
+        )
+        seq = seq * mask.unsqueeze(-1)  # padding carries no embedding
+        keys = torch.cat([mask.new_ones(b, NUM_NONSEQ_TOKENS), mask], dim=1)  # [B, N + L]
+        for layer in self.layers:
+            nonseq, seq = layer(nonseq, seq, keys)
+        x = self.readout_kv_norm(torch.cat([nonseq, seq], dim=1))  # [B, N + L, d]
+        q = self.queries.unsqueeze(0).expand(b, -1, -1)  # [B, t_ctx, d]
+        q = q + self.readout(self.readout_q_norm(q), x, keys)
+        q = q + self.readout_ffn(self.readout_ffn_norm(q))
+        return self.out_norm(q)

@@ -1,0 +1,45 @@
+"""The generative retriever: encoder + SID decoder as one module (DESIGN.md §6).
+
+    FeatureBatch ──encode──► ctx [B, t_ctx, d_model] ──► decode engine (service/decode),
+                                                       which drives `decoder` step by step
+    FeatureBatch, target SID ──forward_train──► logits [B, sid_length, vocab] (training)
+
+Training, checkpoints and the decode engine hold this one object; its parameter names are
+the checkpoint's tensor names (`encoder.*`, `decoder.*`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from service.model.config import ModelConfig
+from service.model.encoder import ContextEncoder
+from service.model.features import FeatureBatch
+
+
+class GenerativeRetriever(nn.Module):
+    """ContextEncoder + SIDDecoder. `decoder` overrides the default `SIDDecoder(config)`."""
+
+    def __init__(self, config: ModelConfig, decoder: nn.Module | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.encoder = ContextEncoder(config)
+        if decoder is None:
+            from service.model.decoder import SIDDecoder  # lazy: keeps the encoder importable
+
+            decoder = SIDDecoder(config)
+        self.decoder = decoder
+
+    def encode(self, features: FeatureBatch) -> torch.Tensor:  # [B, t_ctx, d_model]
+        return self.encoder(features)
+
+    def forward_train(
+        self,
+        features: FeatureBatch,
+        target_sid: torch.Tensor,  # int64 [B, sid_length]
+    ) -> torch.Tensor:  # [B, sid_length, vocab_size]: logits of token t given tokens < t
+        return self.decoder.forward_train(self.encode(features), target_sid)
+
+    def forward(self, features: FeatureBatch, target_sid: torch.Tensor) -> torch.Tensor:
+        return self.forward_train(features, target_sid)

@@ -1,0 +1,1 @@
+"""Offline training and evaluation of the generative retriever on a synthetic world."""

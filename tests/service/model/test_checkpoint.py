@@ -1,0 +1,152 @@
+"""Model checkpoints: round trip, and every way a checkpoint can be refused."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
+from service.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from service.model.config import PROFILES
+from service.model.features import FeatureBatch
+from service.model.retriever import GenerativeRetriever
+
+CONFIG = PROFILES["tiny"]
+
+
+def _tokenizer(seed: int = 0) -> SIDTokenizer:
+    cfg = TokenizerConfig(levels=3, codebook_size=16, seed=seed)
+    codebooks = np.random.default_rng(seed).normal(size=(3, 16, 8)).astype(np.float32)
+    return SIDTokenizer(cfg, codebooks)
+
+
+def _features(b: int = 3, width: int = 5) -> FeatureBatch:
+    g = torch.Generator().manual_seed(0)
+    mask = torch.arange(width)[None] < torch.tensor([width, 2, 0])[:b, None]
+    return FeatureBatch(
+        user_hash=torch.randint(0, CONFIG.user_hash_buckets, (b,), generator=g),
+        country=torch.randint(0, 250, (b,), generator=g),
+        age_bucket=torch.randint(0, 8, (b,), generator=g),
+        gender=torch.randint(0, 3, (b,), generator=g),
+        hist_sid=torch.randint(0, 512, (b, width, 4), generator=g) * mask[..., None],
+        hist_type=torch.ones(b, width, dtype=torch.int64) * mask,
+        hist_gap=torch.randint(0, 16, (b, width), generator=g) * mask,
+        hist_mask=mask,
+    )
+
+
+@pytest.fixture(scope="module")
+def model() -> GenerativeRetriever:
+    torch.manual_seed(0)
+    return GenerativeRetriever(CONFIG).eval()
+
+
+@pytest.fixture()
+def saved(model, tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    save_checkpoint(model, _tokenizer(), path, extra={"recall@100": 0.25})
+    return path
+
+
+def _edit_meta(path: Path, **changes) -> None:
+    meta = orjson.loads((path / "config.json").read_bytes())
+    for k, v in changes.items():
+        if k == "config":
+            meta["config"].update(v)
+        else:
+            meta[k] = v
+    (path / "config.json").write_bytes(orjson.dumps(meta))
+
+
+def _rewrite_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
+    """Replace the weights and record their new sha256, as a consistent writer would."""
+    save_file(weights, str(path / "model.safetensors"))
+    digest = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    _edit_meta(path, weights_sha256=digest)
+
+
+def test_round_trip_gives_identical_outputs(model, saved):
+    loaded = load_checkpoint(saved)
+    f, sid = _features(), torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [0, 511, 0, 511]])
+    with torch.no_grad():
+        assert torch.equal(loaded.model.forward_train(f, sid), model.forward_train(f, sid))
+        assert torch.equal(loaded.model.encode(f), model.encode(f))
+    assert not loaded.model.training
+    assert loaded.config == CONFIG
+    assert loaded.tokenizer.fingerprint == _tokenizer().fingerprint
+    assert loaded.meta["extra"] == {"recall@100": 0.25}
+    weights_sha = hashlib.sha256((saved / "model.safetensors").read_bytes()).hexdigest()
+    assert loaded.model_version == f"tiny-{weights_sha[:12]}"
+
+
+def test_explicit_model_version_and_overwrite(model, saved):
+    version = save_checkpoint(model, _tokenizer(), saved, model_version="tiny-v7")
+    assert version == "tiny-v7"
+    assert load_checkpoint(saved).model_version == "tiny-v7"
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["ckpt"]  # no temp dirs left
+
+
+def test_failed_save_leaves_nothing_behind(model, tmp_path: Path):
+    with pytest.raises(TypeError):
+        save_checkpoint(model, _tokenizer(), tmp_path / "ckpt", extra={"bad": object()})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer"])
+def test_missing_file_is_named(saved, name):
+    target = saved / name
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    with pytest.raises(FileNotFoundError, match=name):
+        load_checkpoint(saved)
+
+
+def test_unknown_format_version_is_refused(saved):
+    _edit_meta(saved, format_version=99)
+    with pytest.raises(CheckpointError, match="unknown checkpoint format version 99"):
+        load_checkpoint(saved)
+
+
+def test_not_a_checkpoint_is_refused(saved):
+    (saved / "config.json").write_text('{"hello": 1}')
+    with pytest.raises(CheckpointError, match="not a GRACE model checkpoint"):
+        load_checkpoint(saved)
+
+
+def test_tokenizer_mismatch_is_refused(saved):
+    shutil.rmtree(saved / "tokenizer")
+    _tokenizer(seed=1).save(saved / "tokenizer")
+    with pytest.raises(CheckpointError, match="tokenizer mismatch"):
+        load_checkpoint(saved)
+
+
+def test_shape_mismatch_names_the_tensor(saved):
+    _edit_meta(saved, config={"encoder_d_ff": 64})
+    with pytest.raises(CheckpointError, match=r"shape mismatch for encoder\.layers\.0\.ffn\.up"):
+        load_checkpoint(saved)
+
+
+def test_missing_tensor_is_named(saved):
+    weights = load_file(str(saved / "model.safetensors"))
+    del weights["decoder.head.weight"]
+    _rewrite_weights(saved, weights)
+    with pytest.raises(CheckpointError, match=r"missing tensors \['decoder\.head\.weight'\]"):
+        load_checkpoint(saved)
+
+
+def test_truncated_weights_are_refused(saved):
+    raw = (saved / "model.safetensors").read_bytes()
+    (saved / "model.safetensors").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_checkpoint(saved)
+    # even with a checksum that matches the truncated file, the reader refuses it
+    digest = hashlib.sha256(raw[: len(raw) // 2]).hexdigest()
+    _edit_meta(saved, weights_sha256=digest)
+    with pytest.raises(CheckpointError, match="unreadable"):
+        load_checkpoint(saved)
