@@ -125,6 +125,19 @@ def build_arrays(
     return IndexArrays(trie=built.trie, ads=ads, kway=partitions)
 
 
+def with_partitions(arrays: IndexArrays, spec: KwaySpec) -> IndexArrays:
+    """The same index with k-way partitions added, rebuilt from its own ad arrays (for
+    studies comparing partitionings of one published index without its catalog)."""
+    ads = arrays.ads
+    sids = np.repeat(ads.leaf_sids.astype(np.int64), np.diff(ads.leaf_ad_offsets), axis=0)
+    vocab = location_blooms(ads.location_strings())
+    built = build_trie(
+        sids, ads.ad_bitmask, ad_blooms(Ragged(ads.ad_loc_offsets, ads.ad_loc_ids), vocab)
+    )
+    partitions, _ = build_partitions(built, spec)
+    return IndexArrays(trie=built.trie, ads=ads, kway=partitions)
+
+
 def build_index(
     catalog_path: Path | str,
     out_root: Path | str,

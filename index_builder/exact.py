@@ -55,10 +55,8 @@ def expand_and_filter(
 ) -> PostResult:
     """Expand generated SIDs to ads, keep the exactly eligible ones, rank and cut."""
     leaves = np.asarray(leaves, dtype=np.int64)
-    lo, hi = ads.leaf_ad_offsets[leaves], ads.leaf_ad_offsets[leaves + 1]
-    counts = hi - lo
-    owner = np.repeat(np.arange(len(leaves)), counts)
-    rows = lo[owner] + np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+    rows, owner = expand_leaves(ads, leaves)
+    expanded = len(rows)
     if exact and len(rows):
         keep = exact_eligible(
             ads.ad_bitmask[rows],
@@ -73,9 +71,19 @@ def expand_and_filter(
         ad_ids=ads.ad_ids[rows[order]],
         scores=ad_scores[order],
         sids=ads.leaf_sids[leaves[owner[order]]],
-        ads_expanded=int(counts.sum()),
+        ads_expanded=expanded,
         ads_eligible=len(rows),
     )
+
+
+def expand_leaves(ads: AdArrays, leaves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ad rows behind the given leaves, leaf by leaf: (rows int64 [K], owner int64 [K])
+    where owner[i] is the position in `leaves` that row i came from."""
+    lo, hi = ads.leaf_ad_offsets[leaves], ads.leaf_ad_offsets[leaves + 1]
+    counts = hi - lo
+    owner = np.repeat(np.arange(len(leaves)), counts)
+    rows = lo[owner] + np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+    return rows, owner
 
 
 def location_rows(ads: AdArrays, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

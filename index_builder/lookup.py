@@ -31,7 +31,7 @@ class FilterMode(enum.IntEnum):
 
 
 def _t(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    a = np.ascontiguousarray(a)
+    a = np.array(a, copy=True, order="C")  # index arrays are read-only memory maps
     if a.dtype == np.uint64:
         a = a.view(np.int64)
     return torch.from_numpy(a).to(device)

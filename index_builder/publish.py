@@ -51,6 +51,16 @@ def current_path(root: Path) -> Path | None:
     return None if version is None else Path(root) / version
 
 
+def resolve(path: Path) -> Path:
+    """A version directory as given, or the CURRENT version of an index root."""
+    path = Path(path)
+    if (path / CURRENT).is_file():
+        current = current_path(path)
+        if current is not None:
+            return current
+    return path
+
+
 def list_versions(root: Path) -> list[str]:
     """Complete versions (with a manifest) under root, oldest first."""
     root = Path(root)

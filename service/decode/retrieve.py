@@ -14,7 +14,7 @@ from index_builder.exact import LocationVocabulary, PostResult, expand_and_filte
 from index_builder.format import IndexArrays
 from index_builder.lookup import FilterMode, GtmTables, RequestTensors
 from index_builder.targeting import Targeting, encode_requests
-from service.decode.engine import BeamSearch
+from service.decode.engine import BeamSearch, DecodeResult
 from service.model.features import FeatureBatch, SidLookup
 from service.model.retriever import GenerativeRetriever
 
@@ -41,6 +41,24 @@ class RetrievalIndex:
 
 
 @torch.no_grad()
+def decode(
+    model: GenerativeRetriever,
+    index: RetrievalIndex,
+    features: FeatureBatch,
+    targeting: Sequence[Targeting],
+    beams: tuple[int, ...],
+    mode: FilterMode = FilterMode.CD_GTM,
+) -> DecodeResult:
+    """Encode and beam-search one batch: the generated SIDs, before any expansion."""
+    device = index.tables.node_offsets.device
+    ctx = model.encode(features.to(device))
+    requests = None
+    if mode != FilterMode.CD_ONLY:
+        requests = RequestTensors.from_encoded(encode_requests(targeting), str(device))
+    search = BeamSearch(model.decoder, index.tables, index.level_offsets)
+    return search.run(ctx, requests, beams, mode)
+
+
 def retrieve(
     model: GenerativeRetriever,
     index: RetrievalIndex,
@@ -51,13 +69,7 @@ def retrieve(
     max_ads: int = 1000,
 ) -> list[PostResult]:
     """Retrieve up to `max_ads` exactly eligible ads per request, best first."""
-    device = index.tables.node_offsets.device
-    ctx = model.encode(features.to(device))
-    requests = None
-    if mode != FilterMode.CD_ONLY:
-        requests = RequestTensors.from_encoded(encode_requests(targeting), str(device))
-    search = BeamSearch(model.decoder, index.tables, index.level_offsets)
-    result = search.run(ctx, requests, beams, mode)
+    result = decode(model, index, features, targeting, beams, mode)
     out = []
     for b, t in enumerate(targeting):
         leaves, scores = result.valid(b)
