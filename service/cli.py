@@ -188,6 +188,15 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flops(args: argparse.Namespace) -> int:
+    from service.model.config import profile
+    from service.model.flops import decoder_flops
+
+    report = decoder_flops(profile(args.profile), tuple(args.beams) if args.beams else None)
+    print(report.table())
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     print(
         "grace serve: the gRPC service is coming (issue #4). Today you can generate a world "
@@ -346,6 +355,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", help="also write the report as JSON here")
     p.add_argument("--no-progress", action="store_true")
+
+    p = add(
+        "flops",
+        _flops,
+        "decoder FLOPs per request of a model profile",
+        "Count decoder FLOPs per request (a multiply-add is 2) by term and step for a "
+        "profile's beam schedule or the one given.",
+    )
+    p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="paper")
+    p.add_argument("--beams", type=int, nargs=4, metavar="M")
 
     add(
         "serve",
