@@ -3,7 +3,7 @@
 Training writes with `save_checkpoint`; the server, evaluation and `grace` commands read
 with `load_checkpoint`. A checkpoint is a directory:
 
-    model.safetensors   the GenerativeRetriever state dict (names `encoder.*`, `decoder.*`)
+    model.safetensors   the GenerativeRetriever state dict (`embedder.*`, `encoder.*`, `decoder.*`)
     config.json         format name and version, model_version, ModelConfig, the SID
                         tokenizer fingerprint, sha256 of model.safetensors, created time,
                         `extra` (e.g. training metrics)

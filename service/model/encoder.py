@@ -1,15 +1,12 @@
 """Context encoder: the first half of pipeline stage 3 (DESIGN.md §2, §6).
 
-    FeatureBatch (stage 2) ──ContextEncoder──► ctx [B, t_ctx, d_model] ──► SID decoder
+    EmbeddedFeatures (stage 2, embeddings.py) ──ContextEncoder──► ctx [B, t_ctx, d_model]
+    ──► SID decoder
 
-InterFormer-style: non-sequence features and the behaviour sequence keep their own token
-streams and exchange information in both directions at every layer.
+InterFormer-style: the non-sequence tokens (user hash, country, age, gender) and the
+behaviour-sequence tokens (one per history event) keep their own streams and exchange
+information in both directions at every layer.
 
-- Non-sequence tokens (NUM_NONSEQ_TOKENS = 4): embeddings of the user hash, country, age
-  bucket and gender, one token each.
-- Sequence tokens, one per history event: the sum of its 4 SID-token embeddings (one
-  table per SID position), its event type, its time-gap bucket and its recency rank
-  (0 = newest event; ranks count real events only, so padding changes nothing).
 - Each `_InteractionLayer`, pre-norm:
     1. cross-talk on summaries: the masked mean of the sequence is projected and added to
        every non-sequence token (sequence -> non-sequence), and the mean of the
@@ -31,15 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.model.config import ModelConfig
-from service.model.features import (
-    NUM_AGE_BUCKETS,
-    NUM_COUNTRIES,
-    NUM_EVENT_TYPES,
-    NUM_GENDERS,
-    FeatureBatch,
-)
-
-NUM_NONSEQ_TOKENS = 4  # user hash, country, age bucket, gender
+from service.model.embeddings import EmbeddedFeatures
 
 
 class _Attention(nn.Module):
@@ -120,21 +109,12 @@ class _InteractionLayer(nn.Module):
 
 
 class ContextEncoder(nn.Module):
-    """FeatureBatch -> context tokens [B, t_ctx, d_model] (module docstring)."""
+    """EmbeddedFeatures (stage 2) -> context tokens [B, t_ctx, d_model] (module docstring)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         c, d = config, config.d_model
         self.config = config
-        self.user_emb = nn.Embedding(c.user_hash_buckets, d)
-        self.country_emb = nn.Embedding(NUM_COUNTRIES, d)
-        self.age_emb = nn.Embedding(NUM_AGE_BUCKETS, d)
-        self.gender_emb = nn.Embedding(NUM_GENDERS, d)
-        # position-specific SID tokens: row p * vocab_size + token
-        self.sid_emb = nn.Embedding(c.sid_length * c.vocab_size, d)
-        self.type_emb = nn.Embedding(NUM_EVENT_TYPES, d)
-        self.gap_emb = nn.Embedding(c.time_gap_buckets, d)
-        self.recency_emb = nn.Embedding(c.max_history, d)
         self.layers = nn.ModuleList(_InteractionLayer(c) for _ in range(c.encoder_layers))
         self.queries = nn.Parameter(torch.empty(c.t_ctx, d))  # [t_ctx, d]
         self.readout_q_norm = nn.LayerNorm(d)
@@ -143,41 +123,14 @@ class ContextEncoder(nn.Module):
         self.readout_ffn_norm = nn.LayerNorm(d)
         self.readout_ffn = _FFN(d, c.encoder_d_ff)
         self.out_norm = nn.LayerNorm(d)
-        for m in self.modules():
-            if isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=0.02)
         nn.init.normal_(self.queries, std=0.02)
-        self.register_buffer(
-            "sid_offsets", torch.arange(c.sid_length) * c.vocab_size, persistent=False
-        )  # [sid_length]
 
-    def forward(self, f: FeatureBatch) -> torch.Tensor:  # [B, t_ctx, d_model]
-        b = f.batch_size
-        nonseq = torch.stack(
-            [
-                self.user_emb(f.user_hash),
-                self.country_emb(f.country),
-                self.age_emb(f.age_bucket),
-                self.gender_emb(f.gender),
-            ],
-            dim=1,
-        )  # [B, N, d]
-        mask = f.hist_mask  # [B, L]
-        n_real = mask.sum(1, keepdim=True)  # [B, 1]
-        pos = torch.arange(mask.shape[1], device=mask.device)  # [L]
-        recency = (n_real - 1 - pos).clamp(min=0)  # [B, L]; 0 = newest, padding -> 0
-        seq = (
-            self.sid_emb(f.hist_sid + self.sid_offsets).sum(2)  # [B, L, d]
-            + self.type_emb(f.hist_type)
-            + self.gap_emb(f.hist_gap)
-            + self.recency_emb(recency)
-        )
-        seq = seq * mask.unsqueeze(-1)  # padding carries no embedding
-        keys = torch.cat([mask.new_ones(b, NUM_NONSEQ_TOKENS), mask], dim=1)  # [B, N + L]
+    def forward(self, x: EmbeddedFeatures) -> torch.Tensor:  # [B, t_ctx, d_model]
+        nonseq, seq, keys = x.nonseq, x.seq, x.keys
         for layer in self.layers:
             nonseq, seq = layer(nonseq, seq, keys)
-        x = self.readout_kv_norm(torch.cat([nonseq, seq], dim=1))  # [B, N + L, d]
-        q = self.queries.unsqueeze(0).expand(b, -1, -1)  # [B, t_ctx, d]
-        q = q + self.readout(self.readout_q_norm(q), x, keys)
+        kv = self.readout_kv_norm(torch.cat([nonseq, seq], dim=1))  # [B, N + L, d]
+        q = self.queries.unsqueeze(0).expand(nonseq.shape[0], -1, -1)  # [B, t_ctx, d]
+        q = q + self.readout(self.readout_q_norm(q), kv, keys)
         q = q + self.readout_ffn(self.readout_ffn_norm(q))
         return self.out_norm(q)

@@ -1,7 +1,7 @@
 """Feature preparation: pipeline stage 2 (DESIGN.md §2), between the batcher and the encoder.
 
     [UserFeatures] x B  ──prepare_features──►  FeatureBatch (CPU tensors)  ──.to(device)──►
-    ContextEncoder (stage 3)
+    FeatureEmbedder (embeddings.py, rest of stage 2)  ──►  ContextEncoder (stage 3)
 
 Each request's raw inputs (user id, targeting attributes, behaviour history as ad ids,
 event types and timestamps) become fixed-shape integer tensors: vocabulary indices of the

@@ -125,7 +125,7 @@ def encoder_flops(config: ModelConfig, history_len: int) -> int:
     tokens (Q, K/V, output projections; scores and weighted sum over S keys) and the FFN;
     then the readout: t_ctx queries attend to S tokens, plus the readout FFN.
     """
-    from service.model.encoder import NUM_NONSEQ_TOKENS
+    from service.model.embeddings import NUM_NONSEQ_TOKENS
 
     d, da, dff, t = config.d_model, config.d_attn, config.encoder_d_ff, config.t_ctx
     s = NUM_NONSEQ_TOKENS + min(history_len, config.max_history)

@@ -1,11 +1,11 @@
 """The generative retriever: encoder + SID decoder as one module (DESIGN.md §6).
 
-    FeatureBatch ──encode──► ctx [B, t_ctx, d_model] ──► decode engine (service/decode),
-                                                       which drives `decoder` step by step
+    FeatureBatch ──embed (stage 2)──► EmbeddedFeatures ──encoder (stage 3)──►
+    ctx [B, t_ctx, d_model] ──► decode engine (service/decode), which drives `decoder`
     FeatureBatch, target SID ──forward_train──► logits [B, sid_length, vocab] (training)
 
 Training, checkpoints and the decode engine hold this one object; its parameter names are
-the checkpoint's tensor names (`encoder.*`, `decoder.*`).
+the checkpoint's tensor names (`embedder.*`, `encoder.*`, `decoder.*`).
 """
 
 from __future__ import annotations
@@ -14,16 +14,18 @@ import torch
 from torch import nn
 
 from service.model.config import ModelConfig
+from service.model.embeddings import EmbeddedFeatures, FeatureEmbedder
 from service.model.encoder import ContextEncoder
 from service.model.features import FeatureBatch
 
 
 class GenerativeRetriever(nn.Module):
-    """ContextEncoder + SIDDecoder. `decoder` overrides the default `SIDDecoder(config)`."""
+    """FeatureEmbedder + ContextEncoder + SIDDecoder (`decoder` overrides the default)."""
 
     def __init__(self, config: ModelConfig, decoder: nn.Module | None = None) -> None:
         super().__init__()
         self.config = config
+        self.embedder = FeatureEmbedder(config)
         self.encoder = ContextEncoder(config)
         if decoder is None:
             from service.model.decoder import SIDDecoder  # lazy: keeps the encoder importable
@@ -31,8 +33,12 @@ class GenerativeRetriever(nn.Module):
             decoder = SIDDecoder(config)
         self.decoder = decoder
 
+    def embed(self, features: FeatureBatch) -> EmbeddedFeatures:  # stage 2
+        return self.embedder(features)
+
     def encode(self, features: FeatureBatch) -> torch.Tensor:  # [B, t_ctx, d_model]
-        return self.encoder(features)
+        """Stages 2 and 3 together (training, evaluation)."""
+        return self.encoder(self.embedder(features))
 
     def forward_train(
         self,

@@ -6,21 +6,28 @@ from dataclasses import fields, replace
 
 import pytest
 import torch
+from torch import nn
 
 from service.model.config import PROFILES
+from service.model.embeddings import FeatureEmbedder
 from service.model.encoder import ContextEncoder
 from service.model.features import FeatureBatch
 
 CONFIG = PROFILES["tiny"]
 
 
+def stages() -> nn.Sequential:
+    """Stage 2's embedder then stage 3's encoder: FeatureBatch -> context."""
+    return nn.Sequential(FeatureEmbedder(CONFIG), ContextEncoder(CONFIG))
+
+
 @pytest.fixture(scope="module")
-def encoder() -> ContextEncoder:
+def encoder() -> nn.Sequential:
     torch.manual_seed(0)
-    enc = ContextEncoder(CONFIG).eval()
+    enc = stages().eval()
     # FiLM starts at the identity; give it weights so the cross-talk path is exercised
     with torch.no_grad():
-        for layer in enc.layers:
+        for layer in enc[1].layers:
             layer.nonseq_to_seq.weight.normal_(std=0.05)
     return enc
 
@@ -128,7 +135,7 @@ def test_eval_mode_is_deterministic(encoder):
 
 def test_gradients_reach_every_parameter():
     torch.manual_seed(0)
-    enc = ContextEncoder(CONFIG)
+    enc = stages()
     enc(_batch([3, 0, 5])).square().mean().backward()
     untouched = [n for n, p in enc.named_parameters() if p.grad is None]
     assert untouched == []
