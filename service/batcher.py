@@ -1,0 +1,148 @@
+"""Request batching on the event loop: the first stop of every Retrieve (DESIGN.md §2, §5).
+
+    Retrieve handler ──submit──► bounded queue ──Batcher.run──► [≤ max_batch Pending]
+    ──dispatch (stage 1 thread)──► pipeline ──Pending.resolve──► handler's await returns
+
+A batch closes at `max_batch` requests or `max_wait` after its first request arrived.
+The queue is bounded: when it is full, `submit` raises `Overloaded` at once (the server
+answers RESOURCE_EXHAUSTED) instead of building a backlog. A request whose deadline has
+passed when its batch closes is answered `DeadlineExpired` and never reaches stage 1. At
+most `max_inflight` batches are in the pipeline at once; while all slots are taken the
+batcher stops taking requests, the queue fills, and overload shows at the door.
+
+Only this module's coroutines run on the event loop; `dispatch` must hand the batch to a
+thread and return at once, and pipeline threads resolve results with `Pending.resolve`,
+which is thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Overloaded(RuntimeError):
+    """The request queue is full."""
+
+
+class DeadlineExpired(RuntimeError):
+    """The request's deadline passed before its batch was dispatched."""
+
+
+@dataclass(eq=False)
+class Pending:
+    """One request waiting for its result; created on the event loop."""
+
+    payload: Any  # the validated request
+    deadline: float | None  # time.monotonic() by which it must be answered; None = none
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+    enqueued: float = field(default_factory=time.monotonic)
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+    def resolve(self, result: Any) -> None:
+        """Deliver a result from any thread."""
+        self.loop.call_soon_threadsafe(_set, self.future, result, None)
+
+    def fail(self, error: BaseException) -> None:
+        """Deliver an error from any thread."""
+        self.loop.call_soon_threadsafe(_set, self.future, None, error)
+
+
+def _set(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # the client went away (cancelled) meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class Batcher:
+    def __init__(
+        self,
+        dispatch: Callable[[list[Pending]], None],
+        *,
+        max_batch: int = 16,
+        max_wait: float = 0.005,
+        capacity: int = 256,
+        max_inflight: int = 4,
+    ) -> None:
+        if max_batch < 1 or capacity < 1 or max_inflight < 1 or max_wait < 0:
+            raise ValueError("max_batch, capacity and max_inflight must be >= 1, max_wait >= 0")
+        self._dispatch = dispatch
+        self.max_batch, self.max_wait = max_batch, max_wait
+        self._queue: asyncio.Queue[Pending] = asyncio.Queue(maxsize=capacity)
+        self._slots = asyncio.Semaphore(max_inflight)
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.expired = 0  # requests dropped for their deadline, for metrics
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting for a batch."""
+        return self._queue.qsize()
+
+    async def submit(self, payload: Any, timeout: float | None = None) -> Any:
+        """Queue a request and wait for its result (raises Overloaded when full)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = Pending(payload, deadline, loop.create_future(), loop)
+        try:
+            self._queue.put_nowait(pending)
+        except asyncio.QueueFull:
+            raise Overloaded(f"request queue full ({self._queue.maxsize})") from None
+        return await pending.future
+
+    def batch_done(self) -> None:
+        """A dispatched batch left the pipeline (call from any thread)."""
+        assert self._loop is not None, "batcher not started"
+        self._loop.call_soon_threadsafe(self._slots.release)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._run(), name="grace-batcher")
+
+    async def stop(self) -> None:
+        """Stop forming batches; requests still queued fail with Overloaded."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        while not self._queue.empty():
+            p = self._queue.get_nowait()
+            _set(p.future, None, Overloaded("server shutting down"))
+
+    async def _run(self) -> None:
+        while True:
+            await self._slots.acquire()
+            batch = [await self._queue.get()]
+            close_at = time.monotonic() + self.max_wait
+            while len(batch) < self.max_batch:
+                remaining = close_at - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+                except TimeoutError:
+                    break
+            now = time.monotonic()
+            live = []
+            for p in batch:
+                if p.future.done():  # cancelled by the client while queued
+                    continue
+                if p.expired(now):
+                    self.expired += 1
+                    _set(p.future, None, DeadlineExpired("deadline passed before processing"))
+                else:
+                    live.append(p)
+            if live:
+                self._dispatch(live)
+            else:
+                self._slots.release()

@@ -1,0 +1,141 @@
+"""The batcher: batch size and wait limits, overload at the door, expired deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+
+import pytest
+
+from service.batcher import Batcher, DeadlineExpired, Overloaded, Pending
+
+
+class FakePipeline:
+    """A stage thread that doubles payloads; `gate` holds batches until set."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.inbox: queue.Queue[list[Pending] | None] = queue.Queue()
+        self.batcher: Batcher | None = None
+        self.thread = threading.Thread(target=self._work, daemon=True)
+        self.thread.start()
+
+    def dispatch(self, batch: list[Pending]) -> None:
+        self.inbox.put(batch)
+
+    def _work(self) -> None:
+        while (batch := self.inbox.get()) is not None:
+            self.gate.wait()
+            self.batches.append([p.payload for p in batch])
+            for p in batch:
+                p.resolve(p.payload * 2)
+            assert self.batcher is not None
+            self.batcher.batch_done()
+
+    def close(self) -> None:
+        self.gate.set()
+        self.inbox.put(None)
+        self.thread.join(5)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def make(**kw) -> tuple[Batcher, FakePipeline]:
+    pipe = FakePipeline()
+    batcher = Batcher(pipe.dispatch, **kw)
+    pipe.batcher = batcher
+    batcher.start()
+    return batcher, pipe
+
+
+def test_concurrent_requests_are_batched_up_to_max_batch() -> None:
+    async def main() -> None:
+        batcher, pipe = make(max_batch=16, max_wait=0.05)
+        results = await asyncio.gather(*(batcher.submit(i) for i in range(40)))
+        assert results == [2 * i for i in range(40)]
+        sizes = [len(b) for b in pipe.batches]
+        assert max(sizes) == 16 and sum(sizes) == 40
+        assert sorted(x for b in pipe.batches for x in b) == list(range(40))
+        await batcher.stop()
+        pipe.close()
+
+    run(main())
+
+
+def test_a_lone_request_waits_at_most_max_wait() -> None:
+    async def main() -> None:
+        batcher, pipe = make(max_batch=16, max_wait=0.05)
+        t = time.monotonic()
+        assert await batcher.submit(7) == 14
+        assert 0.04 <= time.monotonic() - t < 1.0
+        await batcher.stop()
+        pipe.close()
+
+    run(main())
+
+
+def test_full_queue_answers_overloaded_at_once_and_accepted_requests_succeed() -> None:
+    async def main() -> None:
+        batcher, pipe = make(max_batch=2, max_wait=0.0, capacity=3, max_inflight=1)
+        pipe.gate.clear()  # the pipeline stalls
+        first = asyncio.ensure_future(batcher.submit(0))
+        await asyncio.sleep(0.05)  # batch [0] dispatched and stuck; the slot is taken
+        accepted = [asyncio.ensure_future(batcher.submit(i)) for i in (1, 2, 3)]
+        await asyncio.sleep(0.01)
+        t = time.monotonic()
+        with pytest.raises(Overloaded):
+            await batcher.submit(4)
+        assert time.monotonic() - t < 0.05  # refused immediately, not queued
+        assert batcher.depth == 3
+        pipe.gate.set()
+        assert await first == 0
+        assert await asyncio.gather(*accepted) == [2, 4, 6]
+        await batcher.stop()
+        pipe.close()
+
+    run(main())
+
+
+def test_expired_requests_never_reach_the_pipeline() -> None:
+    async def main() -> None:
+        batcher, pipe = make(max_batch=4, max_wait=0.0, max_inflight=1)
+        pipe.gate.clear()
+        blocker = asyncio.ensure_future(batcher.submit(100))
+        await asyncio.sleep(0.05)
+        late = asyncio.ensure_future(batcher.submit(1, timeout=0.01))
+        fine = asyncio.ensure_future(batcher.submit(2, timeout=10))
+        await asyncio.sleep(0.1)  # the deadline passes while the pipeline is busy
+        pipe.gate.set()
+        with pytest.raises(DeadlineExpired):
+            await late
+        assert await fine == 4 and await blocker == 200
+        assert all(1 not in b for b in pipe.batches)
+        assert batcher.expired == 1
+        await batcher.stop()
+        pipe.close()
+
+    run(main())
+
+
+def test_stop_fails_queued_requests() -> None:
+    async def main() -> None:
+        batcher, pipe = make(max_batch=1, max_wait=0.0, max_inflight=1)
+        pipe.gate.clear()
+        running = asyncio.ensure_future(batcher.submit(1))
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(batcher.submit(2))
+        await asyncio.sleep(0.01)
+        await batcher.stop()
+        with pytest.raises(Overloaded, match="shutting down"):
+            await queued
+        pipe.gate.set()
+        assert await running == 2
+        pipe.close()
+
+    run(main())
