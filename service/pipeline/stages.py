@@ -1,0 +1,125 @@
+"""The bodies of the four pipeline stages (DESIGN.md §2). Each takes the `BatchState`,
+does its part on the compute device (on its own CUDA stream on GPU), and returns.
+
+1. input: pack requests into a `FeatureBatch` (history -> SID tokens via the batch's
+   index), pin it and copy it host -> device;
+2. features: embedding tables and bags (`FeatureEmbedder`);
+3. compute: encoder, then the constrained beam search — one run per (beams, filter mode)
+   group of the batch, so requests with other options never share a schedule;
+4. post: SIDs -> ads, exact filter, rank, cut (C++ post stage when built, else the Python
+   reference) and one `RetrievalResult` per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import numpy as np
+import torch
+
+from index_builder.exact import PostResult, expand_and_filter
+from index_builder.lookup import FilterMode, RequestTensors
+from index_builder.targeting import encode_requests
+from service.decode.engine import BeamSearch
+from service.model.features import UserFeatures, prepare_features
+from service.model.retriever import GenerativeRetriever
+from service.pipeline.records import BatchState, RetrievalResult
+
+PostFn = Callable[[BatchState, Sequence[tuple[np.ndarray, np.ndarray]]], list[PostResult]]
+
+
+class Stages:
+    """The model, device and post-stage implementation shared by the stage threads."""
+
+    def __init__(
+        self, model: GenerativeRetriever, model_version: str, device: str, post: PostFn | None
+    ) -> None:
+        self.model = model.eval()
+        self.model_version = model_version
+        self.device = torch.device(device)
+        self.post_fn = post or python_post
+        cuda = self.device.type == "cuda"
+        self.streams = [torch.cuda.Stream(self.device) if cuda else None for _ in range(4)]
+
+    def _on(self, stage: int, batch: BatchState) -> AbstractContextManager[object]:
+        stream = self.streams[stage]
+        if stream is None:
+            return nullcontext()
+        if batch.event is not None:
+            stream.wait_event(batch.event)  # ordered after the previous stage, no host sync
+        return torch.cuda.stream(stream)
+
+    def _done(self, stage: int, batch: BatchState) -> None:
+        stream = self.streams[stage]
+        if stream is not None:
+            batch.event = torch.cuda.Event()
+            batch.event.record(stream)
+
+    def input(self, batch: BatchState) -> None:
+        users = [
+            UserFeatures(r.user_id, r.targeting, r.history_ad_ids, r.history_types, r.history_ts_ms)
+            for r in batch.requests
+        ]
+        features = prepare_features(users, batch.index.retrieval.lookup, self.model.config)
+        with self._on(0, batch):
+            if self.device.type == "cuda":
+                features = features.pin_memory()
+            batch.features = features.to(self.device, non_blocking=True)
+        self._done(0, batch)
+
+    @torch.no_grad()
+    def features(self, batch: BatchState) -> None:
+        assert batch.features is not None
+        with self._on(1, batch):
+            batch.embedded = self.model.embed(batch.features)
+        self._done(1, batch)
+
+    @torch.no_grad()
+    def compute(self, batch: BatchState) -> None:
+        assert batch.embedded is not None
+        retrieval = batch.index.retrieval
+        with self._on(2, batch):
+            ctx = self.model.encoder(batch.embedded)
+            search = BeamSearch(self.model.decoder, retrieval.tables, retrieval.level_offsets)
+            groups: dict[tuple[tuple[int, ...], FilterMode], list[int]] = {}
+            for i, r in enumerate(batch.requests):
+                groups.setdefault((r.beams, r.filter_mode), []).append(i)
+            for (beams, mode), rows in groups.items():
+                reqs = None
+                if mode != FilterMode.CD_ONLY:
+                    enc = encode_requests([batch.requests[i].targeting for i in rows])
+                    reqs = RequestTensors.from_encoded(enc, str(self.device))
+                idx = torch.tensor(rows, device=self.device)
+                batch.decoded.append((rows, search.run(ctx[idx], reqs, beams, mode)))
+        self._done(2, batch)
+
+    def post(self, batch: BatchState) -> list[RetrievalResult]:
+        if batch.event is not None:
+            batch.event.synchronize()  # the decode results must be on the device
+        generated: list[tuple[np.ndarray, np.ndarray]] = [None] * len(batch.pending)  # type: ignore[list-item]
+        for rows, res in batch.decoded:
+            leaves, scores = res.leaves.cpu().numpy(), res.scores.cpu().numpy()
+            for j, i in enumerate(rows):
+                live = leaves[j] >= 0
+                generated[i] = (leaves[j][live], scores[j][live])
+        posts = self.post_fn(batch, generated)
+        return [
+            RetrievalResult(
+                post=p,
+                sids_generated=len(g[0]),
+                index_version=batch.index.version,
+                model_version=self.model_version,
+                stage_ms=dict(batch.stage_ms),
+            )
+            for p, g in zip(posts, generated, strict=True)
+        ]
+
+
+def python_post(batch: BatchState, generated) -> list[PostResult]:
+    """The Python reference post stage (index_builder/exact.py), request by request."""
+    r = batch.index.retrieval
+    return [
+        expand_and_filter(r.arrays.ads, r.vocabulary, leaves, scores, req.targeting, req.max_ads)
+        for req, (leaves, scores) in zip(batch.requests, generated, strict=True)
+    ]

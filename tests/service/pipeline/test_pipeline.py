@@ -1,0 +1,153 @@
+"""The four-stage pipeline behind the batcher: same answers as the reference path, only
+eligible ads, one index per batch across swaps, and a failing batch fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from index_builder.build import build_arrays
+from index_builder.lookup import FilterMode
+from index_builder.targeting import Targeting
+from service.batcher import Batcher
+from service.decode.retrieve import RetrievalIndex, retrieve
+from service.model.config import PROFILES
+from service.model.features import UserFeatures, prepare_features
+from service.model.retriever import GenerativeRetriever
+from service.pipeline.runner import Pipeline
+from service.pipeline.stages import Stages
+from service.serving_index import IndexHolder, ServingIndex
+from tests.helpers.catalogs import catalog_from_ads
+from tests.helpers.oracle import Ad, eligible
+
+CONFIG = PROFILES["tiny"]
+BEAMS = (1, 8, 16, 16)
+
+
+@dataclass(frozen=True)
+class Req:
+    user_id: int
+    targeting: Targeting
+    history_ad_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    history_types: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    history_ts_ms: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    max_ads: int = 50
+    beams: tuple[int, ...] = BEAMS
+    filter_mode: FilterMode = FilterMode.CD_GTM
+
+
+def world(seed: int) -> tuple[list[Ad], ServingIndex]:
+    rng = np.random.default_rng(seed)
+    ads = [
+        Ad(
+            1000 + i,
+            tuple(int(x) for x in rng.integers(0, 6, 4)),  # type: ignore[arg-type]
+            countries=("US",) if i % 3 == 0 else (),
+            genders=("female",) if i % 5 == 0 else (),
+            locations=("US/R1",) if i % 7 == 0 else (),
+        )
+        for i in range(300)
+    ]
+    cat = catalog_from_ads(ads)
+    arrays = build_arrays(cat, cat.sid.astype(np.int64))
+    return ads, ServingIndex(f"v{seed}", Path("."), {}, RetrievalIndex.from_arrays(arrays))
+
+
+def requests(n: int, ads: list[Ad]) -> list[Req]:
+    rng = np.random.default_rng(1)
+    out = []
+    for i in range(n):
+        hist = np.array([ads[j].ad_id for j in rng.integers(0, len(ads), 5)], dtype=np.int64)
+        out.append(
+            Req(
+                user_id=i,
+                targeting=Targeting(
+                    ("US", "CA")[i % 2],
+                    20 + i,
+                    ("female", "male", "")[i % 3],
+                    ("US/R1",) if i % 4 == 0 else (),
+                ),
+                history_ad_ids=hist,
+                history_types=np.ones(5, np.int64),
+                history_ts_ms=np.arange(5, dtype=np.int64) * 1000,
+                filter_mode=FilterMode.CD_ONLY if i % 5 == 4 else FilterMode.CD_GTM,
+            )
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def model() -> GenerativeRetriever:
+    torch.manual_seed(0)
+    return GenerativeRetriever(CONFIG).eval()
+
+
+async def serve(model, holder: IndexHolder, reqs, *, fail_stage: str | None = None, swap=None):
+    stages = Stages(model, "m1", "cpu", None)
+    if fail_stage:
+        original = getattr(stages, fail_stage)
+
+        def broken(batch):
+            if any(r.user_id == 0 for r in batch.requests):
+                raise RuntimeError("boom")
+            return original(batch)
+
+        setattr(stages, fail_stage, broken)
+    batcher: Batcher
+    pipeline = Pipeline(stages, holder, lambda: batcher.batch_done())
+    batcher = Batcher(pipeline.dispatch, max_batch=4, max_wait=0.002)
+    batcher.start()
+    tasks = []
+    for i, r in enumerate(reqs):
+        tasks.append(asyncio.ensure_future(batcher.submit(r)))
+        if swap is not None and i == len(reqs) // 2:
+            await asyncio.sleep(0.05)
+            holder.swap(swap)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    await batcher.stop()
+    pipeline.stop()
+    return results
+
+
+def test_pipeline_answers_like_the_reference_path_and_only_eligible_ads(model) -> None:
+    ads, index = world(0)
+    reqs = requests(10, ads)
+    results = asyncio.run(serve(model, IndexHolder(index), reqs))
+    by_id = {a.ad_id: a for a in ads}
+    for r, res in zip(reqs, results, strict=True):
+        feats = prepare_features(
+            [UserFeatures(r.user_id, r.targeting, r.history_ad_ids, r.history_types,
+                          r.history_ts_ms)], index.retrieval.lookup, CONFIG)  # fmt: skip
+        [want] = retrieve(model, index.retrieval, feats, [r.targeting], r.beams, r.filter_mode,
+                          r.max_ads)  # fmt: skip
+        assert res.post.ad_ids.tolist() == want.ad_ids.tolist()
+        torch.testing.assert_close(res.post.scores, want.scores)
+        assert all(eligible(by_id[a], r.targeting) for a in res.post.ad_ids.tolist())
+        assert res.index_version == "v0" and res.model_version == "m1"
+        assert set(res.stage_ms) == {"input", "features", "compute", "post"}
+        assert 0 < res.sids_generated <= r.beams[-1]
+
+
+def test_every_batch_uses_one_index_across_a_swap(model) -> None:
+    ads0, index0 = world(0)
+    _, index1 = world(1)
+    holder = IndexHolder(index0)
+    results = asyncio.run(serve(model, holder, requests(24, ads0), swap=index1))
+    versions = [r.index_version for r in results]
+    assert set(versions) == {"v0", "v1"}
+    assert versions == sorted(versions)  # requests after the swap got the new index
+    assert holder.swaps == 1
+
+
+@pytest.mark.parametrize("stage", ["input", "compute", "post"])
+def test_a_failing_batch_fails_alone(model, stage: str) -> None:
+    ads, index = world(0)
+    results = asyncio.run(serve(model, IndexHolder(index), requests(12, ads), fail_stage=stage))
+    failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
+    assert 0 in failed and len(failed) < len(results)
+    assert all(not isinstance(r, Exception) for r in results[4:])  # later batches served
