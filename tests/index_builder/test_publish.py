@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index_builder.build import build_arrays
-from index_builder.format import IndexArrays, file_sha256, write_index_dir
+from index_builder.format import file_sha256
 from index_builder.publish import (
     PublishError,
     current_path,
@@ -25,33 +24,9 @@ from index_builder.publish import (
     writer_lock,
 )
 from index_builder.validate import IndexValidationError, validate_index
-from tests.helpers.catalogs import catalog_from_ads
-from tests.helpers.oracle import Ad
+from tests.helpers.indexes import small_index, writer
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def small_index(n: int = 50) -> IndexArrays:
-    ads = [
-        Ad(
-            100 + i,
-            (i % 5, i % 7, i % 11, i),
-            countries=("US",) if i % 2 else (),
-            locations=(f"US/R{i % 3}",) if i % 3 else (),
-        )
-        for i in range(n)
-    ]
-    cat = catalog_from_ads(ads)
-    return build_arrays(cat, cat.sid.astype(np.int64))
-
-
-def writer(arrays: IndexArrays):
-    def write(directory: Path, version: str) -> None:
-        write_index_dir(
-            directory, arrays, {"index_version": version, "tokenizer_fingerprint": "test"}
-        )
-
-    return write
 
 
 def test_publish_points_current_at_a_valid_version_and_prunes(tmp_path: Path) -> None:
@@ -87,7 +62,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     import index_builder.format as fmt
-    from tests.index_builder.test_publish import small_index, writer
+    from tests.helpers.indexes import small_index, writer
     from index_builder.publish import publish
     real_fsync = fmt.os.fsync
     def slow_fsync(fd):  # widen the write window so the kill lands inside it
