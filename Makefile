@@ -41,5 +41,9 @@ serve: install  ## serve the embedded default (the service lands with issue #4)
 bench: install  ## index-builder benchmarks (writes bench/results/)
 	$(PY) bench/bench_index_build.py
 
+.PHONY: proto
+proto: install  ## regenerate the gRPC stubs in service/rpc from proto/
+	$(PY) -m service.rpc.generate
+
 clean:  ## remove the venv and caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -1,0 +1,243 @@
+"""Server settings: what `grace serve` reads once at start-up, before anything is loaded.
+
+Sources, highest precedence first:
+
+    1. overrides passed by the caller (CLI flags, as a dict; None values are ignored)
+    2. environment variables `GRACE_<FIELD>` (case-insensitive), e.g. `GRACE_PORT=50052`
+    3. a config file (TOML, JSON or YAML by suffix) named by the `config` override,
+       `GRACE_CONFIG`, or `load_settings(config_file=...)`; keys are the field names
+    4. the defaults below
+
+Relative paths are relative to the working directory, not to the config file. Beam
+schedules from the environment may be JSON (`[1,64,128,128]`) or comma-separated
+(`1,64,128,128`). `Limits.from_settings` (service/validation.py) derives the request
+limits; nothing downstream reads a setting per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    JsonConfigSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+from index_builder.format import SID_LENGTH
+from service.model.config import PROFILES
+
+_FILE_SOURCES = {
+    ".toml": TomlConfigSettingsSource,
+    ".json": JsonConfigSettingsSource,
+    ".yaml": YamlConfigSettingsSource,
+    ".yml": YamlConfigSettingsSource,
+}
+
+Schedule = Annotated[tuple[int, ...] | None, NoDecode]
+
+
+class ServerSettings(BaseSettings):
+    """Settings of one serving process. Build with `load_settings`."""
+
+    model_config = SettingsConfigDict(env_prefix="GRACE_", extra="forbid")
+
+    config: Path | None = Field(
+        None,
+        description="Config file (.toml, .json, .yaml/.yml) read below the environment and "
+        "CLI flags; must exist when given. Env: GRACE_CONFIG.",
+    )
+    host: str = Field("0.0.0.0", description="Address the gRPC server binds to.")
+    port: int = Field(50051, description="gRPC port; 0 lets the OS pick a free one (tests).")
+    metrics_port: int = Field(
+        9464, description="Prometheus HTTP port; 0 lets the OS pick a free one (tests)."
+    )
+    data_dir: Path = Field(
+        Path("data"), description="Working data directory (world, model, index)."
+    )
+    index_root: Path | None = Field(
+        None, description="Index root holding versions and CURRENT; default <data_dir>/index."
+    )
+    model_dir: Path | None = Field(
+        None, description="Model checkpoint directory (grace train); default <data_dir>/model."
+    )
+    profile: str = Field(
+        "tiny", description=f"Model profile, one of {sorted(PROFILES)} (service/model/config.py)."
+    )
+    device: str = Field(
+        "auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'."
+    )
+    max_batch: int = Field(16, description="Most requests in one batch.")
+    max_wait_ms: float = Field(
+        5.0, description="Longest a request waits for its batch to fill, in milliseconds."
+    )
+    queue_capacity: int = Field(
+        256, description="Requests waiting for a batch; beyond it new ones get RESOURCE_EXHAUSTED."
+    )
+    default_max_ads: int = Field(1000, description="Ads returned when a request's max_ads is 0.")
+    max_ads_limit: int = Field(10_000, description="Largest max_ads a request may ask for.")
+    max_history_events: int = Field(
+        10_000, description="Most user.history events a request may carry."
+    )
+    beam_max: Schedule = Field(
+        None,
+        description="Per-step maxima (M_1..M_4) for Options.beam_widths; default the "
+        "profile's beams.",
+    )
+    beams: Schedule = Field(
+        None,
+        description="Schedule used when a request sends no beam_widths; default the "
+        "profile's beams, capped step by step at beam_max.",
+    )
+    index_poll_seconds: float = Field(
+        1.0, description="How often the index watcher reads <index_root>/CURRENT, in seconds."
+    )
+    drain_seconds: float = Field(
+        10.0, description="Grace period for in-flight requests on SIGTERM, in seconds."
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file's own name comes from the two sources above it.
+        path = init_settings().get("config") or env_settings().get("config")
+        if path is None:
+            return init_settings, env_settings
+        return init_settings, env_settings, _file_source(settings_cls, Path(path))
+
+    @field_validator("port", "metrics_port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        if not 0 <= v <= 65535:
+            raise ValueError(f"must be a TCP port in 0..65535 (0 = any free port), got {v}")
+        return v
+
+    @field_validator("profile")
+    @classmethod
+    def _profile(cls, v: str) -> str:
+        if v not in PROFILES:
+            raise ValueError(f"unknown profile {v!r}; known: {sorted(PROFILES)}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        kind, _, ordinal = v.partition(":")
+        if v in ("auto", "cpu", "cuda") or (kind == "cuda" and ordinal.isdigit()):
+            return v
+        raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+
+    @field_validator("max_batch", "queue_capacity", "default_max_ads", "max_ads_limit")
+    @classmethod
+    def _at_least_one(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("max_history_events")
+    @classmethod
+    def _non_negative(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"must be >= 0, got {v}")
+        return v
+
+    @field_validator("max_wait_ms", "drain_seconds")
+    @classmethod
+    def _non_negative_time(cls, v: float) -> float:
+        if not v >= 0:  # also refuses NaN
+            raise ValueError(f"must be >= 0, got {v}")
+        return v
+
+    @field_validator("index_poll_seconds")
+    @classmethod
+    def _positive_time(cls, v: float) -> float:
+        if not 0 < v < float("inf"):
+            raise ValueError(f"must be a positive number of seconds, got {v}")
+        return v
+
+    @field_validator("beam_max", "beams", mode="before")
+    @classmethod
+    def _parse_schedule(cls, v: Any) -> Any:
+        if isinstance(v, str):  # from the environment: "[1,64,128,128]" or "1,64,128,128"
+            parts = [p for p in v.strip().strip("[]()").replace(" ", "").split(",") if p]
+            return tuple(parts)
+        return v
+
+    @field_validator("beam_max", "beams")
+    @classmethod
+    def _schedule(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is not None:
+            _check_schedule(v)
+        return v
+
+    @model_validator(mode="after")
+    def _resolve(self) -> ServerSettings:
+        if self.default_max_ads > self.max_ads_limit:
+            raise ValueError(
+                f"default_max_ads ({self.default_max_ads}) exceeds max_ads_limit "
+                f"({self.max_ads_limit})"
+            )
+        self.index_root = self.index_root or self.data_dir / "index"
+        self.model_dir = self.model_dir or self.data_dir / "model"
+        self.beam_max = self.beam_max or PROFILES[self.profile].beams
+        if self.beams is None:
+            self.beams = tuple(map(min, PROFILES[self.profile].beams, self.beam_max))
+        over = [t for t in range(SID_LENGTH) if self.beams[t] > self.beam_max[t]]
+        if over:
+            raise ValueError(
+                f"beams {self.beams} exceed beam_max {self.beam_max} at step {over[0] + 1}"
+            )
+        return self
+
+    def resolve_device(self) -> str:
+        """The torch device to run on: `device`, with 'auto' resolved."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_schedule(beams: tuple[int, ...]) -> None:
+    # The decode engine owns the rule; imported here so `grace --help` stays torch-free.
+    from index_builder.format import VOCAB_SIZE
+    from service.decode.engine import check_schedule
+
+    check_schedule(tuple(beams), SID_LENGTH, VOCAB_SIZE)
+
+
+def _file_source(settings_cls: type[BaseSettings], path: Path) -> PydanticBaseSettingsSource:
+    source = _FILE_SOURCES.get(path.suffix.lower())
+    if source is None:
+        raise ValueError(f"config file {path}: unknown type; use one of {sorted(_FILE_SOURCES)}")
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    return source(settings_cls, path)
+
+
+def load_settings(
+    overrides: Mapping[str, Any] | None = None, *, config_file: Path | str | None = None
+) -> ServerSettings:
+    """Settings from CLI overrides > environment > config file > defaults.
+
+    `overrides` maps field names to values; None values (flags not given) are dropped.
+    `config_file` is the same as an override `config` (so it wins over GRACE_CONFIG).
+    Raises pydantic.ValidationError (a ValueError) naming each bad field.
+    """
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if config_file is not None:
+        given.setdefault("config", Path(config_file))
+    return ServerSettings(**given)

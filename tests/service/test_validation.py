@@ -1,0 +1,274 @@
+"""Request validation: bad fields are named, good requests come through with defaults."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from index_builder.lookup import FilterMode
+from index_builder.targeting import Targeting, request_bitmask, request_blooms
+from service.rpc.grace.v1 import retrieval_pb2 as pb
+from service.validation import InvalidRequest, Limits, ValidatedRequest, validate_request
+
+LIMITS = Limits(
+    default_max_ads=1000,
+    max_ads_limit=10_000,
+    default_beams=(1, 64, 128, 128),
+    beam_max=(1, 64, 128, 128),
+    max_history=100,
+)
+# Paper-sized maxima: wide enough that the M_{t+1} <= 512·M_t rule can bite.
+WIDE = Limits(1000, 10_000, (1, 512, 1024, 1024), (1, 512, 1024, 1024))
+
+
+def _good() -> pb.RetrieveRequest:
+    return pb.RetrieveRequest(
+        request_id="req-1",
+        user=pb.User(
+            user_id=42,
+            history=[
+                pb.Event(ad_id=7, type=pb.VIEW, timestamp_ms=1_000),
+                pb.Event(ad_id=-3, type=pb.CLICK, timestamp_ms=0),
+                pb.Event(ad_id=9, type=pb.CONVERSION, timestamp_ms=2_000),
+            ],
+        ),
+        targeting=pb.Targeting(country="us", age=30, gender="female", locations=["NYC", "10001"]),
+        options=pb.Options(max_ads=50, beam_widths=[1, 8, 16, 32], filter_mode=pb.CD_ONLY),
+    )
+
+
+def test_good_request_round_trips() -> None:
+    v = validate_request(_good(), LIMITS)
+    assert v.request_id == "req-1" and v.user_id == 42
+    assert v.targeting == Targeting("US", 30, "female", ("NYC", "10001"))
+    np.testing.assert_array_equal(v.history_ad_ids, [7, -3, 9])
+    np.testing.assert_array_equal(v.history_types, [pb.VIEW, pb.CLICK, pb.CONVERSION])
+    np.testing.assert_array_equal(v.history_ts_ms, [1_000, 0, 2_000])
+    assert v.history_ad_ids.dtype == v.history_ts_ms.dtype == np.int64
+    assert not v.history_ad_ids.flags.writeable
+    assert (v.max_ads, v.beams, v.filter_mode) == (50, (1, 8, 16, 32), FilterMode.CD_ONLY)
+    assert v.include_sids is False
+
+
+def test_empty_request_gets_every_default() -> None:
+    v = validate_request(pb.RetrieveRequest(), LIMITS)
+    assert v == ValidatedRequest(
+        request_id="",
+        user_id=0,
+        targeting=Targeting(),
+        history_ad_ids=v.history_ad_ids,
+        history_types=v.history_types,
+        history_ts_ms=v.history_ts_ms,
+        max_ads=1000,
+        beams=(1, 64, 128, 128),
+        filter_mode=FilterMode.CD_GTM,
+        include_sids=False,
+    )
+    assert len(v.history_ad_ids) == len(v.history_types) == len(v.history_ts_ms) == 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [(pb.FILTER_MODE_UNSPECIFIED, FilterMode.CD_GTM), (pb.CD_GTM, FilterMode.CD_GTM)],
+)
+def test_filter_mode_default_is_cd_gtm(mode: int, expected: FilterMode) -> None:
+    req = pb.RetrieveRequest(options=pb.Options(filter_mode=mode, include_sids=True))
+    v = validate_request(req, LIMITS)
+    assert v.filter_mode == expected and v.include_sids
+
+
+def test_unknown_but_well_formed_country_is_unknown() -> None:
+    v = validate_request(pb.RetrieveRequest(targeting=pb.Targeting(country="xq")), LIMITS)
+    assert v.targeting.country == "XQ"
+    assert np.array_equal(request_bitmask(v.targeting), request_bitmask(Targeting()))
+
+
+def test_limits_at_the_edges_pass() -> None:
+    req = pb.RetrieveRequest(
+        request_id="r" * 128,
+        targeting=pb.Targeting(age=150, locations=["é" * 128] * 64),
+        options=pb.Options(max_ads=10_000, beam_widths=[1, 64, 128, 128]),
+    )
+    req.user.history.extend(pb.Event(type=pb.VIEW) for _ in range(100))
+    v = validate_request(req, LIMITS)
+    assert v.max_ads == 10_000 and len(v.targeting.locations) == 64
+    assert v.beams == (1, 64, 128, 128)
+    # what validation admits, the targeting encoder accepts
+    request_bitmask(v.targeting)
+    request_blooms(v.targeting)
+
+
+def _set(path: str, value):
+    def edit(req: pb.RetrieveRequest) -> None:
+        *parents, leaf = path.split(".")
+        msg = req
+        for p in parents:
+            msg = getattr(msg, p)
+        if isinstance(value, list):
+            del getattr(msg, leaf)[:]
+            getattr(msg, leaf).extend(value)
+        else:
+            setattr(msg, leaf, value)
+
+    return edit
+
+
+def _event(i: int, **kw):
+    def edit(req: pb.RetrieveRequest) -> None:
+        e = req.user.history[i]
+        for k, v in kw.items():
+            setattr(e, k, v)
+
+    return edit
+
+
+def _many_events(n: int):
+    def edit(req: pb.RetrieveRequest) -> None:
+        req.user.history.extend(pb.Event(type=pb.VIEW) for _ in range(n))
+
+    return edit
+
+
+BAD = [
+    ("request_id", _set("request_id", "x" * 129), "request_id"),
+    ("request_id_bytes", _set("request_id", "é" * 65), "request_id"),
+    ("country_long", _set("targeting.country", "USA"), "targeting.country"),
+    ("country_digits", _set("targeting.country", "1A"), "targeting.country"),
+    ("country_non_ascii", _set("targeting.country", "ÜS"), "targeting.country"),
+    ("country_short", _set("targeting.country", "U"), "targeting.country"),
+    ("age_negative", _set("targeting.age", -1), "targeting.age"),
+    ("age_absurd", _set("targeting.age", 151), "targeting.age"),
+    ("gender_unknown", _set("targeting.gender", "other"), "targeting.gender"),
+    ("gender_case", _set("targeting.gender", "Female"), "targeting.gender"),
+    ("locations_65", _set("targeting.locations", ["a"] * 65), "targeting.locations"),
+    ("location_empty", _set("targeting.locations", ["a", ""]), "targeting.locations[1]"),
+    ("location_long", _set("targeting.locations", ["a" * 257]), "targeting.locations[0]"),
+    ("history_long", _many_events(98), "user.history"),
+    ("event_unspecified", _event(1, type=pb.EVENT_TYPE_UNSPECIFIED), "user.history[1].type"),
+    ("event_unknown", _event(2, type=17), "user.history[2].type"),
+    ("timestamp_negative", _event(2, timestamp_ms=-5), "user.history[2].timestamp_ms"),
+    ("max_ads_negative", _set("options.max_ads", -1), "options.max_ads"),
+    ("max_ads_absurd", _set("options.max_ads", 10_001), "options.max_ads"),
+    ("beams_short", _set("options.beam_widths", [1, 8, 16]), "options.beam_widths"),
+    ("beams_long", _set("options.beam_widths", [1, 8, 16, 16, 16]), "options.beam_widths"),
+    ("beams_first", _set("options.beam_widths", [2, 8, 16, 32]), "options.beam_widths[0]"),
+    ("beams_zero", _set("options.beam_widths", [1, 8, 0, 32]), "options.beam_widths[2]"),
+    ("beams_negative", _set("options.beam_widths", [1, -8, 1, 1]), "options.beam_widths[1]"),
+    ("beams_over_max", _set("options.beam_widths", [1, 64, 129, 128]), "options.beam_widths[2]"),
+    ("filter_mode", _set("options.filter_mode", 3), "options.filter_mode"),
+]
+
+
+@pytest.mark.parametrize(("edit", "field"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_names_the_field(edit, field: str) -> None:
+    req = _good()
+    edit(req)
+    with pytest.raises(InvalidRequest) as e:
+        validate_request(req, LIMITS)
+    assert e.value.field == field
+    assert str(e.value).startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize(
+    ("widths", "field"),
+    [([1, 1, 1000, 1000], "options.beam_widths[2]"), ([1, 1, 2, 1025], "options.beam_widths[3]")],
+)
+def test_beam_growth_rule_names_the_step(widths: list[int], field: str) -> None:
+    req = pb.RetrieveRequest(options=pb.Options(beam_widths=widths))
+    with pytest.raises(InvalidRequest, match="exceeds") as e:
+        validate_request(req, WIDE)
+    assert e.value.field == field
+
+
+def test_limits_from_settings() -> None:
+    from service.settings import load_settings
+
+    s = load_settings({"beam_max": [1, 32, 64, 64], "max_ads_limit": 500, "default_max_ads": 10})
+    limits = Limits.from_settings(s)
+    assert limits == Limits(10, 500, (1, 32, 64, 64), (1, 32, 64, 64), s.max_history_events)
+    with pytest.raises(InvalidRequest, match="server maximum 32"):
+        validate_request(
+            pb.RetrieveRequest(options=pb.Options(beam_widths=[1, 64, 64, 64])), limits
+        )
+
+
+# --------------------------------------------------------------------------- fuzz
+
+# Each field mixes plausible values with garbage, so both outcomes stay frequent.
+_int32 = st.one_of(st.integers(-(2**31), 2**31 - 1), st.integers(-3, 200))
+_int64 = st.integers(-(2**63), 2**63 - 1)
+_text = st.one_of(st.text(max_size=300), st.text("ab-é€", max_size=3))
+
+
+def _mostly(good: st.SearchStrategy, bad: st.SearchStrategy) -> st.SearchStrategy:
+    # one_of would pick each side half the time; 3:1 keeps later fields reachable
+    return st.integers(0, 3).flatmap(lambda i: bad if i == 0 else good)
+
+
+_good_event = st.builds(
+    pb.Event,
+    ad_id=_int64,
+    type=st.sampled_from([pb.VIEW, pb.CLICK, pb.CONVERSION]),
+    timestamp_ms=st.integers(0, 2**63 - 1),
+)
+_any_event = st.builds(pb.Event, ad_id=_int64, type=_int32, timestamp_ms=_int64)
+_request_st = st.builds(
+    pb.RetrieveRequest,
+    request_id=_mostly(st.text(max_size=20), _text),
+    user=st.builds(
+        pb.User,
+        user_id=_int64,
+        history=_mostly(
+            st.lists(_good_event, max_size=110), st.lists(_any_event, min_size=1, max_size=5)
+        ),
+    ),
+    targeting=st.builds(
+        pb.Targeting,
+        country=_mostly(st.sampled_from(["", "us", "GB", "XX"]), _text),
+        age=_mostly(st.integers(0, 150), _int32),
+        gender=_mostly(st.sampled_from(["", "female", "male"]), _text),
+        locations=st.lists(_mostly(st.text(min_size=1, max_size=20), _text), max_size=66),
+    ),
+    options=st.builds(
+        pb.Options,
+        max_ads=_mostly(st.integers(0, 10_000), _int32),
+        beam_widths=st.one_of(
+            st.just([]),
+            st.tuples(st.just(1), *[st.integers(1, 128)] * 3).map(list),
+            st.lists(_int32, max_size=6),
+        ),
+        filter_mode=_mostly(st.sampled_from([0, 1, 2]), _int32),
+        include_sids=st.booleans(),
+    ),
+)
+
+
+def _check(req: pb.RetrieveRequest) -> None:
+    try:
+        v = validate_request(req, LIMITS)
+    except InvalidRequest as e:
+        assert e.field and str(e).startswith(e.field)
+        return
+    # anything admitted is usable downstream
+    assert 1 <= v.max_ads <= LIMITS.max_ads_limit
+    assert all(1 <= m <= most for m, most in zip(v.beams, LIMITS.beam_max, strict=True))
+    request_bitmask(v.targeting)
+    request_blooms(v.targeting)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_request_st)
+def test_fuzzed_fields_raise_only_invalid_request(req: pb.RetrieveRequest) -> None:
+    _check(req)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_fuzzed_wire_bytes_raise_only_invalid_request(data: bytes) -> None:
+    try:
+        req = pb.RetrieveRequest.FromString(data)
+    except Exception:  # the gRPC layer rejects undecodable bytes before the handler
+        return
+    _check(req)
