@@ -100,5 +100,13 @@ class Metrics:
     def _index_age(self) -> float:
         return time.time() - self._created if self._created else 0.0
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Expose /metrics over HTTP; returns the bound port (port 0 picks a free one)."""
+        self._httpd, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return int(self._httpd.server_address[1])
+
+    def close(self) -> None:
+        httpd = getattr(self, "_httpd", None)
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()

@@ -1,0 +1,174 @@
+"""Assembly and lifecycle of one serving process (`grace serve`).
+
+    settings -> checkpoint + first index (validated) -> pipeline threads -> batcher
+    -> grpc.aio server (AdRetrieval + grpc.health.v1 + reflection) + metrics HTTP port
+    -> index watcher (hot swap) -> SERVING ... SIGTERM -> NOT_SERVING, drain, exit
+
+One event loop per process (uvloop when installed); model, GPU and C++ work run on the
+pipeline threads, never on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from service.batcher import Batcher
+from service.metrics import Metrics
+from service.model.checkpoint import load_checkpoint
+from service.pipeline.runner import Pipeline
+from service.pipeline.stages import Stages
+from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from service.server import SERVICE, RetrievalServicer
+from service.serving_index import IndexHolder, ServingIndex
+from service.settings import ServerSettings
+from service.validation import Limits
+from service.watcher import IndexWatcher
+
+log = logging.getLogger("grace.serve")
+DRAIN_NOTICE_SECONDS = 0.5  # NOT_SERVING is visible this long before the port closes
+
+
+@dataclass
+class App:
+    """A running server; `port` and `metrics` are what tests and `grace serve` read."""
+
+    server: grpc.aio.Server
+    port: int
+    metrics_port: int
+    health: health.HealthServicer
+    servicer: RetrievalServicer
+    batcher: Batcher
+    pipeline: Pipeline
+    watcher: IndexWatcher
+    metrics: Metrics
+    settings: ServerSettings
+
+    async def drain(self) -> None:
+        """Stop accepting, finish what is in flight, stop the threads."""
+        self.health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await asyncio.sleep(DRAIN_NOTICE_SECONDS)  # let health checkers and balancers see it
+        self.servicer.draining = True
+        await self.server.stop(self.settings.drain_seconds)
+        await self.batcher.stop()
+        self.watcher.stop()
+        await asyncio.get_running_loop().run_in_executor(None, self.pipeline.stop)
+        self.metrics.close()
+
+
+def _post_stage():
+    """The C++ post stage when it is built, else None (the Python reference)."""
+    try:
+        from service.post import cpp_post
+    except ImportError:  # pragma: no cover - the extension is part of the install
+        log.warning("C++ post stage not available; using the Python reference")
+        return None
+    return cpp_post
+
+
+async def start(settings: ServerSettings) -> App:
+    device = settings.resolve_device()
+    metrics = Metrics()
+    health_servicer = health.HealthServicer()
+    for name in ("", SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    loaded = load_checkpoint(Path(settings.model_dir), device)
+    indexes = IndexHolder()
+
+    def swapped(index: ServingIndex) -> None:
+        metrics.swaps.inc()
+        metrics.set_index(index.version, index.manifest.get("created"), index.loaded_at)
+
+    watcher = IndexWatcher(
+        Path(settings.index_root),
+        indexes,
+        tokenizer_fingerprint=loaded.tokenizer.fingerprint,
+        device=device,
+        poll_seconds=settings.index_poll_seconds,
+        on_swap=swapped,
+        on_failure=lambda version, exc: metrics.swap_failures.inc(),
+    )
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, watcher.check_once)
+    if not indexes.ready:
+        raise RuntimeError(f"no valid index under {settings.index_root} (grace build-index)")
+
+    stages = Stages(loaded.model, loaded.model_version, device, _post_stage())
+    batcher: Batcher
+
+    def observe(stage: str, seconds: float) -> None:
+        metrics.stage.labels(stage).observe(seconds)
+
+    pipeline = Pipeline(stages, indexes, lambda: batcher.batch_done(), observe)
+
+    def dispatch(batch: list) -> None:
+        metrics.batch_size.observe(len(batch))
+        pipeline.dispatch(batch)
+
+    batcher = Batcher(
+        dispatch,
+        max_batch=settings.max_batch,
+        max_wait=settings.max_wait_ms / 1e3,
+        capacity=settings.queue_capacity,
+    )
+    batcher.start()
+    metrics.queue_depth.set_function(lambda: batcher.depth)
+    if device.startswith("cuda"):
+        import torch
+
+        metrics.gpu_memory.set_function(lambda: torch.cuda.memory_allocated())
+    servicer = RetrievalServicer(batcher, Limits.from_settings(settings), indexes, metrics)
+    server = grpc.aio.server()
+    retrieval_pb2_grpc.add_AdRetrievalServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        retrieval_pb2.DESCRIPTOR.services_by_name["AdRetrieval"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    metrics_port = metrics.serve(settings.metrics_port, settings.host)
+    watcher.start()
+    for name in ("", SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "serving %s on port %d (index %s, model %s, %s)",
+        SERVICE, port, indexes.current.version, loaded.model_version, device,
+    )  # fmt: skip
+    return App(server, port, metrics_port, health_servicer, servicer, batcher, pipeline, watcher,
+               metrics, settings)  # fmt: skip
+
+
+async def serve_forever(settings: ServerSettings) -> None:
+    """Run until SIGTERM/SIGINT, then drain gracefully."""
+    app = await start(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining")
+    await app.drain()
+    log.info("stopped")
+
+
+def run(settings: ServerSettings) -> None:
+    """One event loop per process: uvloop when available."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve_forever(settings))
+    else:
+        uvloop.run(serve_forever(settings))

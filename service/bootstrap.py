@@ -1,0 +1,36 @@
+"""The embedded default for `grace serve` with no arguments: make whatever the data
+directory lacks — a tiny synthetic world, a trained tiny model, a published index —
+with progress, then serve it. Each step is skipped when its output already exists, so
+the second start is immediate.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from index_builder.build import build_index
+from index_builder.publish import current_version
+from index_builder.synth import generate_world
+from service.settings import ServerSettings
+
+log = logging.getLogger("grace.bootstrap")
+
+
+def ensure_default(settings: ServerSettings, *, progress: bool = True) -> None:
+    data = Path(settings.data_dir)
+    world = data / "world"
+    model = Path(settings.model_dir)
+    index = Path(settings.index_root)
+    if not (world / "world.json").is_file():
+        log.info("generating the %s demo world in %s", settings.profile, world)
+        generate_world("tiny", 0, world, progress=progress)
+    if not (model / "config.json").is_file():
+        from service.training.train import TrainSettings, train
+
+        log.info("training a %s model on it (a minute or two on a CPU)", settings.profile)
+        train(world, model, TrainSettings(profile=settings.profile), progress=progress)
+    if current_version(index) is None:
+        log.info("building and publishing the index in %s", index)
+        build_index(world / "catalog.parquet", index, tokenizer_path=model / "tokenizer",
+                    progress=progress)  # fmt: skip

@@ -1,0 +1,96 @@
+"""The gRPC servicer: validate -> batcher -> pipeline -> RetrieveResponse (DESIGN.md §5).
+
+Runs on the event loop and only awaits: validation is cheap, the batcher hands batches to
+the pipeline threads, and every failure maps to a status code — INVALID_ARGUMENT naming
+the field, RESOURCE_EXHAUSTED when the queue is full, DEADLINE_EXCEEDED when the deadline
+passed before processing, UNAVAILABLE while no index is loaded or the server drains,
+INTERNAL for anything else. Standard `grpc_server_*` metrics are kept here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from service.batcher import Batcher, DeadlineExpired, Overloaded
+from service.metrics import Metrics
+from service.pipeline.records import RetrievalResult
+from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from service.serving_index import IndexHolder
+from service.validation import InvalidRequest, Limits, validate_request
+
+SERVICE = "grace.v1.AdRetrieval"
+
+
+class Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class RetrievalServicer(retrieval_pb2_grpc.AdRetrievalServicer):
+    def __init__(
+        self, batcher: Batcher, limits: Limits, indexes: IndexHolder, metrics: Metrics
+    ) -> None:
+        self.batcher, self.limits, self.indexes, self.metrics = batcher, limits, indexes, metrics
+        self.draining = False
+        self._labels = ("unary", SERVICE, "Retrieve")
+
+    async def Retrieve(
+        self, request: retrieval_pb2.RetrieveRequest, context: grpc.aio.ServicerContext
+    ) -> retrieval_pb2.RetrieveResponse:
+        m, t0 = self.metrics, time.perf_counter()
+        m.started.labels(*self._labels).inc()
+        m.inflight.inc()
+        code = grpc.StatusCode.OK
+        try:
+            return await self._retrieve(request, context)
+        except Abort as exc:
+            code = exc.code
+            await context.abort(exc.code, exc.message)
+            raise  # unreachable: abort raises
+        finally:
+            m.inflight.dec()
+            m.handled.labels(*self._labels, code.name).inc()
+            m.handling.labels(*self._labels).observe(time.perf_counter() - t0)
+
+    async def _retrieve(self, request, context) -> retrieval_pb2.RetrieveResponse:
+        if self.draining:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, "server is draining")
+        if not self.indexes.ready:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, "no index loaded yet")
+        try:
+            req = validate_request(request, self.limits)
+        except InvalidRequest as exc:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        try:
+            result: RetrievalResult = await self.batcher.submit(req, context.time_remaining())
+        except Overloaded as exc:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+        except DeadlineExpired as exc:
+            raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
+        except Exception as exc:
+            raise Abort(grpc.StatusCode.INTERNAL, f"retrieval failed: {exc}") from None
+        return self._response(result, req.include_sids)
+
+    def _response(self, r: RetrievalResult, include_sids: bool) -> retrieval_pb2.RetrieveResponse:
+        p = r.post
+        self.metrics.sids.inc(r.sids_generated)
+        self.metrics.expanded.inc(p.ads_expanded)
+        self.metrics.eligible.inc(p.ads_eligible)
+        ads = [
+            retrieval_pb2.Ad(ad_id=a, score=s, sid=sid if include_sids else ())
+            for a, s, sid in zip(p.ad_ids.tolist(), p.scores.tolist(), p.sids.tolist(), strict=True)
+        ]
+        return retrieval_pb2.RetrieveResponse(
+            ads=ads,
+            index_version=r.index_version,
+            model_version=r.model_version,
+            stats=retrieval_pb2.Stats(
+                sids_generated=r.sids_generated,
+                ads_expanded=p.ads_expanded,
+                ads_eligible=p.ads_eligible,
+                stage_ms=r.stage_ms,
+            ),
+        )

@@ -1,0 +1,191 @@
+"""The gRPC service end to end over localhost: eligible answers, INVALID_ARGUMENT naming
+the field, health through start-up and drain, metrics, and hot swaps under load."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from index_builder.build import build_index
+from index_builder.catalog import read_catalog
+from index_builder.publish import current_path
+from index_builder.synth import generate_world, load_world
+from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
+from service.app import start
+from service.client import request_for_user
+from service.model.checkpoint import save_checkpoint
+from service.model.config import PROFILES
+from service.model.retriever import GenerativeRetriever
+from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from service.settings import load_settings
+from tests.helpers.oracle import Ad, eligible
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("serve")
+    generate_world("tiny", 2, root / "world", progress=False)
+    emb = read_catalog(root / "world" / "catalog.parquet", progress=False).embedding
+    tok = SIDTokenizer.train(emb, TokenizerConfig(codebook_size=32, iterations=5), progress=False)
+    torch.manual_seed(0)
+    save_checkpoint(GenerativeRetriever(PROFILES["tiny"]), tok, root / "model")
+    build_index(root / "world" / "catalog.parquet", root / "index",
+                tokenizer_path=root / "model" / "tokenizer", progress=False)  # fmt: skip
+    return root
+
+
+def catalog_ads(root: Path) -> dict[int, Ad]:
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(root / "world" / "catalog.parquet").to_pylist()
+    return {
+        r["ad_id"]: Ad(
+            r["ad_id"],
+            (0, 0, 0, 0),
+            tuple(r["countries"] or ()),
+            tuple(r["age_buckets"] or ()),
+            tuple(r["genders"] or ()),
+            tuple(r["locations"] or ()),
+        )
+        for r in rows
+    }
+
+
+def settings(root: Path, **kw):
+    base = {"port": 0, "metrics_port": 0, "host": "127.0.0.1", "data_dir": root,
+            "device": "cpu", "index_poll_seconds": 0.1, "drain_seconds": 2.0}  # fmt: skip
+    return load_settings(base | kw)
+
+
+def test_retrieve_returns_only_eligible_ads_and_reports_stats(data: Path) -> None:
+    ads = catalog_ads(data)
+    world = load_world(data / "world")
+
+    async def main() -> None:
+        app = await start(settings(data))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            replies = await asyncio.gather(
+                *(
+                    stub.Retrieve(request_for_user(data / "world", u, 200, retrieval_pb2.CD_GTM))
+                    for u in range(20)
+                )
+            )
+        await app.drain()
+        for u, reply in enumerate(replies):
+            assert reply.index_version and reply.model_version.startswith("tiny-")
+            assert len(reply.ads) > 0 and reply.stats.ads_eligible >= len(reply.ads)
+            assert all(eligible(ads[a.ad_id], world.targeting[u]) for a in reply.ads)
+            assert list(reply.ads[0].sid) and len(reply.ads[0].sid) == 4
+            assert set(reply.stats.stage_ms) == {"input", "features", "compute", "post"}
+            scores = [a.score for a in reply.ads]
+            assert scores == sorted(scores, reverse=True)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda r: setattr(r.targeting, "gender", "robot"), "targeting.gender"),
+        (lambda r: setattr(r.targeting, "age", -3), "targeting.age"),
+        (lambda r: r.targeting.locations.extend(f"l{i}" for i in range(65)), "targeting.locations"),
+        (lambda r: setattr(r.options, "max_ads", 10**7), "options.max_ads"),
+        (lambda r: r.options.beam_widths.extend([1, 2]), "options.beam_widths"),
+        (lambda r: r.options.beam_widths.extend([1, 10**6, 4, 4]), "options.beam_widths"),
+    ],
+)
+def test_bad_input_gets_invalid_argument_naming_the_field(data: Path, mutate, field) -> None:
+    async def main() -> None:
+        app = await start(settings(data))
+        req = request_for_user(data / "world", 0, 10, retrieval_pb2.CD_GTM)
+        mutate(req)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await retrieval_pb2_grpc.AdRetrievalStub(ch).Retrieve(req)
+        await app.drain()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()
+
+    asyncio.run(main())
+
+
+def test_health_metrics_and_drain(data: Path) -> None:
+    async def main() -> None:
+        app = await start(settings(data))
+        target = f"127.0.0.1:{app.port}"
+        async with grpc.aio.insecure_channel(target) as ch:
+            hc = health_pb2_grpc.HealthStub(ch)
+            ok = await hc.Check(health_pb2.HealthCheckRequest(service="grace.v1.AdRetrieval"))
+            assert ok.status == health_pb2.HealthCheckResponse.SERVING
+            await retrieval_pb2_grpc.AdRetrievalStub(ch).Retrieve(
+                request_for_user(data / "world", 1, 5, retrieval_pb2.CD_ONLY)
+            )
+            url = f"http://127.0.0.1:{app.metrics_port}/metrics"
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
+            for name in ("grpc_server_started_total", "grpc_server_handled_total",
+                         "grpc_server_handling_seconds_bucket", "grace_stage_duration_seconds",
+                         "grace_batch_size", "grace_queue_depth", "grace_inflight_requests",
+                         "grace_index_info", "grace_index_age_seconds", "grace_index_swaps_total",
+                         "grace_index_swap_failures_total", "grace_sids_generated_total",
+                         "grace_ads_expanded_total", "grace_ads_eligible_total"):  # fmt: skip
+                assert name in text, name
+            assert 'grpc_code="OK"' in text and 'le="0.1"' in text
+            drain = asyncio.ensure_future(app.drain())
+            await asyncio.sleep(0.1)
+            status = await hc.Check(health_pb2.HealthCheckRequest(service=""))
+            assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            await drain
+
+    asyncio.run(main())
+
+
+def test_hot_swaps_under_load_lose_no_request(data: Path, tmp_path: Path) -> None:
+    import shutil
+
+    root = tmp_path / "index"
+    shutil.copytree(data / "index", root, symlinks=True)
+    first = current_path(root).name
+
+    async def main() -> tuple[list, set[str]]:
+        app = await start(settings(data, index_root=root))
+        versions: set[str] = set()
+        failures: list[Exception] = []
+
+        async def client(stub, u: int) -> None:
+            for _ in range(12):
+                try:
+                    r = await stub.Retrieve(
+                        request_for_user(data / "world", u, 20, retrieval_pb2.CD_GTM)
+                    )
+                    versions.add(r.index_version)
+                except grpc.aio.AioRpcError as exc:
+                    failures.append(exc)
+
+        async def swapper() -> None:
+            cat = data / "world" / "catalog.parquet"
+            for _ in range(2):
+                await asyncio.sleep(0.3)
+                await asyncio.to_thread(build_index, cat, root,
+                                        tokenizer_path=data / "model" / "tokenizer",
+                                        progress=False)  # fmt: skip
+            await asyncio.sleep(0.3)
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            await asyncio.gather(swapper(), *(client(stub, u) for u in range(6)))
+        swaps = app.metrics.registry.get_sample_value("grace_index_swaps_total")
+        await app.drain()
+        assert swaps is not None and swaps >= 3  # the first load and two hot swaps
+        return failures, versions
+
+    failures, versions = asyncio.run(main())
+    assert failures == []
+    valid = {p.name for p in root.iterdir() if (p / "manifest.json").exists()} | {first}
+    assert versions <= valid and len(versions) >= 2
