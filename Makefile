@@ -35,7 +35,7 @@ format: install  ## apply ruff fixes and formatting
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-serve: install  ## serve the embedded default (the service lands with issue #4)
+serve: install  ## serve the embedded default (builds the demo world, model and index once)
 	$(VENV)/bin/grace serve
 
 bench: install  ## index-builder benchmarks (writes bench/results/)

@@ -65,16 +65,6 @@ class App:
         self.metrics.close()
 
 
-def _post_stage():
-    """The C++ post stage when it is built, else None (the Python reference)."""
-    try:
-        from service.post import cpp_post
-    except ImportError:  # pragma: no cover - the extension is part of the install
-        log.warning("C++ post stage not available; using the Python reference")
-        return None
-    return cpp_post
-
-
 async def start(settings: ServerSettings) -> App:
     device = settings.resolve_device()
     metrics = Metrics()
@@ -102,7 +92,7 @@ async def start(settings: ServerSettings) -> App:
     if not indexes.ready:
         raise RuntimeError(f"no valid index under {settings.index_root} (grace build-index)")
 
-    stages = Stages(loaded.model, loaded.model_version, device, _post_stage())
+    stages = Stages(loaded.model, loaded.model_version, device, None)
     batcher: Batcher
 
     def observe(stage: str, seconds: float) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from index_builder.validate import validate_index
 from service.decode.retrieve import RetrievalIndex
+from service.post import PostStage
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class ServingIndex:
     path: Path
     manifest: dict[str, Any]
     retrieval: RetrievalIndex  # trie tables on the compute device, vocabulary, ad -> SID
+    post: PostStage | None = None  # the C++ post stage over this index's ad arrays
     loaded_at: float = field(default_factory=time.time)
 
 
@@ -38,6 +40,7 @@ def load_serving_index(
         path=index.path,
         manifest=index.manifest,
         retrieval=RetrievalIndex.from_arrays(index.arrays, device),
+        post=PostStage(index.arrays.ads),
     )
 
 

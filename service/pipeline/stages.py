@@ -6,8 +6,8 @@ does its part on the compute device (on its own CUDA stream on GPU), and returns
 2. features: embedding tables and bags (`FeatureEmbedder`);
 3. compute: encoder, then the constrained beam search — one run per (beams, filter mode)
    group of the batch, so requests with other options never share a schedule;
-4. post: SIDs -> ads, exact filter, rank, cut (C++ post stage when built, else the Python
-   reference) and one `RetrievalResult` per request.
+4. post: SIDs -> ads, exact filter, rank, cut (the C++ post stage of the batch's index)
+   and one `RetrievalResult` per request.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from service.decode.engine import BeamSearch
 from service.model.features import UserFeatures, prepare_features
 from service.model.retriever import GenerativeRetriever
 from service.pipeline.records import BatchState, RetrievalResult
+from service.post import PostRequest
 
 PostFn = Callable[[BatchState, Sequence[tuple[np.ndarray, np.ndarray]]], list[PostResult]]
 
@@ -38,7 +39,7 @@ class Stages:
         self.model = model.eval()
         self.model_version = model_version
         self.device = torch.device(device)
-        self.post_fn = post or python_post
+        self.post_fn = post or default_post
         cuda = self.device.type == "cuda"
         self.streams = [torch.cuda.Stream(self.device) if cuda else None for _ in range(4)]
 
@@ -114,6 +115,21 @@ class Stages:
             )
             for p, g in zip(posts, generated, strict=True)
         ]
+
+
+def default_post(batch: BatchState, generated) -> list[PostResult]:
+    """The C++ post stage of the batch's index (GIL released, requests in parallel); the
+    Python reference when the index has none (e.g. one assembled in memory by tests)."""
+    post = batch.index.post
+    if post is None:
+        return python_post(batch, generated)
+    vocabulary = batch.index.retrieval.vocabulary
+    return post.run(
+        [
+            PostRequest.from_targeting(leaves, scores, req.targeting, vocabulary, req.max_ads)
+            for req, (leaves, scores) in zip(batch.requests, generated, strict=True)
+        ]
+    )
 
 
 def python_post(batch: BatchState, generated) -> list[PostResult]:
