@@ -189,3 +189,23 @@ def test_hot_swaps_under_load_lose_no_request(data: Path, tmp_path: Path) -> Non
     assert failures == []
     valid = {p.name for p in root.iterdir() if (p / "manifest.json").exists()} | {first}
     assert versions <= valid and len(versions) >= 2
+
+
+def test_overload_is_refused_at_once_while_accepted_requests_succeed(data: Path) -> None:
+    async def main() -> tuple[list, list]:
+        app = await start(settings(data, queue_capacity=2, max_batch=1))
+        req = request_for_user(data / "world", 0, 10, retrieval_pb2.CD_GTM)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            replies = await asyncio.gather(
+                *(stub.Retrieve(req) for _ in range(40)), return_exceptions=True
+            )
+        await app.drain()
+        ok = [r for r in replies if isinstance(r, retrieval_pb2.RetrieveResponse)]
+        refused = [r for r in replies if isinstance(r, grpc.aio.AioRpcError)]
+        return ok, refused
+
+    ok, refused = asyncio.run(main())
+    assert ok and refused and len(ok) + len(refused) == 40
+    assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert all(len(r.ads) > 0 for r in ok)
