@@ -48,9 +48,9 @@ def prepare(root: Path) -> None:
                 tokenizer_path=root / "model" / "tokenizer", progress=False)  # fmt: skip
 
 
-async def load(root: Path, concurrency: int, per_client: int) -> dict[str, float]:
+async def load(root: Path, concurrency: int, per_client: int, device: str) -> dict[str, float]:
     app = await start(load_settings({"port": 0, "metrics_port": 0, "host": "127.0.0.1",
-                                     "data_dir": root, "device": "cpu"}))  # fmt: skip
+                                     "data_dir": root, "device": device}))  # fmt: skip
     requests = [request_for_user(root / "world", u, 100, retrieval_pb2.CD_GTM) for u in range(64)]
     latencies: list[float] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
@@ -80,6 +80,8 @@ async def load(root: Path, concurrency: int, per_client: int) -> dict[str, float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=200, help="per concurrency level")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the same stack on the GPU)")
+    ap.add_argument("--name", default="serve_cpu", help="result file name")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -87,9 +89,9 @@ def main() -> None:
         rows = [asyncio.run(load(root, c, max(1, args.requests // c))) for c in (1, 16)]
     for r in rows:
         print(r)
-    figures = {"profile": "tiny", "beams": list(PROFILES["tiny"].beams),
+    figures = {"profile": "tiny", "beams": list(PROFILES["tiny"].beams), "device": args.device,
                "torch_threads": torch.get_num_threads(), "levels": rows}  # fmt: skip
-    print(f"wrote {write_result('serve_cpu', figures)}")
+    print(f"wrote {write_result(args.name, figures)}")
 
 
 if __name__ == "__main__":
