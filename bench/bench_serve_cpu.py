@@ -86,7 +86,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         prepare(root)
-        rows = [asyncio.run(load(root, c, max(1, args.requests // c))) for c in (1, 16)]
+        rows = [
+            asyncio.run(load(root, c, max(1, args.requests // c), args.device)) for c in (1, 16)
+        ]
     for r in rows:
         print(r)
     figures = {"profile": "tiny", "beams": list(PROFILES["tiny"].beams), "device": args.device,
