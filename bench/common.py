@@ -47,7 +47,15 @@ def device() -> str:
     except (OSError, StopIteration):
         pass
     mem = psutil.virtual_memory().total / 2**30
-    return f"{cpu}; {os.cpu_count()} CPUs; {mem:.0f} GiB RAM; no GPU used"
+    gpu = "no GPU"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = f"GPU {torch.cuda.get_device_name()} (torch {torch.__version__})"
+    except ImportError:
+        pass
+    return f"{cpu}; {os.cpu_count()} CPUs; {mem:.0f} GiB RAM; {gpu}"
 
 
 def header() -> dict[str, Any]:
