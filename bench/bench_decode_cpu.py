@@ -14,7 +14,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import write_result
+from bench.common import timed, write_result
 from index_builder.build import assign_sids, build_arrays
 from index_builder.catalog import read_catalog
 from index_builder.exact import expand_and_filter
@@ -37,17 +36,6 @@ from service.model.config import PROFILES
 from service.model.flops import decoder_flops
 from service.model.retriever import GenerativeRetriever
 from service.training.data import Examples
-
-
-def timed(fn: Callable[[], object], repeat: int, warmup: int = 2) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e3)
-    return out
 
 
 def ms(xs: list[float]) -> dict[str, float]:

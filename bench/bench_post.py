@@ -21,15 +21,13 @@ import os
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import write_result
+from bench.common import timed, write_result
 from index_builder.build import build_arrays
 from index_builder.catalog import read_catalog
 from index_builder.exact import LocationVocabulary, PostResult, expand_and_filter
@@ -41,17 +39,6 @@ from service.post import PostRequest, PostStage
 BATCH = 16
 BEAMS = 1024  # leaves per request (M_4)
 MAX_ADS = 1000
-
-
-def timed(fn: Callable[[], object], repeat: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e3)
-    return out
 
 
 def make_index(n_ads: int, seed: int) -> tuple[AdArrays, list[Targeting]]:

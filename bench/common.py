@@ -12,6 +12,8 @@ import os
 import platform
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,18 @@ def device() -> str:
     except ImportError:
         pass
     return f"{cpu}; {os.cpu_count()} CPUs; {mem:.0f} GiB RAM; {gpu}"
+
+
+def timed(fn: Callable[[], object], repeat: int, warmup: int = 2) -> list[float]:
+    """Milliseconds of `repeat` calls of fn after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
 
 
 def header() -> dict[str, Any]:

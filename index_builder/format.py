@@ -165,7 +165,8 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory: so renames inside it are durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -208,7 +209,7 @@ def write_index_dir(directory: Path, arrays: IndexArrays, manifest: dict[str, An
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, directory / MANIFEST)
-    fsync_dir(directory)
+    fsync_path(directory)
     return full
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-from index_builder.format import MANIFEST, fsync_dir
+from index_builder.format import MANIFEST, fsync_path
 
 CURRENT = "CURRENT"
 _TMP_PREFIX = ".tmp-"
@@ -95,7 +95,7 @@ def _set_current(root: Path, version: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, root / CURRENT)
-    fsync_dir(root)
+    fsync_path(root)
 
 
 def publish(
@@ -125,9 +125,9 @@ def publish(
             write(tmp, version)
             if not (tmp / MANIFEST).is_file():
                 raise PublishError("index writer finished without a manifest")
-            fsync_dir(tmp)
+            fsync_path(tmp)
             os.rename(tmp, root / version)
-            fsync_dir(root)
+            fsync_path(root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -16,7 +16,6 @@ with each index's manifest and refuses an index built for another tokenizer.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import uuid
@@ -31,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from index_builder.format import file_sha256, fsync_path
 from index_builder.tokenizer import SIDTokenizer
 from service.model.config import ModelConfig
 
@@ -78,7 +78,7 @@ def save_checkpoint(
             k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()
         }
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT_NAME})
-        digest = _sha256(tmp / WEIGHTS_FILE)
+        digest = file_sha256(tmp / WEIGHTS_FILE)
         version = model_version or f"{config.name}-{digest[:12]}"
         tokenizer.save(tmp / TOKENIZER_DIR)
         meta = {
@@ -95,8 +95,8 @@ def save_checkpoint(
         (tmp / CONFIG_FILE).write_bytes(orjson.dumps(meta, option=option))
         for p in tmp.rglob("*"):
             if p.is_file():
-                _fsync(p)
-        _fsync(tmp)
+                fsync_path(p)
+        fsync_path(tmp)
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -126,7 +126,7 @@ def load_checkpoint(
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: invalid model config ({e})") from e
 
-    digest = _sha256(path / WEIGHTS_FILE)
+    digest = file_sha256(path / WEIGHTS_FILE)
     if digest != meta["weights_sha256"]:
         raise CheckpointError(
             f"checkpoint {path}: {WEIGHTS_FILE} is corrupt or truncated (sha256 {digest[:12]}, "
@@ -204,22 +204,6 @@ def _check_weights(
         )
 
 
-def _sha256(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _replace_dir(tmp: Path, path: Path) -> None:
     """Rename `tmp` to `path`. An old `path` is first renamed aside and removed after, so
     `path` is always absent or complete, never partially written."""
@@ -228,6 +212,6 @@ def _replace_dir(tmp: Path, path: Path) -> None:
         old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
         os.rename(path, old)
     os.rename(tmp, path)
-    _fsync(path.parent)
+    fsync_path(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
