@@ -209,3 +209,90 @@ def test_overload_is_refused_at_once_while_accepted_requests_succeed(data: Path)
     assert ok and refused and len(ok) + len(refused) == 40
     assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert all(len(r.ads) > 0 for r in ok)
+
+
+def test_reflection_lists_the_services(data: Path) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def main() -> list[str]:
+        app = await start(settings(data))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            names = []
+            async for reply in stub.ServerReflectionInfo(iter([request])):
+                names += [s.name for s in reply.list_services_response.service]
+        await app.drain()
+        return names
+
+    names = asyncio.run(main())
+    assert "grace.v1.AdRetrieval" in names and "grpc.health.v1.Health" in names
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_cleanly(data: Path) -> None:
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port, metrics_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data), "--port",
+         str(port), "--metrics-port", str(metrics_port), "--device", "cpu", "--no-progress"],
+        cwd=Path(__file__).resolve().parents[2], stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+    async def main() -> list:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for _ in range(300):  # start-up: model, index, threads
+                try:
+                    r = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(0.1)
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            req = request_for_user(data / "world", 0, 10, retrieval_pb2.CD_GTM)
+            calls = [asyncio.ensure_future(stub.Retrieve(req)) for _ in range(8)]
+            await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)  # while those are in flight
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    try:
+        replies = asyncio.run(main())
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert all(isinstance(r, retrieval_pb2.RetrieveResponse) for r in replies), replies
+    log = proc.stderr.read()
+    assert "draining" in log and "stopped" in log
+
+
+def test_expired_deadlines_are_not_processed(data: Path) -> None:
+    async def main() -> tuple[list, float | None]:
+        app = await start(settings(data, max_batch=1))
+        req = request_for_user(data / "world", 0, 10, retrieval_pb2.CD_GTM)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            await stub.Retrieve(req)  # warm-up: one batch
+            busy = [asyncio.ensure_future(stub.Retrieve(req)) for _ in range(12)]
+            await asyncio.sleep(0.01)
+            late = asyncio.ensure_future(stub.Retrieve(req, timeout=0.05))
+            replies = await asyncio.gather(*busy, late, return_exceptions=True)
+        batches = app.metrics.registry.get_sample_value("grace_batch_size_count")
+        await app.drain()
+        return replies, batches
+
+    replies, batches = asyncio.run(main())
+    assert all(isinstance(r, retrieval_pb2.RetrieveResponse) for r in replies[:-1])
+    assert isinstance(replies[-1], grpc.aio.AioRpcError)
+    assert replies[-1].code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert batches == 13  # the warm-up and the 12 others: the late request never ran

@@ -151,3 +151,18 @@ def test_a_failing_batch_fails_alone(model, stage: str) -> None:
     failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
     assert 0 in failed and len(failed) < len(results)
     assert all(not isinstance(r, Exception) for r in results[4:])  # later batches served
+
+
+def test_a_swapped_out_index_is_released_once_no_batch_holds_it(model) -> None:
+    import gc
+    import weakref
+
+    ads0, index0 = world(0)
+    _, index1 = world(1)
+    holder = IndexHolder(index0)
+    asyncio.run(serve(model, holder, requests(12, ads0), swap=index1))
+    ref = weakref.ref(index0)
+    del index0
+    gc.collect()
+    assert ref() is None  # nothing (pipeline, results, holder) keeps the old version alive
+    assert holder.current is index1
