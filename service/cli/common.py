@@ -1,0 +1,22 @@
+"""What the `grace` command modules share."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Protocol
+
+EXIT_BAD_INPUT = 2
+
+
+class AddCommand(Protocol):
+    def __call__(
+        self, name: str, fn: Callable[[argparse.Namespace], int], help_: str, desc: str
+    ) -> argparse.ArgumentParser: ...
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value

@@ -1,0 +1,82 @@
+"""`grace` commands of the service: serve, query."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from service.cli.common import AddCommand
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from service.app import run
+    from service.bootstrap import ensure_default
+    from service.settings import load_settings
+
+    settings = load_settings(
+        {
+            "config": args.config,
+            "port": args.port,
+            "metrics_port": args.metrics_port,
+            "data_dir": args.data_dir,
+            "index_root": args.index_root,
+            "model_dir": args.model,
+            "device": args.device,
+        }
+    )
+    if args.catalog:
+        from index_builder.build import build_index
+
+        if not (Path(settings.model_dir) / "config.json").is_file():
+            ensure_default(settings, progress=not args.no_progress)  # the default model
+        build_index(args.catalog, settings.index_root,
+                    tokenizer_path=Path(settings.model_dir) / "tokenizer",
+                    progress=not args.no_progress)  # fmt: skip
+    else:
+        ensure_default(settings, progress=not args.no_progress)
+    run(settings)
+    return 0
+
+
+def _query(args: argparse.Namespace) -> int:
+    from service.client import query
+
+    return query(args)
+
+
+def register(add: AddCommand) -> None:
+    p = add(
+        "serve",
+        _serve,
+        "serve Retrieve over gRPC (embedded demo by default)",
+        "Serve grace.v1.AdRetrieval with health and reflection, metrics on their own port. "
+        "With no arguments: if the data directory lacks a model or an index, generate the "
+        "tiny demo world, train the tiny model and publish its index first (a minute or "
+        "two, once), then serve on port 50051. --catalog builds and serves an index for "
+        "any catalog with the default (or --model) model. Settings also come from "
+        "GRACE_* variables and --config; flags win.",
+    )
+    p.add_argument("--port", type=int, help="gRPC port (50051)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (9464)")
+    p.add_argument("--data-dir", help="where the default world, model and index live (./data)")
+    p.add_argument("--index-root", help="index root to serve (DATA_DIR/index)")
+    p.add_argument("--model", help="checkpoint directory (DATA_DIR/model)")
+    p.add_argument("--catalog", help="build and serve an index for this catalog")
+    p.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--config", help="settings file (.toml, .json, .yaml)")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = add(
+        "query",
+        _query,
+        "send one Retrieve and print the ads",
+        "Send a Retrieve for a user of a synthetic world (default: the embedded demo's) "
+        "or for a RetrieveRequest given as JSON, and print the ads and stats.",
+    )
+    p.add_argument("--target", default="localhost:50051", help="host:port")
+    p.add_argument("--world", default="data/world", help="world to take the user from")
+    p.add_argument("--user", type=int, default=0, help="user position in the world")
+    p.add_argument("--request-json", help="a RetrieveRequest as JSON (file, or - for stdin)")
+    p.add_argument("--max-ads", type=int, default=10)
+    p.add_argument("--mode", choices=["cd_gtm", "cd_only"], default="cd_gtm")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds")
