@@ -2,7 +2,8 @@
 
     settings -> checkpoint + first index (validated) -> pipeline threads -> batcher
     -> grpc.aio server (AdRetrieval + grpc.health.v1 + reflection) + metrics HTTP port
-    -> index watcher (hot swap) -> SERVING ... SIGTERM -> NOT_SERVING, drain, exit
+    -> index watcher (hot swap) -> one warm-up request -> SERVING ... SIGTERM ->
+    NOT_SERVING, drain, exit
 
 One event loop per process (uvloop when installed); model, GPU and C++ work run on the
 pipeline threads, never on the loop.
@@ -21,6 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from index_builder.lookup import FilterMode
+from index_builder.targeting import Targeting
 from service.batcher import Batcher
 from service.metrics import Metrics
 from service.model.checkpoint import load_checkpoint
@@ -30,7 +33,7 @@ from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.server import SERVICE, RetrievalServicer
 from service.serving_index import IndexHolder, ServingIndex
 from service.settings import ServerSettings
-from service.validation import Limits
+from service.validation import Limits, ValidatedRequest
 from service.watcher import IndexWatcher
 
 log = logging.getLogger("grace.serve")
@@ -130,6 +133,7 @@ async def start(settings: ServerSettings) -> App:
     await server.start()
     metrics_port = metrics.serve(settings.metrics_port, settings.host)
     watcher.start()
+    await _warm_up(batcher, settings)  # first batch pays one-time costs, not a client
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
@@ -138,6 +142,26 @@ async def start(settings: ServerSettings) -> App:
     )  # fmt: skip
     return App(server, port, metrics_port, health_servicer, servicer, batcher, pipeline, watcher,
                metrics, settings)  # fmt: skip
+
+
+async def _warm_up(batcher: Batcher, settings: ServerSettings) -> None:
+    """One request through every stage before SERVING (allocations, lazy inits, kernels)."""
+    import numpy as np
+
+    empty = np.zeros(0, dtype=np.int64)
+    request = ValidatedRequest(
+        request_id="warm-up",
+        user_id=0,
+        targeting=Targeting(),
+        history_ad_ids=empty,
+        history_types=empty,
+        history_ts_ms=empty,
+        max_ads=1,
+        beams=tuple(settings.beams),
+        filter_mode=FilterMode.CD_GTM,
+        include_sids=False,
+    )
+    await batcher.submit(request)
 
 
 async def serve_forever(settings: ServerSettings) -> None:

@@ -295,4 +295,4 @@ def test_expired_deadlines_are_not_processed(data: Path) -> None:
     assert all(isinstance(r, retrieval_pb2.RetrieveResponse) for r in replies[:-1])
     assert isinstance(replies[-1], grpc.aio.AioRpcError)
     assert replies[-1].code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert batches == 13  # the warm-up and the 12 others: the late request never ran
+    assert batches == 14  # server warm-up, client warm-up, the 12 others: never the late one
