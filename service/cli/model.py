@@ -41,8 +41,8 @@ def _eval(args: argparse.Namespace) -> int:
     from index_builder.publish import resolve
     from index_builder.synth import load_world
     from index_builder.validate import validate_index
-    from service.decode.retrieve import RetrievalIndex
     from service.model.checkpoint import load_checkpoint
+    from service.model.features import SidLookup
     from service.training.data import Examples
     from service.training.study import run_study
 
@@ -50,8 +50,7 @@ def _eval(args: argparse.Namespace) -> int:
     index = validate_index(resolve(Path(args.index)), expect_tokenizer=loaded.tokenizer.fingerprint)
     arrays = index.arrays
     world = load_world(Path(args.world))
-    lookup = RetrievalIndex.from_arrays(arrays).lookup
-    examples = Examples(world, lookup, loaded.config)
+    examples = Examples(world, SidLookup.from_ads(arrays.ads), loaded.config)
     users = np.sort(np.random.default_rng(args.seed).permutation(world.n_users)[: args.users])
     beams = tuple(args.beams) if args.beams else loaded.config.beams
     variants = [("cd_only", arrays, FilterMode.CD_ONLY), ("cd_gtm", arrays, FilterMode.CD_GTM)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from index_builder.exact import LocationVocabulary, PostResult, expand_and_filter
@@ -70,17 +71,18 @@ def retrieve(
 ) -> list[PostResult]:
     """Retrieve up to `max_ads` exactly eligible ads per request, best first."""
     result = decode(model, index, features, targeting, beams, mode)
-    out = []
-    for b, t in enumerate(targeting):
-        leaves, scores = result.valid(b)
-        out.append(
-            expand_and_filter(
-                index.arrays.ads,
-                index.vocabulary,
-                leaves.cpu().numpy(),
-                scores.cpu().numpy(),
-                t,
-                max_ads,
-            )
-        )
-    return out
+    generated = [tuple(x.cpu().numpy() for x in result.valid(b)) for b in range(len(targeting))]
+    return reference_post(index, generated, targeting, [max_ads] * len(targeting))
+
+
+def reference_post(
+    index: RetrievalIndex,
+    generated: Sequence[tuple[np.ndarray, np.ndarray]],  # per request: (leaves, scores)
+    targeting: Sequence[Targeting],
+    max_ads: Sequence[int],
+) -> list[PostResult]:
+    """The Python reference post stage (index_builder/exact.py), request by request."""
+    return [
+        expand_and_filter(index.arrays.ads, index.vocabulary, leaves, scores, t, k)
+        for (leaves, scores), t, k in zip(generated, targeting, max_ads, strict=True)
+    ]

@@ -18,10 +18,11 @@ from contextlib import AbstractContextManager, nullcontext
 import numpy as np
 import torch
 
-from index_builder.exact import PostResult, expand_and_filter
+from index_builder.exact import PostResult
 from index_builder.lookup import FilterMode, RequestTensors
 from index_builder.targeting import encode_requests
 from service.decode.engine import BeamSearch
+from service.decode.retrieve import reference_post
 from service.model.features import UserFeatures, prepare_features
 from service.model.retriever import GenerativeRetriever
 from service.pipeline.records import BatchState, RetrievalResult
@@ -133,9 +134,8 @@ def default_post(batch: BatchState, generated) -> list[PostResult]:
 
 
 def python_post(batch: BatchState, generated) -> list[PostResult]:
-    """The Python reference post stage (index_builder/exact.py), request by request."""
-    r = batch.index.retrieval
-    return [
-        expand_and_filter(r.arrays.ads, r.vocabulary, leaves, scores, req.targeting, req.max_ads)
-        for req, (leaves, scores) in zip(batch.requests, generated, strict=True)
-    ]
+    """The Python reference post stage, request by request."""
+    reqs = batch.requests
+    return reference_post(
+        batch.index.retrieval, generated, [r.targeting for r in reqs], [r.max_ads for r in reqs]
+    )

@@ -112,12 +112,16 @@ def run_study(
 ) -> list[dict[str, Any]]:
     out = []
     model.eval()
+    bloom_rows: dict[int, np.ndarray] = {}  # per-ad Bloom rows, once per ad arrays
     for name, arrays, mode in variants:
         index = RetrievalIndex.from_arrays(arrays, device)
         ads = arrays.ads
-        ad_bloom = ad_blooms(
-            Ragged(ads.ad_loc_offsets, ads.ad_loc_ids), location_blooms(ads.location_strings())
-        )
+        if id(ads) not in bloom_rows:  # k-way variants share the plain index's ad arrays
+            bloom_rows[id(ads)] = ad_blooms(
+                Ragged(ads.ad_loc_offsets, ads.ad_loc_ids),
+                location_blooms(ads.location_strings()),
+            )
+        ad_bloom = bloom_rows[id(ads)]
         result = VariantResult(name)
         bar = tqdm(total=len(users), desc=f"eval {name}", disable=not progress)
         for s in range(0, len(users), batch_size):
