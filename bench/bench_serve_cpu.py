@@ -49,8 +49,10 @@ def prepare(root: Path) -> None:
 
 
 async def load(root: Path, concurrency: int, per_client: int, device: str) -> dict[str, float]:
+    t0 = time.perf_counter()
     app = await start(load_settings({"port": 0, "metrics_port": 0, "host": "127.0.0.1",
                                      "data_dir": root, "device": device}))  # fmt: skip
+    print(f"server SERVING after {time.perf_counter() - t0:.1f} s", flush=True)
     requests = [request_for_user(root / "world", u, 100, retrieval_pb2.CD_GTM) for u in range(64)]
     latencies: list[float] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
@@ -83,14 +85,15 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the same stack on the GPU)")
     ap.add_argument("--name", default="serve_cpu", help="result file name")
     args = ap.parse_args()
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         prepare(root)
-        rows = [
-            asyncio.run(load(root, c, max(1, args.requests // c), args.device)) for c in (1, 16)
-        ]
-    for r in rows:
-        print(r)
+        print(f"[{time.perf_counter() - t0:.0f} s] world, tokenizer, model, index", flush=True)
+        rows = []
+        for c in (1, 16):
+            rows.append(asyncio.run(load(root, c, max(1, args.requests // c), args.device)))
+            print(f"[{time.perf_counter() - t0:.0f} s] {rows[-1]}", flush=True)
     figures = {"profile": "tiny", "beams": list(PROFILES["tiny"].beams), "device": args.device,
                "torch_threads": torch.get_num_threads(), "levels": rows}  # fmt: skip
     print(f"wrote {write_result(args.name, figures)}")

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from index_builder import parallel
 from index_builder.catalog import Catalog, catalog_fingerprint, read_catalog
-from index_builder.format import AdArrays, IndexArrays, write_index_dir
+from index_builder.format import SID_LENGTH, VOCAB_SIZE, AdArrays, IndexArrays, write_index_dir
 from index_builder.kway import KwaySpec, build_partitions
 from index_builder.publish import publish
-from index_builder.targeting import Ragged, ad_blooms, location_blooms
+from index_builder.targeting import BLOOM_WORDS, Ragged, ad_blooms, location_blooms
 from index_builder.trie import build_trie, sid_keys, storage_stats
 
 if TYPE_CHECKING:
@@ -53,8 +54,15 @@ class BuildReport:
         return now
 
 
-def assign_sids(catalog: Catalog, tokenizer: SIDTokenizer | None) -> tuple[np.ndarray, str]:
-    """SIDs for every ad: explicit ones kept, the rest from the tokenizer."""
+def assign_sids(
+    catalog: Catalog,
+    tokenizer: SIDTokenizer | None,
+    *,
+    device: str = "cpu",
+    workers: int | None = None,
+) -> tuple[np.ndarray, str]:
+    """SIDs for every ad: explicit ones kept, the rest from the tokenizer (computed on
+    `device`, see `SIDTokenizer.assign`)."""
     has = catalog.has_sid
     if has.all():
         return catalog.sid.astype(np.int64), ""
@@ -69,9 +77,50 @@ def assign_sids(catalog: Catalog, tokenizer: SIDTokenizer | None) -> tuple[np.nd
             f"catalog embeddings have dim {dim}; the tokenizer expects {tokenizer.dim}"
         )
     sid = catalog.sid.astype(np.int64)
-    new, report = tokenizer.assign(catalog.embedding[~has], reserved=catalog.sid[has])
-    sid[~has] = new
+    if has.any():
+        new, report = tokenizer.assign(
+            catalog.embedding[~has], reserved=catalog.sid[has], device=device, workers=workers
+        )
+        sid[~has] = new
+    else:  # no copy of a 30 M-row embedding matrix just to select every row
+        new, report = tokenizer.assign(catalog.embedding, device=device, workers=workers)
+        sid[:] = new
     return sid, report.summary()
+
+
+def _sorted_catalog(catalog: Catalog, order: np.ndarray, workers: int) -> Catalog:
+    """`catalog.take(order)` for a permutation, gathered by `workers` threads, without the
+    embeddings (the build needs none once SIDs exist)."""
+    counts = np.diff(catalog.loc_offsets)[order]
+    offsets = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    # gather each selected segment: source start + position within the segment
+    src = np.repeat(catalog.loc_offsets[:-1][order] - offsets[:-1], counts)
+    src += np.arange(offsets[-1])
+    return Catalog(
+        ad_id=parallel.take(catalog.ad_id, order, workers),
+        sid=parallel.take(catalog.sid, order, workers),
+        embedding=None,
+        bitmask=parallel.take(catalog.bitmask, order, workers),
+        loc_offsets=offsets,
+        loc_ids=parallel.take(catalog.loc_ids, src, workers),
+        locations=catalog.locations,
+        source=catalog.source,
+    )
+
+
+def _ad_blooms(cat: Catalog, workers: int) -> np.ndarray:
+    """`targeting.ad_blooms` of every ad: uint64 [N, BLOOM_WORDS], rows split over threads."""
+    vocab = location_blooms(list(cat.locations))
+    out = np.empty((cat.n, BLOOM_WORDS), dtype=np.uint64)
+
+    def part(lo: int, hi: int) -> None:
+        off = cat.loc_offsets[lo : hi + 1]
+        rows = Ragged(off - off[0], cat.loc_ids[off[0] : off[-1]])
+        out[lo:hi] = ad_blooms(rows, vocab)
+
+    parallel.run(part, parallel.ranges(cat.n, workers), workers)
+    return out
 
 
 def build_arrays(
@@ -80,15 +129,22 @@ def build_arrays(
     kway: KwaySpec | None = None,
     report: BuildReport | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    workers: int | None = None,
 ) -> IndexArrays:
-    """All index arrays for a validated catalog and its SIDs."""
+    """All index arrays for a validated catalog and its SIDs; `workers` threads (None:
+    every CPU) share the gathers, subtree ORs and hashing, and the arrays are the same for
+    any count."""
     report = report if report is not None else BuildReport()
+    workers = parallel.default_workers() if workers is None else workers
     t = time.perf_counter()
-    order = np.argsort(sid_keys(sids), kind="stable")
-    cat, sids = catalog.take(order), sids[order]
-    ad_bloom = ad_blooms(Ragged(cat.loc_offsets, cat.loc_ids), location_blooms(list(cat.locations)))
+    # ads sorted by SID, ties in catalog order (a stable sort)
+    order = parallel.stable_argsort(sid_keys(sids), SID_LENGTH * (VOCAB_SIZE - 1).bit_length())
+    cat, sids = _sorted_catalog(catalog, order, workers), parallel.take(sids, order, workers)
+    del order
+    ad_bloom = _ad_blooms(cat, workers)
     t = report.phase("encode", t)
-    built = build_trie(sids, cat.bitmask, ad_bloom)
+    built = build_trie(sids, cat.bitmask, ad_bloom, workers)
+    del sids, ad_bloom
     t = report.phase("trie", t)
     if should_stop():
         raise BuildCancelled("stopped before k-way partitioning")
@@ -109,7 +165,7 @@ def build_arrays(
         loc_vocab_offsets=vocab_offsets,
         loc_vocab_bytes=np.frombuffer(b"".join(vocab), dtype=np.uint8),
     )
-    report.levels = storage_stats(built)
+    report.levels = storage_stats(built, workers)
     trie = built.trie
     report.counts.update(
         ads=cat.n,
@@ -147,8 +203,14 @@ def build_index(
     keep: int = 3,
     progress: bool = True,
     should_stop: Callable[[], bool] = lambda: False,
+    device: str = "cpu",
+    workers: int | None = None,
 ) -> tuple[str, BuildReport]:
-    """Read, build and atomically publish one index version; returns (version, report)."""
+    """Read, build and atomically publish one index version; returns (version, report).
+
+    `device`: where SIDs are computed from embeddings (a torch device; "cuda" at paper
+    scale); `workers`: CPU threads for SIDs and the build (None: every CPU).
+    """
     report = BuildReport()
     t0 = t = time.perf_counter()
     fingerprint = catalog_fingerprint(catalog_path)
@@ -159,11 +221,12 @@ def build_index(
         from index_builder.tokenizer import SIDTokenizer  # torch: only when needed
 
         tokenizer = SIDTokenizer.load(Path(tokenizer_path))
-    sids, report.collisions = assign_sids(catalog, tokenizer)
+    sids, report.collisions = assign_sids(catalog, tokenizer, device=device, workers=workers)
     t = report.phase("tokenize", t)
     if should_stop():
         raise BuildCancelled("stopped before building the trie")
-    arrays = build_arrays(catalog, sids, kway, report, should_stop)
+    arrays = build_arrays(catalog, sids, kway, report, should_stop, workers)
+    del catalog, sids
     t = time.perf_counter()
 
     def write(directory: Path, version: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,10 +189,19 @@ def read_parquet(path: Path, src: Source, progress: bool) -> dict[str, pa.Array]
         if not (accept(schema.field(f).type) or pa.types.is_null(schema.field(f).type)):
             raise src.error(None, f, f"column has type {schema.field(f).type}; expected {expect}")
     groups = []
+    batch = max(1, pa.cpu_count())  # row groups decoded at once, one per Arrow thread
     with tqdm(total=pf.metadata.num_rows, unit="row", disable=not progress) as bar:
         bar.set_description(f"catalog {path.name}")
-        for i in range(pf.num_row_groups):
-            groups.append(pf.read_row_group(i, columns=fields))
-            bar.update(groups[-1].num_rows)
+        for i in range(0, pf.num_row_groups, batch):
+            part = list(range(i, min(pf.num_row_groups, i + batch)))
+            try:
+                groups.append(pf.read_row_groups(part, columns=fields, use_threads=True))
+            except pa.ArrowNotImplementedError:  # nested dictionaries: one group at a time
+                groups.extend(pf.read_row_group(g, columns=fields) for g in part)
+            bar.update(sum(pf.metadata.row_group(g).num_rows for g in part))
     table = pa.concat_tables(groups) if groups else schema.empty_table().select(fields)
-    return {f: table.column(f).combine_chunks() for f in fields}
+    del groups
+    # one column per thread: combining 30 M embedding rows alone copies 3.8 GB
+    with ThreadPoolExecutor(min(len(fields), batch)) as pool:
+        columns = pool.map(lambda f: table.column(f).combine_chunks(), fields)
+        return dict(zip(fields, columns, strict=True))

@@ -33,14 +33,13 @@ import orjson
 from safetensors.numpy import load_file, save_file
 from tqdm import tqdm
 
-from index_builder.kmeans import kmeans, nearest
+from index_builder.kmeans import check_finite, kmeans, nearest, rq_encode
+from index_builder.parallel import default_workers, float_sort_bits, stable_argsort
 
 FORMAT_VERSION = 1
 _KIND = "grace.sid_tokenizer"
 _META_FILE = "tokenizer.json"
 _CODEBOOK_FILE = "codebooks.safetensors"
-# Rows converted to float32 and checked at once, so 30M x 32 inputs never get copied whole.
-_CHUNK_ROWS = 65_536
 
 
 @dataclass(frozen=True)
@@ -105,24 +104,27 @@ class SIDTokenizer:
         embeddings: np.ndarray,  # [N, dim] float
         config: TokenizerConfig = _DEFAULT_CONFIG,
         progress: bool = True,
+        workers: int | None = None,  # threads for the distance tiles; None: every CPU
     ) -> SIDTokenizer:
+        """Train on a seeded sample; the codebooks do not depend on `workers`."""
         x = _check_matrix(embeddings)
         if len(x) == 0:
             raise ValueError("cannot train a SID tokenizer on 0 embeddings")
+        threads = default_workers() if workers is None else workers
         rng = np.random.default_rng(config.seed)
         rows = np.arange(len(x))
         if len(x) > config.train_sample:
             rows = np.sort(rng.choice(len(x), config.train_sample, replace=False))
         residual = np.ascontiguousarray(x[rows], dtype=np.float32)  # [S, dim]
-        _check_finite(residual, rows)
+        check_finite(residual, rows)
         k = config.codebook_size
         codebooks = np.empty((config.levels, k, x.shape[1]), np.float32)
         total = config.levels * config.iterations
         with tqdm(total=total, desc="SID k-means", unit="iter", disable=not progress) as bar:
             for level in range(config.levels):
                 bar.set_postfix(level=level)
-                codebooks[level] = kmeans(residual, k, config.iterations, rng, bar)
-                residual -= codebooks[level][nearest(residual, codebooks[level])]
+                codebooks[level] = kmeans(residual, k, config.iterations, rng, bar, threads)
+                residual -= codebooks[level][nearest(residual, codebooks[level], threads)]
         return cls(config, codebooks)
 
     @cached_property
@@ -137,9 +139,11 @@ class SIDTokenizer:
     def dim(self) -> int:
         return int(self.codebooks.shape[2])
 
-    def encode_prefix(self, embeddings: np.ndarray) -> np.ndarray:
+    def encode_prefix(
+        self, embeddings: np.ndarray, *, device: str = "cpu", workers: int | None = None
+    ) -> np.ndarray:
         """int32 [N, levels]: the RQ codes (every token but the last) of each embedding."""
-        return self._encode(embeddings)[0]
+        return self._encode(embeddings, device, workers)[0]
 
     def reconstruct(self, prefix: np.ndarray) -> np.ndarray:
         """float32 [N, dim]: the sum of the codes a prefix [N, l <= levels] names."""
@@ -153,16 +157,24 @@ class SIDTokenizer:
         self,
         embeddings: np.ndarray,  # [N, dim] float
         reserved: np.ndarray | None = None,  # int [M, levels + 1]: SIDs already taken
+        *,
+        device: str = "cpu",
+        workers: int | None = None,
     ) -> tuple[np.ndarray, CollisionReport]:
-        """int32 [N, levels + 1] full SIDs, in input order, and the catalog's collisions."""
+        """int32 [N, levels + 1] full SIDs, in input order, and the catalog's collisions.
+
+        `device`/`workers`: where the RQ codes are computed (see `kmeans.rq_encode`; None
+        workers: every CPU); the SIDs do not depend on `workers`, and on a GPU differ from
+        the CPU's only where a code is a near-tie.
+        """
         k, levels = self.config.codebook_size, self.config.levels
-        prefix, residual_norm = self._encode(embeddings)
+        prefix, residual_norm = self._encode(embeddings, device, workers)
         taken = self._check_reserved(reserved)
         key = _prefix_key(prefix, k)  # [N] int64
         taken_key = _prefix_key(taken[:, :levels], k)  # [M] int64
         taken_token = taken[:, levels]
-        # Group by prefix; inside a group by residual norm, then input order (lexsort is stable).
-        order = np.lexsort((residual_norm, key))
+        # Group by prefix; inside a group by residual norm, then input order.
+        order = _rank_order(key, residual_norm, (k**levels - 1).bit_length())
         sorted_key = key[order]
         first = np.r_[True, sorted_key[1:] != sorted_key[:-1]]
         rank = np.arange(len(key)) - np.maximum.accumulate(np.where(first, np.arange(len(key)), 0))
@@ -172,9 +184,12 @@ class SIDTokenizer:
         sids = np.empty((len(key), levels + 1), np.int32)
         sids[:, :levels] = prefix
         sids[order, levels] = token
-        report = _collisions(
-            np.concatenate([key, taken_key]), np.concatenate([sids[:, levels], taken_token]), k
-        )
+        if len(taken):
+            report = _collisions(
+                np.concatenate([key, taken_key]), np.concatenate([sids[:, levels], taken_token]), k
+            )
+        else:
+            report = _collisions_unreserved(first[: len(key)], k)  # first: [1] when N = 0
         return sids, report
 
     def save(self, path: Path) -> None:
@@ -236,21 +251,13 @@ class SIDTokenizer:
             f"dim={self.dim}, fingerprint={self.fingerprint})"
         )
 
-    def _encode(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _encode(
+        self, embeddings: np.ndarray, device: str = "cpu", workers: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """int32 [N, levels] codes and float32 [N] squared norms of the final residual."""
         x = _check_matrix(embeddings, self.dim)
-        codes = np.empty((len(x), self.config.levels), np.int32)
-        residual_norm = np.empty(len(x), np.float32)
-        for start in range(0, len(x), _CHUNK_ROWS):
-            residual = np.array(x[start : start + _CHUNK_ROWS], dtype=np.float32, order="C")
-            stop = start + len(residual)
-            _check_finite(residual, np.arange(start, stop))
-            for level, codebook in enumerate(self.codebooks):
-                code = nearest(residual, codebook)
-                codes[start:stop, level] = code
-                residual -= codebook[code]
-            residual_norm[start:stop] = np.einsum("ij,ij->i", residual, residual)
-        return codes, residual_norm
+        threads = default_workers() if workers is None else workers
+        return rq_encode(self.codebooks, x, device=device, workers=threads)
 
     def _check_reserved(self, reserved: np.ndarray | None) -> np.ndarray:
         width = self.config.levels + 1
@@ -278,15 +285,6 @@ def _check_matrix(x: np.ndarray, dim: int | None = None) -> np.ndarray:
     if dim is not None and x.shape[1] != dim:
         raise ValueError(f"embeddings have dim {x.shape[1]}, this tokenizer expects {dim}")
     return x
-
-
-def _check_finite(x: np.ndarray, rows: np.ndarray) -> None:
-    """Raise for the first row of float32 `x` that holds NaN/inf (`rows`: input row ids)."""
-    bad = ~np.isfinite(x).all(axis=1)
-    if bad.any():
-        raise ValueError(
-            f"embeddings row {int(rows[np.argmax(bad)])} holds NaN or inf (or overflows float32)"
-        )
 
 
 def _prefix_key(prefix: np.ndarray, k: int) -> np.ndarray:
@@ -330,6 +328,36 @@ def _skip_taken(
     token = token.copy()
     token[hit] = out
     return token
+
+
+def _rank_order(key: np.ndarray, residual_norm: np.ndarray, key_bits: int) -> np.ndarray:
+    """np.lexsort((residual_norm, key)): by prefix key, then residual norm, then input order.
+
+    Two stable passes of packed-key sorts (norm, then key): 0.8 s instead of lexsort's
+    2.2 s for 8 M ads. NaN norms (never from finite input) fall back to lexsort.
+    """
+    if np.isnan(residual_norm).any():
+        return np.lexsort((residual_norm, key))
+    by_norm = stable_argsort(float_sort_bits(residual_norm), 32)
+    return by_norm[stable_argsort(key[by_norm], key_bits)]
+
+
+def _collisions_unreserved(first: np.ndarray, k: int) -> CollisionReport:
+    """`_collisions` without reserved SIDs, from the group starts of the sorted prefix keys
+    (bool [N]): a group of g ads takes tokens rank mod k, so with q, r = divmod(g, k) every
+    ad shares its SID once q >= 2, and 2r ads do when q == 1 (tokens < r appear twice)."""
+    if not len(first):
+        return CollisionReport(prefixes=0, overflow_prefixes=0, ads_sharing_sid=0, max_group=0)
+    starts = np.flatnonzero(first)
+    size = np.diff(np.append(starts, len(first)))  # ads per prefix
+    q, r = np.divmod(size, k)
+    sharing = np.where(q >= 2, size, np.where(q == 1, 2 * r, 0))
+    return CollisionReport(
+        prefixes=len(size),
+        overflow_prefixes=int((size > k).sum()),
+        ads_sharing_sid=int(sharing.sum()),
+        max_group=int(size.max()),
+    )
 
 
 def _collisions(prefix_key: np.ndarray, last_token: np.ndarray, k: int) -> CollisionReport:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from index_builder import parallel
 from index_builder.format import SID_LENGTH, VOCAB_SIZE, TrieArrays
 from index_builder.targeting import BITMASK_BITS, BLOOM_BITS
 
@@ -38,34 +39,80 @@ def sid_keys(sids: np.ndarray) -> np.ndarray:
     return keys
 
 
-def dedup_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _row_hash(rows: np.ndarray, workers: int) -> np.ndarray:
+    """uint64 [n]: one splitmix64-chained hash per row of a uint64 [n, W] table."""
+    h = np.empty(len(rows), dtype=np.uint64)
+
+    def part(lo: int, hi: int) -> None:
+        x = np.zeros(hi - lo, dtype=np.uint64)
+        for w in range(rows.shape[1]):
+            x = _splitmix64(x ^ rows[lo:hi, w] + _MIX)
+        h[lo:hi] = x
+
+    parallel.run(part, parallel.ranges(len(rows), workers), workers)
+    return h
+
+
+def dedup_rows(rows: np.ndarray, workers: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Unique rows of a uint64 [n, W] table: (table [R, W], index int32 [n]), rows == table[index].
 
-    Hashes each row to one uint64 and sorts the hashes (one unstable sort of n scalars
-    instead of a row-wise sort); the result is verified, and a hash collision between
-    distinct rows falls back to numpy's row-wise unique.
+    Hashes each row to one uint64 and sorts the hashes (one sort of n scalars instead of a
+    row-wise sort): first the top hash bits packed with the row position into one int64
+    (numpy's vectorised sort of plain values, faster than an argsort), then, if two
+    distinct rows share those top bits, the full hashes; every result is verified, and a
+    full-hash collision between distinct rows falls back to numpy's row-wise unique. The
+    table is ordered by hash and does not depend on `workers` (threads for hashing and
+    verifying).
     """
     if len(rows) == 0:
         return rows.copy(), np.zeros(0, dtype=np.int32)
-    h = np.zeros(len(rows), dtype=np.uint64)
-    for w in range(rows.shape[1]):
-        h = _splitmix64(h ^ rows[:, w] + _MIX)
-    order = np.argsort(h)
-    sorted_h = h[order]
-    starts = np.empty(len(h), dtype=bool)
-    starts[0] = True
-    np.not_equal(sorted_h[1:], sorted_h[:-1], out=starts[1:])
-    inverse = np.empty(len(h), dtype=np.int32)
-    inverse[order] = np.cumsum(starts, dtype=np.int32) - 1
-    table = rows[order[starts]]
-    if not np.array_equal(table[inverse], rows):
+    h = _row_hash(rows, workers)
+    pos_bits = max(1, (len(rows) - 1).bit_length())
+    packed = (h >> np.uint64(pos_bits + 1)).astype(np.int64) << pos_bits
+    packed |= np.arange(len(rows), dtype=np.int64)
+    packed.sort()
+    found = _groups(rows, packed & ((1 << pos_bits) - 1), packed >> pos_bits, workers)
+    del packed
+    if found is None:  # distinct rows share the top hash bits
+        order = np.argsort(h)
+        found = _groups(rows, order, h[order], workers)
+    if found is None:
         table, inverse = np.unique(rows, axis=0, return_inverse=True)
-    return np.ascontiguousarray(table), inverse.reshape(-1).astype(np.int32)
+        found = np.ascontiguousarray(table), inverse.reshape(-1).astype(np.int32)
+    return found
+
+
+def _groups(
+    rows: np.ndarray, order: np.ndarray, sorted_hash: np.ndarray, workers: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(table, index) from rows sorted by hash; None if equal hashes hold unequal rows."""
+    starts = np.empty(len(sorted_hash), dtype=bool)
+    starts[0] = True
+    np.not_equal(sorted_hash[1:], sorted_hash[:-1], out=starts[1:])
+    inverse = np.empty(len(rows), dtype=np.int32)
+    inverse[order] = np.cumsum(starts, dtype=np.int32) - 1
+    table = np.ascontiguousarray(rows[order[starts]])
+
+    def same(lo: int, hi: int) -> bool:
+        return np.array_equal(table[inverse[lo:hi]], rows[lo:hi])
+
+    if all(parallel.run(same, parallel.ranges(len(rows), workers), workers)):
+        return table, inverse
+    return None
 
 
 def popcount_rows(rows: np.ndarray) -> np.ndarray:
     """Set bits per row of a uint64 [n, W] table -> int64 [n]."""
     return np.bitwise_count(rows).sum(axis=1, dtype=np.int64)
+
+
+def popcount_total(rows: np.ndarray, workers: int = 1) -> int:
+    """Set bits in a whole uint64 [n, W] table."""
+
+    def part(lo: int, hi: int) -> int:
+        return int(np.bitwise_count(rows[lo:hi]).sum(dtype=np.int64))
+
+    return sum(parallel.run(part, parallel.ranges(len(rows), workers), workers))
 
 
 @dataclass(frozen=True)
@@ -88,11 +135,15 @@ class TrieBuild:
         return slice(int(lo[depth]) - 1, int(lo[depth + 1]) - 1)
 
 
-def build_trie(sids: np.ndarray, ad_bitmask: np.ndarray, ad_bloom: np.ndarray) -> TrieBuild:
+def build_trie(
+    sids: np.ndarray, ad_bitmask: np.ndarray, ad_bloom: np.ndarray, workers: int = 1
+) -> TrieBuild:
     """Build the CSR trie from ads sorted by SID.
 
     sids: int [N, SID_LENGTH], sorted lexicographically (several ads may share a SID);
     ad_bitmask: uint64 [N, BITMASK_WORDS]; ad_bloom: uint64 [N, BLOOM_WORDS].
+    `workers` threads share the subtree ORs, hashing and checks; the arrays are the same
+    for any count.
     """
     n = len(sids)
     if n == 0:
@@ -102,10 +153,11 @@ def build_trie(sids: np.ndarray, ad_bitmask: np.ndarray, ad_bloom: np.ndarray) -
         raise ValueError("ads must be sorted by SID before building the trie")
     leaf_first_ad = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
     leaf_keys = keys[leaf_first_ad]
+    del keys
     num_leaves = len(leaf_keys)
     # read N rows once per table; write one row per SID
-    leaf_bm = np.bitwise_or.reduceat(ad_bitmask, leaf_first_ad, axis=0)
-    leaf_bl = np.bitwise_or.reduceat(ad_bloom, leaf_first_ad, axis=0)
+    leaf_bm = parallel.or_reduceat(ad_bitmask, leaf_first_ad, workers)
+    leaf_bl = parallel.or_reduceat(ad_bloom, leaf_first_ad, workers)
 
     level_offsets = [0, 1]
     parents, tokens, firsts, ent_bm, ent_bl = [], [], [], [], []
@@ -118,8 +170,8 @@ def build_trie(sids: np.ndarray, ad_bitmask: np.ndarray, ad_bloom: np.ndarray) -
         parents.append(node_of_leaf[first])
         tokens.append(kd[first] % VOCAB_SIZE)
         firsts.append(first)
-        ent_bm.append(np.bitwise_or.reduceat(leaf_bm, first, axis=0))
-        ent_bl.append(np.bitwise_or.reduceat(leaf_bl, first, axis=0))
+        ent_bm.append(parallel.or_reduceat(leaf_bm, first, workers))
+        ent_bl.append(parallel.or_reduceat(leaf_bl, first, workers))
         node_of_leaf = np.cumsum(starts) - 1 + base
         level_offsets.append(base + len(first))
 
@@ -131,8 +183,9 @@ def build_trie(sids: np.ndarray, ad_bitmask: np.ndarray, ad_bloom: np.ndarray) -
         raise ValueError(f"{num_nodes} trie nodes exceed the int32 layout")
     entry_bm = np.concatenate(ent_bm)
     entry_bl = np.concatenate(ent_bl)
-    bm_table, bm_index = dedup_rows(entry_bm)
-    bl_table, bl_index = dedup_rows(entry_bl)
+    del ent_bm, ent_bl  # ~2.6 GB per copy at 30 M ads
+    bm_table, bm_index = dedup_rows(entry_bm, workers)
+    bl_table, bl_index = dedup_rows(entry_bl, workers)
 
     first_leaf = np.concatenate([[0], *firsts]).astype(np.int64)
     leaf_count = np.empty(num_nodes, dtype=np.int64)
@@ -168,17 +221,20 @@ def build_trie(sids: np.ndarray, ad_bitmask: np.ndarray, ad_bloom: np.ndarray) -
     )
 
 
-def matcher_fill(bitmask_rows: np.ndarray, bloom_rows: np.ndarray) -> tuple[float, float]:
+def matcher_fill(
+    bitmask_rows: np.ndarray, bloom_rows: np.ndarray, workers: int = 1
+) -> tuple[float, float]:
     """Mean fill rate (share of set bits) of bitmask and Bloom matcher rows (paper Table 2)."""
     if len(bitmask_rows) == 0:
         return 0.0, 0.0
+    n = len(bitmask_rows)
     return (
-        float(popcount_rows(bitmask_rows).mean() / BITMASK_BITS),
-        float(popcount_rows(bloom_rows).mean() / BLOOM_BITS),
+        popcount_total(bitmask_rows, workers) / n / BITMASK_BITS,
+        popcount_total(bloom_rows, workers) / n / BLOOM_BITS,
     )
 
 
-def storage_stats(build: TrieBuild) -> list[dict[str, float | int]]:
+def storage_stats(build: TrieBuild, workers: int = 1) -> list[dict[str, float | int]]:
     """Per decode step: entries, matcher bytes before/after dedup, fill (paper Tables 1–2).
 
     "After dedup" counts the distinct rows the step's entries use in the shared tables.
@@ -190,7 +246,7 @@ def storage_stats(build: TrieBuild) -> list[dict[str, float | int]]:
         bm, bl = build.entry_bitmask[sl], build.entry_bloom[sl]
         bm_unique = np.count_nonzero(np.bincount(trie.bitmask_index[sl]))
         bl_unique = np.count_nonzero(np.bincount(trie.bloom_index[sl]))
-        fill_bm, fill_bl = matcher_fill(bm, bl)
+        fill_bm, fill_bl = matcher_fill(bm, bl, workers)
         out.append(
             {
                 "step": depth,

@@ -3,27 +3,86 @@
 Beam-as-query keeps K/V per request `[B, H, T_ctx, d_h]` and views the beam rows of one
 request as its query sequence, so every K/V tile load serves all M beams of the request.
 `cross_attention_per_beam` is the naive layout (K/V materialised per beam row), kept as
-the equivalence oracle and the ablation baseline. The GPU kernel (#5) slots in behind
-`cross_attention`.
+the equivalence oracle and the ablation baseline.
+
+`cross_attention` is the dispatcher the decoder calls. Backends (`BACKENDS`):
+- "triton": our kernel (`kernels/_triton_cross_attention.py`), T_ctx ≤ 256 (less for
+  fp32 at large d_h: `supports`);
+- "sdpa_flash" / "sdpa_cudnn" / "sdpa_efficient": PyTorch SDPA pinned to one backend on
+  the `[B, H, M, d_h]` view;
+- "reference": SDPA in fp32 on the same view — the CPU path and the tests' oracle.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+try:
+    from kernels._triton_cross_attention import supports, triton_cross_attention
+except ImportError:  # no triton on this machine: SDPA and the reference still work
+    supports, triton_cross_attention = None, None
+
+SDPA_BACKENDS = {
+    "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+BACKENDS = ("triton", *SDPA_BACKENDS, "reference")
+
+# The backend for CUDA tensors, by measurement (bench/results/cross_attention.json, H200,
+# B 16, M 1024, H 16, d_h 128, T_ctx 128, bf16): cuDNN 0.052 ms, our Triton kernel
+# 0.071 ms, flash 0.093 ms. cuDNN has no fp32: those calls take the Triton kernel.
+# Read at call time, so the bench may switch it.
+GPU_BACKEND = "sdpa_cudnn"
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def cross_attention(
     q: torch.Tensor,  # [B * M, H, d_h], request-major rows: row b * M + m
     k: torch.Tensor,  # [B, H, T_ctx, d_h]
     v: torch.Tensor,  # [B, H, T_ctx, d_h]
-) -> torch.Tensor:  # [B * M, H, d_h]
+    backend: str | None = None,  # one of BACKENDS; None: GPU_BACKEND on CUDA, else reference
+) -> torch.Tensor:  # [B * M, H, d_h], q's dtype, contiguous
     """Beam-as-query: one attention call of M queries per request against shared K/V."""
+    if backend is None:
+        backend = GPU_BACKEND if q.is_cuda else "reference"
+        if backend in ("sdpa_cudnn", "sdpa_flash") and k.dtype not in _HALF:
+            backend = "triton"
+        if backend == "triton" and (supports is None or not supports(*k.shape[2:], k.dtype)):
+            # the kernel holds the whole context in one block; flash has no fp32
+            backend = "sdpa_efficient" if k.dtype == torch.float32 else "sdpa_flash"
+    if backend == "triton":
+        assert triton_cross_attention is not None, "triton is not installed"
+        return triton_cross_attention(q, k, v)
+    if backend == "reference":
+        return cross_attention_reference(q, k, v)
+    assert backend in SDPA_BACKENDS, f"unknown backend {backend!r}; one of {BACKENDS}"
+    with sdpa_kernel(SDPA_BACKENDS[backend]):
+        return _sdpa_beam_as_query(q, k, v)
+
+
+def _sdpa_beam_as_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     b, h, _, d = k.shape
     m = q.shape[0] // b
-    qb = q.view(b, m, h, d).transpose(1, 2)  # [B, H, M, d_h]
+    qb = q.view(b, m, h, d).transpose(1, 2)  # [B, H, M, d_h]: a view, no copy (eq. 11)
     out = F.scaled_dot_product_attention(qb, k, v)  # [B, H, M, d_h]
-    return out.transpose(1, 2).reshape(b * m, h, d)
+    # flash writes [B, M, H, d_h] memory, so this is free there; other backends copy
+    return out.transpose(1, 2).reshape(b * m, h, d).contiguous()
+
+
+def cross_attention_reference(
+    q: torch.Tensor,  # [B * M, H, d_h]
+    k: torch.Tensor,  # [B, H, T_ctx, d_h]
+    v: torch.Tensor,  # [B, H, T_ctx, d_h]
+) -> torch.Tensor:  # [B * M, H, d_h], q's dtype
+    """Beam-as-query through SDPA, computed in fp32 whatever the input dtype."""
+    if not q.is_cuda:  # CPU: SDPA's own choice is fp32-exact and the fastest here
+        return _sdpa_beam_as_query(q.float(), k.float(), v.float()).to(q.dtype)
+    # CUDA: the math backend (plain fp32 matmuls), not a fused kernel's tf32 tricks
+    with sdpa_kernel(SDPBackend.MATH):
+        return _sdpa_beam_as_query(q.float(), k.float(), v.float()).to(q.dtype)
 
 
 def cross_attention_per_beam(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,17 @@
-"""Self-attention of one new SID token over the row's ≤ 4 cached prefix tokens.
+"""Self-attention of one new SID token over the row's ≤ 4 cached prefix tokens (paper §4.2).
 
-The torch reference: the decode step gathers each row's cached keys/values (paged block
-table or dense) and attends with one query per row. The Triton kernels of #5 (coalesced,
-fused, paged) replace it behind `prefix_self_attention`.
+Two entry points, each a dispatcher (the Triton kernels of `_triton_self_attention` on
+CUDA tensors, the torch reference here otherwise, and whenever autograd is recording):
+- `prefix_self_attention(q, k, v)`: the query of each row against its already-gathered
+  keys/values (the coalesced kernel on GPU);
+- `fused_self_attention(qkv, k_cache, v_cache, t, block_table)`: consumes the QKV
+  projection output, writes the new key/value into the cache (dense `[R, L, H, d_h]`, or
+  a paged pool `[N, H, d_h]` addressed by `block_table [R, L]`), gathers tokens 0..t and
+  attends — one pass over the bytes. `store=False` skips the write where nothing will
+  read it (the last SID position).
+
+On GPU the kernels autotune per (rows, H, d_h, t, variant) on first use: run each step
+shape once before capturing a CUDA graph.
 """
 
 from __future__ import annotations
@@ -11,11 +20,89 @@ import math
 
 import torch
 
+try:
+    from kernels._triton_self_attention import (
+        fused_self_attention_triton,
+        prefix_self_attention_triton,
+    )
+except ImportError:  # no triton here: the references serve every call
+    fused_self_attention_triton = prefix_self_attention_triton = None
+
+
+def _use_triton(*xs: torch.Tensor | None) -> bool:
+    ts = [x for x in xs if x is not None]
+    if prefix_self_attention_triton is None or not all(x.is_cuda for x in ts):
+        return False
+    # the kernels have no backward
+    return not (torch.is_grad_enabled() and any(x.requires_grad for x in ts))
+
 
 def prefix_self_attention(
     q: torch.Tensor,  # [R, H, d_h]: the new token's query per row
     k: torch.Tensor,  # [R, t + 1, H, d_h]: keys of tokens 0..t (t included)
     v: torch.Tensor,  # [R, t + 1, H, d_h]
 ) -> torch.Tensor:  # [R, H, d_h]
-    scores = torch.einsum("rhd,rthd->rht", q, k) / math.sqrt(q.shape[-1])
-    return torch.einsum("rht,rthd->rhd", scores.softmax(dim=-1), v)
+    """Dispatcher: the coalesced Triton kernel on CUDA, the torch reference elsewhere."""
+    if _use_triton(q, k, v):
+        return prefix_self_attention_triton(q, k, v)
+    return prefix_self_attention_reference(q, k, v)
+
+
+def prefix_self_attention_reference(
+    q: torch.Tensor,  # [R, H, d_h]: the new token's query per row
+    k: torch.Tensor,  # [R, t + 1, H, d_h]: keys of tokens 0..t (t included)
+    v: torch.Tensor,  # [R, t + 1, H, d_h]
+) -> torch.Tensor:  # [R, H, d_h]
+    scores = torch.einsum("rhd,rthd->rht", q.float(), k.float()) / math.sqrt(q.shape[-1])
+    return torch.einsum("rht,rthd->rhd", scores.softmax(dim=-1), v.float()).to(q.dtype)
+
+
+def fused_self_attention_reference(
+    qkv: torch.Tensor,  # [R, 3 * H * d_h]: the QKV projection of the rows' new token
+    k_cache: torch.Tensor,  # dense [R, L, H, d_h], or paged pool [N, H, d_h]
+    v_cache: torch.Tensor,  # same shape as k_cache
+    t: int,  # position of the new token (0-based, < L)
+    block_table: torch.Tensor | None = None,  # int [R, L]: block of row r's token j (paged)
+    *,
+    store: bool = True,  # False: skip the cache write (the last position: nothing reads it)
+) -> torch.Tensor:  # [R, H, d_h]
+    """Write the new k/v at position t, then attend over positions 0..t."""
+    r = qkv.shape[0]
+    h, d = k_cache.shape[-2:]
+    q, k, v = qkv.view(r, 3, h, d).unbind(1)
+    if block_table is None:
+        if store:
+            k_cache[:, t] = k
+            v_cache[:, t] = v
+        k_prev, v_prev = k_cache[:, :t], v_cache[:, :t]  # [R, t, H, d_h]
+    else:
+        if store:
+            blocks = block_table[:, t].long()
+            k_cache[blocks] = k
+            v_cache[blocks] = v
+        prefix = block_table[:, :t].long()
+        k_prev, v_prev = k_cache[prefix], v_cache[prefix]
+    k_all = torch.cat([k_prev, k[:, None]], dim=1)  # [R, t + 1, H, d_h]
+    v_all = torch.cat([v_prev, v[:, None]], dim=1)
+    return prefix_self_attention_reference(q, k_all, v_all)
+
+
+def fused_self_attention(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    t: int,
+    block_table: torch.Tensor | None = None,
+    *,
+    store: bool = True,
+) -> torch.Tensor:
+    """Dispatcher: the fused (dense) or paged Triton kernel on CUDA, the reference elsewhere.
+
+    Same arguments as `fused_self_attention_reference`. Paged: the step's blocks
+    `block_table[:, t]` must be fresh (distinct, not among any row's blocks 0..t-1).
+    `store=False` at the last SID position saves the 2·H·d_h-element write per row that
+    no later step would read (at t = 3 on the paper shape: 805 MB → 671 MB moved).
+    """
+    if _use_triton(qkv, k_cache, v_cache, block_table):
+        return fused_self_attention_triton(qkv, k_cache, v_cache, t, block_table, store=store)
+    return fused_self_attention_reference(qkv, k_cache, v_cache, t, block_table, store=store)

@@ -81,12 +81,14 @@ async def start(settings: ServerSettings) -> App:
         metrics.swaps.inc()
         metrics.set_index(index.version, index.manifest.get("created"), index.loaded_at)
 
+    stages = Stages(loaded.model, loaded.model_version, device, None)
     watcher = IndexWatcher(
         Path(settings.index_root),
         indexes,
         tokenizer_fingerprint=loaded.tokenizer.fingerprint,
         device=device,
         poll_seconds=settings.index_poll_seconds,
+        prepare=lambda index: stages.prepare(index, tuple(settings.beams)),
         on_swap=swapped,
         on_failure=lambda version, exc: metrics.swap_failures.inc(),
     )
@@ -95,7 +97,6 @@ async def start(settings: ServerSettings) -> App:
     if not indexes.ready:
         raise RuntimeError(f"no valid index under {settings.index_root} (grace build-index)")
 
-    stages = Stages(loaded.model, loaded.model_version, device, None)
     batcher: Batcher
 
     def observe(stage: str, seconds: float) -> None:

@@ -8,16 +8,25 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from index_builder.build import build_index
 from index_builder.publish import current_version
 from index_builder.synth import generate_world
 from service.settings import ServerSettings
 
+if TYPE_CHECKING:
+    from service.training.train import TrainSettings
+
 log = logging.getLogger("grace.bootstrap")
 
 
-def ensure_default(settings: ServerSettings, *, progress: bool = True) -> None:
+def ensure_default(
+    settings: ServerSettings,
+    *,
+    progress: bool = True,
+    train_settings: TrainSettings | None = None,  # default: the profile's full training
+) -> None:
     data = Path(settings.data_dir)
     world = data / "world"
     model = Path(settings.model_dir)
@@ -29,7 +38,8 @@ def ensure_default(settings: ServerSettings, *, progress: bool = True) -> None:
         from service.training.train import TrainSettings, train
 
         log.info("training a %s model on it (a minute or two on a CPU)", settings.profile)
-        train(world, model, TrainSettings(profile=settings.profile), progress=progress)
+        ts = train_settings or TrainSettings(profile=settings.profile)
+        train(world, model, ts, progress=progress)
     if current_version(index) is None:
         log.info("building and publishing the index in %s", index)
         build_index(world / "catalog.parquet", index, tokenizer_path=model / "tokenizer",

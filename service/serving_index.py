@@ -17,6 +17,7 @@ from typing import Any
 
 from index_builder.validate import validate_index
 from service.decode.retrieve import RetrievalIndex
+from service.decode.static_engine import StaticBeamSearch
 from service.post import PostStage
 
 
@@ -28,6 +29,9 @@ class ServingIndex:
     retrieval: RetrievalIndex  # trie tables on the compute device, vocabulary, ad -> SID
     post: PostStage | None = None  # the C++ post stage over this index's ad arrays
     loaded_at: float = field(default_factory=time.time)
+    # GPU only: the fixed-shape decode engine bound to these tables, its CUDA graphs
+    # captured before the version serves (`Stages.prepare`); None on CPU.
+    engine: StaticBeamSearch | None = None
 
 
 def load_serving_index(

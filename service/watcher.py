@@ -4,7 +4,8 @@ background, swap them in between batches (DESIGN.md §3).
 A version that fails validation (or was built for another SID tokenizer) is logged,
 counted, remembered so it is not retried, and never served: the old index keeps serving.
 The loaded tables go to the compute device here, off the request path (on GPU on the
-loading thread's own stream), before `IndexHolder.swap` makes them current.
+loading thread's own stream), and `prepare` readies them (on GPU: the decode engine's CUDA
+graphs are captured) before `IndexHolder.swap` makes them current.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ class IndexWatcher:
         tokenizer_fingerprint: str | None,
         device: str = "cpu",
         poll_seconds: float = 2.0,
+        prepare: Callable[[ServingIndex], ServingIndex] = lambda index: index,
         on_swap: Callable[[ServingIndex], None] = lambda index: None,
         on_failure: Callable[[str, Exception], None] = lambda version, exc: None,
     ) -> None:
         self.root, self.holder = Path(root), holder
         self.fingerprint, self.device = tokenizer_fingerprint, device
         self.poll_seconds = poll_seconds
-        self._on_swap, self._on_failure = on_swap, on_failure
+        self._prepare, self._on_swap, self._on_failure = prepare, on_swap, on_failure
         self._rejected: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -59,6 +61,7 @@ class IndexWatcher:
                 index = load_serving_index(
                     self.root / version, tokenizer_fingerprint=self.fingerprint, device=self.device
                 )
+                index = self._prepare(index)  # e.g. capture its CUDA graphs, off the path
             if stream is not None:
                 stream.synchronize()  # tables fully on the device before any batch sees them
         except (IndexValidationError, IndexFormatError, OSError, ValueError) as exc:

@@ -209,9 +209,14 @@ class EncodedAds:
 
     def fill(self, lo: int, rules: AdRules) -> None:
         """Record the bitmask and location-rule lengths of ads [lo, lo + len(rules))."""
-        n = rules.countries.n
-        self.bitmask[lo : lo + n] = rules.bitmasks()
-        self.loc_offsets[lo + 1 : lo + n + 1] = np.diff(rules.locations.offsets)
+        self.store(lo, rules.bitmasks(), rules.locations)
+
+    def store(self, lo: int, bitmask: np.ndarray, locations: Ragged) -> None:
+        """Record already-encoded ads [lo, lo + len(bitmask)): bitmask rows and the lengths
+        of their location rules."""
+        n = len(bitmask)
+        self.bitmask[lo : lo + n] = bitmask
+        self.loc_offsets[lo + 1 : lo + n + 1] = np.diff(locations.offsets)
 
     @classmethod
     def finish(cls, partial: EncodedAds, loc_chunks: list[np.ndarray]) -> EncodedAds:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from index_builder.parallel import stable_argsort
 from index_builder.synth.ads import GLOBAL_KEY, AdState, EncodedAds
 from index_builder.synth.geography import Geography
 from index_builder.synth.profiles import WorldProfile
@@ -45,8 +46,9 @@ class CandidateIndex:
         cls, keys: list[np.ndarray], positions: list[np.ndarray], n_locations: int
     ) -> CandidateIndex:
         k = np.concatenate(keys)
-        order = np.argsort(k, kind="stable")
-        counts = np.bincount(k, minlength=n_locations + GLOBAL_KEY + 1)
+        n_keys = n_locations + GLOBAL_KEY + 1
+        order = stable_argsort(k, key_bits=n_keys.bit_length())  # paper: 36 M entries
+        counts = np.bincount(k, minlength=n_keys)
         offsets = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
         return cls(offsets, np.concatenate(positions)[order], n_locations)

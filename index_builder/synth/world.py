@@ -23,19 +23,13 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from index_builder.synth import writer
-from index_builder.synth.ads import (
-    AdState,
-    EncodedAds,
-    allocate_ads,
-    fill_chunk,
-    pool_keys,
-    rules_of,
-)
-from index_builder.synth.advertisers import Advertisers, build_advertisers, build_topics
+from index_builder.synth.ads import AdState, EncodedAds, allocate_ads
+from index_builder.synth.advertisers import build_advertisers, build_topics
 from index_builder.synth.calibration import estimate_eligibility
+from index_builder.synth.chunks import AdJob, ChunkStream, store
 from index_builder.synth.geography import Geography, build_geography
 from index_builder.synth.histories import CandidateIndex, Histories, sample_histories
-from index_builder.synth.profiles import PROFILES, STYLES, WorldProfile, stream
+from index_builder.synth.profiles import PROFILES, STYLES, stream
 from index_builder.synth.users import Users, build_users
 from index_builder.targeting import GENDERS, Targeting
 
@@ -55,11 +49,15 @@ def generate_world(
     n_ads: int | None = None,
     n_users: int | None = None,
     progress: bool = True,
+    workers: int = 1,
+    jsonl: bool = True,
 ) -> dict[str, Any]:
     """Write the world of `profile` (counts optionally overridden) and `seed` into `out`.
 
     Returns the summary that is also written as `out/world.json`. The same arguments give
-    the same catalog, users and held-out events; only timings differ between runs.
+    the same catalog, users and held-out events, whatever `workers` (processes drawing
+    ad chunks); only timings differ between runs. `jsonl=False` writes the catalog as
+    Parquet only (paper scale: JSONL would add ~15 GB and most of the ads phase).
     """
     if profile not in PROFILES:
         raise KeyError(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
@@ -89,7 +87,8 @@ def generate_world(
             emb_path, mode="w+", dtype=np.float32, shape=(p.n_ads, p.embedding_dim)
         )
         ads = allocate_ads(adv, emb, seed, stream(seed, "ads-layout"))
-        index, enc, rule_counts = _write_catalog(p, geo, adv, ads, tmp, seed, progress)
+        job = AdJob(p, adv, ads, seed, len(geo.names), geo.names if jsonl else None)
+        index, enc, rule_counts = _write_catalog(job, geo, tmp, progress, workers)
         style_counts = _style_counts(adv.style, ads)
         lap("ads")
 
@@ -131,7 +130,7 @@ def generate_world(
             "eligibility": elig,
             "timings_s": timings,
             "files": [
-                writer.CATALOG_JSONL,
+                *([writer.CATALOG_JSONL] if jsonl else []),
                 writer.CATALOG_PARQUET,
                 writer.USERS_PARQUET,
                 writer.HELDOUT_PARQUET,
@@ -146,35 +145,34 @@ def generate_world(
 
 
 def _write_catalog(
-    p: WorldProfile,
-    geo: Geography,
-    adv: Advertisers,
-    ads: AdState,
-    directory: Path,
-    seed: int,
-    progress: bool,
+    job: AdJob, geo: Geography, directory: Path, progress: bool, workers: int
 ) -> tuple[CandidateIndex, EncodedAds, dict[str, int]]:
-    """Draw the ads chunk by chunk, streaming each into the catalog files and pool index."""
+    """Draw the ads chunk by chunk (on `workers` processes), streaming each into the
+    catalog files and the pool index in chunk order."""
+    p, ads = job.profile, job.ads
     keys, positions, loc_chunks = [], [], []
     enc = EncodedAds.allocate(p.n_ads)
     counts = dict.fromkeys(("country_rule", "age_rule", "gender_rule", "location_rule"), 0)
-    bar = tqdm(total=p.n_ads, desc="ads", unit="ad", unit_scale=True, disable=not progress)
-    with writer.CatalogWriter(directory, geo.names, p.embedding_dim) as cat:
-        for k, lo in enumerate(range(0, p.n_ads, p.chunk_ads)):
-            hi = min(p.n_ads, lo + p.chunk_ads)
-            fill_chunk(p, adv, ads, lo, hi, stream(seed, "ads", k))
-            rules = rules_of(adv, ads, slice(lo, hi))
-            enc.fill(lo, rules)
+    jsonl = job.location_names is not None
+    with (
+        ChunkStream(job, workers) as chunks,  # forks first: before the writer's threads
+        writer.CatalogWriter(directory, geo.names, p.embedding_dim, jsonl=jsonl) as cat,
+    ):
+        bar = tqdm(total=p.n_ads, desc="ads", unit="ad", unit_scale=True, disable=not progress)
+        for chunk in chunks:
+            lo, hi, rules = chunk.lo, chunk.hi, chunk.rules
+            store(ads, chunk)
+            enc.store(lo, chunk.bitmask, rules.locations)
             loc_chunks.append(rules.locations.values)
-            cat.write(ads.ad_id[lo:hi], ads.advertiser[lo:hi], ads.embedding[lo:hi], rules)
-            kk, pp = pool_keys(rules, np.arange(lo, hi, dtype=np.int64), len(geo.names))
-            keys.append(kk)
-            positions.append(pp)
+            emb = ads.embedding[lo:hi]
+            cat.write(ads.ad_id[lo:hi], ads.advertiser[lo:hi], emb, rules, chunk.jsonl)
+            keys.append(chunk.pool_keys)
+            positions.append(chunk.pool_positions)
             ragged = (rules.countries, rules.age_buckets, rules.genders, rules.locations)
             for name, r in zip(counts, ragged, strict=True):
                 counts[name] += int(np.count_nonzero(np.diff(r.offsets)))
             bar.update(hi - lo)
-    bar.close()
+        bar.close()
     index = CandidateIndex.build(keys, positions, len(geo.names))
     return index, EncodedAds.finish(enc, loc_chunks), counts
 

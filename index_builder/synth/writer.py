@@ -1,8 +1,11 @@
-"""World files: catalog (JSONL + Parquet), users, held-out events, atomic publish.
+"""World files: catalog (Parquet, and JSONL unless turned off), users, held-out events,
+atomic publish.
 
 Last stage of the synth flow. The catalog is exactly the DESIGN.md §4 contract
 (`ad_id`, `embedding`, `countries`, `age_buckets`, `genders`, `locations`; empty list =
 no rule) plus an `advertiser_id` column, streamed one chunk at a time into both files.
+JSONL costs ~4 s and ~512 bytes per 1 k ads; paper-scale worlds skip it (`jsonl=False`):
+every reader in the project takes the Parquet file.
 Everything is written into a hidden staging directory beside `out`, `world.json` last,
 and the directory is renamed into place only when complete, so an interrupted run never
 leaves a world that looks finished (and `load_world` also requires `world.json`).
@@ -56,10 +59,49 @@ def _ragged_column(r: Ragged, names: pa.Array) -> pa.ListArray:
     return _str_list(r.offsets - r.offsets[0], names.take(pa.array(r.values)))
 
 
-class CatalogWriter:
-    """Streams catalog chunks into catalog.parquet (one row group each) and catalog.jsonl."""
+def jsonl_chunk(
+    location_names: np.ndarray,  # object [V]: location vocabulary
+    ad_id: np.ndarray,  # int64 [n]
+    advertiser: np.ndarray,  # int [n]
+    emb: np.ndarray,  # float32 [n, d], C-contiguous
+    rules: AdRules,
+) -> bytes:
+    """The JSON Lines of one catalog chunk (each row ends in a newline).
 
-    def __init__(self, directory: Path, location_names: np.ndarray, dim: int) -> None:
+    A free function so that the ad-drawing worker processes can serialise their own chunks.
+    """
+    # Serialise each column for the whole chunk in one orjson call and split it into
+    # rows (~1 us/row for 32 floats), then splice rows with one %-format each:
+    # 2-3x faster than one orjson call per row dict.
+    if not len(ad_id):
+        return b""
+    columns = [_split_rows(orjson.dumps(emb, option=orjson.OPT_SERIALIZE_NUMPY))]
+    ragged = (rules.countries, rules.age_buckets, rules.genders, rules.locations)
+    names = (_COUNTRY_NAMES, _AGE_NAMES, _GENDER_NAMES, location_names)
+    for r, n, key in zip(ragged, names, rules.row_keys, strict=True):
+        # serialise each distinct list once: ads of one advertiser share their rules
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        values, o = n[r.values].tolist(), (r.offsets - r.offsets[0]).tolist()
+        lists = [values[o[i] : o[i + 1]] for i in first.tolist()]
+        distinct = np.array(_split_rows(orjson.dumps(lists)), dtype=object)
+        columns.append(distinct[inverse].tolist())
+    rows = [
+        _ROW % (i, a, e, c, ab, g, loc)
+        for i, a, e, c, ab, g, loc in zip(
+            ad_id.tolist(), advertiser.tolist(), *columns, strict=True
+        )
+    ]
+    rows.append(b"")
+    return b"\n".join(rows)
+
+
+class CatalogWriter:
+    """Streams catalog chunks into catalog.parquet (one row group each) and, unless
+    `jsonl=False`, catalog.jsonl."""
+
+    def __init__(
+        self, directory: Path, location_names: np.ndarray, dim: int, jsonl: bool = True
+    ) -> None:
         self._names = {
             "countries": pa.array(COUNTRIES, pa.string()),
             "age_buckets": pa.array(AGE_BUCKETS, pa.string()),
@@ -79,7 +121,7 @@ class CatalogWriter:
             ]
         )
         self._parquet = pq.ParquetWriter(directory / CATALOG_PARQUET, self.schema)
-        self._jsonl = open(directory / CATALOG_JSONL, "wb")  # noqa: SIM115 - closed in close()
+        self._jsonl = open(directory / CATALOG_JSONL, "wb") if jsonl else None  # noqa: SIM115
 
     def write(
         self,
@@ -87,6 +129,7 @@ class CatalogWriter:
         advertiser: np.ndarray,  # int [n]
         embedding: np.ndarray,  # float32 [n, d]
         rules: AdRules,
+        jsonl: bytes | None = None,  # this chunk's JSON Lines if already serialised
     ) -> None:
         n = len(ad_id)
         emb = np.ascontiguousarray(embedding, dtype=np.float32)
@@ -106,38 +149,19 @@ class CatalogWriter:
             *(_ragged_column(ragged[k], self._names[k]) for k in self._names),
         ]
         self._parquet.write_table(pa.Table.from_arrays(columns, schema=self.schema))
-        self._jsonl.write(self._jsonl_chunk(ad_id, advertiser, emb, rules))
+        if self._jsonl is not None:
+            if jsonl is None:
+                jsonl = jsonl_chunk(self._loc_names, ad_id, advertiser, emb, rules)
+            self._jsonl.write(jsonl)
 
-    def _jsonl_chunk(
-        self, ad_id: np.ndarray, advertiser: np.ndarray, emb: np.ndarray, rules: AdRules
-    ) -> bytes:
-        # Serialise each column for the whole chunk in one orjson call and split it into
-        # rows (~1 us/row for 32 floats), then splice rows with one %-format each:
-        # 2-3x faster than one orjson call per row dict.
-        if not len(ad_id):
-            return b""
-        columns = [_split_rows(orjson.dumps(emb, option=orjson.OPT_SERIALIZE_NUMPY))]
-        ragged = (rules.countries, rules.age_buckets, rules.genders, rules.locations)
-        names = (_COUNTRY_NAMES, _AGE_NAMES, _GENDER_NAMES, self._loc_names)
-        for r, n, key in zip(ragged, names, rules.row_keys, strict=True):
-            # serialise each distinct list once: ads of one advertiser share their rules
-            _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-            values, o = n[r.values].tolist(), (r.offsets - r.offsets[0]).tolist()
-            lists = [values[o[i] : o[i + 1]] for i in first.tolist()]
-            distinct = np.array(_split_rows(orjson.dumps(lists)), dtype=object)
-            columns.append(distinct[inverse].tolist())
-        rows = [
-            _ROW % (i, a, e, c, ab, g, loc)
-            for i, a, e, c, ab, g, loc in zip(
-                ad_id.tolist(), advertiser.tolist(), *columns, strict=True
-            )
-        ]
-        rows.append(b"")
-        return b"\n".join(rows)
+    @property
+    def files(self) -> list[str]:
+        return [CATALOG_PARQUET] + ([CATALOG_JSONL] if self._jsonl is not None else [])
 
     def close(self) -> None:
         self._parquet.close()
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
 
     def __enter__(self) -> CatalogWriter:
         return self

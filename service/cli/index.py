@@ -22,7 +22,33 @@ def _add_kway(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_workers(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=None,
+        help=f"{what} (default: every CPU); the output does not depend on it",
+    )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device computing SIDs from embeddings: 'cpu' (default) or 'cuda' "
+        "(paper scale; a near-tie may pick another code than on the CPU)",
+    )
+
+
 def _synth(args: argparse.Namespace) -> int:
+    from index_builder.parallel import default_workers
     from index_builder.synth import generate_world
 
     summary = generate_world(
@@ -32,6 +58,8 @@ def _synth(args: argparse.Namespace) -> int:
         n_ads=args.ads,
         n_users=args.users,
         progress=not args.no_progress,
+        workers=args.workers or default_workers(),
+        jsonl=not args.no_jsonl,
     )
     print(json.dumps(summary, indent=1, default=str) if args.json else _world_line(summary, args))
     return 0
@@ -57,9 +85,12 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
         train_sample=args.sample,
         seed=args.seed,
     )
-    tok = SIDTokenizer.train(catalog.embedding[have], config, progress=not args.no_progress)
+    # no copy of the embedding matrix when every ad needs a SID (30 M x 32 at paper scale)
+    embeddings = catalog.embedding if have.all() else catalog.embedding[have]
+    progress = not args.no_progress
+    tok = SIDTokenizer.train(embeddings, config, progress=progress, workers=args.workers)
     tok.save(Path(args.out))
-    _, report = tok.assign(catalog.embedding[have])
+    _, report = tok.assign(embeddings, device=args.device, workers=args.workers)
     print(f"tokenizer {tok.fingerprint} saved to {args.out}; on this catalog: {report.summary()}")
     return 0
 
@@ -75,6 +106,8 @@ def _build_index(args: argparse.Namespace) -> int:
         kway=KwaySpec.parse(args.kway) if args.kway else None,
         keep=args.keep,
         progress=not args.no_progress,
+        device=args.device,
+        workers=args.workers,
     )
     if args.json:
         print(json.dumps({"version": version, **vars(report)}, indent=1))
@@ -131,13 +164,20 @@ def register(add: AddCommand) -> None:
         "Generate a seeded, realistic synthetic ads world: geography, advertisers with "
         "targeting styles, ads with content embeddings, users with locations and eligible "
         "interaction histories. Writes catalog.jsonl/.parquet, users.parquet, "
-        "heldout.parquet and world.json into OUT.",
+        "heldout.parquet and world.json into OUT. For paper scale (30 M ads) use "
+        "`--profile paper --users 1000 --no-jsonl` on many cores (docs/PERFORMANCE.md).",
     )
     p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--ads", type=int, help="override the profile's number of ads")
     p.add_argument("--users", type=int, help="override the profile's number of users")
+    p.add_argument(
+        "--no-jsonl",
+        action="store_true",
+        help="write the catalog as Parquet only (JSONL: ~512 bytes and ~4 us per ad)",
+    )
+    _add_workers(p, "processes drawing ads")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true")
 
@@ -154,6 +194,8 @@ def register(add: AddCommand) -> None:
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--sample", type=int, default=200_000, help="embeddings to train on")
     p.add_argument("--seed", type=int, default=0)
+    _add_workers(p, "CPU threads for k-means and SIDs")
+    _add_device(p)
     p.add_argument("--no-progress", action="store_true")
 
     p = add(
@@ -171,6 +213,8 @@ def register(add: AddCommand) -> None:
     p.add_argument("--out", required=True, help="index root (holds versions and CURRENT)")
     p.add_argument("--keep", type=int, default=3, help="versions to keep (default 3)")
     _add_kway(p)
+    _add_workers(p, "CPU threads for SIDs and the build")
+    _add_device(p)
     p.add_argument("--json", action="store_true", help="print the build report as JSON")
     p.add_argument("--no-progress", action="store_true")
 

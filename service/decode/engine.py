@@ -47,6 +47,30 @@ def check_schedule(beams: tuple[int, ...], sid_length: int, vocab: int) -> None:
             raise ValueError(f"M_{t + 1}={beams[t]} exceeds M_{t}·{vocab} candidates")
 
 
+def candidates(
+    score: torch.Tensor,  # float32 [R]: accumulated log-probability of each row
+    masked: torch.Tensor,  # float32 [R, V]: the step's logits, −inf where not allowed
+    allowed: torch.Tensor,  # bool [R, V]
+) -> torch.Tensor:  # float32 [R, V]: score of every (row, token) extension, −inf if barred
+    """A row with nothing allowed (dead, or no eligible child) has a NaN log-softmax: the
+    fill turns it into −inf like every other barred token."""
+    logp = torch.log_softmax(masked, dim=-1)
+    return (score[:, None] + logp).masked_fill(~allowed, NEG_INF)
+
+
+def select(
+    cand: torch.Tensor,  # float32 [B, M·V]: request b's candidates, row-major by beam row
+    keep: int,
+    rows_per_request: int,  # M
+    vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each request's best `keep` extensions, best first, request-major: their scores
+    float32 [B·keep], parent rows int64 [B·keep] (among the B·M rows) and tokens."""
+    top, flat = cand.topk(keep, dim=1)  # [B, keep]
+    base = torch.arange(cand.shape[0], device=cand.device)[:, None] * rows_per_request
+    return top.reshape(-1), (flat // vocab + base).view(-1), (flat % vocab).view(-1)
+
+
 class BeamSearch:
     """Runs the decode loop for one batch against one index (tables stay fixed)."""
 
@@ -88,19 +112,15 @@ class BeamSearch:
             request = torch.arange(b, device=dev).repeat_interleave(m)  # request-major rows
             logits = self.decoder.step(tokens, t, cross, cache).float()  # [R, V]
             allowed, child = lookup(self.tables, node, request, requests, mode)
-            logp = torch.log_softmax(logits.masked_fill(~allowed, NEG_INF), dim=-1)
-            cand = (score[:, None] + logp.masked_fill(~allowed, NEG_INF)).view(b, -1)
+            cand = candidates(score, logits.masked_fill(~allowed, NEG_INF), allowed)
             keep = beams[t + 1] if t + 1 < c.sid_length else beams[-1]
-            top, flat = cand.topk(keep, dim=1)  # [B, keep], best first
-            parent = (flat // c.vocab_size + torch.arange(b, device=dev)[:, None] * m).view(-1)
-            token = (flat % c.vocab_size).view(-1)
-            score = top.reshape(-1)
+            score, parent, token = select(cand.view(b, -1), keep, m, c.vocab_size)
             live = torch.isfinite(score)
             node = torch.where(live, child[parent, token].long(), self.dead_node)
             prefix = torch.cat([prefix[parent], token[:, None]], dim=1)
             tokens = token
             if t + 1 < c.sid_length:
-                cache.reorder(parent)
+                cache.reorder(t, parent)
         leaves = torch.where(live, node - self.first_leaf, -1)
         return DecodeResult(
             leaves=leaves.view(b, -1),

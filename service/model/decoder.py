@@ -5,24 +5,29 @@ a 512-way head. Pipeline stage 3 runs it inside the decode loop, one step per SI
 Two ways in, the same weights and arithmetic:
 - `forward_train`: teacher forcing over all 4 positions at once (causal self-attention),
   for training and for scoring given SIDs;
-- `step`: one token for R beam rows, with the prefix keys/values in a KV cache
-  (`service/decode/kv_cache.py`) and cross-attention in the beam-as-query layout over
-  per-request K/V from `cross_kv` (computed once per request, never per beam).
+- `step`: one token for R beam rows. The KV cache (`service/decode/kv_cache.py`) owns
+  self-attention's "write + attend" (`cache.attend`: fused kernel, or write + gather +
+  attend), and cross-attention runs in the beam-as-query layout over per-request K/V
+  from `cross_kv` (computed once per request, never per beam); `cross_attn` swaps in the
+  per-beam layout for the benchmark's ablation.
 Input at position 0 is BOS; at position t > 0 it is the token chosen at t − 1.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels.cross_attention import cross_attention
-from kernels.self_attention import prefix_self_attention
 from service.decode.kv_cache import KVCache
 from service.model.config import ModelConfig
 
 CrossKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [B, H, T_ctx, d_h]
+# (q [B·M, H, d_h], k [B, H, T_ctx, d_h], v) -> [B·M, H, d_h]
+CrossAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
@@ -65,14 +70,13 @@ class DecoderLayer(nn.Module):
         cache: KVCache,
         layer: int,
         t: int,
+        cross_attn: CrossAttention = cross_attention,
     ) -> torch.Tensor:
         r = x.shape[0]
-        q, k, v = self.qkv(self.norm_self(x)).view(r, 3, self.h, self.dh).unbind(1)
-        cache.write(layer, t, k, v)
-        a = prefix_self_attention(q, *cache.gather(layer, t))  # [R, H, d_h]
+        a = cache.attend(layer, t, self.qkv(self.norm_self(x)))  # [R, H, d_h]
         x = x + self.self_out(a.reshape(r, -1))
         q = self.cross_q(self.norm_cross(x)).view(r, self.h, self.dh)
-        x = x + self.cross_out(cross_attention(q, *kv).reshape(r, -1))
+        x = x + self.cross_out(cross_attn(q, *kv).reshape(r, -1))
         return x + self.ffn(self.norm_ffn(x))
 
 
@@ -105,8 +109,9 @@ class SIDDecoder(nn.Module):
         t: int,
         cross: CrossKV,
         cache: KVCache,
+        cross_attn: CrossAttention = cross_attention,
     ) -> torch.Tensor:  # logits [R, V]
         x = self.tok_emb[t, tokens]
         for i, (layer, kv) in enumerate(zip(self.layers, cross, strict=True)):
-            x = layer.step(x, kv, cache, i, t)
+            x = layer.step(x, kv, cache, i, t, cross_attn)
         return self.head(self.norm(x))

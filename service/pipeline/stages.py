@@ -12,6 +12,9 @@ does its part on the compute device (on its own CUDA stream on GPU), and returns
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
@@ -20,13 +23,17 @@ import torch
 
 from index_builder.exact import PostResult
 from index_builder.lookup import FilterMode, RequestTensors
-from index_builder.targeting import encode_requests
+from index_builder.targeting import MAX_REQUEST_LOCATIONS, encode_requests
 from service.decode.engine import BeamSearch
 from service.decode.retrieve import reference_post
+from service.decode.static_engine import StaticBeamSearch
 from service.model.features import UserFeatures, prepare_features
 from service.model.retriever import GenerativeRetriever
 from service.pipeline.records import BatchState, RetrievalResult
 from service.post import PostRequest
+from service.serving_index import ServingIndex
+
+log = logging.getLogger("grace.pipeline")
 
 PostFn = Callable[[BatchState, Sequence[tuple[np.ndarray, np.ndarray]]], list[PostResult]]
 
@@ -43,6 +50,29 @@ class Stages:
         self.post_fn = post or default_post
         cuda = self.device.type == "cuda"
         self.streams = [torch.cuda.Stream(self.device) if cuda else None for _ in range(4)]
+
+    def prepare(self, index: ServingIndex, beams: tuple[int, ...]) -> ServingIndex:
+        """Before a version serves: on GPU, bind a fixed-shape decode engine to its tables
+        and capture the CUDA graphs of the default schedule (both filter modes, every
+        batch and location bucket). CPU keeps the dynamic reference engine: no padding."""
+        if self.device.type != "cuda":
+            return index
+        retrieval = index.retrieval
+        # few plans keep start-up and swaps short (each plan is captured, and new shapes
+        # autotune the kernels): batches pad to 4 or 16, locations to 64 (the Bloom scan
+        # stops at a hit, so padding costs only children that fail every location)
+        engine = StaticBeamSearch(
+            self.model.decoder,
+            retrieval.tables,
+            retrieval.level_offsets,
+            batch_buckets=(4, 16),
+            location_buckets=(MAX_REQUEST_LOCATIONS,),
+        )
+        t0 = time.perf_counter()
+        plans = engine.warm(beams, modes=(FilterMode.CD_GTM, FilterMode.CD_ONLY))
+        log.info("index %s: %d decode plans captured as CUDA graphs in %.1f s",
+                 index.version, plans, time.perf_counter() - t0)  # fmt: skip
+        return dataclasses.replace(index, engine=engine)
 
     def _on(self, stage: int, batch: BatchState) -> AbstractContextManager[object]:
         stream = self.streams[stage]
@@ -83,7 +113,9 @@ class Stages:
         retrieval = batch.index.retrieval
         with self._on(2, batch):
             ctx = self.model.encoder(batch.embedded)
-            search = BeamSearch(self.model.decoder, retrieval.tables, retrieval.level_offsets)
+            search = batch.index.engine or BeamSearch(
+                self.model.decoder, retrieval.tables, retrieval.level_offsets
+            )
             groups: dict[tuple[tuple[int, ...], FilterMode], list[int]] = {}
             for i, r in enumerate(batch.requests):
                 groups.setdefault((r.beams, r.filter_mode), []).append(i)

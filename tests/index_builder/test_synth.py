@@ -197,3 +197,27 @@ def test_counts_override_and_rewrite_in_place(tmp_path: Path) -> None:
     assert summary["counts"]["ads"] == 500
     assert pq.read_table(out / "catalog.parquet").num_rows == 500
     assert load_world(out).summary == orjson.loads((out / "world.json").read_bytes())
+
+
+def test_worker_processes_and_parquet_only_write_the_same_world(
+    worlds: dict[str, Path], tmp_path: Path
+) -> None:
+    # 4 chunks of the tiny profile on 3 processes: the same bytes as one process
+    generate_world("tiny", SEED, tmp_path / "forked", progress=False, workers=3)
+    for name in FILES:
+        assert (tmp_path / "forked" / name).read_bytes() == (worlds["a"] / name).read_bytes()
+    summary = generate_world("tiny", SEED, tmp_path / "pq", progress=False, workers=2, jsonl=False)
+    assert not (tmp_path / "pq" / "catalog.jsonl").exists()
+    assert "catalog.jsonl" not in summary["files"]
+    for name in FILES[1:]:
+        assert (tmp_path / "pq" / name).read_bytes() == (worlds["a"] / name).read_bytes()
+    assert load_world(tmp_path / "pq").n_users == load_world(worlds["a"]).n_users
+
+
+def test_more_chunks_than_workers_in_flight(tmp_path: Path) -> None:
+    """15 chunks on 2 workers (at most 4 in flight): chunks are refilled in order."""
+    kw = {"n_ads": 7_500, "n_users": 40, "progress": False}
+    generate_world("tiny", 3, tmp_path / "one", workers=1, **kw)
+    generate_world("tiny", 3, tmp_path / "two", workers=2, **kw)
+    for name in FILES:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()

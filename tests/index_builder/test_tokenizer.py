@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from index_builder.tokenizer import CollisionReport, SIDTokenizer, TokenizerConfig
+from index_builder.kmeans import DEVICE_TILE_ROWS, _encode_on_device, nearest, rq_encode
+from index_builder.tokenizer import (
+    CollisionReport,
+    SIDTokenizer,
+    TokenizerConfig,
+    _collisions,
+    _collisions_unreserved,
+    _rank_order,
+)
 
 SMALL = TokenizerConfig(levels=3, codebook_size=16, iterations=10, train_sample=5_000, seed=0)
 
@@ -240,3 +248,84 @@ def test_empty_input_gives_empty_sids(tokenizer):
     assert report == CollisionReport(
         prefixes=0, overflow_prefixes=0, ads_sharing_sid=0, max_group=0
     )
+
+
+# --------------------------------------------------------------------------- at scale
+
+
+@pytest.mark.parametrize("workers", [2, 5])
+def test_threads_and_chunks_do_not_change_sids(tokenizer, workers):
+    data = np.random.default_rng(4).standard_normal((9_000, 8)).astype(np.float32)
+    whole = rq_encode(tokenizer.codebooks, data, workers=1)  # one 65,536-row chunk
+    split = rq_encode(tokenizer.codebooks, data, workers=workers, chunk_rows=2048)
+    np.testing.assert_array_equal(whole[0], split[0])
+    np.testing.assert_array_equal(whole[1], split[1])
+    sids, report = tokenizer.assign(data, workers=1)
+    threaded, threaded_report = tokenizer.assign(data, workers=workers)
+    np.testing.assert_array_equal(sids, threaded)
+    assert report == threaded_report
+    np.testing.assert_array_equal(nearest(data, tokenizer.codebooks[0], workers), whole[0][:, 0])
+
+
+def test_training_is_the_same_on_threads(random_data, tokenizer):
+    threaded = SIDTokenizer.train(random_data, SMALL, progress=False, workers=3)
+    assert threaded.fingerprint == tokenizer.fingerprint
+
+
+@pytest.mark.parametrize("n", [1, 17, 2_000])
+def test_rank_order_is_lexsort(n):
+    rng = np.random.default_rng(n)
+    key = rng.integers(0, max(1, n // 5), n)  # shared prefixes
+    norm = rng.choice(np.array([0.0, 0.25, 1.5, 7.0], np.float32), n)  # equal norms
+    norm[: n // 3] = rng.random(n // 3).astype(np.float32)
+    np.testing.assert_array_equal(_rank_order(key, norm, 27), np.lexsort((norm, key)))
+
+
+@pytest.mark.parametrize("k", [4, 16])
+def test_collision_report_without_reservations_counts_like_the_general_one(k):
+    rng = np.random.default_rng(k)
+    sizes = np.concatenate([rng.integers(1, 3 * k, 50), [k, k + 1, 2 * k - 1, 2 * k, 5 * k + 3]])
+    sorted_key = np.repeat(np.arange(len(sizes)) * 7, sizes)
+    first = np.r_[True, sorted_key[1:] != sorted_key[:-1]]
+    start = np.repeat(np.flatnonzero(first), sizes)
+    token = (np.arange(len(sorted_key)) - start) % k  # rank mod k, as `assign` does
+    assert _collisions_unreserved(first, k) == _collisions(sorted_key, token, k)
+
+
+def test_device_path_is_chunking_invariant_and_agrees_with_the_cpu():
+    data, _ = _blobs(5_000, clusters=12, spread=0.5)
+    tok = SIDTokenizer.train(data, SMALL, progress=False)
+
+    def on_device(chunk_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        codes, norm = np.empty((len(data), 3), np.int32), np.empty(len(data), np.float32)
+        _encode_on_device(tok.codebooks, data, torch.device("cpu"), codes, norm, chunk_rows, 64)
+        return codes, norm
+
+    small, large = on_device(128), on_device(4096)
+    np.testing.assert_array_equal(small[0], large[0])
+    np.testing.assert_array_equal(small[1], large[1])
+    cpu_codes, cpu_norm = rq_encode(tok.codebooks, data)
+    np.testing.assert_array_equal(small[0], cpu_codes)  # blobs: no near-ties
+    np.testing.assert_allclose(small[1], cpu_norm, rtol=1e-5, atol=1e-6)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_assignment_matches_the_cpu_at_scale():
+    """1 M paper-like embeddings: the GPU path may differ only at near-ties."""
+    rng = np.random.default_rng(0)
+    centres = rng.standard_normal((4096, 32)).astype(np.float32)
+    noise = 0.3 * rng.standard_normal((1_000_000, 32), dtype=np.float32)
+    data = centres[rng.integers(0, 4096, 1_000_000)] + noise
+    tok = SIDTokenizer.train(data, TokenizerConfig(train_sample=100_000), progress=False)
+    cpu, cpu_report = tok.assign(data)
+    gpu_sids, gpu_report = tok.assign(data, device="cuda")
+    assert (cpu[:, :3] == gpu_sids[:, :3]).all(axis=1).mean() > 0.999
+    assert abs(gpu_report.prefixes - cpu_report.prefixes) < 0.001 * cpu_report.prefixes
+    chunked = rq_encode(tok.codebooks, data, device="cuda", chunk_rows=DEVICE_TILE_ROWS)
+    whole = rq_encode(tok.codebooks, data, device="cuda", chunk_rows=16 * DEVICE_TILE_ROWS)
+    np.testing.assert_array_equal(chunked[0], whole[0])
+    np.testing.assert_array_equal(chunked[1], whole[1])

@@ -296,3 +296,33 @@ def test_expired_deadlines_are_not_processed(data: Path) -> None:
     assert isinstance(replies[-1], grpc.aio.AioRpcError)
     assert replies[-1].code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert batches == 14  # server warm-up, client warm-up, the 12 others: never the late one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_server_captures_decode_graphs_before_serving(data: Path) -> None:
+    """On GPU the index is served through the fixed-shape engine whose CUDA graphs were
+    captured before health said SERVING; its answers are eligible as on CPU."""
+    ads = catalog_ads(data)
+    world = load_world(data / "world")
+
+    async def main() -> None:
+        app = await start(settings(data, device="cuda"))
+        engine = app.servicer.indexes.current.engine
+        assert engine is not None and engine.graphs > 0  # captured before SERVING
+        captured = engine.graphs
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            replies = await asyncio.gather(
+                *(
+                    stub.Retrieve(request_for_user(data / "world", u, 200, retrieval_pb2.CD_GTM))
+                    for u in range(20)
+                )
+            )
+        await app.drain()
+        assert engine.graphs == captured  # the default schedule needed no new capture
+        for u, reply in enumerate(replies):
+            assert len(reply.ads) > 0
+            assert all(eligible(ads[a.ad_id], world.targeting[u]) for a in reply.ads)
+
+    asyncio.run(main())

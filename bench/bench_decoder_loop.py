@@ -1,0 +1,400 @@
+"""Decoder loop, the paper's Table 6 in one run (DESIGN.md §9: P50 ≤ 12 ms, P99 ≤ 13 ms on
+an H200; the GTM rows together ≤ 0.5 ms).
+
+B = 16 requests, beams (1, 512, 1024, 1024), 64 locations per request, the paper profile
+with random bf16 weights. Each row adds one optimisation to the row above — all of them
+`DecodeOptions` switches of the one engine (`service/decode/static_engine.py`):
+
+    naive eager      per-beam cross K/V, torch SDPA self-attention, dense KV (reorder
+                     copies bytes), fixed beams (1024 rows every step), no mask
+    + beam-as-query  cross-attention K/V per request, beams as the query sequence
+    + coalesced      gather + `prefix_self_attention` kernel
+    + fused          `fused_self_attention` (write + gather + attend in one kernel)
+    + paged KV       reorder copies block ids, not KV bytes
+    + dynamic beams  (1, 512, 1024, 1024) instead of 1024 rows at every step
+    + CD             catalog mask (CD_ONLY)
+    + bitmask GTM    CD + bitmask targeting
+    + Bloom GTM      CD + bitmask + Bloom (the serving mode), still eager
+    CUDA graph rows  the last three again, each loop captured as one CUDA graph
+
+Each row: P50/P99 over `--batches` batches (CUDA events around `engine.run`, inputs
+already on the device; `--naive-batches` for the slow naive row), cycling through 8
+distinct batches (2 with `--small`); MFU = decoder FLOPs of the row's schedule
+(service/model/flops.py) × B / P50 / a bf16 matmul ceiling (8192³) measured in the same
+run. A last row times the full compute stage for one batch: features (embedding) +
+encoder + decode loop.
+
+Requests: world users (`--world DIR`) or built from the index: each copies one ad's rules
+and carries exactly `--locations` locations of the index's vocabulary (bench_gtm_mask's
+`requests_for`). Index: `--index ROOT` (a published root or version directory), else a
+synthetic one built here (bench_gtm_mask's `synthetic_index`).
+
+    .venv/bin/python bench/bench_decoder_loop.py --index /data/index   # -> bench/results
+    .venv/bin/python bench/bench_decoder_loop.py --device cpu --profile tiny --small  # /tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+if "cpu" in sys.argv or not torch.cuda.is_available():  # before any kernel module loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bench.bench_gtm_mask import load_index, requests_for, synthetic_index
+from bench.common import header, write_result
+from index_builder.lookup import FilterMode, RequestTensors
+from index_builder.targeting import Targeting, encode_requests
+from service.decode.retrieve import RetrievalIndex
+from service.decode.static_engine import DecodeOptions, StaticBeamSearch
+from service.model.config import PROFILES, ModelConfig
+from service.model.features import FeatureBatch, UserFeatures, prepare_features
+from service.model.flops import decoder_flops
+from service.model.retriever import GenerativeRetriever
+
+CD, GTM = FilterMode.CD_ONLY, FilterMode.CD_GTM
+NAIVE = DecodeOptions(
+    cross="per_beam", self_attn="sdpa", kv="dense", fixed_beams=True, mask=False,
+    cuda_graph=False,
+)  # fmt: skip
+
+
+def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
+    """(key, label, options, mode): each row one switch away from the one above."""
+    steps = [
+        ("naive", "naive eager", {}, CD),
+        ("bqa", "+ beam-as-query cross-attn", {"cross": "beam_as_query"}, CD),
+        ("coalesced", "+ coalesced self-attn", {"self_attn": "gather"}, CD),
+        ("fused", "+ fused self-attn", {"self_attn": "fused"}, CD),
+        ("paged", "+ paged KV", {"kv": "paged"}, CD),
+        ("dynamic", "+ dynamic beams", {"fixed_beams": False}, CD),
+        ("cd", "+ CD", {"mask": True}, CD),
+        ("bitmask", "+ bitmask GTM", {"bloom": False}, GTM),
+        ("bloom", "+ Bloom GTM", {"bloom": True}, GTM),
+        ("graph_cd", "CUDA graph, CD", {"cuda_graph": True}, CD),
+        ("graph_bitmask", "CUDA graph, + bitmask GTM", {"bloom": False}, GTM),
+        ("graph_bloom", "CUDA graph, + Bloom GTM (final)", {"bloom": True}, GTM),
+    ]
+    out, options = [], NAIVE
+    for key, label, change, mode in steps:
+        options = dataclasses.replace(options, **change)
+        out.append((key, label, options, mode))
+    return out
+
+
+ROWS = _rows()
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass
+class Batch:
+    features: FeatureBatch  # on the device, history width = max_history
+    requests: RequestTensors  # on the device
+    ctx: torch.Tensor  # [B, T_ctx, d_model]: the encoder's output for these features
+
+
+def make_batches(
+    index: RetrievalIndex, model: GenerativeRetriever, a: argparse.Namespace, n: int
+) -> list[Batch]:
+    config, rng = model.config, np.random.default_rng(a.seed)
+    world = None
+    if a.world:
+        from index_builder.synth import load_world
+
+        world = load_world(a.world)
+    out = []
+    for i in range(n):
+        if world is not None:
+            us = rng.choice(world.n_users, a.batch, replace=False).tolist()
+            users = [
+                UserFeatures(int(world.user_ids[u]), world.targeting[u], *world.history(u))
+                for u in us
+            ]
+        else:
+            ts = requests_for(index.arrays, a.batch, a.locations, a.seed + i)
+            users = [synthetic_user(index, t, config, rng) for t in ts]
+        f = prepare_features(users, index.lookup, config, width=config.max_history)
+        f = f.to(a.device)
+        targeting = [u.targeting for u in users]
+        reqs = RequestTensors.from_encoded(encode_requests(targeting), a.device)
+        with torch.no_grad():
+            ctx = model.encode(f)
+        out.append(Batch(f, reqs, ctx))
+    return out
+
+
+def synthetic_user(
+    index: RetrievalIndex, t: Targeting, config: ModelConfig, rng: np.random.Generator
+) -> UserFeatures:
+    """A full history (max_history events) of random ads of the index."""
+    n = config.max_history
+    ads = index.lookup.ad_ids[rng.integers(0, len(index.lookup), n)]
+    ts = 1_700_000_000_000 + np.sort(rng.integers(0, 30 * 86_400_000, n))
+    return UserFeatures(int(rng.integers(1, 2**62)), t, ads, rng.integers(1, 4, n), ts)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def times_ms(fn: Callable[[int], object], n: int, cuda: bool, warmup: int) -> list[float]:
+    """Milliseconds of fn(i) for i < n, each alone: CUDA events on GPU (the device idles
+    before each call, so launch-bound eager rows are charged their host time too)."""
+    for i in range(warmup):
+        fn(i)
+    out = []
+    for i in range(n):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn(i)
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn(i)
+            out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    return {
+        "p50_ms": round(statistics.median(xs), 3),
+        "p99_ms": round(float(np.percentile(xs, 99)), 3),
+        "mean_ms": round(statistics.fmean(xs), 3),
+        "batches": len(xs),
+    }
+
+
+def matmul_ceiling(device: str, dtype: torch.dtype, n: int) -> float:
+    """FLOP/s of one n³ matmul (median of 20), the MFU denominator."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = times_ms(lambda _: a @ b, 20, device.startswith("cuda"), warmup=5)
+    return 2 * n**3 / (statistics.median(ms) / 1e3)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run_row(model, index, batches, options, mode, beams, n, cuda) -> tuple[dict, StaticBeamSearch]:
+    engine = StaticBeamSearch(model.decoder, index.tables, index.level_offsets, options=options,
+                              batch_buckets=(len(batches[0].ctx),))  # fmt: skip
+    t0 = time.perf_counter()
+    results = [engine.run(b.ctx, b.requests, beams, mode) for b in batches]  # plans, graphs
+    warm_s = time.perf_counter() - t0
+
+    def call(i: int) -> None:
+        b = batches[i % len(batches)]
+        engine.run(b.ctx, b.requests, beams, mode)
+
+    row = stats(times_ms(call, n, cuda, warmup=2))
+    live = [float((r.leaves >= 0).sum(1).float().mean()) for r in results]
+    row.update(
+        warm_s=round(warm_s, 2),
+        graphs=engine.graphs,
+        live_sids_per_request=round(statistics.fmean(live), 1) if options.mask else None,
+        rows_per_step=list(results[0].rows_per_step),
+    )
+    return row, engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile", default="paper", choices=sorted(PROFILES))
+    ap.add_argument("--index", type=Path, help="a published index (root or version dir)")
+    ap.add_argument("--world", type=Path, help="a generated world: its users are the requests")
+    ap.add_argument("--ads", type=int, default=1_000_000, help="synthetic index size")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--beams", type=int, nargs=4, help="default: the profile's schedule")
+    ap.add_argument("--locations", type=int, default=64)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: bf16 on CUDA")
+    ap.add_argument("--batches", type=int, default=200, help="timed batches per row")
+    ap.add_argument("--naive-batches", type=int, default=50, help="timed batches, naive row")
+    ap.add_argument("--rows", help=f"comma list of rows to run, of {[r[0] for r in ROWS]}")
+    ap.add_argument("--no-full", action="store_true", help="skip the full compute stage row")
+    ap.add_argument("--small", action="store_true", help="smoke run: small index, few batches")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="result JSON (default: bench/results or /tmp)")
+    ap.add_argument("--trace", action="store_true",
+                    help="also profile the final configuration (eager) and print its top "
+                    "CUDA kernels by time: where the milliseconds go")  # fmt: skip
+    a = ap.parse_args()
+    distinct = 8  # batches cycled through by every row
+    if a.small:
+        a.ads, a.batch, a.batches, a.naive_batches = min(a.ads, 3000), min(a.batch, 4), 3, 2
+        distinct = 2
+    cuda = a.device.startswith("cuda")
+    config = PROFILES[a.profile]
+    beams = tuple(a.beams or config.beams)
+    dtype = getattr(torch, a.dtype or ("bfloat16" if cuda else "float32"))
+    t0 = time.perf_counter()
+    arrays = load_index(a.index) if a.index else synthetic_index(a.ads, seed=a.seed)
+    index = RetrievalIndex.from_arrays(arrays, a.device)
+    index_s = time.perf_counter() - t0
+    torch.manual_seed(a.seed)
+    with torch.device(a.device):  # initialise on the device: the paper tables are GBs
+        model = GenerativeRetriever(config).to(dtype).eval()
+    batches = make_batches(index, model, a, n=distinct)
+    ceiling = matmul_ceiling(a.device, dtype, 8192 if cuda else 1024)
+    print(f"{a.profile} profile, B={a.batch}, beams {beams}, {dtype}; index "
+          f"{len(arrays.ads.leaf_sids):,} SIDs ({index_s:.0f} s); matmul ceiling "
+          f"{ceiling / 1e12:.3f} TFLOP/s", flush=True)  # fmt: skip
+    wanted = set(a.rows.split(",")) if a.rows else {r[0] for r in ROWS}
+    if wanted - {r[0] for r in ROWS}:
+        ap.error(f"unknown rows {sorted(wanted - {r[0] for r in ROWS})}")
+    rows: list[dict] = []
+    final = eager_bloom = None
+    for key, label, options, mode in ROWS:
+        if key not in wanted:
+            continue
+        widths = (max(beams),) * 4 if options.fixed_beams else beams
+        flops = decoder_flops(config, widths).total
+        n = a.naive_batches if key == "naive" else a.batches
+        row: dict = {"row": key, "label": label, "options": dataclasses.asdict(options),
+                     "mode": mode.name, "gflops_per_request": round(flops / 1e9, 1)}  # fmt: skip
+        try:
+            timing, engine = run_row(model, index, batches, options, mode, beams, n, cuda)
+            row.update(timing)
+            row["mfu"] = round(flops * a.batch / (row["p50_ms"] / 1e3) / ceiling, 3)
+            if key == "bloom":
+                eager_bloom = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
+            if key == "graph_bloom":
+                final = engine
+            else:
+                del engine
+        except Exception as exc:  # keep the other rows of a costly GPU run
+            traceback.print_exc()
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
+        print_row(row, flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    figures: dict = {
+        "profile": a.profile,
+        "batch": a.batch,
+        "beams": list(beams),
+        "locations": a.locations if not a.world else "world users",
+        "dtype": str(dtype),
+        "index": str(a.index) if a.index else f"synthetic, {a.ads} ads (bench_gtm_mask)",
+        "sids": len(arrays.ads.leaf_sids),
+        "matmul_ceiling_tflops": round(ceiling / 1e12, 3),
+        "cuda_graph": cuda,
+        "rows": rows,
+    }
+    by = {r["row"]: r for r in rows if "p50_ms" in r}
+    for name, base, top in (("eager", "cd", "bloom"), ("graph", "graph_cd", "graph_bloom")):
+        if base in by and top in by:
+            figures[f"gtm_cost_{name}_ms"] = {
+                k: round(by[top][k] - by[base][k], 3) for k in ("p50_ms", "p99_ms")
+            }
+    if final is not None and eager_bloom is not None:
+        again = final.run(batches[0].ctx, batches[0].requests, beams, GTM)
+        figures["graph_equals_eager"] = bool(torch.equal(again.leaves, eager_bloom.leaves))
+    if final is not None and not a.no_full:
+        figures["full_compute"] = full_compute(model, final, batches, beams, a.batches, cuda)
+    if a.trace and cuda:
+        figures["trace"] = kernel_profile(model, index, batches, beams)
+    figures["targets"] = {"final_p50_ms": 12, "final_p99_ms": 13, "gtm_cost_ms": 0.5}
+    print_summary(figures)
+    if a.out or a.small or not cuda:
+        out = a.out or Path(f"/tmp/decoder_loop_{a.profile}_smoke.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**header(), "figures": figures}, indent=1) + "\n")
+    else:
+        out = write_result("decoder_loop", figures)
+    print(out)
+
+
+def kernel_profile(model, index, batches, beams, top: int = 25) -> list[dict]:
+    """CUDA time per kernel over 5 eager batches of the serving configuration."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = StaticBeamSearch(model.decoder, index.tables, index.level_offsets,
+                              options=DecodeOptions(cuda_graph=False),
+                              batch_buckets=(len(batches[0].ctx),))  # fmt: skip
+    for b in batches[:2]:
+        engine.run(b.ctx, b.requests, beams, GTM)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for b in batches[:5]:
+            engine.run(b.ctx, b.requests, beams, GTM)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events)
+    out = [
+        {"kernel": e.key[:90], "ms_per_batch": round(e.device_time_total / 5e3, 3),
+         "share": round(e.device_time_total / total, 3), "calls_per_batch": e.count // 5}
+        for e in events[:top]
+    ]  # fmt: skip
+    print(f"kernel time per batch: {total / 5e3:.3f} ms")
+    for r in out:
+        print(f"  {r['ms_per_batch']:8.3f} ms {r['share']:6.1%} x{r['calls_per_batch']:<4} "
+              f"{r['kernel']}")  # fmt: skip
+    return out
+
+
+def full_compute(model, engine, batches, beams, n, cuda) -> dict:
+    """Stages 2-3 for one batch: embedding + encoder + the (graphed) decode loop."""
+
+    def encode(i: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model.encoder(model.embed(batches[i % len(batches)].features))
+
+    def whole(i: int) -> None:
+        engine.run(encode(i), batches[i % len(batches)].requests, beams, GTM)
+
+    return {
+        "features_encoder": stats(times_ms(encode, n, cuda, warmup=3)),
+        "total": stats(times_ms(whole, n, cuda, warmup=3)),
+    }
+
+
+def print_row(r: dict, flush: bool = False) -> None:
+    if "error" in r:
+        print(f"{r['label']:<34} ERROR {r['error']}", flush=flush)
+        return
+    print(
+        f"{r['label']:<34} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} {r['batches']:>5} "
+        f"{r['gflops_per_request']:>8.1f} {100 * r['mfu']:>6.1f}%  graphs {r['graphs']}, "
+        f"warm {r['warm_s']} s, live SIDs/req {r['live_sids_per_request']}",
+        flush=flush,
+    )
+
+
+def print_summary(f: dict) -> None:
+    print(f"\n{'row':<34} {'P50 ms':>9} {'P99 ms':>9} {'n':>5} {'GF/req':>8} {'MFU':>7}")
+    for r in f["rows"]:
+        print_row(r)
+    for name in ("eager", "graph"):
+        if f"gtm_cost_{name}_ms" in f:
+            print(f"GTM cost ({name}: CD + bitmask + Bloom − CD): {f[f'gtm_cost_{name}_ms']}")
+    if "graph_equals_eager" in f:
+        print(f"graph result == eager result: {f['graph_equals_eager']}")
+    if "full_compute" in f:
+        fc = f["full_compute"]
+        print(f"full compute stage (features + encoder + decode): total {fc['total']}; "
+              f"features + encoder {fc['features_encoder']}")  # fmt: skip
+    print(f"targets: {f['targets']}")
+
+
+if __name__ == "__main__":
+    main()

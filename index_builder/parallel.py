@@ -1,0 +1,111 @@
+"""Thread-parallel numpy helpers for building paper-scale indexes (30 M ads).
+
+Used by the index build (`build.py`, `trie.py`), the SID tokenizer and the synthetic
+world's pool index. Every helper returns exactly what its serial numpy equivalent
+returns, whatever the worker count: work is split into contiguous row ranges whose
+results are concatenated in order, so `workers` only changes the speed.
+
+Threads, not processes: numpy releases the GIL inside gathers, ufuncs and `reduceat` on
+plain dtypes, and threads share the arrays without copying or pickling them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+# Below this many rows a split costs more in thread hand-offs than it saves.
+MIN_ROWS_PER_TASK = 1 << 16
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def even_cuts(n: int, parts: int) -> list[int]:
+    """0 = c_0 <= c_1 <= ... <= c_parts = n, as even as integers allow."""
+    parts = max(1, parts)
+    return [n * i // parts for i in range(parts + 1)]
+
+
+def ranges(n: int, workers: int, min_rows: int | None = None) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges covering [0, n): one per worker, none under `min_rows` rows
+    (default `MIN_ROWS_PER_TASK`)."""
+    min_rows = MIN_ROWS_PER_TASK if min_rows is None else min_rows
+    parts = max(1, min(workers, n // max(1, min_rows)))
+    return list(itertools.pairwise(even_cuts(n, parts)))
+
+
+def run(fn: Callable[..., T], items: Sequence[object], workers: int) -> list[T]:
+    """[fn(*item) for item in items], on up to `workers` threads; results in input order."""
+    if workers <= 1 or len(items) <= 1:
+        return [fn(*item) for item in items]  # type: ignore[misc]
+    with ThreadPoolExecutor(min(workers, len(items))) as pool:
+        return list(pool.map(lambda item: fn(*item), items))  # type: ignore[misc]
+
+
+def take(a: np.ndarray, idx: np.ndarray, workers: int) -> np.ndarray:
+    """a[idx] along axis 0 (idx: int [m]); rows gathered by `workers` threads."""
+    out = np.empty((len(idx), *a.shape[1:]), dtype=a.dtype)
+
+    def part(lo: int, hi: int) -> None:
+        np.take(a, idx[lo:hi], axis=0, out=out[lo:hi])
+
+    run(part, ranges(len(idx), workers), workers)
+    return out
+
+
+def or_reduceat(rows: np.ndarray, starts: np.ndarray, workers: int) -> np.ndarray:
+    """np.bitwise_or.reduceat(rows, starts, axis=0) for sorted, distinct `starts` with
+    starts[0] == 0: one OR per segment [starts[i], starts[i+1]) (the last runs to the end).
+    Segments are split between threads, never inside one."""
+    out = np.empty((len(starts), *rows.shape[1:]), dtype=rows.dtype)
+
+    def part(lo: int, hi: int) -> None:
+        a0 = int(starts[lo])
+        a1 = int(starts[hi]) if hi < len(starts) else len(rows)
+        out[lo:hi] = np.bitwise_or.reduceat(rows[a0:a1], starts[lo:hi] - a0, axis=0)
+
+    run(part, ranges(len(starts), workers), workers)
+    return out
+
+
+def stable_argsort(keys: np.ndarray, key_bits: int) -> np.ndarray:
+    """np.argsort(keys, kind="stable") for int keys in [0, 2**key_bits): int64 [n].
+
+    Packs (key, position) into one int64 and sorts the values: numpy's plain sort of
+    int64 is a vectorised quicksort (x86-simd-sort), and equal keys come out in position
+    order because the position is the low bits. 4-8x faster than the stable argsort
+    (timsort) with the packing included: 0.19 s instead of 0.81 s for 8 M 36-bit keys.
+    Falls back to the stable argsort when key and position do not fit in 63 bits.
+    """
+    n = len(keys)
+    pos_bits = max(1, (n - 1).bit_length())
+    if key_bits + pos_bits > 63 or (n and (keys.min() < 0 or keys.max() >> key_bits)):
+        return np.argsort(keys, kind="stable")
+    packed = keys.astype(np.int64) << pos_bits
+    packed |= np.arange(n, dtype=np.int64)
+    packed.sort()
+    packed &= (1 << pos_bits) - 1
+    return packed
+
+
+def float_sort_bits(x: np.ndarray) -> np.ndarray:
+    """uint32 keys that sort like float32 values >= 0 (+0.0 … +inf): the IEEE bit patterns
+    of non-negative floats are monotone as unsigned integers. int64 [n]."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if not (x >= 0).all():  # false for NaN too
+        raise ValueError("float_sort_bits takes values >= 0 (no NaN)")
+    # -0.0 passes the test above but its bits would sort last: -0.0 + 0.0 is +0.0
+    return (x + np.float32(0)).view(np.uint32).astype(np.int64)

@@ -1,0 +1,164 @@
+"""Ad chunks, drawn in one process or by a pool of forked workers (the ads stage's engine).
+
+Part of the ads stage of the synth flow (… advertisers → **ads** → users …). Chunk k of
+the catalog always draws from `stream(seed, "ads", k)` (see `ads.py`), so chunks are
+independent: workers may draw them in any order, and the parent consumes them in chunk
+order and writes exactly the bytes a single process writes, whatever the worker count.
+
+Workers are forked after the advertisers and the ad layout exist, so they inherit those
+(≈ 1 GB at 30 M ads) instead of receiving them pickled. Each worker writes its chunk's
+embeddings straight into the shared memory-mapped scratch file and sends back only what
+the parent stores or writes: the chunk's per-ad fields, its rules, bitmask rows, pool
+keys and, when the world keeps a JSONL catalog, its serialised lines (the costliest
+part of a JSONL world, so it is worth doing in parallel).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from multiprocessing.pool import AsyncResult, Pool
+
+import numpy as np
+
+from index_builder.synth.ads import AdRules, AdState, fill_chunk, pool_keys, rules_of
+from index_builder.synth.advertisers import Advertisers
+from index_builder.synth.profiles import WorldProfile, stream
+from index_builder.synth.writer import jsonl_chunk
+
+# AdState fields that `fill_chunk` draws, in `Chunk.fields` order
+FIELDS = ("age_lo", "age_hi", "gender", "keep", "popularity")
+
+
+@dataclass(frozen=True)
+class AdJob:
+    """Everything a chunk needs; workers inherit it through fork."""
+
+    profile: WorldProfile
+    adv: Advertisers
+    ads: AdState  # embedding: the shared scratch memmap; per-ad fields filled by chunks
+    seed: int
+    n_locations: int  # size of the location vocabulary (pool keys after it)
+    location_names: np.ndarray | None  # object [V]; None = no JSONL catalog
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.profile.n_ads // self.profile.chunk_ads)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One drawn chunk of ads [lo, hi)."""
+
+    lo: int
+    hi: int
+    fields: tuple[np.ndarray, ...]  # FIELDS of ads [lo, hi)
+    rules: AdRules  # row_keys are dropped on the way back from a worker
+    bitmask: np.ndarray  # uint64 [hi - lo, BITMASK_WORDS]: `targeting.ad_bitmasks`
+    pool_keys: np.ndarray  # int64 [m]: see `ads.pool_keys`
+    pool_positions: np.ndarray  # int64 [m]
+    jsonl: bytes | None  # the chunk's catalog lines, if the world keeps a JSONL catalog
+
+
+def draw_chunk(job: AdJob, k: int) -> Chunk:
+    """Draw chunk k in this process: fields and embeddings land in `job.ads`."""
+    p = job.profile
+    lo = k * p.chunk_ads
+    hi = min(p.n_ads, lo + p.chunk_ads)
+    fill_chunk(p, job.adv, job.ads, lo, hi, stream(job.seed, "ads", k))
+    rules = rules_of(job.adv, job.ads, slice(lo, hi))
+    keys, positions = pool_keys(rules, np.arange(lo, hi, dtype=np.int64), job.n_locations)
+    jsonl = None
+    if job.location_names is not None:
+        emb = np.ascontiguousarray(job.ads.embedding[lo:hi], dtype=np.float32)
+        jsonl = jsonl_chunk(
+            job.location_names, job.ads.ad_id[lo:hi], job.ads.advertiser[lo:hi], emb, rules
+        )
+    return Chunk(
+        lo=lo,
+        hi=hi,
+        fields=tuple(getattr(job.ads, f)[lo:hi] for f in FIELDS),
+        rules=rules,
+        bitmask=rules.bitmasks(),
+        pool_keys=keys,
+        pool_positions=positions,
+        jsonl=jsonl,
+    )
+
+
+_JOB: AdJob | None = None  # set in the parent just before the workers fork
+
+
+def _draw_in_worker(k: int) -> Chunk:
+    assert _JOB is not None, "worker started without a job (not forked?)"
+    chunk = draw_chunk(_JOB, k)
+    # row_keys only serve the JSONL writer, which already ran here: don't pickle them
+    return replace(chunk, rules=replace(chunk.rules, row_keys=()))
+
+
+def store(ads: AdState, chunk: Chunk) -> None:
+    """Copy a chunk's fields into the parent's AdState (a no-op copy when drawn here)."""
+    for name, values in zip(FIELDS, chunk.fields, strict=True):
+        getattr(ads, name)[chunk.lo : chunk.hi] = values
+
+
+class ChunkStream:
+    """Every chunk, in chunk order, drawn by `workers` forked processes (1: this one).
+
+        with ChunkStream(job, workers) as chunks:  # workers fork here
+            for chunk in chunks:
+                store(job.ads, chunk)
+                ...
+
+    Enter it before starting threads of your own (writers, progress bars): fork copies
+    only the calling thread. At most `workers + 2` chunks are in flight, so results never
+    pile up in the parent when it writes more slowly than the workers draw.
+    """
+
+    def __init__(self, job: AdJob, workers: int) -> None:
+        self.job = job
+        self.workers = min(workers, job.n_chunks)
+        if "fork" not in mp.get_all_start_methods():
+            self.workers = 1
+        self._pool: Pool | None = None
+
+    def __enter__(self) -> ChunkStream:
+        global _JOB
+        if self.workers > 1:
+            _JOB = self.job
+            try:
+                with warnings.catch_warnings():
+                    # Python 3.12 warns when forking a process that has threads (numpy's
+                    # BLAS pool): the workers only run numpy ufuncs, never BLAS or torch.
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self._pool = mp.get_context("fork").Pool(self.workers)
+            finally:
+                _JOB = None  # the workers hold their own copy now
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def __iter__(self) -> Iterator[Chunk]:
+        n, pool = self.job.n_chunks, self._pool
+        if pool is None:
+            for k in range(n):
+                yield draw_chunk(self.job, k)
+            return
+        pending: deque[AsyncResult] = deque()
+        submitted = 0
+        while submitted < n and len(pending) < self.workers + 2:
+            pending.append(pool.apply_async(_draw_in_worker, (submitted,)))
+            submitted += 1
+        while pending:
+            chunk = pending.popleft().get()
+            if submitted < n:
+                pending.append(pool.apply_async(_draw_in_worker, (submitted,)))
+                submitted += 1
+            yield chunk

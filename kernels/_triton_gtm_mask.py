@@ -1,0 +1,227 @@
+"""Triton body and launcher of the CD+GTM mask (DESIGN.md §7); `kernels.gtm_mask` dispatches.
+
+One program per beam row. It walks the row's trie node's child range (CSR
+`node_offsets`) in chunks of BLOCK_C children; per chunk: CD (the children exist), then
+— in GTM mode — the bitmask test against the request's bitmask row, then, only for the
+children that passed, the Bloom test ANY-of-many over the request's L location rows.
+It writes the whole output row: −inf / −1 everywhere, then the allowed tokens' logits
+and child nodes. Fixed shapes, no host syncs: the launch can sit inside a CUDA graph
+(after one eager warm-up call, which autotunes).
+
+Tables are int64 views of the uint64 words (`index_builder.lookup.GtmTables`); Triton's
+bitwise ops and equality on int64 give the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from index_builder.format import VOCAB_SIZE
+from index_builder.lookup import GtmTables, RequestTensors
+from index_builder.targeting import MAX_REQUEST_LOCATIONS
+from kernels._tuning import AUTOTUNE
+
+
+@triton.jit
+def _gtm_mask_kernel(
+    logits_ptr,  # float32 [R, V], row stride `stride_logits`
+    masked_ptr,  # float32 [R, V] out, contiguous
+    child_out_ptr,  # int32 [R, V] out, contiguous
+    node_ids_ptr,  # int64 [R]
+    row_request_ptr,  # int64 [R]
+    node_offsets_ptr,  # int64 [num_nodes + 1]
+    child_nodes_ptr,  # int32 [E]
+    tokens_ptr,  # int64 [E]
+    bitmask_index_ptr,  # int64 [E]
+    bloom_index_ptr,  # int64 [E]
+    bitmask_table_ptr,  # int64 [R_bm, W_BM]
+    bloom_table_ptr,  # int64 [R_bl, W_BL]
+    req_bitmask_ptr,  # int64 [B, W_BM]
+    req_blooms_ptr,  # int64 [B, L, W_BL]
+    stride_logits,
+    R,  # rows: an autotune key only
+    L,  # Bloom rows per request (padding rows repeat row 0)
+    V: tl.constexpr,
+    W_BM: tl.constexpr,
+    W_BL: tl.constexpr,
+    GTM: tl.constexpr,
+    BLOOM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_WBM: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    out_row = r * V
+
+    # The row is written in full, so no memset kernel and no stale values from the last
+    # step: −inf / −1 first (2·V coalesced stores), then the allowed tokens on top. The
+    # barrier orders the two stores to one address made by different threads.
+    v = tl.arange(0, BLOCK_V)
+    tl.store(masked_ptr + out_row + v, tl.full([BLOCK_V], float("-inf"), tl.float32), mask=v < V)
+    tl.store(child_out_ptr + out_row + v, tl.full([BLOCK_V], -1, tl.int32), mask=v < V)
+    tl.debug_barrier()
+
+    node = tl.load(node_ids_ptr + r)
+    start = tl.load(node_offsets_ptr + node)
+    end = tl.load(node_offsets_ptr + node + 1)  # a leaf (dead rows park there): no children
+
+    if GTM:
+        req = tl.load(row_request_ptr + r)
+        # stage the request's bitmask row once (one word per lane). A request sets one bit
+        # per attribute, so most of its 5 words are 0 and pass trivially: those words'
+        # matcher loads are masked off below (2-3 of 5 words are read per child).
+        wb = tl.arange(0, BLOCK_WBM)
+        q_bm = tl.load(req_bitmask_ptr + req * W_BM + wb, mask=wb < W_BM, other=0)
+        w_needed = (wb < W_BM) & (q_bm != 0)
+        if BLOOM:
+            lanes_l = tl.arange(0, BLOCK_L)
+            req_blooms = req_blooms_ptr + req * L * W_BL
+
+    for c0 in range(start, end, BLOCK_C):
+        entry = c0 + tl.arange(0, BLOCK_C)
+        ok = entry < end  # CD: every entry of the range is a catalog prefix
+        if GTM:
+            bm_row = tl.load(bitmask_index_ptr + entry, mask=ok, other=0)
+            m_bm = tl.load(
+                bitmask_table_ptr + bm_row[:, None] * W_BM + wb[None, :],
+                mask=ok[:, None] & w_needed[None, :],
+                other=0,
+            )  # [BLOCK_C, BLOCK_WBM]; masked words read as 0 and match a 0 query word
+            hit_bm = (m_bm & q_bm[None, :]) == q_bm[None, :]
+            ok = ok & (tl.min(hit_bm.to(tl.int32), axis=1) > 0)
+            if BLOOM:
+                # Bloom only where the bitmask passed: failed lanes issue no loads, and a
+                # chunk where none passed never enters the location loop
+                bl_row = tl.load(bloom_index_ptr + entry, mask=ok, other=0)
+                need = ok  # passed the bitmask, no location contained yet
+                hit = tl.zeros([BLOCK_C], dtype=tl.int1)
+                l0 = 0
+                # ANY-of-many: BLOCK_L locations at a time, stopping as soon as every
+                # surviving child contains one (inner nodes' ORed Blooms are dense, so
+                # the first chunk usually settles them)
+                while (l0 < L) & (tl.max(need.to(tl.int32), axis=0) > 0):
+                    ls = l0 + lanes_l
+                    contained = need[:, None] & (ls < L)[None, :]  # [BLOCK_C, BLOCK_L]
+                    # word by word keeps one [BLOCK_C, BLOCK_L] tile live, not W_BL of
+                    # them; re-reading a matcher word is an L1 hit, and only lanes
+                    # still searching read it
+                    for w in tl.static_range(W_BL):
+                        q = tl.load(req_blooms + ls * W_BL + w, mask=ls < L, other=0)
+                        m = tl.load(bloom_table_ptr + bl_row * W_BL + w, mask=need, other=0)
+                        contained = contained & ((m[:, None] & q[None, :]) == q[None, :])
+                    got = tl.max(contained.to(tl.int32), axis=1) > 0
+                    hit = hit | got
+                    need = need & ~got
+                    l0 += BLOCK_L
+                ok = hit
+        # read the logits of the allowed tokens only; write them and their child nodes
+        tok = tl.load(tokens_ptr + entry, mask=ok, other=0)
+        child = tl.load(child_nodes_ptr + entry, mask=ok, other=0)
+        x = tl.load(logits_ptr + r * stride_logits + tok, mask=ok, other=0.0)
+        tl.store(masked_ptr + out_row + tok, x, mask=ok)
+        tl.store(child_out_ptr + out_row + tok, child, mask=ok)
+
+
+def _configs() -> list[triton.Config]:
+    # A Bloom tile (BLOCK_C children x BLOCK_L locations) of 8..16 elements per thread:
+    # fewer wastes the lanes of deep nodes (1-2 children each), more costs registers
+    # (and occupancy) for nothing — the first location chunk usually settles a child.
+    def keep(c: int, lc: int, warps: int) -> bool:
+        return 8 <= c * lc // (32 * warps) <= 16
+
+    return [
+        triton.Config({"BLOCK_C": c, "BLOCK_L": lc}, num_warps=w)
+        for c in (16, 32, 64, 128)
+        for lc in (8, 32)
+        for w in (1, 2, 4)
+        if keep(c, lc, w)
+    ]
+
+
+_gtm_mask_autotuned = triton.autotune(configs=_configs(), key=["R", "L", "GTM", "BLOOM"])(
+    _gtm_mask_kernel
+)
+
+# used where nothing is autotuned (the interpreter, explicit `config=`)
+DEFAULT_CONFIG = {"BLOCK_C": 32, "BLOCK_L": 16, "num_warps": 2}
+
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype, ndim: int) -> None:
+    assert t.dtype == dtype, f"{name}: expected {dtype}, got {t.dtype}"
+    assert t.dim() == ndim, f"{name}: expected {ndim} dims, got {tuple(t.shape)}"
+    assert t.is_contiguous(), f"{name} must be contiguous"
+
+
+def gtm_mask_triton(
+    logits: torch.Tensor,  # float32 [R, V]; rows may be strided, columns contiguous
+    tables: GtmTables,
+    node_ids: torch.Tensor,  # int64 [R]: trie node of each beam row
+    row_request: torch.Tensor,  # int64 [R]: batch index of each row's request
+    requests: RequestTensors | None,  # bitmask int64 [B, W_bm], blooms int64 [B, L, W_bl]
+    *,
+    gtm: bool,  # False: CD only
+    bloom: bool = True,  # with gtm: False tests the bitmask only
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (float32 [R, V], int32 [R, V])
+    config: dict[str, int] | None = None,  # BLOCK_C, BLOCK_L, num_warps; None: autotune
+) -> tuple[torch.Tensor, torch.Tensor]:  # (masked float32 [R, V], child int32 [R, V])
+    """Launch the mask kernel: one program per row, every output element written."""
+    rows = node_ids.shape[0]
+    assert logits.dtype == torch.float32 and logits.dim() == 2, (logits.dtype, logits.shape)
+    assert logits.shape == (rows, VOCAB_SIZE) and logits.stride(1) == 1, logits.shape
+    _check(node_ids, "node_ids", torch.int64, 1)
+    _check(row_request, "row_request", torch.int64, 1)
+    assert row_request.shape[0] == rows
+    t = tables
+    _check(t.node_offsets, "node_offsets", torch.int64, 1)
+    _check(t.child_nodes, "child_nodes", torch.int32, 1)
+    for name in ("tokens", "bitmask_index", "bloom_index"):
+        _check(getattr(t, name), name, torch.int64, 1)
+    _check(t.bitmask_table, "bitmask_table", torch.int64, 2)
+    _check(t.bloom_table, "bloom_table", torch.int64, 2)
+    w_bm, w_bl = t.bitmask_table.shape[1], t.bloom_table.shape[1]
+    if gtm:
+        assert requests is not None, "GTM needs encoded requests"
+        _check(requests.bitmask, "requests.bitmask", torch.int64, 2)
+        _check(requests.blooms, "requests.blooms", torch.int64, 3)
+        assert requests.bitmask.shape[1] == w_bm and requests.blooms.shape[2] == w_bl
+        n_loc = requests.blooms.shape[1]
+        assert 1 <= n_loc <= MAX_REQUEST_LOCATIONS, n_loc
+        req_bitmask, req_blooms = requests.bitmask, requests.blooms
+    else:
+        n_loc, req_bitmask, req_blooms = 1, node_ids, node_ids  # never read
+    if out is None:
+        masked = torch.empty(rows, VOCAB_SIZE, dtype=torch.float32, device=logits.device)
+        child = torch.empty(rows, VOCAB_SIZE, dtype=torch.int32, device=logits.device)
+    else:
+        masked, child = out
+        _check(masked, "out[0]", torch.float32, 2)
+        _check(child, "out[1]", torch.int32, 2)
+        assert masked.shape == child.shape == (rows, VOCAB_SIZE)
+    if rows == 0:
+        return masked, child
+    args = (
+        logits, masked, child, node_ids, row_request,
+        t.node_offsets, t.child_nodes, t.tokens, t.bitmask_index, t.bloom_index,
+        t.bitmask_table, t.bloom_table, req_bitmask, req_blooms,
+        logits.stride(0), rows, n_loc,
+    )  # fmt: skip
+    meta = {
+        "V": VOCAB_SIZE,
+        "W_BM": w_bm,
+        "W_BL": w_bl,
+        "GTM": gtm,
+        "BLOOM": gtm and bloom,
+        "BLOCK_V": triton.next_power_of_2(VOCAB_SIZE),
+        "BLOCK_WBM": triton.next_power_of_2(w_bm),
+    }
+    assert w_bl == triton.next_power_of_2(w_bl), "Bloom rows are whole powers of two words"
+    if config is None and (not logits.is_cuda or not AUTOTUNE):
+        config = DEFAULT_CONFIG  # the interpreter (nothing to tune) or GRACE_AUTOTUNE=0
+    if config is None:
+        _gtm_mask_autotuned[(rows,)](*args, **meta)
+    else:
+        _gtm_mask_kernel[(rows,)](*args, **meta, **config)
+    return masked, child

@@ -1,0 +1,323 @@
+"""Fixed-shape constrained beam search: pipeline stage 3's decode loop as one CUDA graph
+per plan (DESIGN.md §2, §7).
+
+The same search as `engine.BeamSearch` (its oracle: the same `DecodeResult`), run on
+buffers whose shapes are fixed by a plan key — (batch-size bucket B, beam schedule, filter
+mode, request-location bucket L) — so the whole 4-step loop (cross K/V, decoder steps,
+CD+GTM mask, log-softmax, per-request top-k, paged-KV reorder, SID backtrack) is captured
+once as one CUDA graph and each batch is: copy inputs into the plan's static buffers,
+`replay()`, clone the outputs. On CPU the same body runs eagerly with the references.
+
+Rows are request-major (row b·W_t + j), as in `BeamSearch`. A row is dead — score −inf,
+parked on a leaf node with no children, never emitted — when it has no allowed
+continuation, when top-k could not fill it, when its slot is beyond M_t (`fixed_beams`),
+or when its request is padding (a batch smaller than its bucket). Requests never interact
+(attention and top-k are per request), so padding rows cannot change real ones.
+
+`DecodeOptions` holds the benchmark's ablation switches (bench/bench_decoder_loop.py);
+the defaults are the serving path. Calls are serialised (one lock; the plans share static
+buffers), and on CUDA every call must come from the same stream.
+
+An engine is bound to one decoder and one index's tables (its graphs hold their
+addresses): build one per index version and `warm(beams)` it — capture every plan —
+before that version serves; a key first seen in `run` is captured there, on the spot.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from index_builder.lookup import FilterMode, GtmTables, RequestTensors
+from index_builder.targeting import MAX_REQUEST_LOCATIONS
+from kernels.cross_attention import cross_attention, cross_attention_per_beam
+from kernels.gtm_mask import masked_logits
+from service.decode.engine import NEG_INF, DecodeResult, candidates, check_schedule, select
+from service.decode.kv_cache import ATTENTION_MODES, DenseKVCache, KVCache, PagedKVCache
+from service.model.decoder import SIDDecoder
+
+# `bloom=False` (bitmask-only GTM) is new in masked_logits; without it, all-zero request
+# Bloom rows pass every Bloom test, which gives the same mask (at the Bloom scan's cost).
+_BLOOM_KEYWORD = "bloom" in inspect.signature(masked_logits).parameters
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Ablation switches; the defaults are what the server runs."""
+
+    cross: str = "beam_as_query"  # "per_beam": K/V materialised per beam row (naive)
+    self_attn: str = "fused"  # "gather": gather + prefix_self_attention; "sdpa": + torch SDPA
+    kv: str = "paged"  # "dense": per-row KV whose reorder copies bytes
+    fixed_beams: bool = False  # compute max(beams) rows per request at every step
+    mask: bool = True  # False: no CD/GTM at all (latency ablation: no leaves, all −1)
+    bloom: bool = True  # False: GTM tests the bitmask only
+    cuda_graph: bool = True  # capture each plan on CUDA (CPU always runs eagerly)
+
+    def __post_init__(self) -> None:
+        for name, value, known in (
+            ("cross", self.cross, ("beam_as_query", "per_beam")),
+            ("self_attn", self.self_attn, ATTENTION_MODES),
+            ("kv", self.kv, ("paged", "dense")),
+        ):
+            if value not in known:
+                raise ValueError(f"{name} must be one of {known}, got {value!r}")
+
+
+@dataclass
+class _Plan:
+    """Static buffers and the graph of one plan key; inputs are shared per bucket."""
+
+    bucket: int  # B: requests the buffers hold
+    beams: tuple[int, ...]  # M_t: live slots per request at step t
+    widths: tuple[int, ...]  # W_t >= M_t: rows per request the decoder computes at step t
+    mode: FilterMode
+    ctx: torch.Tensor  # [B, T_ctx, d_model]: encoder output, real requests first
+    live: torch.Tensor  # bool [B]: real (not padding) requests of the current run
+    requests: RequestTensors | None  # bitmask int64 [B, W_bm], blooms int64 [B, L, W_bl]
+    cache: KVCache
+    row_request: list[torch.Tensor]  # int64 [B·W_t]: request of each row
+    slot_dead: list[torch.Tensor]  # bool [B·W_t]: slot j >= M_t (fixed_beams only)
+    graph: torch.cuda.CUDAGraph | None = None
+    out: tuple[torch.Tensor, ...] = field(default=())  # the graph's leaves, scores, sids
+
+
+class StaticBeamSearch:
+    """Fixed-shape beam search over one index's tables, one plan (and graph) per key."""
+
+    def __init__(
+        self,
+        decoder: SIDDecoder,
+        tables: GtmTables,
+        level_offsets: torch.Tensor,  # int64 [sid_length + 2] from the index
+        *,
+        options: DecodeOptions | None = None,
+        batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16),
+        location_buckets: tuple[int, ...] = (1, 4, 16, MAX_REQUEST_LOCATIONS),
+        warmup_runs: int = 2,
+    ) -> None:
+        self.decoder = decoder
+        self.tables = tables
+        self.options = options or DecodeOptions()
+        self.first_leaf = int(level_offsets[-2])
+        self.dead_node = int(level_offsets[-1]) - 1  # a leaf: nothing is ever allowed below it
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        self.location_buckets = tuple(sorted(location_buckets))
+        self.warmup_runs = warmup_runs
+        param = next(decoder.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        per_beam = self.options.cross == "per_beam"
+        self._cross = cross_attention_per_beam if per_beam else cross_attention
+        self._plans: dict[tuple, _Plan] = {}
+        self._inputs: dict[tuple, torch.Tensor] = {}  # shared static inputs, by shape
+        self._caches: dict[tuple, KVCache] = {}  # shared per (bucket, widths)
+        self._pool = None  # one graph memory pool for every plan: replays never overlap
+        self._lock = threading.RLock()
+
+    @property
+    def graphs(self) -> int:
+        """CUDA graphs captured so far."""
+        return sum(p.graph is not None for p in self._plans.values())
+
+    def bucket(self, batch: int) -> int:
+        for b in self.batch_buckets:
+            if b >= batch:
+                return b
+        raise ValueError(f"batch of {batch} exceeds the largest bucket {self.batch_buckets[-1]}")
+
+    def _location_key(self, mode: FilterMode, n: int) -> int:
+        """L of the plan: 0 without GTM, 1 for bitmask-only, else the bucket holding n."""
+        if not self.options.mask or mode == FilterMode.CD_ONLY:
+            return 0
+        if mode == FilterMode.CD_GTM and not self.options.bloom:
+            return 1  # the Bloom rows are never read (or all zero: pass everything)
+        for b in self.location_buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} request locations exceed the largest bucket")
+
+    @torch.no_grad()
+    def warm(
+        self,
+        beams: tuple[int, ...],
+        modes: tuple[FilterMode, ...] = (FilterMode.CD_GTM, FilterMode.CD_ONLY),
+        batch_sizes: tuple[int, ...] | None = None,
+        locations: tuple[int, ...] | None = None,
+    ) -> int:
+        """Build every plan a server may hit (on CUDA: capture its graph); returns how many
+        plans exist. Report SERVING only after this returns."""
+        keys = {
+            (b, mode, self._location_key(mode, n))
+            for b in batch_sizes or self.batch_buckets
+            for mode in modes
+            for n in locations or self.location_buckets
+        }
+        with self._lock:
+            for b, mode, n_loc in sorted(keys):
+                plan = self._plan(b, tuple(beams), mode, n_loc)
+                if plan.graph is None and self.device.type == "cuda":
+                    plan.live.fill_(True)
+                    self._body(plan)  # eager plans: autotune the kernels now, not in a request
+            return len(self._plans)
+
+    @torch.no_grad()
+    def run(
+        self,
+        ctx: torch.Tensor,  # [b, T_ctx, d_model] from the encoder, b <= the largest bucket
+        requests: RequestTensors | None,  # None only for CD_ONLY (or mask off)
+        beams: tuple[int, ...],
+        mode: FilterMode = FilterMode.CD_GTM,
+    ) -> DecodeResult:
+        b = ctx.shape[0]
+        gtm = self.options.mask and mode != FilterMode.CD_ONLY
+        if gtm and requests is None:
+            raise ValueError(f"{mode.name} needs encoded requests")
+        n_loc = requests.blooms.shape[1] if gtm and requests is not None else 0
+        with self._lock:
+            plan = self._plan(b, tuple(beams), mode, self._location_key(mode, n_loc))
+            self._load(plan, ctx, requests if gtm else None)
+            if plan.graph is not None:
+                plan.graph.replay()
+                out = plan.out
+            else:
+                out = self._body(plan)
+            # clone before the next replay overwrites the graph's outputs
+            leaves, scores, sids = (x[:b].clone() for x in out)
+        return DecodeResult(leaves, scores, sids, tuple(b * w for w in plan.widths))
+
+    # ----------------------------------------------------------------- plans and inputs
+
+    def _static(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if key not in self._inputs:
+            self._inputs[key] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return self._inputs[key]
+
+    def _plan(self, batch: int, beams: tuple[int, ...], mode: FilterMode, n_loc: int) -> _Plan:
+        bucket = self.bucket(batch)
+        key = (bucket, beams, mode, n_loc)
+        if key in self._plans:
+            return self._plans[key]
+        c = self.decoder.config
+        check_schedule(beams, c.sid_length, c.vocab_size)
+        widths = (max(beams),) * len(beams) if self.options.fixed_beams else beams
+        if (bucket, widths) not in self._caches:
+            cls = PagedKVCache if self.options.kv == "paged" else DenseKVCache
+            rows = [bucket * w for w in widths]
+            self._caches[(bucket, widths)] = cls(
+                c.decoder_layers, c.n_heads, c.d_head, rows,
+                dtype=self.dtype, device=self.device, attention=self.options.self_attn,
+            )  # fmt: skip
+        reqs = None
+        if n_loc:
+            bm, bl = self.tables.bitmask_table.shape[1], self.tables.bloom_table.shape[1]
+            reqs = RequestTensors(
+                self._static(("bitmask", bucket), (bucket, bm), torch.int64),
+                self._static(("blooms", bucket, n_loc), (bucket, n_loc, bl), torch.int64),
+            )
+        slots = [torch.arange(bucket * w, device=self.device) % w for w in widths]
+        requests_of = torch.arange(bucket, device=self.device)
+        plan = _Plan(
+            bucket=bucket,
+            beams=beams,
+            widths=widths,
+            mode=mode,
+            ctx=self._static(("ctx", bucket), (bucket, c.t_ctx, c.d_model), self.dtype),
+            live=self._static(("live", bucket), (bucket,), torch.bool),
+            requests=reqs,
+            cache=self._caches[(bucket, widths)],
+            row_request=[requests_of.repeat_interleave(w) for w in widths],
+            slot_dead=[s >= m for s, m in zip(slots, beams, strict=True)],
+        )
+        gtm_kway = mode == FilterMode.CD_GTM_KWAY and self.options.mask  # reference: not capturable
+        if self.options.cuda_graph and self.device.type == "cuda" and not gtm_kway:
+            self._capture(plan)
+        self._plans[key] = plan
+        return plan
+
+    def _load(self, plan: _Plan, ctx: torch.Tensor, requests: RequestTensors | None) -> None:
+        """Copy a batch into the plan's static inputs; padding requests are marked dead."""
+        b = ctx.shape[0]
+        plan.ctx[:b].copy_(ctx, non_blocking=True)
+        torch.lt(torch.arange(plan.bucket, device=self.device), b, out=plan.live)
+        if requests is None or plan.requests is None:
+            return
+        plan.requests.bitmask[:b].copy_(requests.bitmask, non_blocking=True)
+        if self.options.bloom or plan.mode != FilterMode.CD_GTM:
+            blooms, n = plan.requests.blooms, requests.blooms.shape[1]
+            blooms[:b, :n].copy_(requests.blooms, non_blocking=True)
+            # padding locations repeat location 0: ANY-of-many is unchanged
+            blooms[:b, n:].copy_(requests.blooms[:, :1].expand(-1, blooms.shape[1] - n, -1))
+
+    def _capture(self, plan: _Plan) -> None:
+        """Warm up on a side stream (Triton autotuning, cuBLAS handles), then capture the
+        whole loop; intermediates live in the graph pool shared by all plans."""
+        plan.live.fill_(True)  # warm up on live rows, so autotuning sees real work
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_runs):
+                self._body(plan)
+        current.wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other stage threads may keep using CUDA while a plan is captured
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            plan.out = self._body(plan)
+        plan.graph = graph
+
+    # ----------------------------------------------------------------------- the loop
+
+    def _mask(
+        self, plan: _Plan, logits: torch.Tensor, node: torch.Tensor, t: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        args = (logits, self.tables, node, plan.row_request[t], plan.requests, plan.mode)
+        if plan.mode == FilterMode.CD_GTM and not self.options.bloom and _BLOOM_KEYWORD:
+            return masked_logits(*args, bloom=False)
+        return masked_logits(*args)
+
+    def _body(self, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The 4-step loop on the plan's buffers: fixed shapes, no host syncs."""
+        c, steps, bsz = self.decoder.config, len(plan.beams), plan.bucket
+        cross = self.decoder.cross_kv(plan.ctx)  # per request, once: K, V [B, H, T_ctx, d_h]
+        # fills with scalars, never `where(.., python scalar)`: no host tensors in the graph
+        dead = plan.slot_dead[0] | ~plan.live[plan.row_request[0]]
+        score = torch.zeros(dead.shape, device=self.device).masked_fill(dead, NEG_INF)
+        node = torch.zeros_like(score, dtype=torch.int64).masked_fill(dead, self.dead_node)
+        tokens = torch.full_like(node, self.decoder.bos)
+        parents, picked = [], []
+        for t in range(steps):
+            w, last = plan.widths[t], t + 1 == steps
+            logits = self.decoder.step(tokens, t, cross, plan.cache, self._cross).float()
+            if self.options.mask:
+                masked, child = self._mask(plan, logits, node, t)  # [R, V] each
+                cand = candidates(score, masked, child >= 0)
+            else:
+                cand = score[:, None] + torch.log_softmax(logits, dim=-1)
+            keep = plan.beams[-1] if last else plan.widths[t + 1]
+            score, parent, token = select(cand.view(bsz, -1), keep, w, c.vocab_size)
+            if not last and plan.widths[t + 1] > plan.beams[t + 1]:
+                score = score.masked_fill(plan.slot_dead[t + 1], NEG_INF)  # slots >= M_{t+1}
+            live = torch.isfinite(score)
+            if self.options.mask:
+                node = child[parent, token].long().masked_fill(~live, self.dead_node)
+            parents.append(parent)
+            picked.append(token)
+            tokens = token
+            if not last:
+                plan.cache.reorder(t, parent)
+        # SIDs by backtracking the parent pointers: column t of final row i
+        cols, row = [picked[-1]], parents[-1]
+        for t in range(steps - 2, -1, -1):
+            cols.append(picked[t][row])
+            row = parents[t][row]
+        sids = torch.stack(cols[::-1], dim=1)  # int64 [B·M_L, L_SID]
+        if self.options.mask:
+            leaves = (node - self.first_leaf).masked_fill(~live, -1)
+        else:
+            leaves = torch.full_like(token, -1)
+        m = plan.beams[-1]
+        return leaves.view(bsz, m), score.view(bsz, m), sids.view(bsz, m, steps)

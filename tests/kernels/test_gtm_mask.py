@@ -1,0 +1,327 @@
+"""The CD+GTM mask kernel equals the reference lookup and never drops an eligible prefix.
+
+Kernel tests run the Triton kernel itself: under TRITON_INTERPRET=1 on CPU (set in
+tests/conftest.py), compiled on a GPU. Outputs are poisoned (NaN / a sentinel) before
+the launch so that an element the kernel forgot to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from index_builder.build import build_arrays
+from index_builder.format import SID_LENGTH, VOCAB_SIZE, IndexArrays
+from index_builder.kway import KwaySpec
+from index_builder.lookup import FilterMode, GtmTables, RequestTensors
+from index_builder.targeting import Targeting, encode_requests
+from kernels.gtm_mask import gtm_mask_triton, masked_logits, masked_logits_reference
+from tests.helpers.catalogs import ads_strategy, catalog_from_ads, requests_strategy
+from tests.helpers.oracle import Ad, eligible_prefixes
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(gtm_mask_triton is None, reason="triton is not installed")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+# name -> (mode, bloom)
+VARIANTS = {
+    "cd_only": (FilterMode.CD_ONLY, True),
+    "cd_bitmask": (FilterMode.CD_GTM, False),
+    "cd_gtm": (FilterMode.CD_GTM, True),
+}
+# (BLOCK_C, BLOCK_L, num_warps): chunk loops that run many times, once, and not at all
+CONFIGS = [(2, 2, 1), (16, 8, 2), (128, 64, 4)]
+POISON_CHILD = 7777
+
+
+def build(ads: list[Ad], kway: KwaySpec | None = None) -> IndexArrays:
+    cat = catalog_from_ads(ads)
+    return build_arrays(cat, cat.sid.astype(np.int64), kway)
+
+
+def world_ads() -> list[Ad]:
+    """A root with awkward child counts (tokens 0 and 511), shared prefixes, and every
+    kind of rule: none, country, age, gender, one or several locations."""
+    locs = ("US/R1", "US/R1/C1", "US/R2", "CA/R1", "GB/R1/C9", "DE", "CA/R1/C3")
+    ads = []
+    for i in range(90):
+        sid = ((i * 37) % 512 if i % 3 else 7, i % 4, (i * 5) % 9, i)
+        ads.append(
+            Ad(
+                100 + i,
+                sid,
+                countries=(("US",), ("CA", "GB"), ())[i % 3],
+                age_buckets=("25-34",) if i % 5 == 0 else (),
+                genders=("female",) if i % 7 == 0 else (),
+                locations=tuple(locs[j] for j in range(len(locs)) if (i >> j) % 5 == 1),
+            )
+        )
+    return [*ads, Ad(999, (511, 511, 511, 511), countries=("DE",), locations=("DE",))]
+
+
+def world_requests() -> list[Targeting]:
+    many = (*(f"XX/R{k}" for k in range(39)), "CA/R1")  # the match is the 40th row
+    return [
+        Targeting("US", 30, "male", ("US/R1",)),  # one location
+        Targeting("CA", 16, "female", many),  # many: ANY-of-many past the first chunk
+        Targeting(),  # no locations (sentinel row), every attribute unknown
+        Targeting("FR", 70, "", ("DE",)),  # matches almost nothing: a padding request
+    ]
+
+
+@pytest.fixture(scope="module")
+def world() -> tuple[IndexArrays, GtmTables, RequestTensors]:
+    index = build(world_ads())
+    tables = GtmTables.from_arrays(index.trie, device=DEV)
+    requests = RequestTensors.from_encoded(encode_requests(world_requests()), device=DEV)
+    return index, tables, requests
+
+
+def rows_of(index: IndexArrays, n: int, n_requests: int, seed: int):
+    """n rows: the root, inner nodes of every depth, leaves and dead rows (parked on the
+    last leaf, which has no children), each with a random request."""
+    lo = index.trie.level_offsets
+    dead = int(lo[-1]) - 1
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.cat(
+        [torch.zeros(3, dtype=torch.int64), torch.arange(int(lo[-1])), torch.full((5,), dead)]
+    )
+    nodes = pool[torch.randint(len(pool), (n,), generator=g)]
+    nodes[0] = 0  # always one row at the root: the widest child range
+    request = torch.randint(n_requests, (n,), generator=g)
+    logits = torch.randn(n, VOCAB_SIZE, generator=g)
+    return logits.to(DEV), nodes.to(DEV), request.to(DEV)
+
+
+def poisoned(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    masked = torch.full((rows, VOCAB_SIZE), float("nan"), device=DEV)
+    child = torch.full((rows, VOCAB_SIZE), POISON_CHILD, dtype=torch.int32, device=DEV)
+    return masked, child
+
+
+def run_kernel(logits, tables, nodes, request, requests, variant, config=None):
+    mode, bloom = VARIANTS[variant]
+    out = poisoned(nodes.shape[0])
+    cfg = (
+        None
+        if config is None
+        else dict(zip(("BLOCK_C", "BLOCK_L", "num_warps"), config, strict=True))
+    )
+    got = gtm_mask_triton(
+        logits,
+        tables,
+        nodes,
+        request,
+        requests,
+        gtm=mode == FilterMode.CD_GTM,
+        bloom=bloom,
+        out=out,
+        config=cfg,
+    )
+    assert got[0] is out[0] and got[1] is out[1]
+    return got
+
+
+def assert_same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]):
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # copies: bit-exact
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("rows", [1, 17, 41])
+def test_kernel_matches_reference(world, variant: str, config, rows: int) -> None:
+    index, tables, requests = world
+    logits, nodes, request = rows_of(index, rows, requests.bitmask.shape[0], seed=rows)
+    mode, bloom = VARIANTS[variant]
+    want = masked_logits_reference(logits, tables, nodes, request, requests, mode, bloom=bloom)
+    got = run_kernel(logits, tables, nodes, request, requests, variant, config)
+    assert_same(got, want)
+
+
+@needs_triton
+@pytest.mark.parametrize("config", CONFIGS)
+def test_any_of_many_finds_the_last_location(config) -> None:
+    """An ad reachable only through the request's 40th location row (past every
+    location chunk but the last); a request without locations reaches only the ad
+    without a location rule."""
+    ads = [
+        Ad(1, (5, 0, 0, 0), locations=("CA/R1",)),
+        Ad(2, (6, 0, 0, 0), locations=("US/R2",)),
+        Ad(3, (9, 1, 2, 3)),
+    ]
+    index = build(ads)
+    tables = GtmTables.from_arrays(index.trie, device=DEV)
+    many = (*(f"XX/R{k}" for k in range(39)), "CA/R1")
+    reqs = [Targeting("CA", 16, "female", many), Targeting(), Targeting(locations=("US/R2",))]
+    requests = RequestTensors.from_encoded(encode_requests(reqs), device=DEV)
+    nodes = torch.zeros(3, dtype=torch.int64, device=DEV)
+    request = torch.arange(3, device=DEV)
+    logits = torch.randn(3, VOCAB_SIZE, device=DEV)
+    got = run_kernel(logits, tables, nodes, request, requests, "cd_gtm", config)
+    assert_same(got, masked_logits_reference(logits, tables, nodes, request, requests))
+    allowed = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in got[0]]
+    assert allowed == [{5, 9}, {9}, {6, 9}]
+
+
+@needs_triton
+def test_kernel_reads_strided_logits(world) -> None:
+    index, tables, requests = world
+    logits, nodes, request = rows_of(index, 9, requests.bitmask.shape[0], seed=3)
+    wide = torch.randn(9, VOCAB_SIZE + 13, device=DEV)
+    wide[:, 5 : 5 + VOCAB_SIZE] = logits
+    view = wide[:, 5 : 5 + VOCAB_SIZE]  # row stride 525
+    want = masked_logits_reference(logits, tables, nodes, request, requests)
+    assert_same(run_kernel(view, tables, nodes, request, requests, "cd_gtm"), want)
+
+
+@needs_triton
+def test_kernel_with_no_rows(world) -> None:
+    _, tables, requests = world
+    empty = torch.empty(0, dtype=torch.int64, device=DEV)
+    masked, child = gtm_mask_triton(
+        torch.empty(0, VOCAB_SIZE, device=DEV), tables, empty, empty, requests, gtm=True
+    )
+    assert masked.shape == child.shape == (0, VOCAB_SIZE)
+
+
+@needs_triton
+def test_launcher_rejects_wrong_dtypes(world) -> None:
+    index, tables, requests = world
+    logits, nodes, request = rows_of(index, 3, 4, seed=0)
+    with pytest.raises(AssertionError, match="node_ids"):
+        gtm_mask_triton(logits, tables, nodes.int(), request, requests, gtm=True)
+    with pytest.raises(AssertionError):
+        gtm_mask_triton(logits.half(), tables, nodes, request, requests, gtm=True)
+    with pytest.raises(AssertionError, match="requests"):
+        gtm_mask_triton(logits, tables, nodes, request, None, gtm=True)
+
+
+def test_dispatcher_matches_reference_and_kway_takes_the_reference() -> None:
+    ads = world_ads()
+    index = build(ads, KwaySpec("static", (3, 2, 2, 1)))
+    tables = GtmTables.from_arrays(index.trie, index.kway, device=DEV)
+    requests = RequestTensors.from_encoded(encode_requests(world_requests()), device=DEV)
+    logits, nodes, request = rows_of(index, 12, 4, seed=1)
+    for mode in FilterMode:
+        for bloom in (True, False):
+            want = masked_logits_reference(
+                logits, tables, nodes, request, requests, mode, bloom=bloom
+            )
+            got = masked_logits(logits, tables, nodes, request, requests, mode, bloom=bloom)
+            assert_same(got, want)
+    with pytest.raises(ValueError, match="needs encoded requests"):
+        masked_logits(logits, tables, nodes, request, None, FilterMode.CD_GTM)
+
+
+def test_bitmask_only_reference_ignores_location_rules() -> None:
+    """bloom=False equals full GTM on the same catalog stripped of its location rules
+    (the bitmask matchers are unchanged, the Bloom ones become all ones)."""
+    ads = world_ads()
+    stripped = [Ad(a.ad_id, a.sid, a.countries, a.age_buckets, a.genders) for a in ads]
+    index, plain = build(ads), build(stripped)
+    assert np.array_equal(index.trie.csr_tokens, plain.trie.csr_tokens)
+    requests = RequestTensors.from_encoded(encode_requests(world_requests()))
+    logits, nodes, request = rows_of(index, 40, 4, seed=2)
+    logits, nodes, request = logits.cpu(), nodes.cpu(), request.cpu()
+    got = masked_logits_reference(
+        logits, GtmTables.from_arrays(index.trie), nodes, request, requests, bloom=False
+    )
+    want = masked_logits_reference(
+        logits, GtmTables.from_arrays(plain.trie), nodes, request, requests
+    )
+    assert_same(got, want)
+
+
+def allowed_prefixes(index: IndexArrays, allowed: torch.Tensor, child: torch.Tensor):
+    t = index.trie
+    prefix = {0: ()}
+    for node in range(t.num_nodes):
+        for j in range(t.node_offsets[node], t.node_offsets[node + 1]):
+            prefix[int(t.csr_child_nodes[j])] = (*prefix[node], int(t.csr_tokens[j]))
+    return {prefix[int(c)] for c in child[allowed].tolist()}
+
+
+@needs_triton
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ads=ads_strategy(max_ads=20),
+    reqs=st.lists(requests_strategy, min_size=1, max_size=3),
+    variant=st.sampled_from(["cd_gtm", "cd_bitmask"]),
+)
+def test_kernel_never_drops_an_eligible_prefix(
+    ads: list[Ad], reqs: list[Targeting], variant: str
+) -> None:
+    """From every inner node, for a batch of requests at once: the kernel's allowed set
+    contains every prefix holding an eligible ad, and is exactly the reference's."""
+    index = build(ads)
+    tables = GtmTables.from_arrays(index.trie, device=DEV)
+    requests = RequestTensors.from_encoded(encode_requests(reqs), device=DEV)
+    inner = torch.arange(int(index.trie.level_offsets[SID_LENGTH]), device=DEV)
+    nodes = inner.repeat(len(reqs))
+    request = torch.arange(len(reqs), device=DEV).repeat_interleave(len(inner))
+    logits = torch.zeros(len(nodes), VOCAB_SIZE, device=DEV)
+    mode, bloom = VARIANTS[variant]
+    want = masked_logits_reference(logits, tables, nodes, request, requests, mode, bloom=bloom)
+    got = run_kernel(logits, tables, nodes, request, requests, variant, (2, 2, 1))
+    assert_same(got, want)
+    for b, req in enumerate(reqs):
+        rows = request == b
+        allowed = allowed_prefixes(index, torch.isfinite(got[0][rows]), got[1][rows])
+        must = eligible_prefixes(ads, req)
+        assert must <= allowed, f"dropped eligible prefixes {must - allowed}"
+
+
+# --------------------------------------------------------------------------- GPU, full size
+
+
+@pytest.fixture(scope="module")
+def big_world():
+    from bench.bench_gtm_mask import beam_nodes, requests_for, synthetic_index
+
+    index = synthetic_index(200_000, seed=1)
+    tables = GtmTables.from_arrays(index.trie, device="cuda")
+    targeting = requests_for(index, 16, 64, seed=1)
+    requests = RequestTensors.from_encoded(encode_requests(targeting), device="cuda")
+    dead = int(index.trie.level_offsets[-1]) - 1
+    steps = beam_nodes(tables, requests, (1, 512, 1024, 1024), dead, seed=1)
+    return tables, requests, steps
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_kernel_matches_reference_on_a_decode_loop(big_world, variant: str) -> None:
+    tables, requests, steps = big_world
+    mode, bloom = VARIANTS[variant]
+    for nodes in steps:
+        m = nodes.shape[0] // 16
+        request = torch.arange(16, device="cuda").repeat_interleave(m)
+        logits = torch.randn(nodes.shape[0], VOCAB_SIZE, device="cuda")
+        want = masked_logits_reference(logits, tables, nodes, request, requests, mode, bloom=bloom)
+        got = masked_logits(logits, tables, nodes, request, requests, mode, bloom=bloom)
+        assert_same(got, want)
+        assert torch.isfinite(got[0]).any(), "no row allows anything: a vacuous comparison"
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_mask_replays_in_a_cuda_graph(big_world) -> None:
+    tables, requests, steps = big_world
+    nodes = steps[2].clone()
+    request = torch.arange(16, device="cuda").repeat_interleave(nodes.shape[0] // 16)
+    logits = torch.randn(nodes.shape[0], VOCAB_SIZE, device="cuda")
+    masked_logits(logits, tables, nodes, request, requests)  # warm-up: autotunes
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = masked_logits(logits, tables, nodes, request, requests)
+    for src in (steps[2], steps[2].flip(0)):
+        nodes.copy_(src)
+        logits.normal_()
+        graph.replay()
+        assert_same(out, masked_logits_reference(logits, tables, nodes, request, requests))
