@@ -31,11 +31,11 @@ def _gtm_mask_kernel(
     child_out_ptr,  # int32 [R, V] out, contiguous
     node_ids_ptr,  # int64 [R]
     row_request_ptr,  # int64 [R]
-    node_offsets_ptr,  # int64 [num_nodes + 1]
+    node_offsets_ptr,  # int32 [num_nodes + 1]
     child_nodes_ptr,  # int32 [E]
-    tokens_ptr,  # int64 [E]
-    bitmask_index_ptr,  # int64 [E]
-    bloom_index_ptr,  # int64 [E]
+    tokens_ptr,  # int32 [E]
+    bitmask_index_ptr,  # int32 [E]
+    bloom_index_ptr,  # int32 [E]
     bitmask_table_ptr,  # int64 [R_bm, W_BM]
     bloom_table_ptr,  # int64 [R_bl, W_BL]
     req_bitmask_ptr,  # int64 [B, W_BM]
@@ -175,10 +175,9 @@ def gtm_mask_triton(
     _check(row_request, "row_request", torch.int64, 1)
     assert row_request.shape[0] == rows
     t = tables
-    _check(t.node_offsets, "node_offsets", torch.int64, 1)
-    _check(t.child_nodes, "child_nodes", torch.int32, 1)
-    for name in ("tokens", "bitmask_index", "bloom_index"):
-        _check(getattr(t, name), name, torch.int64, 1)
+    # 32-bit per-entry arrays (half the bytes of int64); offsets into them stay < 2^31
+    for name in ("node_offsets", "child_nodes", "tokens", "bitmask_index", "bloom_index"):
+        _check(getattr(t, name), name, torch.int32, 1)
     _check(t.bitmask_table, "bitmask_table", torch.int64, 2)
     _check(t.bloom_table, "bloom_table", torch.int64, 2)
     w_bm, w_bl = t.bitmask_table.shape[1], t.bloom_table.shape[1]
