@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import timed, write_result
+from bench.common import percentiles, timed, write_result
 from index_builder.build import assign_sids, build_arrays
 from index_builder.catalog import read_catalog
 from index_builder.exact import expand_and_filter
@@ -36,13 +36,6 @@ from service.model.config import PROFILES
 from service.model.flops import decoder_flops
 from service.model.retriever import GenerativeRetriever
 from service.training.data import Examples
-
-
-def ms(xs: list[float]) -> dict[str, float]:
-    return {
-        "p50_ms": round(statistics.median(xs), 3),
-        "p99_ms": round(float(np.percentile(xs, 99)), 3),
-    }
 
 
 def flops_table() -> dict[str, float]:
@@ -92,8 +85,8 @@ def tiny_latency(batches: int) -> dict[str, object]:
         "beams": list(config.beams),
         "batches": batches,
         "torch_threads": torch.get_num_threads(),
-        "total": ms(total[drop]),
-        **{k: ms(v[drop]) for k, v in stages.items()},
+        "total": percentiles(total[drop]),
+        **{k: percentiles(v[drop]) for k, v in stages.items()},
     }
 
 

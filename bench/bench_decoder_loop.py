@@ -55,7 +55,7 @@ if "cpu" in sys.argv or not torch.cuda.is_available():  # before any kernel modu
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench.bench_gtm_mask import load_index, requests_for, synthetic_index
-from bench.common import header, write_result
+from bench.common import header, percentiles, write_result
 from index_builder.lookup import FilterMode, RequestTensors
 from index_builder.targeting import Targeting, encode_requests
 from service.decode.retrieve import RetrievalIndex
@@ -174,12 +174,7 @@ def times_ms(fn: Callable[[int], object], n: int, cuda: bool, warmup: int) -> li
 
 
 def stats(xs: list[float]) -> dict[str, float]:
-    return {
-        "p50_ms": round(statistics.median(xs), 3),
-        "p99_ms": round(float(np.percentile(xs, 99)), 3),
-        "mean_ms": round(statistics.fmean(xs), 3),
-        "batches": len(xs),
-    }
+    return {**percentiles(xs), "mean_ms": round(statistics.fmean(xs), 3), "batches": len(xs)}
 
 
 def matmul_ceiling(device: str, dtype: torch.dtype, n: int) -> float:

@@ -48,7 +48,7 @@ def _wants_cpu(argv: list[str]) -> bool:
 if _wants_cpu(sys.argv):  # Triton's interpreter must be chosen before kernels import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench.common import RESULTS, header  # noqa: E402
+from bench.common import RESULTS, header, percentiles, timed  # noqa: E402
 from index_builder.build import build_arrays  # noqa: E402
 from index_builder.catalog import Catalog  # noqa: E402
 from index_builder.format import VOCAB_SIZE, IndexArrays, read_index_dir  # noqa: E402
@@ -266,22 +266,8 @@ def gpu_times(fn: Callable[[], object], repeat: int, warmup: int, flush: bool) -
     return [s.elapsed_time(e) for s, e in events]
 
 
-def cpu_times(fn: Callable[[], object], repeat: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e3)
-    return out
-
-
 def stats(xs: list[float]) -> dict[str, float]:
-    return {
-        "p50_ms": round(statistics.median(xs), 4),
-        "p99_ms": round(float(np.percentile(xs, 99)), 4),
-    }
+    return percentiles(xs, digits=4)
 
 
 # --------------------------------------------------------------------------- main
@@ -325,7 +311,7 @@ def main() -> None:
     def times(fn: Callable[[], object], repeat: int) -> list[float]:
         if cuda:
             return gpu_times(fn, repeat, warmup=3, flush=flush)
-        return cpu_times(fn, repeat, warmup=1)
+        return timed(fn, repeat, warmup=1)
 
     rows_out, calls = [], {}
     for t, node in enumerate(steps):

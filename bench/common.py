@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +72,14 @@ def timed(fn: Callable[[], object], repeat: int, warmup: int = 2) -> list[float]
         fn()
         out.append((time.perf_counter() - t) * 1e3)
     return out
+
+
+def percentiles(xs: list[float], digits: int = 3) -> dict[str, float]:
+    """Median and P99 of millisecond samples, as every bench reports them."""
+    return {
+        "p50_ms": round(statistics.median(xs), digits),
+        "p99_ms": round(float(np.percentile(xs, 99)), digits),
+    }
 
 
 def header() -> dict[str, Any]:

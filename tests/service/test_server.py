@@ -13,31 +13,18 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from index_builder.build import build_index
-from index_builder.catalog import read_catalog
 from index_builder.publish import current_path
-from index_builder.synth import generate_world, load_world
-from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
+from index_builder.synth import load_world
 from service.app import start
 from service.client import request_for_user
-from service.model.checkpoint import save_checkpoint
-from service.model.config import PROFILES
-from service.model.retriever import GenerativeRetriever
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
-from service.settings import load_settings
 from tests.helpers.oracle import Ad, eligible
+from tests.helpers.serving import make_serving_data, serving_settings
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("serve")
-    generate_world("tiny", 2, root / "world", progress=False)
-    emb = read_catalog(root / "world" / "catalog.parquet", progress=False).embedding
-    tok = SIDTokenizer.train(emb, TokenizerConfig(codebook_size=32, iterations=5), progress=False)
-    torch.manual_seed(0)
-    save_checkpoint(GenerativeRetriever(PROFILES["tiny"]), tok, root / "model")
-    build_index(root / "world" / "catalog.parquet", root / "index",
-                tokenizer_path=root / "model" / "tokenizer", progress=False)  # fmt: skip
-    return root
+    return make_serving_data(tmp_path_factory.mktemp("serve"))
 
 
 def catalog_ads(root: Path) -> dict[int, Ad]:
@@ -57,10 +44,20 @@ def catalog_ads(root: Path) -> dict[int, Ad]:
     }
 
 
+async def retrieve_users(port: int, root: Path, users: range) -> list:
+    """One CD_GTM Retrieve (max 200 ads) per user of root's world, concurrently."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+        return await asyncio.gather(
+            *(
+                stub.Retrieve(request_for_user(root / "world", u, 200, retrieval_pb2.CD_GTM))
+                for u in users
+            )
+        )
+
+
 def settings(root: Path, **kw):
-    base = {"port": 0, "metrics_port": 0, "host": "127.0.0.1", "data_dir": root,
-            "device": "cpu", "index_poll_seconds": 0.1, "drain_seconds": 2.0}  # fmt: skip
-    return load_settings(base | kw)
+    return serving_settings(root, **kw)
 
 
 def test_retrieve_returns_only_eligible_ads_and_reports_stats(data: Path) -> None:
@@ -69,14 +66,7 @@ def test_retrieve_returns_only_eligible_ads_and_reports_stats(data: Path) -> Non
 
     async def main() -> None:
         app = await start(settings(data))
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
-            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
-            replies = await asyncio.gather(
-                *(
-                    stub.Retrieve(request_for_user(data / "world", u, 200, retrieval_pb2.CD_GTM))
-                    for u in range(20)
-                )
-            )
+        replies = await retrieve_users(app.port, data, range(20))
         await app.drain()
         for u, reply in enumerate(replies):
             assert reply.index_version and reply.model_version.startswith("tiny-")
@@ -311,14 +301,7 @@ def test_gpu_server_captures_decode_graphs_before_serving(data: Path) -> None:
         engine = app.servicer.indexes.current.engine
         assert engine is not None and engine.graphs > 0  # captured before SERVING
         captured = engine.graphs
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
-            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
-            replies = await asyncio.gather(
-                *(
-                    stub.Retrieve(request_for_user(data / "world", u, 200, retrieval_pb2.CD_GTM))
-                    for u in range(20)
-                )
-            )
+        replies = await retrieve_users(app.port, data, range(20))
         await app.drain()
         assert engine.graphs == captured  # the default schedule needed no new capture
         for u, reply in enumerate(replies):

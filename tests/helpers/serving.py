@@ -1,0 +1,38 @@
+"""A small served world for tests that need a real server: the tiny synthetic world, a
+small SID tokenizer, an untrained tiny model and a published index, plus the settings to
+serve it on free localhost ports (tests/service, tests/ops)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from index_builder.build import build_index
+from index_builder.catalog import read_catalog
+from index_builder.synth import generate_world
+from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
+from service.model.checkpoint import save_checkpoint
+from service.model.config import PROFILES
+from service.model.retriever import GenerativeRetriever
+from service.settings import ServerSettings, load_settings
+
+
+def make_serving_data(root: Path, seed: int = 2) -> Path:
+    """root/world, root/model and root/index (published), as `grace serve` expects."""
+    generate_world("tiny", seed, root / "world", progress=False)
+    emb = read_catalog(root / "world" / "catalog.parquet", progress=False).embedding
+    tok = SIDTokenizer.train(emb, TokenizerConfig(codebook_size=32, iterations=5), progress=False)
+    torch.manual_seed(0)
+    save_checkpoint(GenerativeRetriever(PROFILES["tiny"]), tok, root / "model")
+    build_index(root / "world" / "catalog.parquet", root / "index",
+                tokenizer_path=root / "model" / "tokenizer", progress=False)  # fmt: skip
+    return root
+
+
+def serving_settings(root: Path, **overrides: Any) -> ServerSettings:
+    """Settings serving `root` on CPU, free ports on 127.0.0.1, fast index polling."""
+    base = {"port": 0, "metrics_port": 0, "host": "127.0.0.1", "data_dir": root,
+            "device": "cpu", "index_poll_seconds": 0.1, "drain_seconds": 2.0}  # fmt: skip
+    return load_settings(base | overrides)
