@@ -4,7 +4,7 @@ Runs beside each server (same pod, shared volume). Every `interval` seconds it
 fingerprints the catalog; when it differs from the one the CURRENT index was built from,
 it builds and publishes a new version (`build.build_index`, atomic). A failed build
 publishes nothing, is logged with its reason and is not retried until the catalog
-changes again. SIGTERM/SIGINT stop the loop cleanly: a build in progress is abandoned
+changes again; a tokenizer that does not exist yet is waited for (no failure). SIGTERM/SIGINT stop the loop cleanly: a build in progress is abandoned
 at its next phase boundary, its temp dir removed, CURRENT untouched.
 """
 
@@ -21,6 +21,7 @@ from index_builder.catalog import CatalogError, catalog_fingerprint
 from index_builder.format import IndexFormatError, read_manifest
 from index_builder.kway import KwaySpec
 from index_builder.publish import PublishError, current_path
+from index_builder.tokenizer import SIDTokenizer
 
 log = logging.getLogger("grace.builder")
 
@@ -66,6 +67,11 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
             fingerprint = catalog_fingerprint(cfg.catalog)
         except CatalogError as exc:
             log.error("%s; waiting", exc)
+            fingerprint = None
+        if cfg.tokenizer is not None and not SIDTokenizer.ready(cfg.tokenizer):
+            # e.g. the server's first start is still training the model that owns it: not
+            # a failure, so the same catalog is built as soon as the tokenizer appears
+            log.info("waiting for the SID tokenizer at %s", cfg.tokenizer)
             fingerprint = None
         if fingerprint is not None and fingerprint not in (built, failed):
             try:

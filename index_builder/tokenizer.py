@@ -212,6 +212,12 @@ class SIDTokenizer:
         tmp.write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
         os.replace(tmp, path / _META_FILE)
 
+    @staticmethod
+    def ready(path: Path) -> bool:
+        """Whether a complete tokenizer is saved at path (`save` writes the meta file last,
+        so its presence means the codebooks are there too)."""
+        return (Path(path) / _META_FILE).is_file()
+
     @classmethod
     def load(cls, path: Path) -> SIDTokenizer:
         """Read a saved tokenizer; refuse it unless its fingerprint recomputes the same."""
