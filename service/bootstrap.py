@@ -31,6 +31,8 @@ def ensure_default(
     world = data / "world"
     model = Path(settings.model_dir)
     index = Path(settings.index_root)
+    if (model / "config.json").is_file() and current_version(index) is not None:
+        return  # a model and an index are given (or made earlier): nothing to make
     if not (world / "world.json").is_file():
         log.info("generating the %s demo world in %s", settings.profile, world)
         generate_world("tiny", 0, world, progress=progress)

@@ -56,3 +56,13 @@ def test_fresh_data_dir_is_bootstrapped_served_and_reused(tmp_path: Path) -> Non
 
     ensure_default(settings, progress=False, train_settings=quick)  # second start
     assert _outputs(data) == made  # nothing regenerated, retrained or republished
+
+
+def test_given_model_and_index_need_no_demo_world(tmp_path: Path) -> None:
+    from tests.helpers.serving import make_serving_data
+
+    given = make_serving_data(tmp_path / "given")
+    settings = load_settings({"data_dir": tmp_path / "data", "model_dir": given / "model",
+                              "index_root": given / "index"})  # fmt: skip
+    ensure_default(settings, progress=False)
+    assert not (tmp_path / "data" / "world").exists()
