@@ -1,23 +1,115 @@
-# GRACE serving image (CPU): `grace serve`, `grace builder` and the index tools from one
-# image. The multi-stage CUDA image, compose stack and Kubernetes manifests come with #6.
-# Build: docker build -t grace-serving .   Run the sidecar:
-#   docker run -v $PWD/data:/data grace-serving builder --catalog /data/catalog.parquet --out /data/index
-FROM python:3.11-slim
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
-WORKDIR /app
-# g++ builds the C++ post stage (service/post) during `pip install .`
-RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+# GRACE serving image: `grace serve`, the `grace builder` sidecar and every other `grace`
+# command from one image (docs/ops/container.md).
+#
+#   docker build -t grace-serving:gpu .                           # CUDA runtime + CUDA torch
+#   docker build -t grace-serving:cpu --build-arg VARIANT=cpu .   # python:3.11-slim + CPU torch
+#   docker run --gpus all -p 50051:50051 -p 9464:9464 -v grace-data:/data grace-serving:gpu
+#   docker run -v grace-data:/data grace-serving:gpu builder \
+#       --catalog /data/world/catalog.parquet --tokenizer /data/model/tokenizer --out /data/index
+#
+# Stages, for each VARIANT (gpu | cpu):
+#   runtime-<variant>  the OS and Python the venv runs on
+#   build-<variant>    + a C++ compiler and the variant's PyTorch wheel index
+#   builder            /opt/venv: torch, the dependencies, the project with its C++ post stage
+#   runtime            runtime-<variant> + /opt/venv; non-root, read-only-root friendly
+# BuildKit (docker build's default) builds only the stages of the chosen variant.
+#
+# Lint: hadolint (tests/ops/test_container.py). System packages are not pinned: the base
+# image tag fixes the release and its security updates should flow in on rebuild.
+# hadolint global ignore=DL3008
+
+ARG VARIANT=gpu
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ARG CPU_IMAGE=python:3.11-slim-bookworm
+
+# ---------------------------------------------------------------- what each variant runs on
+FROM ${CPU_IMAGE} AS runtime-cpu
+# python3 is the image's own (/usr/local/bin), headers included.
+
+FROM ${CUDA_IMAGE} AS runtime-gpu
+# Ubuntu's python3 (3.12). Triton compiles its kernel launchers with cc against Python.h
+# when a process first runs them, so the GPU runtime keeps gcc and the Python headers.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends \
+        python3 python3-venv python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
+
+# ---------------------------------------------------------------- what building adds to it
+FROM runtime-cpu AS build-cpu
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV TORCH_INDEX=${TORCH_INDEX}
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
+FROM runtime-gpu AS build-gpu
+# the CUDA of the wheels matches the base image's (12.8); the host driver must support it
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+ENV TORCH_INDEX=${TORCH_INDEX}
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
+# ---------------------------------------------------------------- the venv
+# hadolint ignore=DL3006
+FROM build-${VARIANT} AS builder
+# keep in step with the Makefile's TORCH_VERSION
+ARG TORCH_VERSION=2.13.0
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+# torch first, from the variant's index: the largest layer, and the one that changes least
+RUN python3 -m venv /opt/venv \
+    && pip install --index-url "$TORCH_INDEX" "torch==${TORCH_VERSION}"
+WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
-COPY proto ./proto
+# the dependencies alone (torch is already satisfied), so a code change reuses this layer
+RUN python -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb')); \
+print('\n'.join(d['project']['dependencies']))" > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt
 COPY service ./service
-COPY kernels ./kernels
 COPY index_builder ./index_builder
-# TORCH_PIP_ARGS: e.g. "--index-url <your CPU wheel index>" for a small CPU-only image
-ARG TORCH_PIP_ARGS=""
-RUN pip install $TORCH_PIP_ARGS "torch>=2.11" && pip install .
-RUN useradd --create-home --uid 10001 grace
-USER grace
-ENTRYPOINT ["grace"]
+COPY kernels ./kernels
+# Compiles the C++ post stage (service/post/_post.cpp) into the venv. The gRPC stubs are
+# the committed ones (CI checks them byte for byte against `make proto`, so the image does
+# not regenerate them); importing them from the venv (-P: not from /src) checks that they
+# load with the protobuf runtime just installed and that the extension was built.
+RUN pip install --no-deps . \
+    && python -P -c "import service.post._post, service.rpc.grace.v1.retrieval_pb2_grpc" \
+    && grace --help > /dev/null
+
+# ---------------------------------------------------------------- the image
+# hadolint ignore=DL3006
+FROM runtime-${VARIANT} AS runtime
+ARG VARIANT
+LABEL org.opencontainers.image.title="grace-serving" \
+      org.opencontainers.image.description="GRACE serving: gRPC generative ads retrieval"
+# A fixed numeric uid/gid, so Kubernetes' runAsNonRoot can verify it; /data is its own.
+RUN groupadd --system --gid 10001 grace \
+    && useradd --system --uid 10001 --gid grace --home-dir /tmp --no-create-home \
+        --shell /usr/sbin/nologin grace \
+    && mkdir -p /data \
+    && chown grace:grace /data
+COPY --from=builder /opt/venv /opt/venv
+# The process writes only under /data (world, model, index) and /tmp (HOME, caches), so
+# the root filesystem can be mounted read-only with a tmpfs or emptyDir on /tmp.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp \
+    XDG_CACHE_HOME=/tmp/.cache \
+    TRITON_CACHE_DIR=/tmp/triton \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
+    GRACE_DATA_DIR=/data \
+    GRACE_IMAGE_VARIANT=${VARIANT}
+# From /, the CLI's relative defaults (`grace query --world data/world`) land in /data.
+WORKDIR /
+USER 10001:10001
+VOLUME ["/data"]
 EXPOSE 50051 9464
-CMD ["serve", "--data-dir", "/data"]
+# SERVING only once the model and index are loaded and warmed up: the first start of the
+# embedded demo generates, trains and indexes first (minutes), hence the start period.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=1800s --retries=3 \
+    CMD ["grace", "health", "--timeout", "3"]
+ENTRYPOINT ["grace"]
+CMD ["serve", "--no-progress"]

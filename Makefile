@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: help install test lint format serve bench clean
+.PHONY: help install test ops-tools lint format serve bench loadtest clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -19,13 +19,22 @@ ifeq ($(HAS_GPU),)
 	@echo "no NVIDIA GPU found: installing the CPU build of torch $(TORCH_VERSION)"
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 endif
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,loadtest]"
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv and install the project with dev extras
 
-test: install  ## run the test suite
+test: install ops-tools  ## run the test suite
 	$(VENV)/bin/pytest -q
+
+# promtool (Debian's prometheus package) for tests/ops: installed when we may (root);
+# elsewhere its tests skip and say so (CI=true makes them fail instead).
+ops-tools:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends prometheus >/dev/null; \
+	  else echo "promtool not found (apt-get install prometheus): its tests will skip"; fi; }
 
 lint: install  ## ruff lint + format check
 	$(VENV)/bin/ruff check .
@@ -40,6 +49,12 @@ serve: install  ## serve the embedded default (builds the demo world, model and 
 
 bench: install  ## index-builder benchmarks (writes bench/results/)
 	$(PY) bench/bench_index_build.py
+
+LOADTEST_HOST ?= localhost:50051
+loadtest: install  ## locust against a local server (make serve): 4 users, 30 s, thresholds on
+	$(VENV)/bin/locust -f loadtest/locustfile.py --headless -H $(LOADTEST_HOST) -u 4 -r 4 \
+	  -t 30s --only-summary --csv build/loadtest/grace \
+	  --check-p99-ms 300 --check-fail-ratio 0.01 --check-rps 20
 
 .PHONY: proto
 proto: install  ## regenerate the gRPC stubs in service/rpc from proto/

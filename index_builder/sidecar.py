@@ -4,7 +4,8 @@ Runs beside each server (same pod, shared volume). Every `interval` seconds it
 fingerprints the catalog; when it differs from the one the CURRENT index was built from,
 it builds and publishes a new version (`build.build_index`, atomic). A failed build
 publishes nothing, is logged with its reason and is not retried until the catalog
-changes again; a tokenizer that does not exist yet is waited for (no failure). SIGTERM/SIGINT stop the loop cleanly: a build in progress is abandoned
+changes again; a tokenizer that does not exist yet is waited for (no failure).
+SIGTERM/SIGINT stop the loop cleanly: a build in progress is abandoned
 at its next phase boundary, its temp dir removed, CURRENT untouched.
 """
 

@@ -29,6 +29,7 @@ from service.metrics import Metrics
 from service.model.checkpoint import load_checkpoint
 from service.pipeline.runner import Pipeline
 from service.pipeline.stages import Stages
+from service.request_log import RequestLog
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.server import SERVICE, RetrievalServicer
 from service.serving_index import IndexHolder, ServingIndex
@@ -64,7 +65,10 @@ class App:
         await self.server.stop(self.settings.drain_seconds)
         await self.batcher.stop()
         self.watcher.stop()
-        await asyncio.get_running_loop().run_in_executor(None, self.pipeline.stop)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.pipeline.stop)
+        if self.servicer.request_log is not None:
+            await loop.run_in_executor(None, self.servicer.request_log.close)
         self.metrics.close()
 
 
@@ -120,8 +124,11 @@ async def start(settings: ServerSettings) -> App:
         import torch
 
         metrics.gpu_memory.set_function(lambda: torch.cuda.memory_allocated())
-    servicer = RetrievalServicer(batcher, Limits.from_settings(settings), indexes, metrics)
-    server = grpc.aio.server()
+    request_log = RequestLog(settings.request_log) if settings.request_log else None
+    servicer = RetrievalServicer(
+        batcher, Limits.from_settings(settings), indexes, metrics, request_log
+    )
+    server = grpc.aio.server(options=_server_options(settings))
     retrieval_pb2_grpc.add_AdRetrievalServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
@@ -143,6 +150,16 @@ async def start(settings: ServerSettings) -> App:
     )  # fmt: skip
     return App(server, port, metrics_port, health_servicer, servicer, batcher, pipeline, watcher,
                metrics, settings)  # fmt: skip
+
+
+def _server_options(settings: ServerSettings) -> list[tuple[str, int]]:
+    """gRPC core options: connection ageing lets clients rebalance across replicas."""
+    if settings.max_connection_age_seconds <= 0:
+        return []
+    return [
+        ("grpc.max_connection_age_ms", int(settings.max_connection_age_seconds * 1e3)),
+        ("grpc.max_connection_age_grace_ms", int(settings.max_connection_age_grace_seconds * 1e3)),
+    ]
 
 
 async def _warm_up(batcher: Batcher, settings: ServerSettings) -> None:

@@ -9,6 +9,7 @@ INTERNAL for anything else. Standard `grpc_server_*` metrics are kept here.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -16,6 +17,7 @@ import grpc
 from service.batcher import Batcher, DeadlineExpired, Overloaded
 from service.metrics import Metrics
 from service.pipeline.records import RetrievalResult
+from service.request_log import RequestLog
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.serving_index import IndexHolder
 from service.validation import InvalidRequest, Limits, validate_request
@@ -31,9 +33,15 @@ class Abort(Exception):
 
 class RetrievalServicer(retrieval_pb2_grpc.AdRetrievalServicer):
     def __init__(
-        self, batcher: Batcher, limits: Limits, indexes: IndexHolder, metrics: Metrics
+        self,
+        batcher: Batcher,
+        limits: Limits,
+        indexes: IndexHolder,
+        metrics: Metrics,
+        request_log: RequestLog | None = None,  # settings.request_log; queues, never blocks
     ) -> None:
         self.batcher, self.limits, self.indexes, self.metrics = batcher, limits, indexes, metrics
+        self.request_log = request_log
         self.draining = False
         self._labels = ("unary", SERVICE, "Retrieve")
 
@@ -50,6 +58,13 @@ class RetrievalServicer(retrieval_pb2_grpc.AdRetrievalServicer):
             code = exc.code
             await context.abort(exc.code, exc.message)
             raise  # unreachable: abort raises
+        except asyncio.CancelledError:
+            # grpc cancels the handler when the client's deadline passes or it cancels:
+            # count what the client saw, not OK (the availability SLO reads these codes)
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            raise
         finally:
             m.inflight.dec()
             m.handled.labels(*self._labels, code.name).inc()
@@ -64,6 +79,8 @@ class RetrievalServicer(retrieval_pb2_grpc.AdRetrievalServicer):
             req = validate_request(request, self.limits)
         except InvalidRequest as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if self.request_log is not None:
+            self.request_log.append(request)
         try:
             result: RetrievalResult = await self.batcher.submit(req, context.time_remaining())
         except Overloaded as exc:

@@ -99,8 +99,24 @@ class ServerSettings(BaseSettings):
     index_poll_seconds: float = Field(
         1.0, description="How often the index watcher reads <index_root>/CURRENT, in seconds."
     )
+    max_connection_age_seconds: float = Field(
+        120.0,
+        description="Close client connections after this age (with a GOAWAY) so that "
+        "clients re-resolve and rebalance across replicas — HTTP/2 otherwise pins them; "
+        "0 turns it off.",
+    )
+    max_connection_age_grace_seconds: float = Field(
+        30.0, description="Time calls on an aged connection get to finish, in seconds."
+    )
     drain_seconds: float = Field(
         10.0, description="Grace period for in-flight requests on SIGTERM, in seconds."
+    )
+    request_log: Path | None = Field(
+        None,
+        description="Append every valid Retrieve request to this file as one line of "
+        "protobuf JSON (the JSON Lines that `grace record` writes and loadtest/ replays); "
+        "off when unset. Written by its own thread: when it falls behind, requests are "
+        "dropped from the log (counted), never slowed (service/request_log.py).",
     )
 
     @classmethod
@@ -154,7 +170,12 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"must be >= 0, got {v}")
         return v
 
-    @field_validator("max_wait_ms", "drain_seconds")
+    @field_validator(
+        "max_wait_ms",
+        "drain_seconds",
+        "max_connection_age_seconds",
+        "max_connection_age_grace_seconds",
+    )
     @classmethod
     def _non_negative_time(cls, v: float) -> float:
         if not v >= 0:  # also refuses NaN

@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from service.cli import index, model, serving
+from service.cli import health, index, model, record, serving
 from service.cli.common import EXIT_BAD_INPUT
 
 
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    for area in (index, model, serving):
+    for area in (index, model, serving, health, record):
         area.register(add)
     return parser
 

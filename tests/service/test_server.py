@@ -18,6 +18,7 @@ from index_builder.synth import load_world
 from service.app import start
 from service.client import request_for_user
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from service.server import SERVICE
 from tests.helpers.oracle import Ad, eligible
 from tests.helpers.serving import make_serving_data, serving_settings
 
@@ -307,5 +308,40 @@ def test_gpu_server_captures_decode_graphs_before_serving(data: Path) -> None:
         for u, reply in enumerate(replies):
             assert len(reply.ads) > 0
             assert all(eligible(ads[a.ad_id], world.targeting[u]) for a in reply.ads)
+
+    asyncio.run(main())
+
+
+def test_deadline_misses_and_cancellations_are_not_counted_as_ok(data: Path) -> None:
+    """A call the client gave up on (deadline or cancel) while it waited for its batch is
+    counted with the code the client saw: the availability SLO reads these counters."""
+    labels = {"grpc_type": "unary", "grpc_service": SERVICE, "grpc_method": "Retrieve"}
+
+    def handled(app, code: str) -> float:
+        got = app.metrics.registry.get_sample_value(
+            "grpc_server_handled_total", {**labels, "grpc_code": code}
+        )
+        return got or 0.0
+
+    async def main() -> None:
+        app = await start(settings(data, max_wait_ms=400.0, max_batch=16))  # batches wait
+        request = request_for_user(data / "world", 0, 10, retrieval_pb2.CD_GTM)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await stub.Retrieve(request, timeout=0.05)
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            call = stub.Retrieve(request)
+            await asyncio.sleep(0.05)
+            call.cancel()
+            for _ in range(100):  # the server-side handlers finish asynchronously
+                if handled(app, "DEADLINE_EXCEEDED") and handled(app, "CANCELLED"):
+                    break
+                await asyncio.sleep(0.02)
+        ok = handled(app, "OK")
+        await app.drain()
+        assert handled(app, "DEADLINE_EXCEEDED") == 1
+        assert handled(app, "CANCELLED") == 1
+        assert ok == 0  # neither was answered (the warm-up bypasses gRPC)
 
     asyncio.run(main())

@@ -136,3 +136,14 @@ def test_device_resolution() -> None:
     assert load_settings({"device": "cpu"}).resolve_device() == "cpu"
     assert load_settings({"device": "cuda:1"}).resolve_device() == "cuda:1"
     assert load_settings().resolve_device() in ("cpu", "cuda")
+
+
+def test_connection_ageing_becomes_grpc_options_and_zero_turns_it_off() -> None:
+    from service.app import _server_options
+
+    opts = dict(_server_options(load_settings({"max_connection_age_seconds": 90})))
+    assert opts["grpc.max_connection_age_ms"] == 90_000
+    assert opts["grpc.max_connection_age_grace_ms"] == 30_000  # the default grace
+    assert _server_options(load_settings({"max_connection_age_seconds": 0})) == []
+    with pytest.raises(ValueError, match="max_connection_age_seconds"):
+        load_settings({"max_connection_age_seconds": -1})

@@ -1,0 +1,131 @@
+"""Recorded traffic: `RetrieveRequest`s as JSON Lines, and the server's optional request log.
+
+The format (one contract for `grace record`, the server's request log and the locust
+replay in `loadtest/`): UTF-8 text, one `RetrieveRequest` per line in protobuf's JSON
+mapping (`json_format.MessageToJson`, camelCase names, int64 as strings), no blank lines.
+`grace query --request-json` reads any single line of it.
+
+`RequestLog` is what the server appends with (setting `request_log`): the event loop only
+appends the request object to a bounded deque; a writer thread wakes every 0.1 s,
+serialises what waits, writes and flushes. When the writer falls behind, requests are
+dropped and counted rather than slowing the service.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from google.protobuf import json_format
+
+from service.rpc.grace.v1 import retrieval_pb2
+
+log = logging.getLogger("grace.request_log")
+DEFAULT_CAPACITY = 10_000  # requests waiting for the writer; ~10-30 MB at most
+WRITE_INTERVAL_SECONDS = 0.1  # the writer wakes, writes what waits, flushes
+_DROP_REPORT_SECONDS = 10.0
+
+
+def to_json_line(request: retrieval_pb2.RetrieveRequest) -> str:
+    """One line of the format, without its newline."""
+    return json_format.MessageToJson(request, indent=None)
+
+
+def write_requests(path: Path | str, requests: Iterable[retrieval_pb2.RetrieveRequest]) -> int:
+    """Write requests to a new file (replacing it); returns how many."""
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for request in requests:
+            f.write(to_json_line(request) + "\n")
+            n += 1
+    return n
+
+
+def read_requests(path: Path | str) -> Iterator[retrieval_pb2.RetrieveRequest]:
+    """Parse a file of the format; a bad line raises ValueError naming its number."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue  # a trailing newline or an editor's blank line
+            try:
+                yield json_format.Parse(line, retrieval_pb2.RetrieveRequest())
+            except json_format.ParseError as exc:
+                raise ValueError(f"{path}:{number}: not a RetrieveRequest: {exc}") from None
+
+
+class RequestLog:
+    """Appends requests to a JSON Lines file from its own thread; never blocks `append`."""
+
+    def __init__(
+        self,
+        path: Path | str,
+        capacity: int = DEFAULT_CAPACITY,
+        interval: float = WRITE_INTERVAL_SECONDS,
+    ) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by the thread)
+        self.capacity, self.interval = capacity, interval
+        # One producer (the event loop) and one consumer (the writer): deque's append and
+        # popleft are atomic, so neither side takes a lock or wakes the other per request.
+        self._pending: deque[retrieval_pb2.RetrieveRequest] = deque()
+        self._closing = threading.Event()
+        self.written = 0  # lines written (writer thread only)
+        self.overflowed = 0  # requests dropped because `capacity` were waiting (append only)
+        self.write_errors = 0  # requests lost to a failed write (writer thread only)
+        self._thread = threading.Thread(target=self._run, name="grace-request-log", daemon=True)
+        self._thread.start()
+
+    def append(self, request: retrieval_pb2.RetrieveRequest) -> None:
+        """Queue one request for the writer; drops it (counted) when `capacity` are waiting.
+
+        Called on the event loop: no serialisation, no I/O, no lock. The message must not
+        be mutated afterwards (the servicer never does).
+        """
+        if len(self._pending) >= self.capacity:
+            self.overflowed += 1
+        else:
+            self._pending.append(request)
+
+    @property
+    def dropped(self) -> int:
+        """Requests that were not logged."""
+        return self.overflowed + self.write_errors
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is waiting (up to `timeout` seconds), then close the file."""
+        self._closing.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("request log %s: writer stuck; closed without flushing", self.path)
+        if self.dropped:
+            log.warning("request log %s: %d requests dropped", self.path, self.dropped)
+
+    def _run(self) -> None:
+        reported, last_report = 0, time.monotonic()
+        with self._file as f:
+            while True:
+                closing = self._closing.wait(self.interval)  # wake a few times a second
+                while self._pending:
+                    request = self._pending.popleft()
+                    try:
+                        f.write(to_json_line(request) + "\n")
+                        self.written += 1
+                    except (OSError, ValueError) as exc:
+                        self.write_errors += 1
+                        log.error("request log %s: write failed: %s", self.path, exc)
+                try:
+                    f.flush()  # lines reach the file within `interval` of their request
+                except OSError as exc:
+                    log.error("request log %s: flush failed: %s", self.path, exc)
+                now = time.monotonic()
+                if self.dropped != reported and now - last_report > _DROP_REPORT_SECONDS:
+                    log.warning("request log %s: %d requests dropped so far (writer behind)",
+                                self.path, self.dropped)  # fmt: skip
+                    reported, last_report = self.dropped, now
+                if closing:
+                    return

@@ -1,0 +1,118 @@
+"""The server's optional request log: every valid Retrieve as one line of protobuf JSON,
+written off the event loop, dropped (and counted) rather than waited for when full."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from service import request_log
+from service.app import start
+from service.client import request_for_user
+from service.request_log import RequestLog, read_requests, write_requests
+from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from service.settings import load_settings
+from tests.helpers.serving import make_serving_data, serving_settings
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_serving_data(tmp_path_factory.mktemp("request_log"), seed=3)
+
+
+def test_server_logs_each_valid_request_exactly_as_received(data: Path, tmp_path: Path) -> None:
+    log_path = tmp_path / "logs" / "requests.jsonl"  # the directory is created
+    sent = [request_for_user(data / "world", u, 20, retrieval_pb2.CD_GTM) for u in range(6)]
+    for i, r in enumerate(sent):
+        r.request_id = f"r{i}"
+    bad = retrieval_pb2.RetrieveRequest()
+    bad.CopyFrom(sent[0])
+    bad.targeting.gender = "robot"
+
+    async def main() -> None:
+        app = await start(serving_settings(data, request_log=log_path))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            for r in sent[:3]:
+                await stub.Retrieve(r)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Retrieve(bad)  # INVALID_ARGUMENT: not logged
+            for r in sent[3:]:
+                await stub.Retrieve(r)
+        await app.drain()  # closes the log: everything queued is on disk
+        assert app.servicer.request_log.dropped == 0
+
+    asyncio.run(main())
+    assert list(read_requests(log_path)) == sent
+    assert len(log_path.read_text().splitlines()) == len(sent)
+
+
+def test_no_log_unless_configured(data: Path) -> None:
+    async def main() -> None:
+        app = await start(serving_settings(data))
+        assert app.servicer.request_log is None
+        await app.drain()
+
+    asyncio.run(main())
+
+
+def test_request_log_setting_from_the_environment(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GRACE_REQUEST_LOG", str(tmp_path / "r.jsonl"))
+    assert load_settings().request_log == tmp_path / "r.jsonl"
+
+
+def test_full_queue_drops_and_counts_instead_of_blocking(monkeypatch, tmp_path: Path) -> None:
+    taken, release = threading.Event(), threading.Event()
+    serialise = request_log.to_json_line
+
+    def slow_writer(request):  # the writer thread stalls on its first request
+        taken.set()
+        release.wait(10)
+        return serialise(request)
+
+    monkeypatch.setattr(request_log, "to_json_line", slow_writer)
+    log = RequestLog(tmp_path / "r.jsonl", capacity=4)
+    requests = [retrieval_pb2.RetrieveRequest(request_id=f"r{i}") for i in range(11)]
+    log.append(requests[0])
+    assert taken.wait(5)
+    t0 = time.perf_counter()
+    for r in requests[1:]:
+        log.append(r)  # 4 fit in the queue, 6 are dropped
+    assert time.perf_counter() - t0 < 0.05  # never waited for the stalled writer
+    assert (log.overflowed, log.dropped) == (6, 6)
+    release.set()
+    log.close()
+    assert [r.request_id for r in read_requests(tmp_path / "r.jsonl")] == [
+        f"r{i}" for i in range(5)
+    ]
+    assert log.written == 5
+
+
+def test_log_appends_across_restarts(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    for i in range(2):
+        log = RequestLog(path)
+        log.append(retrieval_pb2.RetrieveRequest(request_id=f"run{i}"))
+        log.close()
+    assert [r.request_id for r in read_requests(path)] == ["run0", "run1"]
+
+
+def test_replay_format_round_trip_and_bad_line_named(tmp_path: Path) -> None:
+    req = retrieval_pb2.RetrieveRequest(
+        request_id="a\nb",  # a newline inside a field stays inside its line
+        user=retrieval_pb2.User(user_id=2**62, history=[retrieval_pb2.Event(ad_id=7, type=1)]),
+        targeting=retrieval_pb2.Targeting(country="US", age=30, locations=["US/CA", "é"]),
+        options=retrieval_pb2.Options(max_ads=5, beam_widths=[1, 4, 8, 8]),
+    )
+    path = tmp_path / "r.jsonl"
+    assert write_requests(path, [req, req]) == 2
+    assert path.read_text(encoding="utf-8").count("\n") == 2
+    assert list(read_requests(path)) == [req, req]
+    path.write_text(path.read_text() + "\n" + '{"user": {"userId": "x"}}\n')
+    with pytest.raises(ValueError, match=r"r\.jsonl:4: not a RetrieveRequest"):
+        list(read_requests(path))
