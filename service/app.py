@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -79,6 +80,7 @@ async def start(settings: ServerSettings) -> App:
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     loaded = load_checkpoint(Path(settings.model_dir), device)
+    loaded.model.to(getattr(torch, settings.resolve_dtype(device)))
     indexes = IndexHolder()
 
     def swapped(index: ServingIndex) -> None:
@@ -121,8 +123,6 @@ async def start(settings: ServerSettings) -> App:
     batcher.start()
     metrics.queue_depth.set_function(lambda: batcher.depth)
     if device.startswith("cuda"):
-        import torch
-
         metrics.gpu_memory.set_function(lambda: torch.cuda.memory_allocated())
     request_log = RequestLog(settings.request_log) if settings.request_log else None
     servicer = RetrievalServicer(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
@@ -73,6 +73,11 @@ class ServerSettings(BaseSettings):
     )
     device: str = Field(
         "auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'."
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Model weights and activations: 'auto' is bfloat16 on CUDA (the kernels' "
+        "and benchmarks' dtype) and float32 on CPU (bfloat16 is slow on most CPUs).",
     )
     max_batch: int = Field(16, description="Most requests in one batch.")
     max_wait_ms: float = Field(
@@ -222,6 +227,12 @@ class ServerSettings(BaseSettings):
                 f"beams {self.beams} exceed beam_max {self.beam_max} at step {over[0] + 1}"
             )
         return self
+
+    def resolve_dtype(self, device: str) -> str:
+        """The model dtype on `device`: `dtype`, with 'auto' resolved."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device.startswith("cuda") else "float32"
 
     def resolve_device(self) -> str:
         """The torch device to run on: `device`, with 'auto' resolved."""

@@ -1,4 +1,4 @@
-"""`grace` commands of the model side: train, eval, flops."""
+"""`grace` commands of the model side: train, init-model, eval, flops."""
 
 from __future__ import annotations
 
@@ -29,6 +29,23 @@ def _train(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     print(json.dumps(metrics, indent=1))
+    return 0
+
+
+def _init_model(args: argparse.Namespace) -> int:
+    import torch
+
+    from index_builder.tokenizer import SIDTokenizer
+    from service.model.checkpoint import save_checkpoint
+    from service.model.config import profile
+    from service.model.retriever import GenerativeRetriever
+
+    tokenizer = SIDTokenizer.load(Path(args.tokenizer))
+    torch.manual_seed(args.seed)
+    model = GenerativeRetriever(profile(args.profile))
+    name = f"{args.profile}-untrained-seed{args.seed}"
+    version = save_checkpoint(model, tokenizer, Path(args.out), model_version=name)
+    print(f"wrote untrained {args.profile} model {version} to {args.out}")
     return 0
 
 
@@ -109,6 +126,20 @@ def register(add: AddCommand) -> None:
     p.add_argument("--eval-users", type=int, default=400, help="held-out users to evaluate")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no-progress", action="store_true")
+
+    p = add(
+        "init-model",
+        _init_model,
+        "write an untrained checkpoint (latency and throughput tests only)",
+        "Random weights of a profile, saved with a SID tokenizer as a checkpoint that "
+        "`grace serve --model` loads: serving speed does not depend on the weights, so "
+        "load tests and benchmarks of large profiles need no training run. Its answers "
+        "are eligible but not relevant; the model version says 'untrained'.",
+    )
+    p.add_argument("--profile", choices=["tiny", "demo", "paper"], required=True)
+    p.add_argument("--tokenizer", required=True, help="SID tokenizer directory")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--seed", type=int, default=0)
 
     p = add(
         "eval",

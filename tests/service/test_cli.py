@@ -131,3 +131,14 @@ def test_builder_sidecar_rebuilds_on_change_skips_bad_catalogs_and_stops_on_sigt
     log = proc.stderr.read()
     assert "build failed" in log and "line 2" in log and "genders" in log
     assert "received SIGTERM" in log and "builder stopped: 2 builds, 1 failures" in log
+
+
+def test_init_model_writes_a_loadable_untrained_checkpoint(tokenizer: Path, tmp_path: Path):
+    from index_builder.tokenizer import SIDTokenizer
+    from service.model.checkpoint import load_checkpoint
+
+    assert main(["init-model", "--profile", "tiny", "--tokenizer", str(tokenizer),
+                 "--out", str(tmp_path / "m")]) == 0  # fmt: skip
+    loaded = load_checkpoint(tmp_path / "m", "cpu")
+    assert loaded.config.name == "tiny" and "untrained" in loaded.model_version
+    assert loaded.tokenizer.fingerprint == SIDTokenizer.load(tokenizer).fingerprint

@@ -345,3 +345,19 @@ def test_deadline_misses_and_cancellations_are_not_counted_as_ok(data: Path) -> 
         assert ok == 0  # neither was answered (the warm-up bypasses gRPC)
 
     asyncio.run(main())
+
+
+def test_bfloat16_model_serves_eligible_ads(data: Path) -> None:
+    """`dtype` bfloat16 (the GPU default) through the whole pipeline, here on the CPU."""
+    ads = catalog_ads(data)
+    world = load_world(data / "world")
+
+    async def main() -> None:
+        app = await start(settings(data, dtype="bfloat16"))
+        replies = await retrieve_users(app.port, data, range(6))
+        await app.drain()
+        for u, reply in enumerate(replies):
+            assert len(reply.ads) > 0
+            assert all(eligible(ads[a.ad_id], world.targeting[u]) for a in reply.ads)
+
+    asyncio.run(main())

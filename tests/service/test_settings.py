@@ -147,3 +147,12 @@ def test_connection_ageing_becomes_grpc_options_and_zero_turns_it_off() -> None:
     assert _server_options(load_settings({"max_connection_age_seconds": 0})) == []
     with pytest.raises(ValueError, match="max_connection_age_seconds"):
         load_settings({"max_connection_age_seconds": -1})
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu() -> None:
+    s = load_settings({})
+    assert (s.resolve_dtype("cuda"), s.resolve_dtype("cuda:1")) == ("bfloat16", "bfloat16")
+    assert s.resolve_dtype("cpu") == "float32"
+    assert load_settings({"dtype": "float32"}).resolve_dtype("cuda") == "float32"
+    with pytest.raises(ValueError, match="dtype"):
+        load_settings({"dtype": "float64"})

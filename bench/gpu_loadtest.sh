@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Served throughput of one GPU at P99 <= 100 ms (DESIGN.md §9, docs/OPERATIONS.md): on the
+# lent H200 machine (wheels from bench/fetch_gpu_wheels.sh, `. bench/gpu_env.sh` first).
+#   1. the paper-scale world and index (bench/bench_paper_index.py), an untrained `paper`
+#      model (`grace init-model`: serving speed does not depend on the weights);
+#   2. `grace serve` on CUDA with the paper profile (bf16, CUDA graphs captured before
+#      SERVING), waited for with `grace health`;
+#   3. open-loop locust at each rate for DURATION, thresholds P99 <= 100 ms and <= 0.1 %
+#      failures: the highest rate that passes is the figure. CSVs and logs go to OUT.
+# Usage: bash bench/gpu_loadtest.sh OUT [RATES] [DURATION]
+# Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu bash bench/gpu_loadtest.sh /tmp/lt 20 8s
+set -uo pipefail
+OUT=${1:?output directory}; RATES=${2:-"250 500 750 1000 1250 1500"}; DURATION=${3:-30s}
+ADS=${ADS:-30000000}; PROFILE=${PROFILE:-paper}; DEVICE=${DEVICE:-cuda}
+GRACE=(python3 -m service.cli)
+mkdir -p "$OUT"
+if [ ! -f "$OUT/index/CURRENT" ]; then
+    python3 bench/bench_paper_index.py --ads "$ADS" --users 1000 --out "$OUT" \
+        --workers "$(nproc)" --device "$DEVICE" --quiet --json "$OUT/paper_index.json" || exit 1
+fi
+[ -f "$OUT/model/config.json" ] || "${GRACE[@]}" init-model --profile "$PROFILE" \
+    --tokenizer "$OUT/tokenizer" --out "$OUT/model" || exit 1
+GRACE_PROFILE=$PROFILE GRACE_QUEUE_CAPACITY=128 "${GRACE[@]}" serve --data-dir "$OUT" \
+    --model "$OUT/model" --index-root "$OUT/index" --device "$DEVICE" --no-progress \
+    > "$OUT/server.log" 2>&1 &
+SERVER=$!
+trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
+start=$(date +%s)
+until "${GRACE[@]}" health --target localhost:50051 --timeout 2 >/dev/null 2>&1; do
+    kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -20 "$OUT/server.log"; exit 1; }
+    sleep 2
+done
+echo "SERVING after $(( $(date +%s) - start )) s"
+for rate in $RATES; do
+    locust -f loadtest/locustfile.py --headless -H localhost:50051 -u 8 -r 8 -t "$DURATION" \
+        --only-summary --world "$OUT/world" --world-users 1000 --arrival-rate "$rate" \
+        --max-inflight 4000 --csv "$OUT/rate_$rate" --check-p99-ms 100 \
+        --check-fail-ratio 0.001 > "$OUT/rate_$rate.log" 2>&1
+    echo "rate $rate req/s: exit $? ($(grep -h 'grace loadtest' "$OUT/rate_$rate.log" | tail -1))"
+done
