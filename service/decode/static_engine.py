@@ -25,7 +25,6 @@ before that version serves; a key first seen in `run` is captured there, on the 
 
 from __future__ import annotations
 
-import inspect
 import threading
 from dataclasses import dataclass, field
 
@@ -38,10 +37,6 @@ from kernels.gtm_mask import masked_logits
 from service.decode.engine import NEG_INF, DecodeResult, candidates, check_schedule, select
 from service.decode.kv_cache import ATTENTION_MODES, DenseKVCache, KVCache, PagedKVCache
 from service.model.decoder import SIDDecoder
-
-# `bloom=False` (bitmask-only GTM) is new in masked_logits; without it, all-zero request
-# Bloom rows pass every Bloom test, which gives the same mask (at the Bloom scan's cost).
-_BLOOM_KEYWORD = "bloom" in inspect.signature(masked_logits).parameters
 
 
 @dataclass(frozen=True)
@@ -132,7 +127,7 @@ class StaticBeamSearch:
         if not self.options.mask or mode == FilterMode.CD_ONLY:
             return 0
         if mode == FilterMode.CD_GTM and not self.options.bloom:
-            return 1  # the Bloom rows are never read (or all zero: pass everything)
+            return 1  # bitmask-only: the Bloom rows are never read
         for b in self.location_buckets:
             if b >= n:
                 return b
@@ -275,7 +270,7 @@ class StaticBeamSearch:
         self, plan: _Plan, logits: torch.Tensor, node: torch.Tensor, t: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         args = (logits, self.tables, node, plan.row_request[t], plan.requests, plan.mode)
-        if plan.mode == FilterMode.CD_GTM and not self.options.bloom and _BLOOM_KEYWORD:
+        if plan.mode == FilterMode.CD_GTM and not self.options.bloom:
             return masked_logits(*args, bloom=False)
         return masked_logits(*args)
 
