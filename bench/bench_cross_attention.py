@@ -5,12 +5,17 @@ In one run, on the same inputs:
 - per-beam layout (eq. 10): K/V materialised per beam row `[B·M, H, T_ctx, d_h]`, one
   query each, through SDPA pinned to flash and to cuDNN — the paper's baseline;
 - beam-as-query (eq. 11–12) through SDPA flash / cuDNN / memory-efficient;
-- beam-as-query through our Triton kernel (`kernels/_triton_cross_attention.py`).
+- beam-as-query through our Triton kernels: one program per (b, h, run of tiles)
+  (`kernels/_triton_cross_attention.py`) and persistent
+  (`kernels/_triton_cross_attention_persistent.py`).
 Each variant is checked against the fp32 reference before it is timed; a backend this
-build or shape lacks is reported, not fatal. GPU timings: each call captured in a CUDA
-graph (the decoder runs as one, DESIGN §7), replayed with CUDA events around it and the
-L2 cache flushed before every call; medians and P99 of `--iters` calls. Bandwidth counts
-the bytes the op must move at least (read Q, K, V once, write O once).
+build or shape lacks is reported, not fatal. A diagnostic times cuDNN SDPA alone, without
+the `.contiguous()` that `_sdpa_beam_as_query` ends with, and reports whether cuDNN's
+output transposed back to `[B, M, H, d_h]` is already contiguous (the copy then free).
+GPU timings: each call captured in a CUDA graph (the decoder runs as one, DESIGN §7),
+replayed with CUDA events around it and the L2 cache flushed before every call; medians
+and P99 of `--iters` calls. Bandwidth counts the bytes the op must move at least (read
+Q, K, V once, write O once).
 
 Memory: at the full shape the per-beam layout holds B·M copies of K and of V,
 16·1024·16·128·128·2 B ≈ 8.6 GB each (17.2 GB together) — it fits an H200's 141 GB,
@@ -34,7 +39,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,7 +61,15 @@ VARIANTS = [  # (layout, backend); the first is the baseline of the speed-ups
     ("beam_as_query", "sdpa_cudnn"),
     ("beam_as_query", "sdpa_efficient"),
     ("beam_as_query", "triton"),
+    ("beam_as_query", "triton_persistent"),
 ]
+TUNED = {  # backend -> (module, autotuned kernel) whose best config the JSON records
+    "triton": ("kernels._triton_cross_attention", "_cross_attn_kernel"),
+    "triton_persistent": (
+        "kernels._triton_cross_attention_persistent",
+        "_cross_attn_persistent_tuned",
+    ),
+}
 
 
 def quantile_ms(xs: list[float], q: float) -> float:
@@ -193,9 +206,9 @@ def measure(a: argparse.Namespace, shape: dict[str, int]) -> dict[str, Any]:
             "hbm_peak_share": round(floor_bytes / med / 1e6 / a.hbm_gbps, 3),
             "tflops": round(flops / med / 1e9, 1),
         }
-        if backend == "triton" and a.device == "cuda":
-            kernel = sys.modules["kernels._triton_cross_attention"]._cross_attn_kernel
-            row["triton_config"] = str(kernel.best_config)
+        if backend in TUNED and a.device == "cuda":
+            module, name = TUNED[backend]
+            row["triton_config"] = str(getattr(sys.modules[module], name).best_config)
 
     timed_rows = [r for r in rows if r["status"] == "ok"]
     base = rows[0].get("median_ms")
@@ -216,6 +229,7 @@ def measure(a: argparse.Namespace, shape: dict[str, int]) -> dict[str, Any]:
         "target_ms": TARGET_MS,
         "paper_ms": PAPER_MS,
         "variants": rows,
+        "cudnn_without_copy": cudnn_copy_diagnostic(a, q, k, v, want, rows),
         "winner": winner and winner["backend"],
         "winner_meets_target": (
             bool(winner and winner["median_ms"] <= TARGET_MS) if a.device == "cuda" else None
@@ -223,6 +237,45 @@ def measure(a: argparse.Namespace, shape: dict[str, int]) -> dict[str, Any]:
     }
     print_table(figures)
     return figures
+
+
+def cudnn_copy_diagnostic(
+    a: argparse.Namespace,
+    q: torch.Tensor,  # [B·M, H, d_h]
+    k: torch.Tensor,  # [B, H, T_ctx, d_h]
+    v: torch.Tensor,
+    want: torch.Tensor,  # [B·M, H, d_h], the fp32 reference
+    rows: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """cuDNN SDPA alone, without `_sdpa_beam_as_query`'s transpose-back and `.contiguous()`:
+    whether its `[B, H, M, d_h]` output already has `[B, M, H, d_h]` memory (then the copy
+    is a no-op) and, on CUDA, its time next to the full `sdpa_cudnn` row's."""
+    b, h, _, d = k.shape
+    m = q.shape[0] // b
+    qb = q.view(b, m, h, d).transpose(1, 2)  # [B, H, M, d_h]: a view, as in the dispatcher
+
+    def sdpa_only() -> torch.Tensor:  # [B, H, M, d_h], whatever strides cuDNN picks
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qb, k, v)
+
+    try:
+        raw = sdpa_only()
+    except RuntimeError as e:  # no cuDNN attention on this device, build or dtype
+        return {"status": f"unavailable: {str(e).splitlines()[0][:90]}"}
+    bmhd = raw.transpose(1, 2)  # [B, M, H, d_h]
+    out: dict[str, Any] = {
+        "status": "ok",
+        "output_strides": list(raw.stride()),
+        "bmhd_contiguous": bmhd.is_contiguous(),  # True: `.contiguous()` copies nothing
+        "max_abs_err": float((bmhd.reshape(want.shape).float() - want.float()).abs().max()),
+    }
+    if a.device == "cuda":
+        xs = cuda_times(sdpa_only, a.iters, a.warmup, graph=not a.eager)
+        out["median_ms"] = round(statistics.median(xs), 4)
+        full = [r for r in rows if (r["layout"], r["backend"]) == ("beam_as_query", "sdpa_cudnn")]
+        if full and "median_ms" in full[0]:  # the dispatcher's cuDNN path, copy included
+            out["copy_ms"] = round(full[0]["median_ms"] - out["median_ms"], 4)
+    return out
 
 
 def _speedup(x: float | None) -> str:
@@ -238,11 +291,11 @@ def print_table(f: dict[str, Any]) -> None:
         f"{f['flops'] / 1e9:.3g} GFLOP; medians of {f['iters']}"
     )
     print(
-        f"  {'layout':<14}{'backend':<16}{'median ms':>10}{'P99 ms':>10}{'GB/s':>9}"
+        f"  {'layout':<14}{'backend':<19}{'median ms':>10}{'P99 ms':>10}{'GB/s':>9}"
         f"{'of peak':>9}{'TFLOP/s':>9}{'speed-up':>10}{'max err':>10}"
     )
     for r in f["variants"]:
-        lead = f"  {r['layout']:<14}{r['backend']:<16}"
+        lead = f"  {r['layout']:<14}{r['backend']:<19}"
         if r["status"] != "ok":
             print(f"{lead}{r['status']}")
             continue
@@ -250,6 +303,16 @@ def print_table(f: dict[str, Any]) -> None:
             f"{lead}{r['median_ms']:>10.4f}{r['p99_ms']:>10.4f}{r['gbps']:>9.0f}"
             f"{r['hbm_peak_share']:>9.1%}{r['tflops']:>9.1f}"
             f"{_speedup(r['speedup_vs_per_beam_flash']):>10}{r['max_abs_err']:>10.2g}"
+        )
+    c = f["cudnn_without_copy"]
+    if c["status"] != "ok":
+        print(f"  cuDNN without the final copy: {c['status']}")
+    else:
+        timing = f"{c['median_ms']:.4f} ms, " if "median_ms" in c else ""
+        copy = f"the copy costs {c['copy_ms']:+.4f} ms, " if "copy_ms" in c else ""
+        print(
+            f"  cuDNN without the final copy: {timing}{copy}output strides "
+            f"{c['output_strides']}, [B, M, H, d_h] contiguous: {c['bmhd_contiguous']}"
         )
     verdict = {True: "meets", False: "misses", None: "not a GPU run: no verdict on"}
     print(

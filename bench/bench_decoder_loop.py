@@ -16,6 +16,8 @@ with random bf16 weights. Each row adds one optimisation to the row above — al
     + bitmask GTM    CD + bitmask targeting
     + Bloom GTM      CD + bitmask + Bloom (the serving mode), still eager
     CUDA graph rows  the last three again, each loop captured as one CUDA graph
+    + fused layers   `FusedDecoderStep`: layer-0 QKV table, residual adds inside the
+                     matmuls, shifted LayerNorm kernel, GELU in the matmul epilogue
 
 Each row: P50/P99 over `--batches` batches (CUDA events around `engine.run`, inputs
 already on the device; `--naive-batches` for the slow naive row), cycling through 8
@@ -68,7 +70,7 @@ from service.model.retriever import GenerativeRetriever
 CD, GTM = FilterMode.CD_ONLY, FilterMode.CD_GTM
 NAIVE = DecodeOptions(
     cross="per_beam", self_attn="sdpa", kv="dense", fixed_beams=True, mask=False,
-    cuda_graph=False,
+    cuda_graph=False, fused_layers=False,
 )  # fmt: skip
 
 
@@ -86,7 +88,8 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
         ("bloom", "+ Bloom GTM", {"bloom": True}, GTM),
         ("graph_cd", "CUDA graph, CD", {"cuda_graph": True}, CD),
         ("graph_bitmask", "CUDA graph, + bitmask GTM", {"bloom": False}, GTM),
-        ("graph_bloom", "CUDA graph, + Bloom GTM (final)", {"bloom": True}, GTM),
+        ("graph_bloom", "CUDA graph, + Bloom GTM", {"bloom": True}, GTM),
+        ("graph_fused", "+ fused layer ops (final)", {"fused_layers": True}, GTM),
     ]
     out, options = [], NAIVE
     for key, label, change, mode in steps:
@@ -256,7 +259,7 @@ def main() -> None:
     if wanted - {r[0] for r in ROWS}:
         ap.error(f"unknown rows {sorted(wanted - {r[0] for r in ROWS})}")
     rows: list[dict] = []
-    final = eager_bloom = None
+    final = eager_bloom = unfused = None
     for key, label, options, mode in ROWS:
         if key not in wanted:
             continue
@@ -272,6 +275,8 @@ def main() -> None:
             if key == "bloom":
                 eager_bloom = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == "graph_bloom":
+                unfused = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
+            if key == "graph_fused":
                 final = engine
             else:
                 del engine
@@ -300,9 +305,18 @@ def main() -> None:
             figures[f"gtm_cost_{name}_ms"] = {
                 k: round(by[top][k] - by[base][k], 3) for k in ("p50_ms", "p99_ms")
             }
-    if final is not None and eager_bloom is not None:
-        again = final.run(batches[0].ctx, batches[0].requests, beams, GTM)
-        figures["graph_equals_eager"] = bool(torch.equal(again.leaves, eager_bloom.leaves))
+    if final is not None:
+        b0 = batches[0]
+        again = final.run(b0.ctx, b0.requests, beams, GTM)
+        eager = StaticBeamSearch(
+            model.decoder, index.tables, index.level_offsets,
+            options=dataclasses.replace(final.options, cuda_graph=False),
+            batch_buckets=(len(b0.ctx),),
+        ).run(b0.ctx, b0.requests, beams, GTM)  # fmt: skip
+        figures["graph_equals_eager"] = bool(torch.equal(again.leaves, eager.leaves))
+        for name, other in (("unfused_graph", unfused), ("unfused_eager", eager_bloom)):
+            if other is not None:  # bf16 rounding differs: how many SIDs both return
+                figures[f"fused_vs_{name}_sid_overlap"] = sid_overlap(again, other)
     if final is not None and not a.no_full:
         figures["full_compute"] = full_compute(model, final, batches, beams, a.batches, cuda)
     if a.trace and cuda:
@@ -347,6 +361,15 @@ def kernel_profile(model, index, batches, beams, top: int = 25) -> list[dict]:
     return out
 
 
+def sid_overlap(a, b) -> float:
+    """Mean over requests of |a's SIDs ∩ b's SIDs| / |a's SIDs| (live leaves only)."""
+    shares = []
+    for la, lb in zip(a.leaves.tolist(), b.leaves.tolist(), strict=True):
+        sa, sb = {x for x in la if x >= 0}, {x for x in lb if x >= 0}
+        shares.append(len(sa & sb) / max(1, len(sa)))
+    return round(statistics.fmean(shares), 4)
+
+
 def full_compute(model, engine, batches, beams, n, cuda) -> dict:
     """Stages 2-3 for one batch: embedding + encoder + the (graphed) decode loop."""
 
@@ -384,6 +407,8 @@ def print_summary(f: dict) -> None:
             print(f"GTM cost ({name}: CD + bitmask + Bloom − CD): {f[f'gtm_cost_{name}_ms']}")
     if "graph_equals_eager" in f:
         print(f"graph result == eager result: {f['graph_equals_eager']}")
+    for key in sorted(k for k in f if k.startswith("fused_vs_")):
+        print(f"{key}: {f[key]}")
     if "full_compute" in f:
         fc = f["full_compute"]
         print(f"full compute stage (features + encoder + decode): total {fc['total']}; "

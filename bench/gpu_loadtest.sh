@@ -8,10 +8,12 @@
 #   3. open-loop locust at each rate for DURATION, thresholds P99 <= 100 ms and <= 0.1 %
 #      failures: the highest rate that passes is the figure. CSVs and logs go to OUT.
 # Usage: bash bench/gpu_loadtest.sh OUT [RATES] [DURATION]
-# Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu bash bench/gpu_loadtest.sh /tmp/lt 20 8s
+# Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu LOCUST_PROCESSES=2 \
+#   bash bench/gpu_loadtest.sh /tmp/lt 20 8s
 set -uo pipefail
 OUT=${1:?output directory}; RATES=${2:-"250 500 750 1000 1250 1500"}; DURATION=${3:-30s}
 ADS=${ADS:-30000000}; PROFILE=${PROFILE:-paper}; DEVICE=${DEVICE:-cuda}
+PROCS=${LOCUST_PROCESSES:-4}  # locust worker processes: one gevent loop tops out near 1k req/s
 GRACE=(python3 -m service.cli)
 mkdir -p "$OUT"
 if [ ! -f "$OUT/index/CURRENT" ]; then
@@ -31,9 +33,14 @@ until "${GRACE[@]}" health --target localhost:50051 --timeout 2 >/dev/null 2>&1;
     sleep 2
 done
 echo "SERVING after $(( $(date +%s) - start )) s"
+# a replay file loads in a fraction of a second (building requests from the world takes
+# seconds, during which a locust worker would miss its heartbeats)
+[ -f "$OUT/requests.jsonl" ] || "${GRACE[@]}" record --world "$OUT/world" --users 1000 \
+    --out "$OUT/requests.jsonl" || exit 1
 for rate in $RATES; do
-    locust -f loadtest/locustfile.py --headless -H localhost:50051 -u 8 -r 8 -t "$DURATION" \
-        --only-summary --world "$OUT/world" --world-users 1000 --arrival-rate "$rate" \
+    python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u 16 -r 16 -t "$DURATION" \
+        --processes "$PROCS" \
+        --only-summary --replay "$OUT/requests.jsonl" --arrival-rate "$rate" \
         --max-inflight 4000 --csv "$OUT/rate_$rate" --check-p99-ms 100 \
         --check-fail-ratio 0.001 > "$OUT/rate_$rate.log" 2>&1
     echo "rate $rate req/s: exit $? ($(grep -h 'grace loadtest' "$OUT/rate_$rate.log" | tail -1))"

@@ -6,6 +6,8 @@ beam rows. It loads the request's K and V tile once (the whole context, T_ctx �
 one block) and reuses it for every beam row it owns, so K/V bytes are read from HBM
 about once per request and head, not once per beam. With the whole context in one
 block, the softmax is a plain single pass (row max, exp, sum), with no online rescaling.
+The tile maths (`_load_kv`, `_attend`) is shared with the persistent variant,
+`kernels/_triton_cross_attention_persistent.py`.
 
 Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before
 this module is imported, and then the autotuner holds a single small config.
@@ -82,6 +84,75 @@ _CONFIGS = (
 )
 
 
+@triton.jit
+def _load_kv(
+    k_ptr,  # [B, H, T_ctx, D], last dim contiguous
+    v_ptr,  # [B, H, T_ctx, D], last dim contiguous
+    b,
+    h,
+    T_ctx,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """K transposed [BLOCK_D, BLOCK_T] and V [BLOCK_T, BLOCK_D] of request b, head h;
+    zero past T_ctx and D."""
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    t_ok = offs_t < T_ctx  # T_ctx need not be a power of two
+    d_ok = offs_d < D
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + h * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + h * stride_vh
+    kt = tl.load(
+        k_base + offs_d[:, None] + offs_t[None, :] * stride_kt,
+        mask=t_ok[None, :] & d_ok[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        v_base + offs_t[:, None] * stride_vt + offs_d[None, :],
+        mask=t_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    return kt, v
+
+
+@triton.jit
+def _attend(
+    q,  # [BLOCK_M, BLOCK_D], input dtype
+    kt,  # [BLOCK_D, BLOCK_T], input dtype
+    v,  # [BLOCK_T, BLOCK_D], input dtype
+    T_ctx,
+    qk_scale,  # softmax scale · log2(e): exp2 is the native instruction
+    BLOCK_T: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: exact, not the tf32 default
+    WIDEN: tl.constexpr,  # interpreter + bf16: widen dot operands to fp32 (see launcher)
+):
+    """softmax(q·kᵀ)·v of one tile, fp32 [BLOCK_M, BLOCK_D]. The whole context is one
+    block, so the softmax is a plain single pass: no online rescaling."""
+    p_dtype = v.dtype
+    if WIDEN:
+        q = q.to(tl.float32)
+        kt = kt.to(tl.float32)
+        v = v.to(tl.float32)
+    t_ok = tl.arange(0, BLOCK_T) < T_ctx
+    s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_T] fp32
+    s = tl.where(t_ok[None, :], s, float("-inf"))
+    p = tl.exp2(s - tl.max(s, axis=1)[:, None])
+    denom = tl.sum(p, axis=1)
+    # P·V with unnormalised P, then one divide per output element, not per score
+    # P in the input dtype (16-bit on the fast path, as in FlashAttention)
+    p = p.to(p_dtype)
+    if WIDEN:
+        p = p.to(tl.float32)
+    return tl.dot(p, v, input_precision=PRECISION) / denom[:, None]
+
+
 @triton.autotune(
     configs=_CONFIGS,
     key=["M", "T_ctx", "D"],
@@ -105,14 +176,14 @@ def _cross_attn_kernel(
     stride_vt,
     stride_or,
     stride_oh,
-    qk_scale,  # softmax scale · log2(e): exp2 is the native instruction
+    qk_scale,  # softmax scale · log2(e)
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILES: tl.constexpr,
-    PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: exact, not the tf32 default
-    WIDEN: tl.constexpr,  # interpreter + bf16: widen dot operands to fp32 (see launcher)
+    PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     # axis 0 (m tiles) varies fastest, so the programs of one (b, h) run together and the
     # ones that miss SRAM find K/V in L2
@@ -120,28 +191,15 @@ def _cross_attn_kernel(
     h = tl.program_id(1)
     b = tl.program_id(2)
 
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    t_ok = offs_t < T_ctx  # T_ctx need not be a power of two
-    d_ok = offs_d < D
-
     # load K (transposed) and V once: they stay in SRAM/registers for all TILES · BLOCK_M
     # beam rows of this program — the whole point of beam-as-query
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + h * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + h * stride_vh
-    kt = tl.load(
-        k_base + offs_d[:, None] + offs_t[None, :] * stride_kt,
-        mask=t_ok[None, :] & d_ok[:, None],
-        other=0.0,
-    )  # [BLOCK_D, BLOCK_T]
-    v = tl.load(
-        v_base + offs_t[:, None] * stride_vt + offs_d[None, :],
-        mask=t_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )  # [BLOCK_T, BLOCK_D]
-    if WIDEN:
-        kt = kt.to(tl.float32)
-        v = v.to(tl.float32)
+    kt, v = _load_kv(
+        k_ptr, v_ptr, b, h, T_ctx,
+        stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+        D, BLOCK_T, BLOCK_D,
+    )  # fmt: skip
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
 
     for i in range(TILES):
         offs_m = (pid_m * TILES + i) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -155,18 +213,7 @@ def _cross_attn_kernel(
             mask=io_mask,
             other=0.0,
         )  # [BLOCK_M, BLOCK_D]
-        if WIDEN:
-            q = q.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_T] fp32
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-        p = tl.exp2(s - tl.max(s, axis=1)[:, None])
-        denom = tl.sum(p, axis=1)
-        # P·V with unnormalised P, then one divide per output element, not per score
-        # P in the input dtype (16-bit on the fast path, as in FlashAttention)
-        p = p.to(v_ptr.dtype.element_ty)
-        if WIDEN:
-            p = p.to(tl.float32)
-        o = tl.dot(p, v, input_precision=PRECISION) / denom[:, None]  # [BLOCK_M, BLOCK_D]
+        o = _attend(q, kt, v, T_ctx, qk_scale, BLOCK_T, PRECISION, WIDEN)
         tl.store(
             o_ptr + rows[:, None] * stride_or + h * stride_oh + offs_d[None, :],
             o.to(o_ptr.dtype.element_ty),

@@ -6,8 +6,11 @@ request as its query sequence, so every K/V tile load serves all M beams of the 
 the equivalence oracle and the ablation baseline.
 
 `cross_attention` is the dispatcher the decoder calls. Backends (`BACKENDS`):
-- "triton": our kernel (`kernels/_triton_cross_attention.py`), T_ctx ≤ 256 (less for
-  fp32 at large d_h: `supports`);
+- "triton": our kernel (`kernels/_triton_cross_attention.py`), one program per (b, h, run
+  of beam tiles), T_ctx ≤ 256 (less for fp32 at large d_h: `supports`);
+- "triton_persistent": the same tile maths on a persistent grid (about one program per
+  SM) with pipelined Q loads and, on sm90, TMA for Q and O
+  (`kernels/_triton_cross_attention_persistent.py`); same limits, its own `supports`;
 - "sdpa_flash" / "sdpa_cudnn" / "sdpa_efficient": PyTorch SDPA pinned to one backend on
   the `[B, H, M, d_h]` view;
 - "reference": SDPA in fp32 on the same view — the CPU path and the tests' oracle.
@@ -20,21 +23,29 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 try:
-    from kernels._triton_cross_attention import supports, triton_cross_attention
+    from kernels import _triton_cross_attention as _tca
+    from kernels import _triton_cross_attention_persistent as _tcap
+
+    # backend -> (supports(T_ctx, d_h, dtype), launcher(q, k, v))
+    TRITON_KERNELS = {
+        "triton": (_tca.supports, _tca.triton_cross_attention),
+        "triton_persistent": (_tcap.supports, _tcap.triton_cross_attention_persistent),
+    }
 except ImportError:  # no triton on this machine: SDPA and the reference still work
-    supports, triton_cross_attention = None, None
+    TRITON_KERNELS = {}
 
 SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-BACKENDS = ("triton", *SDPA_BACKENDS, "reference")
+TRITON_BACKENDS = ("triton", "triton_persistent")
+BACKENDS = (*TRITON_BACKENDS, *SDPA_BACKENDS, "reference")
 
 # The backend for CUDA tensors, by measurement (bench/results/cross_attention.json, H200,
 # B 16, M 1024, H 16, d_h 128, T_ctx 128, bf16): cuDNN 0.052 ms, our Triton kernel
-# 0.071 ms, flash 0.093 ms. cuDNN has no fp32: those calls take the Triton kernel.
-# Read at call time, so the bench may switch it.
+# 0.071 ms, flash 0.093 ms ("triton_persistent" not measured yet). cuDNN has no fp32:
+# those calls take the Triton kernel. Read at call time, so the bench may switch it.
 GPU_BACKEND = "sdpa_cudnn"
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -50,12 +61,14 @@ def cross_attention(
         backend = GPU_BACKEND if q.is_cuda else "reference"
         if backend in ("sdpa_cudnn", "sdpa_flash") and k.dtype not in _HALF:
             backend = "triton"
-        if backend == "triton" and (supports is None or not supports(*k.shape[2:], k.dtype)):
-            # the kernel holds the whole context in one block; flash has no fp32
+        if backend in TRITON_BACKENDS and (
+            backend not in TRITON_KERNELS or not TRITON_KERNELS[backend][0](*k.shape[2:], k.dtype)
+        ):
+            # the kernels hold the whole context in one block; flash has no fp32
             backend = "sdpa_efficient" if k.dtype == torch.float32 else "sdpa_flash"
-    if backend == "triton":
-        assert triton_cross_attention is not None, "triton is not installed"
-        return triton_cross_attention(q, k, v)
+    if backend in TRITON_BACKENDS:
+        assert backend in TRITON_KERNELS, "triton is not installed"
+        return TRITON_KERNELS[backend][1](q, k, v)
     if backend == "reference":
         return cross_attention_reference(q, k, v)
     assert backend in SDPA_BACKENDS, f"unknown backend {backend!r}; one of {BACKENDS}"

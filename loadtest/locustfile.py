@@ -32,6 +32,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import gevent  # noqa: E402
+import gevent.event  # noqa: E402
 import grpc  # noqa: E402
 from gevent.pool import Group  # noqa: E402
 from locust import events, task  # noqa: E402
@@ -48,6 +49,7 @@ log = logging.getLogger("grace.loadtest")
 METHOD = "grace.v1.AdRetrieval/Retrieve"
 _requests: list = []  # this process's request pool, built once at init
 _open_loop = OpenLoopStats()
+_workers_open_loop: dict[str, OpenLoopStats] = {}  # master (--processes): latest per worker
 _by_outcome: dict[str, StatsEntry] = {}  # "OK", a status code or "CLIENT" -> its times
 
 
@@ -73,19 +75,28 @@ def _arguments(parser) -> None:
     add("--check-rps", type=float, default=None, help="GRACE: fail if req/s is below this")
 
 
+_loaded = gevent.event.Event()  # set once this process holds its request pool
+
+
 @events.init.add_listener
 def _load_requests(environment, **_kw) -> None:
     if isinstance(environment.runner, MasterRunner):
         return  # workers send; each loads its own pool (same files on every worker)
     o = environment.parsed_options
-    try:
+
+    def load() -> list:
         if o.replay:
-            pool = sources.from_replay(Path(o.replay))
-        else:
-            pool = sources.from_world(Path(o.world), o.world_users, o.max_ads, o.filter_mode)
+            return sources.from_replay(Path(o.replay))
+        return sources.from_world(Path(o.world), o.world_users, o.max_ads, o.filter_mode)
+
+    try:
+        # on a real thread: a worker's heartbeats to the master run on this gevent loop,
+        # and a load of several seconds would have the master declare the worker missing
+        pool = gevent.get_hub().threadpool.apply(load)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"loadtest: cannot load requests: {exc}") from None
     _requests[:] = pool
+    _loaded.set()
     log.info("%d requests from %s", len(pool), o.replay or o.world)
 
 
@@ -113,6 +124,7 @@ class RetrieveUser(GrpcUser):
 
     def on_start(self) -> None:
         self.options = self.environment.parsed_options
+        _loaded.wait()  # a worker may be told to spawn before its pool has loaded
         self.rng = random.Random()
         self.requests = sources.cycle_from_random_offset(_requests, self.rng)
         self.inflight = Group()  # open loop: calls not yet answered
@@ -156,12 +168,33 @@ class RetrieveUser(GrpcUser):
         super().on_stop()
 
 
+@events.report_to_master.add_listener
+def _report_open_loop(client_id, data, **_kw) -> None:
+    s = _open_loop  # cumulative, so the master keeps each worker's latest report
+    data["grace_open_loop"] = (s.dispatched, s.refused, s.max_lag_s)
+
+
+@events.worker_report.add_listener
+def _collect_open_loop(client_id, data, **_kw) -> None:
+    if "grace_open_loop" in data:
+        _workers_open_loop[client_id] = OpenLoopStats(*data["grace_open_loop"])
+
+
+def _open_loop_totals() -> OpenLoopStats:
+    """This process's dispatchers, or on a master the sum of its workers' (max lag)."""
+    if not _workers_open_loop:
+        return _open_loop
+    ws = list(_workers_open_loop.values())
+    return OpenLoopStats(sum(w.dispatched for w in ws), sum(w.refused for w in ws),
+                         max(w.max_lag_s for w in ws))  # fmt: skip
+
+
 @events.quitting.add_listener
 def _verdict(environment, **_kw) -> None:
     o = environment.parsed_options
     open_loop = o.arrival_rate > 0
     if open_loop:
-        s = _open_loop
+        s = _open_loop_totals()
         log.info("open loop: %d arrivals sent, %d refused (in-flight cap), dispatch lag "
                  "max %.0f ms", s.dispatched, s.refused, 1000 * s.max_lag_s)  # fmt: skip
     if _by_outcome:
@@ -179,7 +212,7 @@ def _verdict(environment, **_kw) -> None:
         rps=total.total_rps,
         p50_ms=total.get_response_time_percentile(0.5) or 0.0,
         p99_ms=total.get_response_time_percentile(0.99) or 0.0,
-        generator_lag_s=_open_loop.max_lag_s if open_loop else None,
+        generator_lag_s=_open_loop_totals().max_lag_s if open_loop else None,
     )
     limits = Thresholds(o.check_p99_ms, o.check_fail_ratio, o.check_rps)
     log.info("grace loadtest: %s", summary.describe())

@@ -17,6 +17,7 @@ import grpc
 from service.batcher import Batcher, DeadlineExpired, Overloaded
 from service.metrics import Metrics
 from service.pipeline.records import RetrievalResult
+from service.post import encode_ads
 from service.request_log import RequestLog
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.serving_index import IndexHolder
@@ -96,12 +97,10 @@ class RetrievalServicer(retrieval_pb2_grpc.AdRetrievalServicer):
         self.metrics.sids.inc(r.sids_generated)
         self.metrics.expanded.inc(p.ads_expanded)
         self.metrics.eligible.inc(p.ads_eligible)
-        ads = [
-            retrieval_pb2.Ad(ad_id=a, score=s, sid=sid if include_sids else ())
-            for a, s, sid in zip(p.ad_ids.tolist(), p.scores.tolist(), p.sids.tolist(), strict=True)
-        ]
-        return retrieval_pb2.RetrieveResponse(
-            ads=ads,
+        # the ads as wire bytes from C++, then one parse: building ~1,000 Python `Ad`
+        # messages per reply would cost the event loop ~1 ms per request
+        ads = encode_ads(p.ad_ids, p.scores, p.sids if include_sids else None)
+        rest = retrieval_pb2.RetrieveResponse(
             index_version=r.index_version,
             model_version=r.model_version,
             stats=retrieval_pb2.Stats(
@@ -111,3 +110,5 @@ class RetrievalServicer(retrieval_pb2_grpc.AdRetrievalServicer):
                 stage_ms=r.stage_ms,
             ),
         )
+        # concatenated messages merge: the ads (field 1) and the rest form one reply
+        return retrieval_pb2.RetrieveResponse.FromString(ads + rest.SerializeToString())

@@ -6,7 +6,9 @@ buffers whose shapes are fixed by a plan key — (batch-size bucket B, beam sche
 mode, request-location bucket L) — so the whole 4-step loop (cross K/V, decoder steps,
 CD+GTM mask, log-softmax, per-request top-k, paged-KV reorder, SID backtrack) is captured
 once as one CUDA graph and each batch is: copy inputs into the plan's static buffers,
-`replay()`, clone the outputs. On CPU the same body runs eagerly with the references.
+`replay()`, clone the outputs. On CPU the same body runs eagerly with the references. The
+decoder steps run through `FusedDecoderStep` (layer-0 QKV table, residual adds inside the
+matmuls, shifted LayerNorms, GELU epilogue): the same function as `SIDDecoder.step`.
 
 Rows are request-major (row b·W_t + j), as in `BeamSearch`. A row is dead — score −inf,
 parked on a leaf node with no children, never emitted — when it has no allowed
@@ -35,6 +37,7 @@ from index_builder.targeting import MAX_REQUEST_LOCATIONS
 from kernels.cross_attention import cross_attention, cross_attention_per_beam
 from kernels.gtm_mask import masked_logits
 from service.decode.engine import NEG_INF, DecodeResult, candidates, check_schedule, select
+from service.decode.fused_step import FusedDecoderStep
 from service.decode.kv_cache import ATTENTION_MODES, DenseKVCache, KVCache, PagedKVCache
 from service.model.decoder import SIDDecoder
 
@@ -50,6 +53,7 @@ class DecodeOptions:
     mask: bool = True  # False: no CD/GTM at all (latency ablation: no leaves, all −1)
     bloom: bool = True  # False: GTM tests the bitmask only
     cuda_graph: bool = True  # capture each plan on CUDA (CPU always runs eagerly)
+    fused_layers: bool = True  # FusedDecoderStep (False: the decoder's reference `step`)
 
     def __post_init__(self) -> None:
         for name, value, known in (
@@ -105,6 +109,7 @@ class StaticBeamSearch:
         self.device, self.dtype = param.device, param.dtype
         per_beam = self.options.cross == "per_beam"
         self._cross = cross_attention_per_beam if per_beam else cross_attention
+        self._step = FusedDecoderStep(decoder) if self.options.fused_layers else decoder.step
         self._plans: dict[tuple, _Plan] = {}
         self._inputs: dict[tuple, torch.Tensor] = {}  # shared static inputs, by shape
         self._caches: dict[tuple, KVCache] = {}  # shared per (bucket, widths)
@@ -286,7 +291,7 @@ class StaticBeamSearch:
         parents, picked = [], []
         for t in range(steps):
             w, last = plan.widths[t], t + 1 == steps
-            logits = self.decoder.step(tokens, t, cross, plan.cache, self._cross).float()
+            logits = self._step(tokens, t, cross, plan.cache, self._cross).float()
             if self.options.mask:
                 masked, child = self._mask(plan, logits, node, t)  # [R, V] each
                 cand = candidates(score, masked, child >= 0)

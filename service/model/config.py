@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 
 from index_builder.format import SID_LENGTH, VOCAB_SIZE
 
+FFN_ACTIVATIONS = ("gelu_tanh", "gelu")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -27,12 +29,20 @@ class ModelConfig:
     beams: tuple[int, ...] = (1, 64, 128, 128)  # default schedule (M_1, ..., M_4)
     vocab_size: int = VOCAB_SIZE
     sid_length: int = SID_LENGTH
+    # the decoder FFN's activation: "gelu_tanh" (tanh approximation, what cuBLASLt's GELU
+    # epilogue computes, so the GPU fuses it into the up-projection) or "gelu" (erf, exact;
+    # checkpoints written before this field existed were trained with it)
+    ffn_activation: str = "gelu_tanh"
 
     def __post_init__(self) -> None:
         if len(self.beams) != self.sid_length or self.beams[0] != 1:
             raise ValueError(f"beams must have {self.sid_length} entries starting with 1")
         if any(m < 1 for m in self.beams):
             raise ValueError("beam widths must be positive")
+        if self.ffn_activation not in FFN_ACTIVATIONS:
+            raise ValueError(
+                f"ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}"
+            )
         for name in ("d_model", "n_heads", "d_head", "d_ff", "decoder_layers", "t_ctx"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
@@ -47,6 +57,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> ModelConfig:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        known.setdefault("ffn_activation", "gelu")  # written before the field: erf GELU
         if "beams" in known:
             known["beams"] = tuple(known["beams"])  # type: ignore[arg-type]
         return cls(**known)  # type: ignore[arg-type]

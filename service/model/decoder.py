@@ -43,7 +43,9 @@ class DecoderLayer(nn.Module):
         self.cross_out = nn.Linear(c.d_attn, c.d_model)
         self.norm_ffn = nn.LayerNorm(c.d_model)
         self.ffn = nn.Sequential(
-            nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model)
+            nn.Linear(c.d_model, c.d_ff),
+            nn.GELU(approximate="tanh" if c.ffn_activation == "gelu_tanh" else "none"),
+            nn.Linear(c.d_ff, c.d_model),
         )
 
     def context_kv(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,8 @@ The work runs in the private C++ extension `_post` (built by `pip install -e .`,
 setup.py) with the GIL released and the requests of a batch spread over a few threads.
 Its results are identical to the Python reference `index_builder.exact.expand_and_filter`
 (tests/service/post/). This module owns the types and checks the arrays it hands over.
+`encode_ads` writes a result's ads as the reply's wire bytes (the server parses them in
+one C call instead of building a Python message per ad).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import numpy as np
 from index_builder.exact import LocationVocabulary, PostResult
 from index_builder.format import SID_LENGTH, AdArrays
 from index_builder.targeting import BITMASK_WORDS, Targeting, request_bitmask
-from service.post._post import AdIndex
+from service.post._post import AdIndex, encode_ads
 
-__all__ = ["PostRequest", "PostResult", "PostStage"]
+__all__ = ["PostRequest", "PostResult", "PostStage", "encode_ads"]
 
 DEFAULT_THREADS = 4  # the post stage shares the host with stages 1-3
 

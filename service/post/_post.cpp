@@ -18,6 +18,7 @@
 #include <cstring>
 #include <exception>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <system_error>
@@ -304,6 +305,55 @@ class AdIndex {
   const int32_t* locs_ = nullptr;
 };
 
+// ----------------------------------------------------------------------------------------
+// The reply's `repeated Ad ads = 1` in protobuf wire format (grace.v1.RetrieveResponse):
+// building 1,000 Python `Ad` messages per request costs ~1 ms of the event loop, so the
+// server parses these bytes instead (one C-speed parse). Ad: ad_id = 1 (int64, varint),
+// score = 2 (float, fixed32), sid = 3 (repeated int32, packed; omitted without sids).
+
+void put_varint(std::string& out, uint64_t v) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<char>((v & 0x7F) | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<char>(v));
+}
+
+py::bytes encode_ads(Array<int64_t> ad_ids, Array<float> scores,
+                     std::optional<Array<int16_t>> sids) {
+  const int64_t k = ad_ids.size();
+  if (ad_ids.ndim() != 1 || scores.ndim() != 1 || scores.size() != k)
+    throw std::invalid_argument("ad_ids and scores must be 1-D arrays of one length");
+  if (sids && (sids->ndim() != 2 || sids->shape(0) != k || sids->shape(1) != kSidLength))
+    throw std::invalid_argument("sids must be [len(ad_ids), 4]");
+  const int64_t* id = ad_ids.data();
+  const float* sc = scores.data();
+  const int16_t* sid = sids ? sids->data() : nullptr;
+  std::string out, body, packed;
+  out.reserve(static_cast<size_t>(k) * (sid ? 24 : 16));
+  for (int64_t i = 0; i < k; ++i) {
+    body.clear();
+    body.push_back(0x08);  // field 1, varint
+    put_varint(body, static_cast<uint64_t>(id[i]));
+    body.push_back(0x15);  // field 2, fixed32
+    uint32_t bits;
+    std::memcpy(&bits, sc + i, sizeof bits);
+    for (int b = 0; b < 4; ++b) body.push_back(static_cast<char>((bits >> (8 * b)) & 0xFF));
+    if (sid) {
+      packed.clear();
+      for (int64_t j = 0; j < kSidLength; ++j)  // int32 varints sign-extend to 64 bits
+        put_varint(packed, static_cast<uint64_t>(static_cast<int64_t>(sid[i * kSidLength + j])));
+      body.push_back(0x1A);  // field 3, length-delimited (packed)
+      put_varint(body, packed.size());
+      body += packed;
+    }
+    out.push_back(0x0A);  // RetrieveResponse field 1, length-delimited
+    put_varint(out, body.size());
+    out += body;
+  }
+  return py::bytes(out);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_post, m) {
@@ -318,4 +368,7 @@ PYBIND11_MODULE(_post, m) {
       .def_property_readonly("words", &AdIndex::words)
       .def("run", &AdIndex::run, py::arg("leaves"), py::arg("scores"), py::arg("bitmasks"),
            py::arg("loc_ids"), py::arg("max_ads"));
+  m.def("encode_ads", &encode_ads, py::arg("ad_ids"), py::arg("scores"),
+        py::arg("sids") = py::none(),
+        "The reply's `repeated Ad ads = 1` field in protobuf wire format.");
 }

@@ -27,3 +27,10 @@ class AdIndex:
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int]]:
         """Per request: (ad_ids int64 [K], scores float32 [K], sids int16 [K, 4],
         ads_expanded, ads_eligible). Runs with the GIL released."""
+
+def encode_ads(
+    ad_ids: np.ndarray,  # int64 [K]
+    scores: np.ndarray,  # float32 [K]
+    sids: np.ndarray | None = None,  # int16 [K, 4]
+) -> bytes:
+    """`RetrieveResponse.ads` (field 1, repeated Ad) in protobuf wire format."""

@@ -1,0 +1,86 @@
+"""Triton LayerNorm over a shifted input, `LN(x + shift)`: the GPU fast path behind
+`kernels.layer_norm.layer_norm` (pipeline stage 3, the fused decoder step).
+
+One program normalises `ROWS` rows of width D (the whole row in one block), in fp32,
+and writes them in x's dtype. The fp32 `shift` vector is the bias the fused decoder step
+has not yet added to its residual stream (`service/decode/fused_step.py`): adding it
+here, on the way in, costs no extra pass over the bytes.
+
+Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before
+this module is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._tuning import AUTOTUNE
+
+MAX_D = 16384  # one row in one block
+
+
+def _configs() -> list[triton.Config]:
+    if not AUTOTUNE:
+        return [triton.Config({"ROWS": 2}, num_warps=4)]
+    return [triton.Config({"ROWS": rows}, num_warps=w) for rows in (1, 2, 4, 8) for w in (2, 4, 8)]
+
+
+@triton.autotune(configs=_configs(), key=["D", "HAS_SHIFT"])
+@triton.jit
+def _layer_norm_kernel(
+    x_ptr,  # [R, D], last dim contiguous
+    shift_ptr,  # fp32 [D] (unused without HAS_SHIFT)
+    w_ptr,  # [D]
+    b_ptr,  # [D]
+    y_ptr,  # [R, D], contiguous
+    R,
+    stride_x,
+    eps,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_SHIFT: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok, col_ok = rows < R, cols < D
+    ok = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    if HAS_SHIFT:
+        x += tl.load(shift_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    mean = tl.sum(x, axis=1) / D
+    xc = tl.where(col_ok[None, :], x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :] + b[None, :]
+    out = y_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def triton_layer_norm(
+    x: torch.Tensor,  # [R, D], last dim contiguous
+    weight: torch.Tensor,  # [D]
+    bias: torch.Tensor,  # [D]
+    eps: float,
+    shift: torch.Tensor | None = None,  # fp32 [D]
+) -> torch.Tensor:  # [R, D], x's dtype, contiguous
+    r, d = x.shape
+    assert x.stride(1) == 1 and d <= MAX_D, "rows must be contiguous and at most MAX_D wide"
+    assert shift is None or (shift.dtype == torch.float32 and shift.shape == (d,))
+    y = torch.empty((r, d), dtype=x.dtype, device=x.device)
+    if r == 0:
+        return y
+    block_d = triton.next_power_of_2(d)
+
+    def grid(meta: dict) -> tuple[int]:
+        return (triton.cdiv(r, meta["ROWS"]),)
+
+    _layer_norm_kernel[grid](
+        x, shift if shift is not None else weight, weight, bias, y, r, x.stride(0), eps,
+        D=d, BLOCK_D=block_d, HAS_SHIFT=shift is not None,
+    )  # fmt: skip
+    return y

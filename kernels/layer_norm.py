@@ -1,0 +1,48 @@
+"""LayerNorm of a shifted input, `LN(x + shift)`, for the fused decoder step
+(`service/decode/fused_step.py`, pipeline stage 3).
+
+The fused step adds each linear layer's output to the residual stream inside the matmul
+(cuBLAS `beta = 1`) but leaves the bias out; the biases not yet added are one constant
+vector per LayerNorm, `shift`, added here on the way in. Dispatcher: the Triton kernel
+(`_triton_layer_norm`) on CUDA tensors, torch's LayerNorm on the shifted fp32 input
+elsewhere (the reference, and the CPU path).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from kernels._triton_layer_norm import MAX_D, triton_layer_norm
+except ImportError:  # no triton on this machine: the reference serves every call
+    MAX_D, triton_layer_norm = 0, None
+
+
+def layer_norm(
+    x: torch.Tensor,  # [R, D]
+    weight: torch.Tensor,  # [D]
+    bias: torch.Tensor,  # [D]
+    eps: float,
+    shift: torch.Tensor | None = None,  # fp32 [D], added to every row first
+) -> torch.Tensor:  # [R, D], x's dtype
+    """`F.layer_norm(x + shift)` computed in fp32, returned in x's dtype."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if triton_layer_norm is not None and x.is_cuda and not grad and x.shape[-1] <= MAX_D:
+        return triton_layer_norm(
+            x.contiguous() if x.stride(-1) != 1 else x, weight, bias, eps, shift
+        )
+    return layer_norm_reference(x, weight, bias, eps, shift)
+
+
+def layer_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    shift: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if shift is None:
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    y = F.layer_norm(x.float() + shift, x.shape[-1:], weight.float(), bias.float(), eps)
+    return y.to(x.dtype)
