@@ -27,6 +27,7 @@ before that version serves; a key first seen in `run` is captured there, on the 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 
@@ -54,6 +55,7 @@ class DecodeOptions:
     bloom: bool = True  # False: GTM tests the bitmask only
     cuda_graph: bool = True  # capture each plan on CUDA (CPU always runs eagerly)
     fused_layers: bool = True  # FusedDecoderStep (False: the decoder's reference `step`)
+    streams: int = 2  # buckets >= SPLIT_MIN_BUCKET run as this many parts, one stream each
 
     def __post_init__(self) -> None:
         for name, value, known in (
@@ -63,6 +65,11 @@ class DecodeOptions:
         ):
             if value not in known:
                 raise ValueError(f"{name} must be one of {known}, got {value!r}")
+        if self.streams < 1:
+            raise ValueError(f"streams must be >= 1, got {self.streams}")
+
+
+SPLIT_MIN_BUCKET = 8  # smaller buckets are latency-bound: splitting them only adds work
 
 
 @dataclass
@@ -81,6 +88,9 @@ class _Plan:
     slot_dead: list[torch.Tensor]  # bool [B·W_t]: slot j >= M_t (fixed_beams only)
     graph: torch.cuda.CUDAGraph | None = None
     out: tuple[torch.Tensor, ...] = field(default=())  # the graph's leaves, scores, sids
+    # requests split into parts (views of the inputs above, own caches), each decoded on
+    # its own stream; empty: the plan is decoded whole
+    parts: list[_Plan] = field(default_factory=list)
 
 
 class StaticBeamSearch:
@@ -114,6 +124,10 @@ class StaticBeamSearch:
         self._inputs: dict[tuple, torch.Tensor] = {}  # shared static inputs, by shape
         self._caches: dict[tuple, KVCache] = {}  # shared per (bucket, widths)
         self._pool = None  # one graph memory pool for every plan: replays never overlap
+        on_cuda = self.device.type == "cuda"
+        self._streams = (
+            [torch.cuda.Stream(self.device) for _ in range(self.options.streams)] if on_cuda else []
+        )
         self._lock = threading.RLock()
 
     @property
@@ -159,7 +173,7 @@ class StaticBeamSearch:
                 plan = self._plan(b, tuple(beams), mode, n_loc)
                 if plan.graph is None and self.device.type == "cuda":
                     plan.live.fill_(True)
-                    self._body(plan)  # eager plans: autotune the kernels now, not in a request
+                    self._decode(plan)  # eager plans: autotune the kernels now, not in a request
             return len(self._plans)
 
     @torch.no_grad()
@@ -182,7 +196,7 @@ class StaticBeamSearch:
                 plan.graph.replay()
                 out = plan.out
             else:
-                out = self._body(plan)
+                out = self._decode(plan)
             # clone before the next replay overwrites the graph's outputs
             leaves, scores, sids = (x[:b].clone() for x in out)
         return DecodeResult(leaves, scores, sids, tuple(b * w for w in plan.widths))
@@ -202,13 +216,6 @@ class StaticBeamSearch:
         c = self.decoder.config
         check_schedule(beams, c.sid_length, c.vocab_size)
         widths = (max(beams),) * len(beams) if self.options.fixed_beams else beams
-        if (bucket, widths) not in self._caches:
-            cls = PagedKVCache if self.options.kv == "paged" else DenseKVCache
-            rows = [bucket * w for w in widths]
-            self._caches[(bucket, widths)] = cls(
-                c.decoder_layers, c.n_heads, c.d_head, rows,
-                dtype=self.dtype, device=self.device, attention=self.options.self_attn,
-            )  # fmt: skip
         reqs = None
         if n_loc:
             bm, bl = self.tables.bitmask_table.shape[1], self.tables.bloom_table.shape[1]
@@ -216,25 +223,65 @@ class StaticBeamSearch:
                 self._static(("bitmask", bucket), (bucket, bm), torch.int64),
                 self._static(("blooms", bucket, n_loc), (bucket, n_loc, bl), torch.int64),
             )
-        slots = [torch.arange(bucket * w, device=self.device) % w for w in widths]
-        requests_of = torch.arange(bucket, device=self.device)
-        plan = _Plan(
-            bucket=bucket,
-            beams=beams,
-            widths=widths,
-            mode=mode,
-            ctx=self._static(("ctx", bucket), (bucket, c.t_ctx, c.d_model), self.dtype),
-            live=self._static(("live", bucket), (bucket,), torch.bool),
-            requests=reqs,
-            cache=self._caches[(bucket, widths)],
-            row_request=[requests_of.repeat_interleave(w) for w in widths],
-            slot_dead=[s >= m for s, m in zip(slots, beams, strict=True)],
-        )
+        ctx = self._static(("ctx", bucket), (bucket, c.t_ctx, c.d_model), self.dtype)
+        live = self._static(("live", bucket), (bucket,), torch.bool)
+        n = self.options.streams
+        if bucket < SPLIT_MIN_BUCKET or bucket % n:
+            n = 1
+        size = bucket // n
+        parts = [
+            self._part(
+                size, beams, widths, mode, ctx[i * size : (i + 1) * size],
+                live[i * size : (i + 1) * size],
+                None if reqs is None else RequestTensors(
+                    reqs.bitmask[i * size : (i + 1) * size], reqs.blooms[i * size : (i + 1) * size]
+                ),
+                cache_key=(size, widths, i if n > 1 else -1),
+            )
+            for i in range(n)
+        ]  # fmt: skip
+        plan = parts[0] if n == 1 else dataclasses.replace(
+            parts[0], bucket=bucket, ctx=ctx, live=live, requests=reqs, parts=parts
+        )  # fmt: skip
         gtm_kway = mode == FilterMode.CD_GTM_KWAY and self.options.mask  # reference: not capturable
         if self.options.cuda_graph and self.device.type == "cuda" and not gtm_kway:
             self._capture(plan)
         self._plans[key] = plan
         return plan
+
+    def _part(
+        self,
+        bucket: int,
+        beams: tuple[int, ...],
+        widths: tuple[int, ...],
+        mode: FilterMode,
+        ctx: torch.Tensor,
+        live: torch.Tensor,
+        reqs: RequestTensors | None,
+        cache_key: tuple,
+    ) -> _Plan:
+        """A plan (or one part of a split plan) over the given input views."""
+        c = self.decoder.config
+        if cache_key not in self._caches:
+            cls = PagedKVCache if self.options.kv == "paged" else DenseKVCache
+            self._caches[cache_key] = cls(
+                c.decoder_layers, c.n_heads, c.d_head, [bucket * w for w in widths],
+                dtype=self.dtype, device=self.device, attention=self.options.self_attn,
+            )  # fmt: skip
+        slots = [torch.arange(bucket * w, device=self.device) % w for w in widths]
+        requests_of = torch.arange(bucket, device=self.device)
+        return _Plan(
+            bucket=bucket,
+            beams=beams,
+            widths=widths,
+            mode=mode,
+            ctx=ctx,
+            live=live,
+            requests=reqs,
+            cache=self._caches[cache_key],
+            row_request=[requests_of.repeat_interleave(w) for w in widths],
+            slot_dead=[s >= m for s, m in zip(slots, beams, strict=True)],
+        )
 
     def _load(self, plan: _Plan, ctx: torch.Tensor, requests: RequestTensors | None) -> None:
         """Copy a batch into the plan's static inputs; padding requests are marked dead."""
@@ -259,14 +306,14 @@ class StaticBeamSearch:
         side.wait_stream(current)
         with torch.cuda.stream(side):
             for _ in range(self.warmup_runs):
-                self._body(plan)
+                self._decode(plan)
         current.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: other stage threads may keep using CUDA while a plan is captured
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            plan.out = self._body(plan)
+            plan.out = self._decode(plan)
         plan.graph = graph
 
     # ----------------------------------------------------------------------- the loop
@@ -278,6 +325,24 @@ class StaticBeamSearch:
         if plan.mode == FilterMode.CD_GTM and not self.options.bloom:
             return masked_logits(*args, bloom=False)
         return masked_logits(*args)
+
+    def _decode(self, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole plan: its parts each on their own stream (forked from and joined back
+        to the current one, so a graph capture records them as parallel branches)."""
+        if not plan.parts:
+            return self._body(plan)
+        if not self._streams:  # CPU: the parts one after the other
+            outs = [self._body(part) for part in plan.parts]
+            return tuple(torch.cat(xs) for xs in zip(*outs, strict=True))  # type: ignore[return-value]
+        current = torch.cuda.current_stream(self.device)
+        outs = []
+        for part, stream in zip(plan.parts, self._streams, strict=False):
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                outs.append(self._body(part))
+        for stream in self._streams[: len(plan.parts)]:
+            current.wait_stream(stream)
+        return tuple(torch.cat(xs) for xs in zip(*outs, strict=True))  # type: ignore[return-value]
 
     def _body(self, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The 4-step loop on the plan's buffers: fixed shapes, no host syncs."""

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from index_builder.exact import PostResult
-from index_builder.lookup import FilterMode
+from index_builder.lookup import FilterMode, RequestTensors
 from index_builder.targeting import Targeting
 from service.batcher import Pending
 from service.decode.engine import DecodeResult
@@ -50,12 +50,25 @@ class RetrievalResult:
     stage_ms: dict[str, float]  # per stage, for this request's batch
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Requests of a batch that share a beam schedule and filter mode (one decode run);
+    built at stage 1, so stage 3 does no host -> device copies of its own."""
+
+    beams: tuple[int, ...]
+    mode: FilterMode
+    rows: list[int]  # positions in the batch
+    index: torch.Tensor | None  # int64 [len(rows)] on the device; None: the whole batch
+    requests: RequestTensors | None  # targeting on the device; None for CD_ONLY
+
+
 @dataclass
 class BatchState:
     pending: list[Pending]
     index: ServingIndex  # taken once at stage 1 and used by every stage
     stage_ms: dict[str, float] = field(default_factory=dict)
     features: FeatureBatch | None = None  # stage 1 -> 2, on the compute device
+    groups: list[DecodeGroup] = field(default_factory=list)  # stage 1 -> 3
     embedded: EmbeddedFeatures | None = None  # stage 2 -> 3
     decoded: list[tuple[list[int], DecodeResult]] = field(default_factory=list)  # 3 -> 4
     event: torch.cuda.Event | None = None  # recorded by the stage that produced the data

@@ -2,7 +2,8 @@
 does its part on the compute device (on its own CUDA stream on GPU), and returns.
 
 1. input: pack requests into a `FeatureBatch` (history -> SID tokens via the batch's
-   index), pin it and copy it host -> device;
+   index) and the decode groups' targeting tensors, pin them and copy them host ->
+   device without blocking;
 2. features: embedding tables and bags (`FeatureEmbedder`);
 3. compute: encoder, then the constrained beam search — one run per (beams, filter mode)
    group of the batch, so requests with other options never share a schedule;
@@ -17,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -27,14 +29,15 @@ from index_builder.targeting import MAX_REQUEST_LOCATIONS, encode_requests
 from service.decode.engine import BeamSearch
 from service.decode.retrieve import reference_post
 from service.decode.static_engine import StaticBeamSearch
-from service.model.features import UserFeatures, prepare_features
+from service.model.features import FeatureBatch, UserFeatures, prepare_features
 from service.model.retriever import GenerativeRetriever
-from service.pipeline.records import BatchState, RetrievalResult
+from service.pipeline.records import BatchState, DecodeGroup, RetrievalResult
 from service.post import PostRequest
 from service.serving_index import ServingIndex
 
 log = logging.getLogger("grace.pipeline")
 
+_Movable = TypeVar("_Movable", torch.Tensor, FeatureBatch)
 PostFn = Callable[[BatchState, Sequence[tuple[np.ndarray, np.ndarray]]], list[PostResult]]
 
 
@@ -94,11 +97,30 @@ class Stages:
             for r in batch.requests
         ]
         features = prepare_features(users, batch.index.retrieval.lookup, self.model.config)
+        rows_of: dict[tuple[tuple[int, ...], FilterMode], list[int]] = {}
+        for i, r in enumerate(batch.requests):
+            rows_of.setdefault((r.beams, r.filter_mode), []).append(i)
         with self._on(0, batch):
-            if self.device.type == "cuda":
-                features = features.pin_memory()
-            batch.features = features.to(self.device, non_blocking=True)
+            batch.features = self._to_device(features)
+            for (beams, mode), rows in rows_of.items():
+                reqs = None
+                if mode != FilterMode.CD_ONLY:
+                    enc = encode_requests([batch.requests[i].targeting for i in rows])
+                    host = RequestTensors.from_encoded(enc)
+                    reqs = RequestTensors(
+                        self._to_device(host.bitmask), self._to_device(host.blooms)
+                    )
+                whole = len(rows) == len(batch.requests)
+                index = None if whole else self._to_device(torch.tensor(rows))
+                batch.groups.append(DecodeGroup(beams, mode, rows, index, reqs))
         self._done(0, batch)
+
+    def _to_device(self, x: _Movable) -> _Movable:
+        """Host -> device on the current stream without blocking the thread: a pageable
+        copy would wait for the stream (and so for the batches ahead of this one)."""
+        if self.device.type != "cuda":
+            return x
+        return x.pin_memory().to(self.device, non_blocking=True)
 
     @torch.no_grad()
     def features(self, batch: BatchState) -> None:
@@ -116,16 +138,9 @@ class Stages:
             search = batch.index.engine or BeamSearch(
                 self.model.decoder, retrieval.tables, retrieval.level_offsets
             )
-            groups: dict[tuple[tuple[int, ...], FilterMode], list[int]] = {}
-            for i, r in enumerate(batch.requests):
-                groups.setdefault((r.beams, r.filter_mode), []).append(i)
-            for (beams, mode), rows in groups.items():
-                reqs = None
-                if mode != FilterMode.CD_ONLY:
-                    enc = encode_requests([batch.requests[i].targeting for i in rows])
-                    reqs = RequestTensors.from_encoded(enc, str(self.device))
-                idx = torch.tensor(rows, device=self.device)
-                batch.decoded.append((rows, search.run(ctx[idx], reqs, beams, mode)))
+            for g in batch.groups:
+                sub = ctx if g.index is None else ctx[g.index]
+                batch.decoded.append((g.rows, search.run(sub, g.requests, g.beams, g.mode)))
         self._done(2, batch)
 
     def post(self, batch: BatchState) -> list[RetrievalResult]:

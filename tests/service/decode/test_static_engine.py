@@ -254,3 +254,23 @@ def test_gpu_paper_profile_graph_equals_eager() -> None:
         assert_same(got, want)
         assert (want.leaves >= 0).any()
     assert graph.graphs == 2  # buckets 16 and 4
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize("batch", [3, 5, 8])
+def test_parts_on_their_own_streams_equal_beam_search(streams: int, batch: int) -> None:
+    """A bucket of 8 split into `streams` parts (decoded one after another on CPU, on
+    parallel streams in one graph on CUDA): a part may be partly or wholly padding."""
+    index, _, search = setup(make_ads(120, seed=9), seed=3)
+    engine = engine_for(search, index, options=DecodeOptions(streams=streams), batch_buckets=(8,))
+    targeting = (TARGETING * 2)[:batch]
+    ctx, reqs, beams = ctx_for(batch, seed=6), requests(targeting), (1, 4, 8, 6)
+    for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
+        assert_same(engine.run(ctx, reqs, beams, mode), search.run(ctx, reqs, beams, mode))
+    plans = list(engine._plans.values())
+    assert all(len(p.parts) == (streams if streams > 1 else 0) for p in plans)
+
+
+def test_streams_below_one_are_refused() -> None:
+    with pytest.raises(ValueError, match="streams"):
+        DecodeOptions(streams=0)
