@@ -6,7 +6,8 @@
 #   2. `grace serve` on CUDA with the paper profile (bf16, CUDA graphs captured before
 #      SERVING), waited for with `grace health`;
 #   3. open-loop locust at each rate for DURATION, thresholds P99 <= 100 ms and <= 0.1 %
-#      failures: the highest rate that passes is the figure. CSVs and logs go to OUT.
+#      failures: the highest rate that passes is the figure. CSVs, logs and the server's
+#      /metrics after each rate go to OUT (PYSPY_RATE=R: also py-spy stacks during rate R).
 # Usage: bash bench/gpu_loadtest.sh OUT [RATES] [DURATION]
 # Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu LOCUST_PROCESSES=2 \
 #   bash bench/gpu_loadtest.sh /tmp/lt 20 8s
@@ -37,11 +38,22 @@ echo "SERVING after $(( $(date +%s) - start )) s"
 # seconds, during which a locust worker would miss its heartbeats)
 [ -f "$OUT/requests.jsonl" ] || "${GRACE[@]}" record --world "$OUT/world" --users 1000 \
     --out "$OUT/requests.jsonl" || exit 1
+scrape() {  # the server's Prometheus metrics (stage times, batch sizes) after each rate
+    python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:9464/metrics').read().decode())" \
+        > "$OUT/metrics_$1.prom" 2>/dev/null
+}
+scrape start
 for rate in $RATES; do
+    if [ "${PYSPY_RATE:-}" = "$rate" ] && command -v py-spy >/dev/null; then
+        # where the server's threads spend the GIL at this rate (collapsed stacks)
+        (sleep 5; py-spy record -d 10 -r 100 --threads --nonblocking --format raw \
+            -o "$OUT/pyspy_$rate.txt" --pid $SERVER >/dev/null 2>&1) &
+    fi
     python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u 16 -r 16 -t "$DURATION" \
         --processes "$PROCS" \
         --only-summary --replay "$OUT/requests.jsonl" --arrival-rate "$rate" \
         --max-inflight 4000 --csv "$OUT/rate_$rate" --check-p99-ms 100 \
         --check-fail-ratio 0.001 > "$OUT/rate_$rate.log" 2>&1
     echo "rate $rate req/s: exit $? ($(grep -h 'grace loadtest' "$OUT/rate_$rate.log" | tail -1))"
+    scrape "$rate"
 done

@@ -118,6 +118,7 @@ async def start(settings: ServerSettings) -> App:
         dispatch,
         max_batch=settings.max_batch,
         max_wait=settings.max_wait_ms / 1e3,
+        max_wait_busy=max(settings.max_wait_ms, settings.max_wait_busy_ms) / 1e3,
         capacity=settings.queue_capacity,
     )
     batcher.start()

@@ -3,7 +3,13 @@
     Retrieve handler ──submit──► bounded queue ──Batcher.run──► [≤ max_batch Pending]
     ──dispatch (stage 1 thread)──► pipeline ──Pending.resolve──► handler's await returns
 
-A batch closes at `max_batch` requests or `max_wait` after its first request arrived.
+A batch closes at `max_batch` requests, or `max_wait` after its first request arrived
+while the pipeline is nearly idle (fewer than `BUSY_BATCHES` batches ahead of it). When
+the pipeline is busy a small batch would only queue behind the others, and the GPU runs
+a padded bucket for it at almost the cost of a full one (DESIGN.md §2: batches of 16), so
+the batch keeps filling for up to `max_wait_busy`: at moderate load batches are full, not
+three requests every `max_wait` — the difference between saturating near half the GPU's
+throughput and reaching it (docs/SERVICE.md).
 The queue is bounded: when it is full, `submit` raises `Overloaded` at once (the server
 answers RESOURCE_EXHAUSTED) instead of building a backlog. A request whose deadline has
 passed when its batch closes is answered `DeadlineExpired` and never reaches stage 1. At
@@ -23,6 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+BUSY_BATCHES = 2  # batches ahead (one computing, one waiting) that make the pipeline busy
 
 
 class Overloaded(RuntimeError):
@@ -71,13 +79,19 @@ class Batcher:
         *,
         max_batch: int = 16,
         max_wait: float = 0.005,
+        max_wait_busy: float | None = None,  # default: 4 * max_wait
         capacity: int = 256,
         max_inflight: int = 4,
     ) -> None:
-        if max_batch < 1 or capacity < 1 or max_inflight < 1 or max_wait < 0:
-            raise ValueError("max_batch, capacity and max_inflight must be >= 1, max_wait >= 0")
+        if max_wait_busy is None:
+            max_wait_busy = 4 * max_wait
+        if max_batch < 1 or capacity < 1 or max_inflight < 1 or not 0 <= max_wait <= max_wait_busy:
+            raise ValueError(
+                "max_batch, capacity and max_inflight must be >= 1, 0 <= max_wait <= max_wait_busy"
+            )
         self._dispatch = dispatch
-        self.max_batch, self.max_wait = max_batch, max_wait
+        self.max_batch, self.max_wait, self.max_wait_busy = max_batch, max_wait, max_wait_busy
+        self.inflight = 0  # dispatched batches not yet done (event loop only)
         self._queue: asyncio.Queue[Pending] = asyncio.Queue(maxsize=capacity)
         self._slots = asyncio.Semaphore(max_inflight)
         self._task: asyncio.Task[None] | None = None
@@ -103,7 +117,11 @@ class Batcher:
     def batch_done(self) -> None:
         """A dispatched batch left the pipeline (call from any thread)."""
         assert self._loop is not None, "batcher not started"
-        self._loop.call_soon_threadsafe(self._slots.release)
+        self._loop.call_soon_threadsafe(self._release)
+
+    def _release(self) -> None:
+        self.inflight -= 1
+        self._slots.release()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -123,15 +141,19 @@ class Batcher:
         while True:
             await self._slots.acquire()
             batch = [await self._queue.get()]
-            close_at = time.monotonic() + self.max_wait
+            first = time.monotonic()
             while len(batch) < self.max_batch:
-                remaining = close_at - time.monotonic()
+                busy = self.inflight >= BUSY_BATCHES
+                remaining = (
+                    first + (self.max_wait_busy if busy else self.max_wait) - time.monotonic()
+                )
                 if remaining <= 0:
                     break
-                try:
-                    batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+                try:  # a busy pipeline may drain meanwhile: look again every max_wait
+                    wait = min(remaining, self.max_wait) if busy else remaining
+                    batch.append(await asyncio.wait_for(self._queue.get(), wait))
                 except TimeoutError:
-                    break
+                    continue
             now = time.monotonic()
             live = []
             for p in batch:
@@ -143,6 +165,7 @@ class Batcher:
                 else:
                     live.append(p)
             if live:
+                self.inflight += 1
                 self._dispatch(live)
             else:
                 self._slots.release()

@@ -81,7 +81,14 @@ class ServerSettings(BaseSettings):
     )
     max_batch: int = Field(16, description="Most requests in one batch.")
     max_wait_ms: float = Field(
-        5.0, description="Longest a request waits for its batch to fill, in milliseconds."
+        5.0,
+        description="Longest a request waits for its batch to fill while the pipeline is "
+        "nearly idle, in milliseconds.",
+    )
+    max_wait_busy_ms: float = Field(
+        20.0,
+        description="Longest a batch keeps filling while two or more batches are ahead of "
+        "it in the pipeline (a small batch would only queue and waste the GPU), in ms.",
     )
     queue_capacity: int = Field(
         256, description="Requests waiting for a batch; beyond it new ones get RESOURCE_EXHAUSTED."
@@ -177,6 +184,7 @@ class ServerSettings(BaseSettings):
 
     @field_validator(
         "max_wait_ms",
+        "max_wait_busy_ms",
         "drain_seconds",
         "max_connection_age_seconds",
         "max_connection_age_grace_seconds",

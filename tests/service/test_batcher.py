@@ -139,3 +139,40 @@ def test_stop_fails_queued_requests() -> None:
         pipe.close()
 
     run(main())
+
+
+def test_a_busy_pipeline_fills_batches_instead_of_closing_at_max_wait() -> None:
+    """With two batches held in the pipeline, a trickle of requests (one every 10 ms,
+    slower than max_wait) forms one batch over max_wait_busy, not one batch each; once the
+    pipeline is idle again, a lone request goes after max_wait."""
+
+    async def main() -> None:
+        batcher, pipe = make(max_batch=16, max_wait=0.005, max_wait_busy=0.2)
+        pipe.gate.clear()  # hold dispatched batches: they stay in flight
+        held = []
+        for i in (100, 101):  # each closes alone after max_wait: the pipeline is not busy
+            held.append(asyncio.ensure_future(batcher.submit(i)))
+            while batcher.inflight < len(held):
+                await asyncio.sleep(0.001)
+        trickle = []
+        for i in range(5):
+            trickle.append(asyncio.ensure_future(batcher.submit(i)))
+            await asyncio.sleep(0.01)
+        pipe.gate.set()
+        assert await asyncio.gather(*held, *trickle) == [200, 202, 0, 2, 4, 6, 8]
+        assert pipe.batches[:2] == [[100], [101]]
+        assert [0, 1, 2, 3, 4] in pipe.batches[2:]  # the trickle waited for each other
+        while batcher.inflight:
+            await asyncio.sleep(0.001)
+        t = time.monotonic()
+        assert await batcher.submit(9) == 18
+        assert time.monotonic() - t < 0.15  # idle: max_wait, not max_wait_busy
+        await batcher.stop()
+        pipe.close()
+
+    run(main())
+
+
+def test_max_wait_busy_below_max_wait_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_wait_busy"):
+        Batcher(lambda batch: None, max_wait=0.01, max_wait_busy=0.005)
