@@ -65,8 +65,7 @@ class Stages:
         batch and location bucket). CPU keeps the dynamic reference engine: no padding."""
         if self.device.type != "cuda":
             return index
-        assert isinstance(self.encoder, StaticEncoder)
-        self.encoder.warm()  # once: the encoder does not depend on the index
+        self._warm_encoder()  # once: the encoder does not depend on the index
         retrieval = index.retrieval
         # few plans keep start-up and swaps short (each plan is captured, and new shapes
         # autotune the kernels): batches pad to 4 or 16, locations to 64 (the Bloom scan
@@ -83,6 +82,17 @@ class Stages:
         log.info("index %s: %d decode plans captured as CUDA graphs in %.1f s",
                  index.version, plans, time.perf_counter() - t0)  # fmt: skip
         return dataclasses.replace(index, engine=engine)
+
+    def _warm_encoder(self) -> None:
+        """Capture the encoder's graphs (a no-op once done); if that fails, serve with the
+        eager encoder rather than not at all."""
+        if not isinstance(self.encoder, StaticEncoder):
+            return
+        try:
+            self.encoder.warm()
+        except Exception:
+            log.exception("capturing the encoder's CUDA graphs failed: eager encoder")
+            self.encoder = self.model.encoder
 
     def _on(self, stage: int, batch: BatchState) -> AbstractContextManager[object]:
         stream = self.streams[stage]

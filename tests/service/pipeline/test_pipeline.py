@@ -19,6 +19,7 @@ from service.decode.retrieve import RetrievalIndex, retrieve
 from service.model.config import PROFILES
 from service.model.features import UserFeatures, prepare_features
 from service.model.retriever import GenerativeRetriever
+from service.model.static_encoder import StaticEncoder
 from service.pipeline.runner import Pipeline
 from service.pipeline.stages import Stages
 from service.serving_index import IndexHolder, ServingIndex
@@ -166,3 +167,19 @@ def test_a_swapped_out_index_is_released_once_no_batch_holds_it(model) -> None:
     gc.collect()
     assert ref() is None  # nothing (pipeline, results, holder) keeps the old version alive
     assert holder.current is index1
+
+
+def test_a_failed_encoder_capture_falls_back_to_the_eager_encoder(model, caplog) -> None:
+    class Broken(StaticEncoder):
+        def warm(self) -> None:
+            raise RuntimeError("capture failed")
+
+    stages = Stages(model, "m1", "cpu", None)
+    stages.encoder = Broken(model.encoder)
+    stages._warm_encoder()
+    assert stages.encoder is model.encoder
+    assert "eager encoder" in caplog.text
+    working = StaticEncoder(model.encoder, batch_buckets=(2,))
+    stages.encoder = working
+    stages._warm_encoder()
+    assert stages.encoder is working and list(working._plans) == [2]
