@@ -99,6 +99,11 @@ class Batcher:
         self.expired = 0  # requests dropped for their deadline, for metrics
 
     @property
+    def full(self) -> bool:
+        """No room in the queue: a new request would be refused."""
+        return self._queue.full()
+
+    @property
     def depth(self) -> int:
         """Requests waiting for a batch."""
         return self._queue.qsize()

@@ -76,6 +76,8 @@ class RetrievalServicer(retrieval_pb2_grpc.AdRetrievalServicer):
             raise Abort(grpc.StatusCode.UNAVAILABLE, "server is draining")
         if not self.indexes.ready:
             raise Abort(grpc.StatusCode.UNAVAILABLE, "no index loaded yet")
+        if self.batcher.full:  # shed before any parsing: under overload refusals must be cheap
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "request queue full")
         try:
             req = validate_request(request, self.limits)
         except InvalidRequest as exc:

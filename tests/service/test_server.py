@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -18,7 +19,8 @@ from index_builder.synth import load_world
 from service.app import start
 from service.client import request_for_user
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
-from service.server import SERVICE
+from service.server import SERVICE, Abort, RetrievalServicer
+from service.validation import Limits
 from tests.helpers.oracle import Ad, eligible
 from tests.helpers.serving import make_serving_data, serving_settings
 
@@ -361,3 +363,19 @@ def test_bfloat16_model_serves_eligible_ads(data: Path) -> None:
             assert all(eligible(ads[a.ad_id], world.targeting[u]) for a in reply.ads)
 
     asyncio.run(main())
+
+
+def test_a_full_queue_sheds_before_parsing_the_request() -> None:
+    """Under overload a refusal costs no validation: even an invalid request is answered
+    RESOURCE_EXHAUSTED while the queue is full (and INVALID_ARGUMENT once there is room)."""
+    batcher = SimpleNamespace(full=True)
+    limits = Limits(1000, 10_000, (1, 4, 8, 8), (1, 8, 16, 16))
+    servicer = RetrievalServicer(batcher, limits, SimpleNamespace(ready=True), None)  # type: ignore[arg-type]
+    bad = retrieval_pb2.RetrieveRequest(targeting=retrieval_pb2.Targeting(gender="robot"))
+    with pytest.raises(Abort) as shed:
+        asyncio.run(servicer._retrieve(bad, None))
+    assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    batcher.full = False
+    with pytest.raises(Abort) as invalid:
+        asyncio.run(servicer._retrieve(bad, None))
+    assert invalid.value.code == grpc.StatusCode.INVALID_ARGUMENT
