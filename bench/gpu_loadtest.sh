@@ -6,7 +6,8 @@
 #   2. `grace serve` on CUDA with the paper profile (bf16, CUDA graphs captured before
 #      SERVING), waited for with `grace health`;
 #   3. open-loop locust at each rate for DURATION, thresholds P99 <= 100 ms and <= 0.1 %
-#      failures: the highest rate that passes is the figure. CSVs, logs and the server's
+#      failures, after an unjudged warm-up (WARMUP_RATE req/s for WARMUP): the highest
+#      rate that passes is the figure. CSVs, logs and the server's
 #      /metrics after each rate go to OUT (PYSPY_RATE=R: also py-spy stacks during rate R).
 # Usage: bash bench/gpu_loadtest.sh OUT [RATES] [DURATION]
 # Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu LOCUST_PROCESSES=2 \
@@ -42,6 +43,11 @@ scrape() {  # the server's Prometheus metrics (stage times, batch sizes) after e
     python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:9464/metrics').read().decode())" \
         > "$OUT/metrics_$1.prom" 2>/dev/null
 }
+# a short unjudged warm-up: the first traffic after SERVING meets cold allocator pools
+# and library plans (the first measured rate read P99 3.2 s without it)
+python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u 16 -r 16 \
+    -t "${WARMUP:-10s}" --processes "$PROCS" --only-summary --replay "$OUT/requests.jsonl" \
+    --arrival-rate "${WARMUP_RATE:-200}" > "$OUT/warmup.log" 2>&1
 scrape start
 for rate in $RATES; do
     if [ "${PYSPY_RATE:-}" = "$rate" ] && command -v py-spy >/dev/null; then
