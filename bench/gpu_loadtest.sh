@@ -9,6 +9,7 @@
 #      failures, after an unjudged warm-up (WARMUP_RATE req/s for WARMUP): the highest
 #      rate that passes is the figure. CSVs, logs and the server's
 #      /metrics after each rate go to OUT (PYSPY_RATE=R: also py-spy stacks during rate R).
+#      WORKERS=N serves with `grace serve --workers N` (metrics of each worker kept).
 # Usage: bash bench/gpu_loadtest.sh OUT [RATES] [DURATION]
 # Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu LOCUST_PROCESSES=2 \
 #   bash bench/gpu_loadtest.sh /tmp/lt 20 8s
@@ -16,6 +17,7 @@ set -uo pipefail
 OUT=${1:?output directory}; RATES=${2:-"250 500 750 1000 1250 1500"}; DURATION=${3:-30s}
 ADS=${ADS:-30000000}; PROFILE=${PROFILE:-paper}; DEVICE=${DEVICE:-cuda}
 PROCS=${LOCUST_PROCESSES:-4}  # locust worker processes: one gevent loop tops out near 1k req/s
+WORKERS=${WORKERS:-1}  # grace serve --workers: serving processes sharing the port
 GRACE=(python3 -m service.cli)
 mkdir -p "$OUT"
 if [ ! -f "$OUT/index/CURRENT" ]; then
@@ -26,22 +28,27 @@ fi
     --tokenizer "$OUT/tokenizer" --out "$OUT/model" || exit 1
 GRACE_PROFILE=$PROFILE GRACE_QUEUE_CAPACITY=128 "${GRACE[@]}" serve --data-dir "$OUT" \
     --model "$OUT/model" --index-root "$OUT/index" --device "$DEVICE" --no-progress \
-    > "$OUT/server.log" 2>&1 &
+    --workers "$WORKERS" > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
 start=$(date +%s)
-until "${GRACE[@]}" health --target localhost:50051 --timeout 2 >/dev/null 2>&1; do
-    kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -20 "$OUT/server.log"; exit 1; }
-    sleep 2
+metrics() {  # worker $1's Prometheus text (workers serve metrics on 9464 + i)
+    python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:$((9464 + $1))/metrics').read().decode())" 2>/dev/null
+}
+for ((i = 0; i < WORKERS; i++)); do  # every worker has warmed up (its first batch done)
+    until metrics "$i" | grep -Eq '^grace_batch_size_count [1-9]'; do
+        kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -20 "$OUT/server.log"; exit 1; }
+        sleep 2
+    done
 done
-echo "SERVING after $(( $(date +%s) - start )) s"
+until "${GRACE[@]}" health --target localhost:50051 --timeout 2 >/dev/null 2>&1; do sleep 1; done
+echo "SERVING after $(( $(date +%s) - start )) s ($WORKERS worker(s))"
 # a replay file loads in a fraction of a second (building requests from the world takes
 # seconds, during which a locust worker would miss its heartbeats)
 [ -f "$OUT/requests.jsonl" ] || "${GRACE[@]}" record --world "$OUT/world" --users 1000 \
     --out "$OUT/requests.jsonl" || exit 1
 scrape() {  # the server's Prometheus metrics (stage times, batch sizes) after each rate
-    python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:9464/metrics').read().decode())" \
-        > "$OUT/metrics_$1.prom" 2>/dev/null
+    for ((i = 0; i < WORKERS; i++)); do metrics "$i" > "$OUT/metrics_$1_w$i.prom"; done
 }
 # a short unjudged warm-up: the first traffic after SERVING meets cold allocator pools
 # and library plans (the first measured rate read P99 3.2 s without it)
@@ -53,7 +60,8 @@ for rate in $RATES; do
     if [ "${PYSPY_RATE:-}" = "$rate" ] && command -v py-spy >/dev/null; then
         # where the server's threads spend the GIL at this rate (collapsed stacks)
         (sleep 5; py-spy record -d 10 -r 100 --threads --nonblocking --format raw \
-            -o "$OUT/pyspy_$rate.txt" --pid $SERVER >/dev/null 2>&1) &
+            -o "$OUT/pyspy_$rate.txt" --pid "$( ((WORKERS > 1)) && pgrep -P $SERVER | head -1 \
+            || echo $SERVER)" >/dev/null 2>&1) &
     fi
     python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u 16 -r 16 -t "$DURATION" \
         --processes "$PROCS" \

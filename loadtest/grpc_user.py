@@ -73,9 +73,11 @@ class GrpcUser(User):
         if self.stub_class is None or not self.host:
             raise ValueError("GrpcUser needs stub_class and a host (--host host:port)")
         target = self.host.removeprefix("grpc://").removeprefix("http://").rstrip("/")
-        self._channel = grpc.intercept_channel(
-            grpc.insecure_channel(target), LocustInterceptor(environment)
-        )
+        # each user its own connection, as separate clients have (gRPC otherwise shares
+        # one connection among a process's channels to a target): with `grace serve
+        # --workers N` connections are what the kernel spreads over the workers
+        channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        self._channel = grpc.intercept_channel(channel, LocustInterceptor(environment))
         self.stub: Any = self.stub_class(self._channel)
 
     def on_stop(self) -> None:

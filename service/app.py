@@ -6,7 +6,8 @@
     NOT_SERVING, drain, exit
 
 One event loop per process (uvloop when installed); model, GPU and C++ work run on the
-pipeline threads, never on the loop.
+pipeline threads, never on the loop. With `workers > 1` a supervisor runs that many such
+processes on one port (`service/workers.py`).
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ class App:
         self.metrics.close()
 
 
-async def start(settings: ServerSettings) -> App:
+async def start(settings: ServerSettings, *, bind_when_ready: bool = False) -> App:
+    """Load, warm and serve. `bind_when_ready` (a worker of several): open the gRPC port
+    only once SERVING, so the kernel never hands a connection to a worker still loading."""
     device = settings.resolve_device()
     metrics = Metrics()
     health_servicer = health.HealthServicer()
@@ -129,7 +132,10 @@ async def start(settings: ServerSettings) -> App:
     servicer = RetrievalServicer(
         batcher, Limits.from_settings(settings), indexes, metrics, request_log
     )
-    server = grpc.aio.server(options=_server_options(settings))
+    options = _server_options(settings)
+    if bind_when_ready:
+        options.append(("grpc.so_reuseport", 1))  # workers share the port
+    server = grpc.aio.server(options=options)
     retrieval_pb2_grpc.add_AdRetrievalServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
@@ -138,13 +144,18 @@ async def start(settings: ServerSettings) -> App:
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    await server.start()
+    address = f"{settings.host}:{settings.port}"
+    port = 0 if bind_when_ready else server.add_insecure_port(address)
+    if not bind_when_ready:
+        await server.start()  # health answers NOT_SERVING while loading
     metrics_port = metrics.serve(settings.metrics_port, settings.host)
     watcher.start()
     await _warm_up(batcher, settings)  # first batch pays one-time costs, not a client
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if bind_when_ready:
+        port = server.add_insecure_port(address)
+        await server.start()
     log.info(
         "serving %s on port %d (index %s, model %s, %s)",
         SERVICE, port, indexes.current.version, loaded.model_version, device,
@@ -183,9 +194,9 @@ async def _warm_up(batcher: Batcher, settings: ServerSettings) -> None:
     await batcher.submit(request)
 
 
-async def serve_forever(settings: ServerSettings) -> None:
+async def serve_forever(settings: ServerSettings, *, bind_when_ready: bool = False) -> None:
     """Run until SIGTERM/SIGINT, then drain gracefully."""
-    app = await start(settings)
+    app = await start(settings, bind_when_ready=bind_when_ready)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -197,11 +208,19 @@ async def serve_forever(settings: ServerSettings) -> None:
     log.info("stopped")
 
 
-def run(settings: ServerSettings) -> None:
-    """One event loop per process: uvloop when available."""
+def run(settings: ServerSettings, *, bind_when_ready: bool = False) -> int:
+    """Serve until stopped; returns the exit status. One event loop per process (uvloop
+    when available); `settings.workers > 1` runs that many worker processes instead
+    (`service/workers.py`)."""
+    if settings.workers > 1:
+        from service.workers import supervise
+
+        return supervise(settings)
+    main = serve_forever(settings, bind_when_ready=bind_when_ready)
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve_forever(settings))
+        asyncio.run(main)
     else:
-        uvloop.run(serve_forever(settings))
+        uvloop.run(main)
+    return 0

@@ -56,6 +56,13 @@ class ServerSettings(BaseSettings):
     )
     host: str = Field("0.0.0.0", description="Address the gRPC server binds to.")
     port: int = Field(50051, description="gRPC port; 0 lets the OS pick a free one (tests).")
+    workers: int = Field(
+        1,
+        description="Serving processes on this host sharing the gRPC port (SO_REUSEPORT), "
+        "each with its own model, index, GPU pipeline and GIL (one process's event loop "
+        "and stage threads share one GIL: docs/OPERATIONS.md). Worker i serves metrics on "
+        "metrics_port + i. More than one needs a fixed port.",
+    )
     metrics_port: int = Field(
         9464, description="Prometheus HTTP port; 0 lets the OS pick a free one (tests)."
     )
@@ -219,6 +226,10 @@ class ServerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _resolve(self) -> ServerSettings:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("workers > 1 share one port: give a fixed port, not 0")
         if self.default_max_ads > self.max_ads_limit:
             raise ValueError(
                 f"default_max_ads ({self.default_max_ads}) exceeds max_ads_limit "

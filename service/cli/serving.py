@@ -22,6 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
             "index_root": args.index_root,
             "model_dir": args.model,
             "device": args.device,
+            "workers": args.workers,
         }
     )
     if args.catalog:
@@ -34,8 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
                     progress=not args.no_progress)  # fmt: skip
     else:
         ensure_default(settings, progress=not args.no_progress)
-    run(settings)
-    return 0
+    return run(settings)
 
 
 def _query(args: argparse.Namespace) -> int:
@@ -63,6 +63,9 @@ def register(add: AddCommand) -> None:
     p.add_argument("--model", help="checkpoint directory (DATA_DIR/model)")
     p.add_argument("--catalog", help="build and serve an index for this catalog")
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--workers", type=int,
+                   help="serving processes sharing the port, each with its own model, index "
+                   "and GIL; worker i has metrics on METRICS_PORT + i (1)")  # fmt: skip
     p.add_argument("--config", help="settings file (.toml, .json, .yaml)")
     p.add_argument("--no-progress", action="store_true")
 

@@ -1,0 +1,80 @@
+"""Several serving processes on one host (`grace serve --workers N`, setting `workers`).
+
+One serving process runs its gRPC event loop and its four pipeline threads under one GIL;
+on an H200 that GIL, not the GPU, caps the served rate (docs/OPERATIONS.md, "GPU
+server"). N workers are N full servers — each loads the model and index, captures its
+CUDA graphs and runs its pipeline on the same GPU — listening on one port through
+SO_REUSEPORT, so the kernel spreads new connections over them (clients rebalance as
+`max_connection_age` closes old ones). A worker opens the port only once it is SERVING,
+so no connection lands on one still loading. Worker i serves metrics on
+`metrics_port + i` (or a free port when `metrics_port` is 0).
+
+The supervisor (this process) only starts the workers, forwards SIGTERM/SIGINT (each
+worker drains as a single server does) and watches them: if one dies unexpectedly, it
+stops the others and exits non-zero, so the orchestrator restarts the whole pod.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+
+from service.settings import ServerSettings
+
+log = logging.getLogger("grace.workers")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[worker {i}]: %(message)s"
+
+
+def worker_settings(settings: ServerSettings, i: int) -> ServerSettings:
+    """Worker i's settings: a single server, with its own metrics port."""
+    metrics = settings.metrics_port + i if settings.metrics_port else 0
+    return settings.model_copy(update={"workers": 1, "metrics_port": metrics})
+
+
+def _worker(settings: ServerSettings, i: int, level: int) -> None:
+    logging.basicConfig(level=level, format=LOG_FORMAT.format(i=i))
+    from service.app import run
+
+    raise SystemExit(run(settings, bind_when_ready=True))
+
+
+def supervise(settings: ServerSettings) -> int:
+    """Run `settings.workers` workers until they stop; 0 when all stopped cleanly."""
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA state crosses a fork
+    level = logging.getLogger().getEffectiveLevel()
+    procs = []
+    for i in range(settings.workers):
+        args = (worker_settings(settings, i), i, level)
+        procs.append(ctx.Process(target=_worker, args=args, name=f"grace-worker-{i}"))
+    stopping = threading.Event()
+
+    def stop_all(signum: int = signal.SIGTERM, _frame: object = None) -> None:
+        stopping.set()
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)  # each worker drains, then exits
+
+    previous = {sig: signal.signal(sig, stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
+    failed = False
+    try:
+        for p in procs:
+            p.start()
+        log.info("started %d workers on port %d: pids %s", len(procs), settings.port,
+                 [p.pid for p in procs])  # fmt: skip
+        while any(p.is_alive() for p in procs):
+            for p in procs:
+                p.join(0.1)
+                if p.exitcode not in (None, 0) and not stopping.is_set():
+                    log.error("%s exited with %s: stopping the others", p.name, p.exitcode)
+                    failed = True
+                    stop_all()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    clean = (0, -signal.SIGTERM)  # a worker stopped before it could install its handler
+    failed = failed or any(p.exitcode not in clean for p in procs)
+    log.info("workers stopped (exit codes %s)", [p.exitcode for p in procs])
+    return 1 if failed else 0

@@ -1,0 +1,122 @@
+"""`grace serve --workers 2`: two full servers on one port (SO_REUSEPORT), each opening it
+only once SERVING, each with its own metrics port; SIGTERM drains both and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from service.client import request_for_user
+from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from service.settings import load_settings
+from service.workers import worker_settings
+from tests.helpers.serving import make_serving_data
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_serving_data(tmp_path_factory.mktemp("workers"))
+
+
+def free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 all free (workers take metrics_port + i)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65536 and all(_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no run of free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def scrape(port: int) -> str | None:
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read().decode()
+    except OSError:
+        return None
+
+
+def counter(text: str, name: str, must: str = "") -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and must in line
+    )
+
+
+def test_worker_settings_are_single_servers_with_their_own_metrics_port() -> None:
+    s = load_settings({"workers": 3, "port": 50051, "metrics_port": 9464})
+    assert [worker_settings(s, i).metrics_port for i in range(3)] == [9464, 9465, 9466]
+    assert {worker_settings(s, i).workers for i in range(3)} == {1}
+    assert worker_settings(load_settings({"workers": 2, "metrics_port": 0}), 1).metrics_port == 0
+    with pytest.raises(ValueError, match="fixed port"):
+        load_settings({"workers": 2, "port": 0})
+    with pytest.raises(ValueError, match="workers"):
+        load_settings({"workers": 0})
+
+
+def test_two_workers_share_the_port_and_drain_on_sigterm(data: Path) -> None:
+    port, metrics = free_ports(1), free_ports(2)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data), "--port",
+         str(port), "--metrics-port", str(metrics), "--device", "cpu", "--no-progress",
+         "--workers", "2"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        # each worker has warmed up (its first batch) before it opens the port
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            texts = [scrape(metrics + i) for i in range(2)]
+            if all(t and counter(t, "grace_batch_size_count") >= 1 for t in texts):
+                break
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.2)
+        time.sleep(1.0)  # SERVING, then the port opens
+
+        async def many_connections() -> list:
+            req = request_for_user(data / "world", 0, 10, retrieval_pb2.CD_GTM)
+
+            async def one() -> retrieval_pb2.RetrieveResponse:
+                # its own TCP connection: channels to one target share one by default
+                local = [("grpc.use_local_subchannel_pool", 1)]
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=local) as ch:
+                    return await retrieval_pb2_grpc.AdRetrievalStub(ch).Retrieve(req, timeout=30)
+
+            return await asyncio.gather(*(one() for _ in range(24)))
+
+        replies = asyncio.run(many_connections())
+        assert all(len(r.ads) > 0 for r in replies)
+        handled = [
+            counter(scrape(metrics + i) or "", "grpc_server_handled_total", "Retrieve")
+            for i in range(2)
+        ]
+        assert sum(handled) == 24 and min(handled) > 0, handled  # both workers answered
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stderr.read()
+    assert "started 2 workers" in log and log.count("stopped") >= 2
+    assert all(scrape(metrics + i) is None for i in range(2))  # both processes are gone
