@@ -41,7 +41,10 @@ for ((i = 0; i < WORKERS; i++)); do  # every worker has warmed up (its first bat
         sleep 2
     done
 done
-until "${GRACE[@]}" health --target localhost:50051 --timeout 2 >/dev/null 2>&1; do sleep 1; done
+until "${GRACE[@]}" health --target localhost:50051 --timeout 2 >/dev/null 2>&1; do
+    kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -20 "$OUT/server.log"; exit 1; }
+    sleep 1
+done
 echo "SERVING after $(( $(date +%s) - start )) s ($WORKERS worker(s))"
 # a replay file loads in a fraction of a second (building requests from the world takes
 # seconds, during which a locust worker would miss its heartbeats)
@@ -60,8 +63,8 @@ for rate in $RATES; do
     if [ "${PYSPY_RATE:-}" = "$rate" ] && command -v py-spy >/dev/null; then
         # where the server's threads spend the GIL at this rate (collapsed stacks)
         (sleep 5; py-spy record -d 10 -r 100 --threads --nonblocking --format raw \
-            -o "$OUT/pyspy_$rate.txt" --pid "$( ((WORKERS > 1)) && pgrep -P $SERVER | head -1 \
-            || echo $SERVER)" >/dev/null 2>&1) &
+            -o "$OUT/pyspy_$rate.txt" --pid "$( ((WORKERS > 1)) \
+            && pgrep -P $SERVER -f spawn_main | head -1 || echo $SERVER)" >/dev/null 2>&1) &
     fi
     python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u 16 -r 16 -t "$DURATION" \
         --processes "$PROCS" \

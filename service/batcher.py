@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BUSY_BATCHES = 2  # batches ahead (one computing, one waiting) that make the pipeline busy
+BUSY_POLL = 0.001  # seconds between looks at a busy pipeline when max_wait is 0
 
 
 class Overloaded(RuntimeError):
@@ -148,14 +149,18 @@ class Batcher:
             batch = [await self._queue.get()]
             first = time.monotonic()
             while len(batch) < self.max_batch:
+                if not self._queue.empty():  # already waiting: no reason to close without it
+                    batch.append(self._queue.get_nowait())
+                    continue
                 busy = self.inflight >= BUSY_BATCHES
                 remaining = (
                     first + (self.max_wait_busy if busy else self.max_wait) - time.monotonic()
                 )
                 if remaining <= 0:
                     break
-                try:  # a busy pipeline may drain meanwhile: look again every max_wait
-                    wait = min(remaining, self.max_wait) if busy else remaining
+                # a busy pipeline may drain meanwhile: look again every max_wait (>= 1 ms)
+                wait = min(remaining, max(self.max_wait, BUSY_POLL)) if busy else remaining
+                try:
                     batch.append(await asyncio.wait_for(self._queue.get(), wait))
                 except TimeoutError:
                     continue

@@ -92,7 +92,10 @@ class RetrievalServicer(retrieval_pb2_grpc.AdRetrievalServicer):
             raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
         except Exception as exc:
             raise Abort(grpc.StatusCode.INTERNAL, f"retrieval failed: {exc}") from None
-        return self._response(result, req.include_sids)
+        try:
+            return self._response(result, req.include_sids)
+        except Exception as exc:  # counted as INTERNAL, not as an OK the client never got
+            raise Abort(grpc.StatusCode.INTERNAL, f"building the reply failed: {exc}") from None
 
     def _response(self, r: RetrievalResult, include_sids: bool) -> retrieval_pb2.RetrieveResponse:
         p = r.post

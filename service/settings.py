@@ -230,6 +230,11 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.workers > 1 and self.port == 0:
             raise ValueError("workers > 1 share one port: give a fixed port, not 0")
+        if self.metrics_port and self.metrics_port <= self.port < self.metrics_port + self.workers:
+            raise ValueError(
+                f"port {self.port} is among the workers' metrics ports "
+                f"{self.metrics_port}..{self.metrics_port + self.workers - 1}"
+            )
         if self.default_max_ads > self.max_ads_limit:
             raise ValueError(
                 f"default_max_ads ({self.default_max_ads}) exceeds max_ads_limit "

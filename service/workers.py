@@ -10,12 +10,18 @@ so no connection lands on one still loading. Worker i serves metrics on
 `metrics_port + i` (or a free port when `metrics_port` is 0).
 
 The supervisor (this process) only starts the workers, forwards SIGTERM/SIGINT (each
-worker drains as a single server does) and watches them: if one dies unexpectedly, it
-stops the others and exits non-zero, so the orchestrator restarts the whole pod.
+worker drains as a single server does) and watches them: if one exits on its own, it
+stops the others and exits non-zero, so the orchestrator restarts the whole pod; a
+worker whose supervisor dies gets SIGTERM (PR_SET_PDEATHSIG) instead of living on. A
+gRPC health or liveness probe reaches whichever worker the kernel picks: one wedged
+worker out of N fails a probe only 1/N of the time, so do not rely on probes alone to
+catch it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -26,6 +32,7 @@ from service.settings import ServerSettings
 
 log = logging.getLogger("grace.workers")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[worker {i}]: %(message)s"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def worker_settings(settings: ServerSettings, i: int) -> ServerSettings:
@@ -34,21 +41,30 @@ def worker_settings(settings: ServerSettings, i: int) -> ServerSettings:
     return settings.model_copy(update={"workers": 1, "metrics_port": metrics})
 
 
-def _worker(settings: ServerSettings, i: int, level: int) -> None:
+def _worker(settings: ServerSettings, i: int, level: int, parent: int) -> None:
     logging.basicConfig(level=level, format=LOG_FORMAT.format(i=i))
+    _die_with(parent)
     from service.app import run
 
     raise SystemExit(run(settings, bind_when_ready=True))
 
 
+def _die_with(parent: int) -> None:
+    """SIGTERM this worker when the supervisor dies, however it dies (Linux
+    PR_SET_PDEATHSIG): an orphaned worker would keep serving an old model and index on
+    the shared port next to its successor."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def supervise(settings: ServerSettings) -> int:
-    """Run `settings.workers` workers until they stop; 0 when all stopped cleanly."""
+    """Run `settings.workers` workers until they stop; 0 when all stopped cleanly. A
+    worker that exits on its own (whatever its status) stops the others: exit 1."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA state crosses a fork
     level = logging.getLogger().getEffectiveLevel()
-    procs = []
-    for i in range(settings.workers):
-        args = (worker_settings(settings, i), i, level)
-        procs.append(ctx.Process(target=_worker, args=args, name=f"grace-worker-{i}"))
+    procs: list[mp.process.BaseProcess] = []
     stopping = threading.Event()
 
     def stop_all(signum: int = signal.SIGTERM, _frame: object = None) -> None:
@@ -60,21 +76,36 @@ def supervise(settings: ServerSettings) -> int:
     previous = {sig: signal.signal(sig, stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
     failed = False
     try:
-        for p in procs:
+        for i in range(settings.workers):
+            if stopping.is_set():  # told to stop while starting: start no more
+                break
+            args = (worker_settings(settings, i), i, level, os.getpid())
+            p = ctx.Process(target=_worker, args=args, name=f"grace-worker-{i}")
+            procs.append(p)
             p.start()
+        if stopping.is_set():
+            stop_all()  # the ones started after the signal arrived
         log.info("started %d workers on port %d: pids %s", len(procs), settings.port,
                  [p.pid for p in procs])  # fmt: skip
         while any(p.is_alive() for p in procs):
             for p in procs:
                 p.join(0.1)
-                if p.exitcode not in (None, 0) and not stopping.is_set():
+                if p.exitcode is not None and not stopping.is_set():
                     log.error("%s exited with %s: stopping the others", p.name, p.exitcode)
                     failed = True
                     stop_all()
+    except BaseException:
+        stop_all()  # never leave started workers behind
+        for p in procs:
+            if p.pid is not None:
+                p.join(30)
+            if p.is_alive():
+                p.kill()
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    clean = (0, -signal.SIGTERM)  # a worker stopped before it could install its handler
+    clean = (0, -signal.SIGTERM, -signal.SIGINT)  # stopped before its own handler was in
     failed = failed or any(p.exitcode not in clean for p in procs)
     log.info("workers stopped (exit codes %s)", [p.exitcode for p in procs])
     return 1 if failed else 0

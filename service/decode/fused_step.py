@@ -38,7 +38,7 @@ def _ln(x: torch.Tensor, norm: nn.LayerNorm, shift: torch.Tensor | None) -> torc
 
 def _bias(linear: nn.Linear) -> torch.Tensor:
     assert linear.bias is not None
-    return linear.bias.float()
+    return linear.bias.detach().float().clone()  # a snapshot, never the parameter itself
 
 
 class FusedDecoderStep:

@@ -18,7 +18,10 @@ or when its request is padding (a batch smaller than its bucket). Requests never
 
 `DecodeOptions` holds the benchmark's ablation switches (bench/bench_decoder_loop.py);
 the defaults are the serving path. Calls are serialised (one lock; the plans share static
-buffers), and on CUDA every call must come from the same stream.
+buffers), and on CUDA every call must come from the same stream. Captures go through
+`service/capture.py` (reserved streams, one capture at a time in the process); a plan
+split into parts (`DecodeOptions.streams`) records them as parallel branches of its
+graph, and runs them one after the other when it runs eagerly.
 
 An engine is bound to one decoder and one index's tables (its graphs hold their
 addresses): build one per index version and `warm(beams)` it — capture every plan —
@@ -37,6 +40,7 @@ from index_builder.lookup import FilterMode, GtmTables, RequestTensors
 from index_builder.targeting import MAX_REQUEST_LOCATIONS
 from kernels.cross_attention import cross_attention, cross_attention_per_beam
 from kernels.gtm_mask import masked_logits
+from service.capture import capture, part_streams
 from service.decode.engine import NEG_INF, DecodeResult, candidates, check_schedule, select
 from service.decode.fused_step import FusedDecoderStep
 from service.decode.kv_cache import ATTENTION_MODES, DenseKVCache, KVCache, PagedKVCache
@@ -55,7 +59,7 @@ class DecodeOptions:
     bloom: bool = True  # False: GTM tests the bitmask only
     cuda_graph: bool = True  # capture each plan on CUDA (CPU always runs eagerly)
     fused_layers: bool = True  # FusedDecoderStep (False: the decoder's reference `step`)
-    streams: int = 2  # buckets >= SPLIT_MIN_BUCKET run as this many parts, one stream each
+    streams: int = 2  # buckets >= SPLIT_MIN_BUCKET run as this many parts (graph branches)
 
     def __post_init__(self) -> None:
         for name, value, known in (
@@ -124,10 +128,6 @@ class StaticBeamSearch:
         self._inputs: dict[tuple, torch.Tensor] = {}  # shared static inputs, by shape
         self._caches: dict[tuple, KVCache] = {}  # shared per (bucket, widths)
         self._pool = None  # one graph memory pool for every plan: replays never overlap
-        on_cuda = self.device.type == "cuda"
-        self._streams = (
-            [torch.cuda.Stream(self.device) for _ in range(self.options.streams)] if on_cuda else []
-        )
         self._lock = threading.RLock()
 
     @property
@@ -298,22 +298,19 @@ class StaticBeamSearch:
             blooms[:b, n:].copy_(requests.blooms[:, :1].expand(-1, blooms.shape[1] - n, -1))
 
     def _capture(self, plan: _Plan) -> None:
-        """Warm up on a side stream (Triton autotuning, cuBLAS handles), then capture the
-        whole loop; intermediates live in the graph pool shared by all plans."""
+        """Warm up, then capture the whole loop (`service/capture.py`: reserved streams, one
+        capture at a time); intermediates live in the graph pool shared by all plans."""
         plan.live.fill_(True)  # warm up on live rows, so autotuning sees real work
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup_runs):
-                self._decode(plan)
-        current.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: other stage threads may keep using CUDA while a plan is captured
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            plan.out = self._decode(plan)
+        plan.out = capture(
+            graph,
+            lambda: self._decode(plan, parallel=True),
+            device=self.device,
+            pool=self._pool,
+            warmup_runs=self.warmup_runs,
+        )
         plan.graph = graph
 
     # ----------------------------------------------------------------------- the loop
@@ -326,22 +323,27 @@ class StaticBeamSearch:
             return masked_logits(*args, bloom=False)
         return masked_logits(*args)
 
-    def _decode(self, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The whole plan: its parts each on their own stream (forked from and joined back
-        to the current one, so a graph capture records them as parallel branches)."""
+    def _decode(
+        self, plan: _Plan, parallel: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole plan. A split plan's parts run one after the other, or with
+        `parallel` (only inside `capture`, which owns the reserved streams) each on its
+        own stream, forked from and joined back to the current one, so the graph records
+        them as parallel branches."""
         if not plan.parts:
             return self._body(plan)
-        if not self._streams:  # CPU: the parts one after the other
+        if not parallel:
             outs = [self._body(part) for part in plan.parts]
-            return tuple(torch.cat(xs) for xs in zip(*outs, strict=True))  # type: ignore[return-value]
-        current = torch.cuda.current_stream(self.device)
-        outs = []
-        for part, stream in zip(plan.parts, self._streams, strict=False):
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                outs.append(self._body(part))
-        for stream in self._streams[: len(plan.parts)]:
-            current.wait_stream(stream)
+        else:
+            current = torch.cuda.current_stream(self.device)
+            streams = part_streams(self.device, len(plan.parts))
+            outs = []
+            for part, stream in zip(plan.parts, streams, strict=True):
+                stream.wait_stream(current)
+                with torch.cuda.stream(stream):
+                    outs.append(self._body(part))
+            for stream in streams:
+                current.wait_stream(stream)
         return tuple(torch.cat(xs) for xs in zip(*outs, strict=True))  # type: ignore[return-value]
 
     def _body(self, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

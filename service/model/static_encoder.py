@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from service.capture import capture
 from service.model.embeddings import NUM_NONSEQ_TOKENS, EmbeddedFeatures
 from service.model.encoder import ContextEncoder
 
@@ -94,19 +95,17 @@ class StaticEncoder:
         return plan
 
     def _capture(self, plan: _Plan) -> None:
-        """Warm up on a side stream (cuBLAS/cuDNN plans), then capture one forward."""
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup_runs):
-                self.encoder(plan.inputs)
-        current.wait_stream(side)
+        """Warm up (cuBLAS/cuDNN plans), then capture one forward (`service/capture.py`)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            plan.out = self.encoder(plan.inputs)
+        plan.out = capture(
+            graph,
+            lambda: self.encoder(plan.inputs),
+            device=self.device,
+            pool=self._pool,
+            warmup_runs=self.warmup_runs,
+        )
         plan.graph = graph
 
 

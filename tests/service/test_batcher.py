@@ -176,3 +176,28 @@ def test_a_busy_pipeline_fills_batches_instead_of_closing_at_max_wait() -> None:
 def test_max_wait_busy_below_max_wait_is_refused() -> None:
     with pytest.raises(ValueError, match="max_wait_busy"):
         Batcher(lambda batch: None, max_wait=0.01, max_wait_busy=0.005)
+
+
+def test_queued_requests_join_a_batch_even_with_no_wait() -> None:
+    """max_wait 0 while busy: requests already queued fill the batch at once (no spin of
+    empty waits, no batches of one)."""
+
+    async def main() -> None:
+        batcher, pipe = make(max_batch=16, max_wait=0.0, max_wait_busy=0.02)
+        pipe.gate.clear()
+        held = []
+        for i in (100, 101):
+            held.append(asyncio.ensure_future(batcher.submit(i)))
+            while batcher.inflight < len(held):
+                await asyncio.sleep(0.001)
+        queued = [asyncio.ensure_future(batcher.submit(i)) for i in range(40)]
+        await asyncio.sleep(0.05)
+        pipe.gate.set()
+        assert await asyncio.gather(*queued) == [2 * i for i in range(40)]
+        sizes = [len(b) for b in pipe.batches[2:]]
+        assert sum(sizes) == 40 and max(sizes) == 16 and len(sizes) <= 4, sizes
+        await asyncio.gather(*held)
+        await batcher.stop()
+        pipe.close()
+
+    run(main())

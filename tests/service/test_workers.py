@@ -120,3 +120,21 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(data: Path) -> None:
     log = proc.stderr.read()
     assert "started 2 workers" in log and log.count("stopped") >= 2
     assert all(scrape(metrics + i) is None for i in range(2))  # both processes are gone
+
+
+def test_a_worker_that_exits_stops_the_others_and_the_supervisor_fails(tmp_path: Path) -> None:
+    """Workers that cannot start (no model here) exit non-zero: supervise returns 1."""
+    from service.workers import supervise
+
+    s = load_settings(
+        {"workers": 2, "port": free_ports(1), "metrics_port": 0, "data_dir": tmp_path,
+         "device": "cpu"}
+    )  # fmt: skip
+    t = time.monotonic()
+    assert supervise(s) == 1
+    assert time.monotonic() - t < 120
+
+
+def test_the_grpc_port_may_not_be_a_workers_metrics_port() -> None:
+    with pytest.raises(ValueError, match="metrics ports"):
+        load_settings({"workers": 2, "port": 9465, "metrics_port": 9464})
