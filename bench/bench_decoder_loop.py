@@ -20,6 +20,9 @@ with random bf16 weights. Each row adds one optimisation to the row above — al
                      matmuls, shifted LayerNorm kernel, GELU in the matmul epilogue
     + 2 streams      the batch decoded as 2 halves on 2 CUDA streams inside the one graph:
                      one half's memory-bound kernels run beside the other's matmuls
+    + one-pass tail  mask + log-softmax + score in the mask kernel (no cast, softmax,
+                     add and fill passes over [R, V]); layer 0's QKV table read by the
+                     self-attention kernel instead of gathered into a copy first
 
 Each row: P50/P99 over `--batches` batches (CUDA events around `engine.run`, inputs
 already on the device; `--naive-batches` for the slow naive row), cycling through 8
@@ -72,7 +75,7 @@ from service.model.retriever import GenerativeRetriever
 CD, GTM = FilterMode.CD_ONLY, FilterMode.CD_GTM
 NAIVE = DecodeOptions(
     cross="per_beam", self_attn="sdpa", kv="dense", fixed_beams=True, mask=False,
-    cuda_graph=False, fused_layers=False, streams=1,
+    cuda_graph=False, fused_layers=False, streams=1, fused_tail=False,
 )  # fmt: skip
 
 
@@ -92,7 +95,8 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
         ("graph_bitmask", "CUDA graph, + bitmask GTM", {"bloom": False}, GTM),
         ("graph_bloom", "CUDA graph, + Bloom GTM", {"bloom": True}, GTM),
         ("graph_fused", "+ fused layer ops", {"fused_layers": True}, GTM),
-        ("graph_streams", "+ 2 parts on 2 streams (final)", {"streams": 2}, GTM),
+        ("graph_streams", "+ 2 parts on 2 streams", {"streams": 2}, GTM),
+        ("graph_tail", "+ one-pass tail (final)", {"fused_tail": True}, GTM),
     ]
     out, options = [], NAIVE
     for key, label, change, mode in steps:
@@ -279,7 +283,7 @@ def main() -> None:
                 eager_bloom = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == "graph_bloom":
                 unfused = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
-            if key == "graph_streams":
+            if key == "graph_tail":
                 final = engine
             else:
                 del engine

@@ -5,7 +5,12 @@ One program per beam row. It walks the row's trie node's child range (CSR
 — in GTM mode — the bitmask test against the request's bitmask row, then, only for the
 children that passed, the Bloom test ANY-of-many over the request's L location rows.
 It writes the whole output row: −inf / −1 everywhere, then the allowed tokens' logits
-and child nodes. Fixed shapes, no host syncs: the launch can sit inside a CUDA graph
+and child nodes.
+With SCORE it goes on to the decode loop's candidate scores in the same
+program — the row's log-softmax over the allowed tokens plus the row's accumulated score
+(`kernels.gtm_mask.candidates`) — so the loop runs no separate cast, log-softmax, add
+and fill passes over `[R, V]`. Logits may be float32 or bfloat16/float16 (read as fp32).
+Fixed shapes, no host syncs: the launch can sit inside a CUDA graph
 (after one eager warm-up call, which autotunes).
 
 Tables are int64 views of the uint64 words (`index_builder.lookup.GtmTables`); Triton's
@@ -26,8 +31,8 @@ from kernels._tuning import AUTOTUNE
 
 @triton.jit
 def _gtm_mask_kernel(
-    logits_ptr,  # float32 [R, V], row stride `stride_logits`
-    masked_ptr,  # float32 [R, V] out, contiguous
+    logits_ptr,  # float32 (or bf16/fp16) [R, V], row stride `stride_logits`
+    masked_ptr,  # float32 [R, V] out, contiguous: masked logits, or candidates with SCORE
     child_out_ptr,  # int32 [R, V] out, contiguous
     node_ids_ptr,  # int64 [R]
     row_request_ptr,  # int64 [R]
@@ -40,6 +45,7 @@ def _gtm_mask_kernel(
     bloom_table_ptr,  # int64 [R_bl, W_BL]
     req_bitmask_ptr,  # int64 [B, W_BM]
     req_blooms_ptr,  # int64 [B, L, W_BL]
+    score_ptr,  # float32 [R]: accumulated score of each row (read with SCORE only)
     stride_logits,
     R,  # rows: an autotune key only
     L,  # Bloom rows per request (padding rows repeat row 0)
@@ -48,6 +54,7 @@ def _gtm_mask_kernel(
     W_BL: tl.constexpr,
     GTM: tl.constexpr,
     BLOOM: tl.constexpr,
+    SCORE: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_WBM: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -121,8 +128,24 @@ def _gtm_mask_kernel(
         tok = tl.load(tokens_ptr + entry, mask=ok, other=0)
         child = tl.load(child_nodes_ptr + entry, mask=ok, other=0)
         x = tl.load(logits_ptr + r * stride_logits + tok, mask=ok, other=0.0)
-        tl.store(masked_ptr + out_row + tok, x, mask=ok)
+        tl.store(masked_ptr + out_row + tok, x.to(tl.float32), mask=ok)
         tl.store(child_out_ptr + out_row + tok, child, mask=ok)
+
+    if SCORE:
+        # score + log_softmax over the row, −inf where barred; a row with nothing allowed
+        # stays all −inf. The barrier makes the scattered stores above visible to every
+        # thread of the program (the row is in L1/L2: this re-read is cheap).
+        tl.debug_barrier()
+        x = tl.load(masked_ptr + out_row + v, mask=v < V, other=float("-inf"))
+        allowed = x > float("-inf")
+        m = tl.max(x, axis=0)
+        shifted = x - tl.where(m > float("-inf"), m, 0.0)
+        total = tl.sum(tl.where(allowed, tl.exp(shifted), 0.0), axis=0)
+        s = tl.load(score_ptr + r)
+        cand = tl.where(allowed, s + (shifted - tl.log(total)), float("-inf"))
+        # Triton promises no lane-to-element map, so every read ends before any overwrite
+        tl.debug_barrier()
+        tl.store(masked_ptr + out_row + v, cand, mask=v < V)
 
 
 def _configs() -> list[triton.Config]:
@@ -141,7 +164,7 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-_gtm_mask_autotuned = triton.autotune(configs=_configs(), key=["R", "L", "GTM", "BLOOM"])(
+_gtm_mask_autotuned = triton.autotune(configs=_configs(), key=["R", "L", "GTM", "BLOOM", "SCORE"])(
     _gtm_mask_kernel
 )
 
@@ -156,7 +179,7 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype, ndim: int) -> None:
 
 
 def gtm_mask_triton(
-    logits: torch.Tensor,  # float32 [R, V]; rows may be strided, columns contiguous
+    logits: torch.Tensor,  # float32/bf16/fp16 [R, V]; rows may be strided, columns contiguous
     tables: GtmTables,
     node_ids: torch.Tensor,  # int64 [R]: trie node of each beam row
     row_request: torch.Tensor,  # int64 [R]: batch index of each row's request
@@ -166,10 +189,13 @@ def gtm_mask_triton(
     bloom: bool = True,  # with gtm: False tests the bitmask only
     out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (float32 [R, V], int32 [R, V])
     config: dict[str, int] | None = None,  # BLOCK_C, BLOCK_L, num_warps; None: autotune
-) -> tuple[torch.Tensor, torch.Tensor]:  # (masked float32 [R, V], child int32 [R, V])
-    """Launch the mask kernel: one program per row, every output element written."""
+    score: torch.Tensor | None = None,  # float32 [R]: output candidates instead of logits
+) -> tuple[torch.Tensor, torch.Tensor]:  # (masked / candidates float32 [R, V], child int32)
+    """Launch the mask kernel: one program per row, every output element written. With
+    `score`, the first output is `candidates(score, masked, allowed)`."""
     rows = node_ids.shape[0]
-    assert logits.dtype == torch.float32 and logits.dim() == 2, (logits.dtype, logits.shape)
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    assert logits.dtype in floats and logits.dim() == 2, (logits.dtype, logits.shape)
     assert logits.shape == (rows, VOCAB_SIZE) and logits.stride(1) == 1, logits.shape
     _check(node_ids, "node_ids", torch.int64, 1)
     _check(row_request, "row_request", torch.int64, 1)
@@ -191,6 +217,9 @@ def gtm_mask_triton(
         req_bitmask, req_blooms = requests.bitmask, requests.blooms
     else:
         n_loc, req_bitmask, req_blooms = 1, node_ids, node_ids  # never read
+    if score is not None:
+        _check(score, "score", torch.float32, 1)
+        assert score.shape[0] == rows
     if out is None:
         masked = torch.empty(rows, VOCAB_SIZE, dtype=torch.float32, device=logits.device)
         child = torch.empty(rows, VOCAB_SIZE, dtype=torch.int32, device=logits.device)
@@ -205,6 +234,7 @@ def gtm_mask_triton(
         logits, masked, child, node_ids, row_request,
         t.node_offsets, t.child_nodes, t.tokens, t.bitmask_index, t.bloom_index,
         t.bitmask_table, t.bloom_table, req_bitmask, req_blooms,
+        node_ids if score is None else score,  # never read without SCORE
         logits.stride(0), rows, n_loc,
     )  # fmt: skip
     meta = {
@@ -213,6 +243,7 @@ def gtm_mask_triton(
         "W_BL": w_bl,
         "GTM": gtm,
         "BLOOM": gtm and bloom,
+        "SCORE": score is not None,
         "BLOCK_V": triton.next_power_of_2(VOCAB_SIZE),
         "BLOCK_WBM": triton.next_power_of_2(w_bm),
     }

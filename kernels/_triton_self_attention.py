@@ -10,6 +10,9 @@ body, three variants by `tl.constexpr` flags:
   cache;
 - paged (FUSED=True, PAGED=True): the same, every token addressed through the block
   table (a block = one beam row × one token × all heads).
+With GATHER (fused variants) row r's q/k/v come from row `q_rows[r]` of the QKV source:
+the decoder's layer 0 reads its per-(position, token) QKV table this way (a few MB that
+stay in L2) instead of having each row's 3·H·d_h copied out first.
 
 Work split: a query is one (row, head) pair, flattened n = r * H + h, and a program
 takes BLOCK_N consecutive ones, i.e. G = BLOCK_N / H whole beam rows when BLOCK_N ≥ H.
@@ -91,6 +94,7 @@ def _self_attn_kernel(
     k_ptr,  # [R, T, H, D] gathered | dense cache [R, L, H, D] | PAGED pool [N, H, D]
     v_ptr,  # same layout as k_ptr, strides s_vr/s_vt
     table_ptr,  # PAGED: int32/int64 [R, L] block of row r's token j
+    q_rows_ptr,  # GATHER: int64 [R]: the row of q/kn/vn that row r reads
     out_ptr,  # [R, H, D] contiguous
     n_queries,  # R * H
     s_q,
@@ -108,6 +112,7 @@ def _self_attn_kernel(
     FUSED: tl.constexpr,
     PAGED: tl.constexpr,
     STORE: tl.constexpr,  # FUSED: write the new k/v into the cache
+    GATHER: tl.constexpr,  # q/kn/vn rows through q_rows_ptr
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no tf32 rounding), else "tf32"
     BLOCK_N: tl.constexpr,
     MASKED_DOT: tl.constexpr,
@@ -118,7 +123,8 @@ def _self_attn_kernel(
     # offset of (head, dim) inside a row's — or a block's — contiguous H·D span
     dd = tl.arange(0, D)
     hd = (offs_n % H)[:, None] * D + dd[None, :]  # [BLOCK_N, D]
-    q_off = row[:, None] * s_q + hd
+    q_row = tl.load(q_rows_ptr + row, mask=n_ok, other=0).to(tl.int64) if GATHER else row
+    q_off = q_row[:, None] * s_q + hd
     # load q once: it stays in registers for the whole (≤ 4-key) softmax
     q = tl.load(q_ptr + q_off, mask=n_ok[:, None], other=0.0)
 
@@ -193,7 +199,7 @@ def _self_attn_kernel(
 
 
 _self_attn_tuned = triton.autotune(
-    configs=CONFIGS, key=["n_queries", "H", "D", "T", "FUSED", "PAGED", "STORE"]
+    configs=CONFIGS, key=["n_queries", "H", "D", "T", "FUSED", "PAGED", "STORE", "GATHER"]
 )(_self_attn_kernel)
 
 
@@ -204,7 +210,7 @@ def _packed(x: torch.Tensor) -> bool:
 
 
 def _launch(
-    q: torch.Tensor,  # [R, H, D]
+    q: torch.Tensor,  # [R, H, D], or [N, H, D] read through q_rows
     kn: torch.Tensor,  # [R, H, D] (FUSED) or q (unused)
     vn: torch.Tensor,
     k: torch.Tensor,  # prefix source, see the kernel
@@ -216,8 +222,10 @@ def _launch(
     fused: bool,
     store: bool,
     config: dict | None,
+    q_rows: torch.Tensor | None = None,  # int64 [R]: GATHER (fused only)
 ) -> torch.Tensor:
-    r, h, d = q.shape
+    h, d = q.shape[1:]
+    r = q.shape[0] if q_rows is None else q_rows.shape[0]
     if out is None:
         out = torch.empty(r, h, d, dtype=q.dtype, device=q.device)
     assert out.shape == (r, h, d) and out.dtype == q.dtype and out.is_contiguous()
@@ -226,7 +234,8 @@ def _launch(
     if n == 0:
         return out
     tab = table if table is not None else q  # an unused pointer when not PAGED
-    args = (q, kn, vn, k, v, tab, out, n, q.stride(0), k.stride(0), token_strides[0])
+    rows = q_rows if q_rows is not None else q  # an unused pointer without GATHER
+    args = (q, kn, vn, k, v, tab, rows, out, n, q.stride(0), k.stride(0), token_strides[0])
     args += (v.stride(0), token_strides[1])
     args += (tab.stride(0), tab.stride(1)) if table is not None else (0, 0)
     consts = {
@@ -237,6 +246,7 @@ def _launch(
         "FUSED": fused,
         "PAGED": table is not None,
         "STORE": store,
+        "GATHER": q_rows is not None,
         "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
     }
     scale = math.log2(math.e) / math.sqrt(d)
@@ -277,6 +287,7 @@ def fused_self_attention_triton(
     store: bool = True,  # False: leave the cache alone (the last position: nothing reads it)
     out: torch.Tensor | None = None,  # [R, H, d_h] contiguous, written in full
     config: dict | None = None,
+    qkv_rows: torch.Tensor | None = None,  # int64 [R]: row r's QKV is qkv[qkv_rows[r]]
 ) -> torch.Tensor:  # [R, H, d_h]
     """Write the new k/v at position t, attend over 0..t: one pass over the step's bytes.
 
@@ -284,10 +295,14 @@ def fused_self_attention_triton(
     blocks `block_table[:, t]` must be distinct and not among any row's blocks 0..t-1
     (fresh blocks, as `PagedKVCache` allots); blocks 0..t-1 may be shared.
     """
-    r = qkv.shape[0]
+    n_src = qkv.shape[0]
+    r = n_src if qkv_rows is None else qkv_rows.shape[0]
     h, d = k_cache.shape[-2:]
     hd = h * d
     assert qkv.dim() == 2 and qkv.shape[1] == 3 * hd and qkv.stride(1) == 1, qkv.shape
+    if qkv_rows is not None:
+        assert qkv_rows.dim() == 1 and qkv_rows.dtype == torch.int64, qkv_rows.dtype
+        assert qkv_rows.device == qkv.device and qkv_rows.is_contiguous()
     assert v_cache.shape == k_cache.shape and qkv.dtype == k_cache.dtype == v_cache.dtype
     assert qkv.device == k_cache.device == v_cache.device
     assert _packed(k_cache) and _packed(v_cache), "cache heads and d_h must be contiguous"
@@ -303,6 +318,6 @@ def fused_self_attention_triton(
         length = block_table.shape[1]
         strides = (0, 0)
     assert 0 <= t < length, (t, length)
-    q, kn, vn = (qkv[:, i * hd : (i + 1) * hd].view(r, h, d) for i in range(3))
+    q, kn, vn = (qkv[:, i * hd : (i + 1) * hd].view(n_src, h, d) for i in range(3))
     args = (q, kn, vn, k_cache, v_cache, block_table, out, t, strides, True, store, config)
-    return _launch(*args)
+    return _launch(*args, q_rows=qkv_rows)

@@ -9,7 +9,9 @@ the decode loop around it can be captured in a CUDA graph.
 `masked_logits` dispatches: the Triton kernel (`kernels._triton_gtm_mask`) on CUDA
 tensors for CD_ONLY and CD_GTM, the reference (`index_builder.lookup`) otherwise; k-way
 always takes the reference. `bloom=False` drops the Bloom test (CD + bitmask only), the
-decode-loop ablation.
+decode-loop ablation. `masked_candidates` goes one step further, as the fixed-shape
+decode loop needs it: each allowed token's candidate score — the row's accumulated score
+plus the token's log-softmax over the allowed tokens (`candidates`) — in the same kernel.
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ def masked_logits_reference(
     return logits.masked_fill(~allowed, NEG_INF), child
 
 
+def candidates(
+    score: torch.Tensor,  # float32 [R]: accumulated log-probability of each row
+    masked: torch.Tensor,  # float32 [R, V]: the step's logits, −inf where not allowed
+    allowed: torch.Tensor,  # bool [R, V]
+) -> torch.Tensor:  # float32 [R, V]: score of every (row, token) extension, −inf if barred
+    """A row with nothing allowed (dead, or no eligible child) has a NaN log-softmax: the
+    fill turns it into −inf like every other barred token."""
+    logp = torch.log_softmax(masked, dim=-1)
+    return (score[:, None] + logp).masked_fill(~allowed, NEG_INF)
+
+
 def masked_logits(
     logits: torch.Tensor,  # float32 [R, V]
     tables: GtmTables,
@@ -72,3 +85,31 @@ def masked_logits(
     return masked_logits_reference(
         logits, tables, node_ids, row_request, requests, mode, bloom=bloom
     )
+
+
+def masked_candidates(
+    logits: torch.Tensor,  # [R, V], float32 or (CUDA) bf16/fp16
+    tables: GtmTables,
+    node_ids: torch.Tensor,  # int64 [R]
+    row_request: torch.Tensor,  # int64 [R]
+    requests: RequestTensors | None,  # None only for CD_ONLY
+    score: torch.Tensor,  # float32 [R]: each row's accumulated log-probability
+    mode: FilterMode = FilterMode.CD_GTM,
+    *,
+    bloom: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (candidates float32 [R, V], child int32 [R, V])
+    """`candidates(score, *masked_logits(...))` in one kernel on CUDA (mask, log-softmax
+    and the score added per row: no cast or elementwise passes over `[R, V]` between);
+    the two references one after the other elsewhere."""
+    fast = mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM)
+    if fast and logits.is_cuda and gtm_mask_triton is not None:
+        if mode == FilterMode.CD_GTM and requests is None:
+            raise ValueError(f"{mode.name} needs encoded requests")
+        return gtm_mask_triton(
+            logits, tables, node_ids, row_request, requests,
+            gtm=mode == FilterMode.CD_GTM, bloom=bloom, score=score,
+        )  # fmt: skip
+    masked, child = masked_logits_reference(
+        logits.float(), tables, node_ids, row_request, requests, mode, bloom=bloom
+    )
+    return candidates(score, masked, child >= 0), child

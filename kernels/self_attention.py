@@ -8,7 +8,8 @@ CUDA tensors, the torch reference here otherwise, and whenever autograd is recor
   projection output, writes the new key/value into the cache (dense `[R, L, H, d_h]`, or
   a paged pool `[N, H, d_h]` addressed by `block_table [R, L]`), gathers tokens 0..t and
   attends — one pass over the bytes. `store=False` skips the write where nothing will
-  read it (the last SID position).
+  read it (the last SID position); `qkv_rows` reads row r's QKV from row `qkv_rows[r]`
+  of a shared source (the decoder's layer-0 QKV table) without copying it out first.
 
 On GPU the kernels autotune per (rows, H, d_h, t, variant) on first use: run each step
 shape once before capturing a CUDA graph.
@@ -65,8 +66,11 @@ def fused_self_attention_reference(
     block_table: torch.Tensor | None = None,  # int [R, L]: block of row r's token j (paged)
     *,
     store: bool = True,  # False: skip the cache write (the last position: nothing reads it)
+    qkv_rows: torch.Tensor | None = None,  # int64 [R]: row r's QKV is qkv[qkv_rows[r]]
 ) -> torch.Tensor:  # [R, H, d_h]
     """Write the new k/v at position t, then attend over positions 0..t."""
+    if qkv_rows is not None:
+        qkv = qkv[qkv_rows]
     r = qkv.shape[0]
     h, d = k_cache.shape[-2:]
     q, k, v = qkv.view(r, 3, h, d).unbind(1)
@@ -95,6 +99,7 @@ def fused_self_attention(
     block_table: torch.Tensor | None = None,
     *,
     store: bool = True,
+    qkv_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatcher: the fused (dense) or paged Triton kernel on CUDA, the reference elsewhere.
 
@@ -103,6 +108,7 @@ def fused_self_attention(
     `store=False` at the last SID position saves the 2·H·d_h-element write per row that
     no later step would read (at t = 3 on the paper shape: 805 MB → 671 MB moved).
     """
-    if _use_triton(qkv, k_cache, v_cache, block_table):
-        return fused_self_attention_triton(qkv, k_cache, v_cache, t, block_table, store=store)
-    return fused_self_attention_reference(qkv, k_cache, v_cache, t, block_table, store=store)
+    args = (qkv, k_cache, v_cache, t, block_table)
+    if _use_triton(qkv, k_cache, v_cache, block_table, qkv_rows):
+        return fused_self_attention_triton(*args, store=store, qkv_rows=qkv_rows)
+    return fused_self_attention_reference(*args, store=store, qkv_rows=qkv_rows)

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from index_builder.lookup import FilterMode, GtmTables, RequestTensors, lookup
+from kernels.gtm_mask import NEG_INF, candidates
 from service.decode.kv_cache import DenseKVCache, PagedKVCache
 from service.model.decoder import SIDDecoder
-
-NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -45,17 +44,6 @@ def check_schedule(beams: tuple[int, ...], sid_length: int, vocab: int) -> None:
     for t in range(1, sid_length):
         if beams[t] > beams[t - 1] * vocab:
             raise ValueError(f"M_{t + 1}={beams[t]} exceeds M_{t}·{vocab} candidates")
-
-
-def candidates(
-    score: torch.Tensor,  # float32 [R]: accumulated log-probability of each row
-    masked: torch.Tensor,  # float32 [R, V]: the step's logits, −inf where not allowed
-    allowed: torch.Tensor,  # bool [R, V]
-) -> torch.Tensor:  # float32 [R, V]: score of every (row, token) extension, −inf if barred
-    """A row with nothing allowed (dead, or no eligible child) has a NaN log-softmax: the
-    fill turns it into −inf like every other barred token."""
-    logp = torch.log_softmax(masked, dim=-1)
-    return (score[:, None] + logp).masked_fill(~allowed, NEG_INF)
 
 
 def select(

@@ -6,8 +6,10 @@ the `[R, d_model]` activations (DESIGN.md §7, "fewer kernels per step"):
 
 1. Layer 0's QKV is a table. Layer 0 sees only the token embedding, and its QKV
    projection `qkv(LN(tok_emb[t, token]))` depends on (t, token) alone, so it is computed
-   once per model for the sid_length × (vocab + 1) pairs and gathered per row — the layer
-   0 QKV matmul (7 % of the decoder's FLOPs) disappears.
+   once per model for the sid_length × (vocab + 1) pairs, and the self-attention reads
+   each row's entry straight from the table (`KVCache.attend(..., rows=tokens)`: 3 MB per
+   position, L2-resident) — the layer 0 QKV matmul (7 % of the decoder's FLOPs) and the
+   copy of its output both disappear.
 2. Residual adds go into the matmul: `x.addmm_(a, W.t())` (cuBLAS `beta = 1`) adds the
    projection to the residual stream in place. The bias is left out and carried as a
    pending constant: every LayerNorm normalises `x + shift`, where `shift` is the sum of
@@ -46,8 +48,9 @@ class FusedDecoderStep:
     LayerNorms; call it like the decoder's `step`."""
 
     @torch.no_grad()
-    def __init__(self, decoder: SIDDecoder) -> None:
+    def __init__(self, decoder: SIDDecoder, *, table_in_attention: bool = True) -> None:
         self.decoder = decoder
+        self.table_in_attention = table_in_attention  # False: gather the rows' QKV first
         c = decoder.config
         first = decoder.layers[0]
         # [sid_length, vocab + 1, 3·H·d_h]: layer 0's QKV for every (position, token)
@@ -87,9 +90,12 @@ class FusedDecoderStep:
         r = x.shape[0]
         for i, (layer, kv) in enumerate(zip(d.layers, cross, strict=True)):
             at_self, at_cross, at_ffn = self.shifts[i]
-            # layer 0: the table; later layers: LN + QKV projection
-            qkv = self.qkv0[t, tokens] if i == 0 else layer.qkv(_ln(x, layer.norm_self, at_self))
-            a = cache.attend(i, t, qkv)  # [R, H, d_h]
+            if i == 0 and self.table_in_attention:  # row r reads table entry (t, tokens[r])
+                a = cache.attend(0, t, self.qkv0[t], rows=tokens)  # [R, H, d_h]
+            elif i == 0:
+                a = cache.attend(0, t, self.qkv0[t, tokens])
+            else:
+                a = cache.attend(i, t, layer.qkv(_ln(x, layer.norm_self, at_self)))
             x.addmm_(a.reshape(r, -1), layer.self_out.weight.t())
             q = layer.cross_q(_ln(x, layer.norm_cross, at_cross)).view(r, layer.h, layer.dh)
             x.addmm_(cross_attn(q, *kv).reshape(r, -1), layer.cross_out.weight.t())

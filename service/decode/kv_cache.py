@@ -1,7 +1,8 @@
 """Self-attention KV caches for the ≤ 4-token SID prefix of every beam row (paper §4.3).
 
-Both caches own "write + attend" (`attend(layer, t, qkv)`): the decoder hands each layer's
-QKV projection to the cache, which writes the new key/value and attends over tokens 0..t
+Both caches own "write + attend" (`attend(layer, t, qkv[, rows])`): the decoder hands each
+layer's QKV projection (or, with `rows`, a shared source and each row's index into it —
+layer 0's QKV table) to the cache, which writes the new key/value and attends over tokens 0..t
 of every row. Every buffer is allocated once, for the rows of each step (`rows_per_step`,
 B · M_t), and nothing is reallocated per step, so `StaticBeamSearch` keeps one cache per
 (batch bucket, schedule) across runs and captures it in its CUDA graphs; `BeamSearch`
@@ -47,6 +48,10 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 _UNFUSED = {"gather": prefix_self_attention, "sdpa": _sdpa}
 
 
+def _rows(qkv: torch.Tensor, rows: torch.Tensor | None) -> int:
+    return qkv.shape[0] if rows is None else rows.shape[0]
+
+
 def _split(qkv: torch.Tensor, h: int, d: int) -> tuple[torch.Tensor, ...]:
     return qkv.view(qkv.shape[0], 3, h, d).unbind(1)  # q, k, v: [R, H, d_h] each
 
@@ -80,16 +85,21 @@ class PagedKVCache:
             table[:, t] = self._base[t] + torch.arange(r, device=device)
             self.tables.append(table)
 
-    def attend(self, layer: int, t: int, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv [R_t, 3·H·d_h] of the rows' token t -> self-attention output [R_t, H, d_h]."""
-        r, table = qkv.shape[0], self.tables[t]
+    def attend(
+        self, layer: int, t: int, qkv: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """qkv [R_t, 3·H·d_h] of the rows' token t (or, with `rows` int64 [R_t], row r's
+        is qkv[rows[r]]) -> self-attention output [R_t, H, d_h]."""
+        r, table = _rows(qkv, rows), self.tables[t]
         assert r == self.rows[t], f"step {t} has {self.rows[t]} rows, got {r}"
         if self.attention == "fused":
             # the last position's k/v are never read again: skip writing them (1/6 of the
             # step's bytes at t = 3)
             store = t + 1 < len(self.rows)
-            return fused_self_attention(qkv, self.k[layer], self.v[layer], t, table, store=store)
-        q, k, v = _split(qkv, self.h, self.d)
+            return fused_self_attention(
+                qkv, self.k[layer], self.v[layer], t, table, store=store, qkv_rows=rows
+            )
+        q, k, v = _split(qkv if rows is None else qkv[rows], self.h, self.d)
         fresh = slice(self._base[t], self._base[t] + r)  # = table[:, t]: contiguous blocks
         self.k[layer, fresh] = k
         self.v[layer, fresh] = v
@@ -123,13 +133,16 @@ class DenseKVCache:
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
 
-    def attend(self, layer: int, t: int, qkv: torch.Tensor) -> torch.Tensor:
-        r = qkv.shape[0]
+    def attend(
+        self, layer: int, t: int, qkv: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        r = _rows(qkv, rows)
         assert r == self.rows[t], f"step {t} has {self.rows[t]} rows, got {r}"
         k_rows, v_rows = self.k[layer, :r], self.v[layer, :r]  # [R_t, L, H, d_h], contiguous
         if self.attention == "fused":
-            return fused_self_attention(qkv, k_rows, v_rows, t, store=t + 1 < len(self.rows))
-        q, k, v = _split(qkv, self.h, self.d)
+            store = t + 1 < len(self.rows)
+            return fused_self_attention(qkv, k_rows, v_rows, t, store=store, qkv_rows=rows)
+        q, k, v = _split(qkv if rows is None else qkv[rows], self.h, self.d)
         k_rows[:, t] = k
         v_rows[:, t] = v
         return _UNFUSED[self.attention](q, k_rows[:, : t + 1], v_rows[:, : t + 1])

@@ -39,9 +39,9 @@ import torch
 from index_builder.lookup import FilterMode, GtmTables, RequestTensors
 from index_builder.targeting import MAX_REQUEST_LOCATIONS
 from kernels.cross_attention import cross_attention, cross_attention_per_beam
-from kernels.gtm_mask import masked_logits
+from kernels.gtm_mask import candidates, masked_candidates, masked_logits
 from service.capture import capture, part_streams
-from service.decode.engine import NEG_INF, DecodeResult, candidates, check_schedule, select
+from service.decode.engine import NEG_INF, DecodeResult, check_schedule, select
 from service.decode.fused_step import FusedDecoderStep
 from service.decode.kv_cache import ATTENTION_MODES, DenseKVCache, KVCache, PagedKVCache
 from service.model.decoder import SIDDecoder
@@ -60,6 +60,9 @@ class DecodeOptions:
     cuda_graph: bool = True  # capture each plan on CUDA (CPU always runs eagerly)
     fused_layers: bool = True  # FusedDecoderStep (False: the decoder's reference `step`)
     streams: int = 2  # buckets >= SPLIT_MIN_BUCKET run as this many parts (graph branches)
+    # one kernel for mask + log-softmax + score, layer 0's QKV table read by the attention
+    # kernel (False: masked_logits, then candidates; the table gathered first)
+    fused_tail: bool = True
 
     def __post_init__(self) -> None:
         for name, value, known in (
@@ -123,7 +126,11 @@ class StaticBeamSearch:
         self.device, self.dtype = param.device, param.dtype
         per_beam = self.options.cross == "per_beam"
         self._cross = cross_attention_per_beam if per_beam else cross_attention
-        self._step = FusedDecoderStep(decoder) if self.options.fused_layers else decoder.step
+        self._step = (
+            FusedDecoderStep(decoder, table_in_attention=self.options.fused_tail)
+            if self.options.fused_layers
+            else decoder.step
+        )
         self._plans: dict[tuple, _Plan] = {}
         self._inputs: dict[tuple, torch.Tensor] = {}  # shared static inputs, by shape
         self._caches: dict[tuple, KVCache] = {}  # shared per (bucket, widths)
@@ -315,13 +322,16 @@ class StaticBeamSearch:
 
     # ----------------------------------------------------------------------- the loop
 
-    def _mask(
-        self, plan: _Plan, logits: torch.Tensor, node: torch.Tensor, t: int
+    def _candidates(
+        self, plan: _Plan, logits: torch.Tensor, node: torch.Tensor, score: torch.Tensor, t: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        args = (logits, self.tables, node, plan.row_request[t], plan.requests, plan.mode)
-        if plan.mode == FilterMode.CD_GTM and not self.options.bloom:
-            return masked_logits(*args, bloom=False)
-        return masked_logits(*args)
+        """CD+GTM mask, log-softmax and accumulated score: one kernel on CUDA (`fused_tail`)."""
+        bloom = self.options.bloom or plan.mode != FilterMode.CD_GTM
+        args = (logits, self.tables, node, plan.row_request[t], plan.requests)
+        if self.options.fused_tail:
+            return masked_candidates(*args, score, plan.mode, bloom=bloom)
+        masked, child = masked_logits(logits.float(), *args[1:], plan.mode, bloom=bloom)
+        return candidates(score, masked, child >= 0), child
 
     def _decode(
         self, plan: _Plan, parallel: bool = False
@@ -358,12 +368,11 @@ class StaticBeamSearch:
         parents, picked = [], []
         for t in range(steps):
             w, last = plan.widths[t], t + 1 == steps
-            logits = self._step(tokens, t, cross, plan.cache, self._cross).float()
+            logits = self._step(tokens, t, cross, plan.cache, self._cross)  # model dtype
             if self.options.mask:
-                masked, child = self._mask(plan, logits, node, t)  # [R, V] each
-                cand = candidates(score, masked, child >= 0)
+                cand, child = self._candidates(plan, logits, node, score, t)  # [R, V] each
             else:
-                cand = score[:, None] + torch.log_softmax(logits, dim=-1)
+                cand = score[:, None] + torch.log_softmax(logits.float(), dim=-1)
             keep = plan.beams[-1] if last else plan.widths[t + 1]
             score, parent, token = select(cand.view(bsz, -1), keep, w, c.vocab_size)
             if not last and plan.widths[t + 1] > plan.beams[t + 1]:

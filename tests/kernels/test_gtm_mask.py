@@ -18,7 +18,13 @@ from index_builder.format import SID_LENGTH, VOCAB_SIZE, IndexArrays
 from index_builder.kway import KwaySpec
 from index_builder.lookup import FilterMode, GtmTables, RequestTensors
 from index_builder.targeting import Targeting, encode_requests
-from kernels.gtm_mask import gtm_mask_triton, masked_logits, masked_logits_reference
+from kernels.gtm_mask import (
+    candidates,
+    gtm_mask_triton,
+    masked_candidates,
+    masked_logits,
+    masked_logits_reference,
+)
 from tests.helpers.catalogs import ads_strategy, catalog_from_ads, requests_strategy
 from tests.helpers.oracle import Ad, eligible_prefixes
 
@@ -102,7 +108,7 @@ def poisoned(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return masked, child
 
 
-def run_kernel(logits, tables, nodes, request, requests, variant, config=None):
+def run_kernel(logits, tables, nodes, request, requests, variant, config=None, score=None):
     mode, bloom = VARIANTS[variant]
     out = poisoned(nodes.shape[0])
     cfg = (
@@ -120,6 +126,7 @@ def run_kernel(logits, tables, nodes, request, requests, variant, config=None):
         bloom=bloom,
         out=out,
         config=cfg,
+        score=score,
     )
     assert got[0] is out[0] and got[1] is out[1]
     return got
@@ -141,6 +148,71 @@ def test_kernel_matches_reference(world, variant: str, config, rows: int) -> Non
     want = masked_logits_reference(logits, tables, nodes, request, requests, mode, bloom=bloom)
     got = run_kernel(logits, tables, nodes, request, requests, variant, config)
     assert_same(got, want)
+
+
+def candidates_reference(logits, tables, nodes, request, requests, variant, score):
+    mode, bloom = VARIANTS[variant]
+    masked, child = masked_logits_reference(
+        logits.float(), tables, nodes, request, requests, mode, bloom=bloom
+    )
+    return candidates(score, masked, child >= 0), child
+
+
+def scores_of(n: int, seed: int) -> torch.Tensor:
+    """Accumulated row scores: finite negatives and a few dead (−inf) rows."""
+    g = torch.Generator().manual_seed(seed)
+    score = -torch.rand(n, generator=g) * 20
+    score[torch.rand(n, generator=g) < 0.2] = float("-inf")
+    return score.to(DEV)
+
+
+def assert_candidates(got, want) -> None:
+    """Candidates: the same −inf pattern (bit-exact) and the same finite scores up to
+    the last bits of exp/log; children bit-exact."""
+    assert torch.equal(torch.isinf(got[0]), torch.isinf(want[0]))
+    assert not torch.isnan(got[0]).any(), "a row with nothing allowed must be all −inf"
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("rows", [1, 23])
+def test_kernel_candidates_match_reference(world, variant: str, config, rows: int) -> None:
+    """With a row score the kernel writes score + log-softmax over the allowed tokens:
+    the decode loop's candidates, dead rows and rows with nothing allowed all −inf."""
+    index, tables, requests = world
+    logits, nodes, request = rows_of(index, rows, requests.bitmask.shape[0], seed=rows + 5)
+    score = scores_of(rows, seed=rows)
+    want = candidates_reference(logits, tables, nodes, request, requests, variant, score)
+    got = run_kernel(logits, tables, nodes, request, requests, variant, config, score=score)
+    assert_candidates(got, want)
+    assert torch.isfinite(got[0]).any(), "nothing allowed anywhere: a vacuous comparison"
+
+
+@needs_triton
+def test_kernel_candidates_read_bf16_logits(world) -> None:
+    """bf16 logits (the model's dtype) are read as fp32: the same as casting first."""
+    index, tables, requests = world
+    logits, nodes, request = rows_of(index, 17, requests.bitmask.shape[0], seed=9)
+    low = logits.to(torch.bfloat16)
+    score = scores_of(17, seed=9)
+    want = candidates_reference(low, tables, nodes, request, requests, "cd_gtm", score)
+    got = run_kernel(low, tables, nodes, request, requests, "cd_gtm", (16, 8, 2), score=score)
+    assert_candidates(got, want)
+
+
+def test_candidates_dispatcher_takes_the_references_on_cpu(world) -> None:
+    index, tables, requests = world
+    logits, nodes, request = rows_of(index, 12, requests.bitmask.shape[0], seed=4)
+    score = scores_of(12, seed=4)
+    for variant, (mode, bloom) in VARIANTS.items():
+        want = candidates_reference(logits, tables, nodes, request, requests, variant, score)
+        got = masked_candidates(logits, tables, nodes, request, requests, score, mode, bloom=bloom)
+        assert_candidates(got, want)
+    with pytest.raises(ValueError, match="needs encoded requests"):
+        masked_candidates(logits, tables, nodes, request, None, score, FilterMode.CD_GTM)
 
 
 @needs_triton
@@ -196,7 +268,7 @@ def test_launcher_rejects_wrong_dtypes(world) -> None:
     with pytest.raises(AssertionError, match="node_ids"):
         gtm_mask_triton(logits, tables, nodes.int(), request, requests, gtm=True)
     with pytest.raises(AssertionError):
-        gtm_mask_triton(logits.half(), tables, nodes, request, requests, gtm=True)
+        gtm_mask_triton(logits.double(), tables, nodes, request, requests, gtm=True)
     with pytest.raises(AssertionError, match="requests"):
         gtm_mask_triton(logits, tables, nodes, request, None, gtm=True)
 
@@ -305,6 +377,22 @@ def test_gpu_kernel_matches_reference_on_a_decode_loop(big_world, variant: str) 
         want = masked_logits_reference(logits, tables, nodes, request, requests, mode, bloom=bloom)
         got = masked_logits(logits, tables, nodes, request, requests, mode, bloom=bloom)
         assert_same(got, want)
+        assert torch.isfinite(got[0]).any(), "no row allows anything: a vacuous comparison"
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_candidates_match_reference_on_a_decode_loop(big_world) -> None:
+    """The decode loop's fused call: bf16 logits, row scores, full-size steps."""
+    tables, requests, steps = big_world
+    for t, nodes in enumerate(steps):
+        m = nodes.shape[0] // 16
+        request = torch.arange(16, device="cuda").repeat_interleave(m)
+        logits = torch.randn(nodes.shape[0], VOCAB_SIZE, device="cuda").bfloat16()
+        score = -torch.rand(nodes.shape[0], device="cuda") * (5 * t)
+        got = masked_candidates(logits, tables, nodes, request, requests, score)
+        want = candidates_reference(logits, tables, nodes, request, requests, "cd_gtm", score)
+        assert_candidates(got, want)
         assert torch.isfinite(got[0]).any(), "no row allows anything: a vacuous comparison"
 
 

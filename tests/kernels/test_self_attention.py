@@ -188,6 +188,39 @@ def test_store_false_attends_the_same_and_leaves_the_cache_alone(t, paged, tile)
     torch.testing.assert_close((k_cache, v_cache), before, **exact)
 
 
+@pytest.mark.parametrize("t", [0, 2, 3])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("tile", list(TILES))
+def test_rows_read_through_an_index_equal_the_gathered_rows(t, paged, tile) -> None:
+    """qkv_rows (layer 0's QKV table): row r reads source row qkv_rows[r] — rows repeat
+    and the source has fewer rows than the step — and the result, cache writes included,
+    is the kernel's on the gathered copy."""
+    rows, heads, d_h, dtype = 13, 3, 16, torch.float32
+    gen = _gen("qkv-rows", t, paged, tile)
+    source = _qkv(5, heads, d_h, dtype, gen)
+    index = torch.randint(5, (rows,), generator=gen)
+    index[1] = index[0]  # two rows on one entry
+    if paged:
+        k_cache, v_cache, table = _paged_step(rows, t, heads, d_h, dtype, torch.int32, gen)
+    else:
+        (k_cache, v_cache), table = _dense_cache(rows, t, heads, d_h, dtype, gen), None
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    want = fused_self_attention_triton(
+        source[index].contiguous(), k_ref, v_ref, t, table, config=TILES[tile]
+    )
+    out = _poisoned_out(rows, heads, d_h, dtype)
+    got = fused_self_attention_triton(
+        source, k_cache, v_cache, t, table, out=out, config=TILES[tile], qkv_rows=index
+    )
+    exact = {"atol": 0, "rtol": 0, "equal_nan": True}
+    torch.testing.assert_close(got, want, **exact)
+    torch.testing.assert_close((k_cache, v_cache), (k_ref, v_ref), **exact)
+    # and the reference's qkv_rows is the same gather
+    ref = fused_self_attention_reference(source, k_ref.clone(), v_ref.clone(), t, table,
+                                         qkv_rows=index)  # fmt: skip
+    torch.testing.assert_close(ref, want, **TOL[dtype])
+
+
 @pytest.mark.parametrize("tile", list(TILES))
 def test_query_sees_only_its_own_row(tile: str) -> None:
     """The block-diagonal mask: changing row 1's keys/values leaves rows 0 and 2 alone."""
