@@ -8,7 +8,8 @@
 #   3. open-loop locust at each rate for DURATION, thresholds P99 <= 100 ms and <= 0.1 %
 #      failures, after an unjudged warm-up (WARMUP_RATE req/s for WARMUP): the highest
 #      rate that passes is the figure. CSVs, logs and the server's
-#      /metrics after each rate go to OUT (PYSPY_RATE=R: also py-spy stacks during rate R).
+#      /metrics after each rate go to OUT (PYSPY_RATE=R: also py-spy stacks during rate R),
+#      and `nvidia-smi dmon` GPU utilisation per second during each rate (dmon_<rate>.txt).
 #      WORKERS=N serves with `grace serve --workers N` (metrics of each worker kept).
 # Usage: bash bench/gpu_loadtest.sh OUT [RATES] [DURATION]
 # Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu LOCUST_PROCESSES=2 \
@@ -66,11 +67,17 @@ for rate in $RATES; do
             -o "$OUT/pyspy_$rate.txt" --pid "$( ((WORKERS > 1)) \
             && pgrep -P $SERVER -f spawn_main | head -1 || echo $SERVER)" >/dev/null 2>&1) &
     fi
+    DMON=
+    if command -v nvidia-smi >/dev/null; then  # is the GPU the limit? (sm % per second)
+        nvidia-smi dmon -s u -d 1 > "$OUT/dmon_$rate.txt" 2>&1 &
+        DMON=$!
+    fi
     python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u 16 -r 16 -t "$DURATION" \
         --processes "$PROCS" \
         --only-summary --replay "$OUT/requests.jsonl" --arrival-rate "$rate" \
         --max-inflight 4000 --csv "$OUT/rate_$rate" --check-p99-ms 100 \
         --check-fail-ratio 0.001 > "$OUT/rate_$rate.log" 2>&1
     echo "rate $rate req/s: exit $? ($(grep -h 'grace loadtest' "$OUT/rate_$rate.log" | tail -1))"
+    [ -n "$DMON" ] && kill "$DMON" 2>/dev/null
     scrape "$rate"
 done

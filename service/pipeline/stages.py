@@ -3,8 +3,9 @@ does its part on the compute device (on its own CUDA stream on GPU), and returns
 
 1. input: pack requests into a `FeatureBatch` (history -> SID tokens via the batch's
    index) and the decode groups' targeting tensors, pin them and copy them host ->
-   device without blocking;
-2. features: embedding tables and bags (`FeatureEmbedder`);
+   device without blocking (on GPU the FeatureBatch as one packed buffer: one copy);
+2. features: embedding tables and bags (`FeatureEmbedder`; on GPU `StaticFeatures`:
+   CUDA graphs over padded buckets);
 3. compute: encoder (on GPU `StaticEncoder`: CUDA graphs over padded buckets), then the
    constrained beam search — one run per (beams, filter mode) group of the batch, so
    requests with other options never share a schedule;
@@ -30,9 +31,17 @@ from index_builder.targeting import MAX_REQUEST_LOCATIONS, encode_requests
 from service.decode.engine import BeamSearch
 from service.decode.retrieve import reference_post
 from service.decode.static_engine import StaticBeamSearch
-from service.model.features import FeatureBatch, UserFeatures, prepare_features
+from service.model.embeddings import FeatureEmbedder
+from service.model.features import (
+    FeatureBatch,
+    UserFeatures,
+    pack_features,
+    prepare_features,
+    unpack_features,
+)
 from service.model.retriever import GenerativeRetriever
 from service.model.static_encoder import StaticEncoder
+from service.model.static_features import StaticFeatures
 from service.pipeline.records import BatchState, DecodeGroup, RetrievalResult
 from service.post import PostRequest
 from service.serving_index import ServingIndex
@@ -55,8 +64,12 @@ class Stages:
         self.post_fn = post or default_post
         cuda = self.device.type == "cuda"
         self.streams = [torch.cuda.Stream(self.device) if cuda else None for _ in range(4)]
-        # GPU: the encoder as CUDA graphs over padded buckets (one launch instead of ~150
-        # from the compute thread); CPU: the eager encoder on the batch as it is
+        # GPU: the embedder and the encoder as CUDA graphs over padded buckets (a replay
+        # instead of ~20 and ~150 launches from their threads); CPU: eager, on the batch
+        # as it is
+        self.embedder: StaticFeatures | FeatureEmbedder = (
+            StaticFeatures(self.model.embedder, self.model.config) if cuda else self.model.embedder
+        )
         self.encoder = StaticEncoder(self.model.encoder) if cuda else self.model.encoder
 
     def prepare(self, index: ServingIndex, beams: tuple[int, ...]) -> ServingIndex:
@@ -65,7 +78,7 @@ class Stages:
         batch and location bucket). CPU keeps the dynamic reference engine: no padding."""
         if self.device.type != "cuda":
             return index
-        self._warm_encoder()  # once: the encoder does not depend on the index
+        self._warm_graphs()  # once: embedder and encoder do not depend on the index
         retrieval = index.retrieval
         # few plans keep start-up and swaps short (each plan is captured, and new shapes
         # autotune the kernels): batches pad to 4 or 16, locations to 64 (the Bloom scan
@@ -83,15 +96,12 @@ class Stages:
                  index.version, plans, time.perf_counter() - t0)  # fmt: skip
         return dataclasses.replace(index, engine=engine)
 
-    def _warm_encoder(self) -> None:
-        """Capture the encoder's graphs (a no-op once done); if that fails, serve with the
-        eager encoder rather than not at all."""
-        if not isinstance(self.encoder, StaticEncoder):
-            return
-        try:
-            self.encoder.warm()
-        except Exception:
-            log.exception("capturing the encoder's CUDA graphs failed: eager encoder")
+    def _warm_graphs(self) -> None:
+        """Capture the embedder's and the encoder's graphs (no-ops once done); where that
+        fails, serve with the eager module rather than not at all."""
+        if isinstance(self.embedder, StaticFeatures) and not _warmed(self.embedder, "embedder"):
+            self.embedder = self.model.embedder
+        if isinstance(self.encoder, StaticEncoder) and not _warmed(self.encoder, "encoder"):
             self.encoder = self.model.encoder
 
     def _on(self, stage: int, batch: BatchState) -> AbstractContextManager[object]:
@@ -134,16 +144,20 @@ class Stages:
 
     def _to_device(self, x: _Movable) -> _Movable:
         """Host -> device on the current stream without blocking the thread: a pageable
-        copy would wait for the stream (and so for the batches ahead of this one)."""
+        copy would wait for the stream (and so for the batches ahead of this one). A
+        FeatureBatch moves packed: one pinned buffer and one copy instead of eight."""
         if self.device.type != "cuda":
             return x
+        if isinstance(x, FeatureBatch):
+            packed = pack_features(x, pin_memory=True).to(self.device, non_blocking=True)
+            return unpack_features(packed, x.hist_sid.shape[2])
         return x.pin_memory().to(self.device, non_blocking=True)
 
     @torch.no_grad()
     def features(self, batch: BatchState) -> None:
         assert batch.features is not None
         with self._on(1, batch):
-            batch.embedded = self.model.embed(batch.features)
+            batch.embedded = self.embedder(batch.features)
         self._done(1, batch)
 
     @torch.no_grad()
@@ -180,6 +194,15 @@ class Stages:
             )
             for p, g in zip(posts, generated, strict=True)
         ]
+
+
+def _warmed(static: StaticFeatures | StaticEncoder, name: str) -> bool:
+    try:
+        static.warm()
+    except Exception:
+        log.exception("capturing the %s's CUDA graphs failed: eager %s", name, name)
+        return False
+    return True
 
 
 def default_post(batch: BatchState, generated) -> list[PostResult]:

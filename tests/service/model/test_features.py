@@ -1,23 +1,32 @@
-"""Feature preparation (pipeline stage 2): what the encoder sees of a request."""
+"""Feature preparation (pipeline stage 2): what the encoder sees of a request, and the
+packed form in which stage 1 moves it to the GPU."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from index_builder.format import AdArrays
 from index_builder.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Targeting
 from service.model.config import PROFILES
 from service.model.features import (
+    FeatureBatch,
+    PackedFeatureBatch,
     SidLookup,
     UserFeatures,
     gap_bucket,
+    pack_features,
+    packed_columns,
     prepare_features,
+    unpack_features,
     user_hash,
 )
 
@@ -226,3 +235,54 @@ def test_large_batches_match_one_request_at_a_time():
 def test_to_moves_every_field():
     f = prepare_features([_user([100])], LOOKUP, CONFIG).to("cpu")
     assert f.hist_sid.device.type == "cpu" and f.batch_size == 1
+
+
+def _equal(a: FeatureBatch, b: FeatureBatch) -> None:
+    for f in fields(FeatureBatch):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        assert x.dtype == y.dtype and torch.equal(x, y), f.name
+
+
+@settings(max_examples=100, deadline=None)
+@given(b=st.integers(0, 5), width=st.integers(0, 6), sid_length=st.integers(1, 4), data=st.data())
+def test_pack_then_unpack_gives_the_batch_back(b, width, sid_length, data):
+    def ints(*shape: int) -> torch.Tensor:
+        return torch.from_numpy(data.draw(hnp.arrays(np.int64, shape)))
+
+    mask = torch.from_numpy(data.draw(hnp.arrays(np.bool_, (b, width))))
+    f = FeatureBatch(
+        ints(b), ints(b), ints(b), ints(b), ints(b, width, sid_length), ints(b, width),
+        ints(b, width), mask,
+    )  # fmt: skip
+    packed = pack_features(f)
+    assert packed.shape == (b, packed_columns(width, sid_length))
+    assert packed.dtype == torch.int64
+    back = unpack_features(packed, sid_length)
+    _equal(back, f)
+    # zero columns appended to the rows are masked, all-zero padding events
+    wider = unpack_features(torch.nn.functional.pad(packed, (0, 2 * (sid_length + 3))), sid_length)
+    assert wider.hist_mask.shape == (b, width + 2)
+    narrowed = {k.name: getattr(wider, k.name) for k in fields(FeatureBatch)}
+    for name in ("hist_sid", "hist_type", "hist_gap", "hist_mask"):
+        assert not narrowed[name][:, width:].any(), name
+        narrowed[name] = narrowed[name][:, :width]
+    _equal(FeatureBatch(**narrowed), f)
+
+
+def test_a_packed_batch_views_one_buffer_and_moves_as_one():
+    f = prepare_features([_user([100, 101]), _user([])], LOOKUP, CONFIG, width=4)
+    packed = unpack_features(pack_features(f), CONFIG.sid_length)
+    _equal(packed, f)
+    assert isinstance(packed, PackedFeatureBatch) and packed.batch_size == 2
+    for name in ("user_hash", "gender", "hist_sid", "hist_gap"):
+        assert getattr(packed, name)._base is packed.packed  # views, not copies
+    moved = packed.to("cpu")
+    assert isinstance(moved, PackedFeatureBatch)
+    _equal(moved, f)
+
+
+def test_unpacking_refuses_a_row_of_another_layout():
+    with pytest.raises(ValueError, match="columns"):
+        unpack_features(torch.zeros(2, 4 + 7 + 1, dtype=torch.int64), sid_length=4)
+    with pytest.raises(ValueError, match="columns"):
+        unpack_features(torch.zeros(2, 3, dtype=torch.int64), sid_length=4)

@@ -20,6 +20,7 @@ from service.model.config import PROFILES
 from service.model.features import UserFeatures, prepare_features
 from service.model.retriever import GenerativeRetriever
 from service.model.static_encoder import StaticEncoder
+from service.model.static_features import StaticFeatures
 from service.pipeline.runner import Pipeline
 from service.pipeline.stages import Stages
 from service.serving_index import IndexHolder, ServingIndex
@@ -88,8 +89,13 @@ def model() -> GenerativeRetriever:
     return GenerativeRetriever(CONFIG).eval()
 
 
-async def serve(model, holder: IndexHolder, reqs, *, fail_stage: str | None = None, swap=None):
+async def serve(
+    model, holder: IndexHolder, reqs, *, fail_stage: str | None = None, swap=None, static=False
+):
     stages = Stages(model, "m1", "cpu", None)
+    if static:  # the GPU's fixed-shape stages 2 and 3, run eagerly
+        stages.embedder = StaticFeatures(model.embedder, CONFIG, batch_buckets=(2, 4))
+        stages.encoder = StaticEncoder(model.encoder, batch_buckets=(2, 4))
     if fail_stage:
         original = getattr(stages, fail_stage)
 
@@ -115,10 +121,11 @@ async def serve(model, holder: IndexHolder, reqs, *, fail_stage: str | None = No
     return results
 
 
-def test_pipeline_answers_like_the_reference_path_and_only_eligible_ads(model) -> None:
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_pipeline_answers_like_the_reference_path_and_only_eligible_ads(model, static) -> None:
     ads, index = world(0)
     reqs = requests(10, ads)
-    results = asyncio.run(serve(model, IndexHolder(index), reqs))
+    results = asyncio.run(serve(model, IndexHolder(index), reqs, static=static))
     by_id = {a.ad_id: a for a in ads}
     for r, res in zip(reqs, results, strict=True):
         feats = prepare_features(
@@ -169,17 +176,27 @@ def test_a_swapped_out_index_is_released_once_no_batch_holds_it(model) -> None:
     assert holder.current is index1
 
 
-def test_a_failed_encoder_capture_falls_back_to_the_eager_encoder(model, caplog) -> None:
-    class Broken(StaticEncoder):
+def test_a_failed_capture_falls_back_to_the_eager_module(model, caplog) -> None:
+    class BrokenEncoder(StaticEncoder):
+        def warm(self) -> None:
+            raise RuntimeError("capture failed")
+
+    class BrokenEmbedder(StaticFeatures):
         def warm(self) -> None:
             raise RuntimeError("capture failed")
 
     stages = Stages(model, "m1", "cpu", None)
-    stages.encoder = Broken(model.encoder)
-    stages._warm_encoder()
+    stages.encoder = BrokenEncoder(model.encoder)
+    stages._warm_graphs()
     assert stages.encoder is model.encoder
     assert "eager encoder" in caplog.text
-    working = StaticEncoder(model.encoder, batch_buckets=(2,))
-    stages.encoder = working
-    stages._warm_encoder()
-    assert stages.encoder is working and list(working._plans) == [2]
+    stages.embedder = BrokenEmbedder(model.embedder, CONFIG)
+    stages._warm_graphs()
+    assert stages.embedder is model.embedder
+    assert "eager embedder" in caplog.text
+    encoder = StaticEncoder(model.encoder, batch_buckets=(2,))
+    embedder = StaticFeatures(model.embedder, CONFIG, batch_buckets=(2,))
+    stages.encoder, stages.embedder = encoder, embedder
+    stages._warm_graphs()
+    assert stages.encoder is encoder and list(encoder._plans) == [2]
+    assert stages.embedder is embedder and list(embedder._plans) == [2]
