@@ -19,6 +19,9 @@ OUT=${1:?output directory}; RATES=${2:-"250 500 750 1000 1250 1500"}; DURATION=$
 ADS=${ADS:-30000000}; PROFILE=${PROFILE:-paper}; DEVICE=${DEVICE:-cuda}
 PROCS=${LOCUST_PROCESSES:-4}  # locust worker processes: one gevent loop tops out near 1k req/s
 WORKERS=${WORKERS:-1}  # grace serve --workers: serving processes sharing the port
+# client connections (one per locust user): SO_REUSEPORT spreads connections, not
+# requests, over workers; 16 left one of two workers with a third of the load
+USERS=${USERS:-64}
 GRACE=(python3 -m service.cli)
 mkdir -p "$OUT"
 if [ ! -f "$OUT/index/CURRENT" ]; then
@@ -56,7 +59,7 @@ scrape() {  # the server's Prometheus metrics (stage times, batch sizes) after e
 }
 # a short unjudged warm-up: the first traffic after SERVING meets cold allocator pools
 # and library plans (the first measured rate read P99 3.2 s without it)
-python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u 16 -r 16 \
+python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u "$USERS" -r "$USERS" \
     -t "${WARMUP:-10s}" --processes "$PROCS" --only-summary --replay "$OUT/requests.jsonl" \
     --arrival-rate "${WARMUP_RATE:-200}" > "$OUT/warmup.log" 2>&1
 scrape start
@@ -72,7 +75,7 @@ for rate in $RATES; do
         nvidia-smi dmon -s u -d 1 > "$OUT/dmon_$rate.txt" 2>&1 &
         DMON=$!
     fi
-    python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u 16 -r 16 -t "$DURATION" \
+    python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u "$USERS" -r "$USERS" -t "$DURATION" \
         --processes "$PROCS" \
         --only-summary --replay "$OUT/requests.jsonl" --arrival-rate "$rate" \
         --max-inflight 4000 --csv "$OUT/rate_$rate" --check-p99-ms 100 \

@@ -51,10 +51,13 @@ def select(
     keep: int,
     rows_per_request: int,  # M
     vocab: int,
+    *,
+    ordered: bool = True,  # False: any order within a request (no sort after the select)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each request's best `keep` extensions, best first, request-major: their scores
-    float32 [B·keep], parent rows int64 [B·keep] (among the B·M rows) and tokens."""
-    top, flat = cand.topk(keep, dim=1)  # [B, keep]
+    """Each request's best `keep` extensions, best first (with `ordered`), request-major:
+    their scores float32 [B·keep], parent rows int64 [B·keep] (among the B·M rows) and
+    tokens."""
+    top, flat = cand.topk(keep, dim=1, sorted=ordered)  # [B, keep]
     base = torch.arange(cand.shape[0], device=cand.device)[:, None] * rows_per_request
     return top.reshape(-1), (flat // vocab + base).view(-1), (flat % vocab).view(-1)
 

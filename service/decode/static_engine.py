@@ -374,7 +374,13 @@ class StaticBeamSearch:
             else:
                 cand = score[:, None] + torch.log_softmax(logits.float(), dim=-1)
             keep = plan.beams[-1] if last else plan.widths[t + 1]
-            score, parent, token = select(cand.view(bsz, -1), keep, w, c.vocab_size)
+            # the kept beams' order matters only after the last step (and where slots
+            # past M_{t+1} are killed below): elsewhere top-k skips its sort of the
+            # winners (one small block per request, ~22 µs per step on the H200)
+            ordered = last or plan.widths[t + 1] > plan.beams[t + 1]
+            score, parent, token = select(
+                cand.view(bsz, -1), keep, w, c.vocab_size, ordered=ordered
+            )
             if not last and plan.widths[t + 1] > plan.beams[t + 1]:
                 score = score.masked_fill(plan.slot_dead[t + 1], NEG_INF)  # slots >= M_{t+1}
             live = torch.isfinite(score)

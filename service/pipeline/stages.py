@@ -49,6 +49,23 @@ from service.serving_index import ServingIndex
 log = logging.getLogger("grace.pipeline")
 
 _Movable = TypeVar("_Movable", torch.Tensor, FeatureBatch)
+# Batch sizes the GPU graphs are captured for (embedder, encoder, decode loop): a batch runs
+# padded to the next one. A graph's cost is its bucket's, not the batch's, so the buckets
+# are close enough that a half-full batch does not pay for a full one — under a load
+# split unevenly over `--workers`, one worker's batches averaged 7.6 requests while
+# padded to 16 on the H200 (docs/OPERATIONS.md) — yet few, as each is captured (and new
+# shapes autotuned) at start-up and on every index swap.
+GRAPH_BUCKETS = (4, 8, 16)
+
+
+def graph_buckets(max_batch: int) -> tuple[int, ...]:
+    """The buckets for batches of up to `max_batch`: GRAPH_BUCKETS below it, then itself
+    (so a larger `max_batch` setting gets its own graphs instead of failing its batches)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return (*(b for b in GRAPH_BUCKETS if b < max_batch), max_batch)
+
+
 PostFn = Callable[[BatchState, Sequence[tuple[np.ndarray, np.ndarray]]], list[PostResult]]
 
 
@@ -56,21 +73,31 @@ class Stages:
     """The model, device and post-stage implementation shared by the stage threads."""
 
     def __init__(
-        self, model: GenerativeRetriever, model_version: str, device: str, post: PostFn | None
+        self,
+        model: GenerativeRetriever,
+        model_version: str,
+        device: str,
+        post: PostFn | None,
+        max_batch: int = GRAPH_BUCKETS[-1],
     ) -> None:
         self.model = model.eval()
         self.model_version = model_version
         self.device = torch.device(device)
         self.post_fn = post or default_post
         cuda = self.device.type == "cuda"
+        self.buckets = graph_buckets(max_batch)
         self.streams = [torch.cuda.Stream(self.device) if cuda else None for _ in range(4)]
         # GPU: the embedder and the encoder as CUDA graphs over padded buckets (a replay
         # instead of ~20 and ~150 launches from their threads); CPU: eager, on the batch
         # as it is
         self.embedder: StaticFeatures | FeatureEmbedder = (
-            StaticFeatures(self.model.embedder, self.model.config) if cuda else self.model.embedder
+            StaticFeatures(self.model.embedder, self.model.config, GRAPH_BUCKETS)
+            if cuda
+            else self.model.embedder
         )
-        self.encoder = StaticEncoder(self.model.encoder) if cuda else self.model.encoder
+        self.encoder = (
+            StaticEncoder(self.model.encoder, GRAPH_BUCKETS) if cuda else self.model.encoder
+        )
 
     def prepare(self, index: ServingIndex, beams: tuple[int, ...]) -> ServingIndex:
         """Before a version serves: on GPU, bind a fixed-shape decode engine to its tables
@@ -80,14 +107,14 @@ class Stages:
             return index
         self._warm_graphs()  # once: embedder and encoder do not depend on the index
         retrieval = index.retrieval
-        # few plans keep start-up and swaps short (each plan is captured, and new shapes
-        # autotune the kernels): batches pad to 4 or 16, locations to 64 (the Bloom scan
-        # stops at a hit, so padding costs only children that fail every location)
+        # few plans keep start-up and swaps short: batches pad to `buckets`, locations
+        # to 64 (the Bloom scan stops at a hit, so padding costs only children that fail
+        # every location)
         engine = StaticBeamSearch(
             self.model.decoder,
             retrieval.tables,
             retrieval.level_offsets,
-            batch_buckets=(4, 16),
+            batch_buckets=self.buckets,
             location_buckets=(MAX_REQUEST_LOCATIONS,),
         )
         t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from index_builder.build import build_arrays
 from index_builder.kway import KwaySpec
 from index_builder.lookup import FilterMode, GtmTables, RequestTensors
 from index_builder.targeting import Targeting, encode_requests
-from service.decode.engine import BeamSearch, DecodeResult
+from service.decode.engine import BeamSearch, DecodeResult, select
 from service.decode.static_engine import DecodeOptions, StaticBeamSearch
 from service.model.config import PROFILES
 from service.model.decoder import SIDDecoder
@@ -274,3 +274,31 @@ def test_parts_on_their_own_streams_equal_beam_search(streams: int, batch: int) 
 def test_streams_below_one_are_refused() -> None:
     with pytest.raises(ValueError, match="streams"):
         DecodeOptions(streams=0)
+
+
+def test_intermediate_beam_order_does_not_change_the_result(monkeypatch) -> None:
+    """Top-k may skip its sort before the last step: with the kept beams of every
+    intermediate step shuffled within each request, the SIDs are still the reference's."""
+    from service.decode import static_engine
+
+    gen = torch.Generator().manual_seed(0)
+    shuffled = []
+
+    def shuffling_select(cand, keep, rows, vocab, *, ordered=True):
+        score, parent, token = select(cand, keep, rows, vocab, ordered=ordered)
+        if ordered:
+            return score, parent, token
+        b = cand.shape[0]
+        perm = torch.stack([torch.randperm(keep, generator=gen) for _ in range(b)])
+        idx = (perm + torch.arange(b)[:, None] * keep).view(-1)
+        shuffled.append(True)
+        return score[idx], parent[idx], token[idx]
+
+    monkeypatch.setattr(static_engine, "select", shuffling_select)
+    index, _, search = setup(make_ads(120, seed=4))
+    engine = engine_for(search, index, batch_buckets=(4,))
+    ctx, reqs = ctx_for(3, seed=2), requests(TARGETING[:3])
+    for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
+        want = search.run(ctx, reqs, (1, 6, 12, 9), mode)
+        assert_same(engine.run(ctx, reqs, (1, 6, 12, 9), mode), want)
+    assert len(shuffled) == 2 * 3  # every intermediate step of both runs was shuffled

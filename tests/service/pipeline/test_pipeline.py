@@ -22,7 +22,7 @@ from service.model.retriever import GenerativeRetriever
 from service.model.static_encoder import StaticEncoder
 from service.model.static_features import StaticFeatures
 from service.pipeline.runner import Pipeline
-from service.pipeline.stages import Stages
+from service.pipeline.stages import Stages, graph_buckets
 from service.serving_index import IndexHolder, ServingIndex
 from tests.helpers.catalogs import catalog_from_ads
 from tests.helpers.oracle import Ad, eligible
@@ -200,3 +200,14 @@ def test_a_failed_capture_falls_back_to_the_eager_module(model, caplog) -> None:
     stages._warm_graphs()
     assert stages.encoder is encoder and list(encoder._plans) == [2]
     assert stages.embedder is embedder and list(embedder._plans) == [2]
+
+
+@pytest.mark.parametrize(
+    ("max_batch", "want"), [(16, (4, 8, 16)), (32, (4, 8, 16, 32)), (6, (4, 6)), (1, (1,))]
+)
+def test_graph_buckets_always_hold_the_largest_batch(max_batch: int, want) -> None:
+    """Every batch the batcher can form has a bucket (a larger max_batch gets its own
+    graphs rather than failing its batches), and half-full batches pad to half a bucket."""
+    assert graph_buckets(max_batch) == want
+    with pytest.raises(ValueError, match="max_batch"):
+        graph_buckets(0)
