@@ -411,11 +411,14 @@ def test_service_monitor_scrapes_the_metrics_port(rendered, overlay, monkeypatch
     ports = {p["name"]: p for p in services[0]["spec"]["ports"]}
     main = server(objects)
     container_ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+    scraped = []
     for endpoint in monitor["spec"]["endpoints"]:
         assert endpoint["port"] in ports, f"no port {endpoint['port']} on the Service"
-        target = ports[endpoint["port"]]["targetPort"]
-        assert container_ports[target] == settings_for(main, monkeypatch).metrics_port
+        scraped.append(container_ports[ports[endpoint["port"]]["targetPort"]])
         assert endpoint.get("path", "/metrics") == "/metrics"
+    # every serving worker's /metrics (worker i: metrics_port + i), each exactly once
+    settings = settings_for(main, monkeypatch)
+    assert sorted(scraped) == [settings.metrics_port + i for i in range(settings.workers)]
     pod_labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert selects(services[0]["spec"]["selector"], pod_labels)
 
