@@ -10,6 +10,8 @@ With SCORE it goes on to the decode loop's candidate scores in the same
 program — the row's log-softmax over the allowed tokens plus the row's accumulated score
 (`kernels.gtm_mask.candidates`) — so the loop runs no separate cast, log-softmax, add
 and fill passes over `[R, V]`. Logits may be float32 or bfloat16/float16 (read as fp32).
+The softmax takes "allowed" as "written with a finite logit": a NaN logit (a broken
+model) becomes a −inf candidate here, where the unfused reference would carry the NaN.
 Fixed shapes, no host syncs: the launch can sit inside a CUDA graph
 (after one eager warm-up call, which autotunes).
 

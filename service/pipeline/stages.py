@@ -32,6 +32,7 @@ from service.decode.engine import BeamSearch
 from service.decode.retrieve import reference_post
 from service.decode.static_engine import StaticBeamSearch
 from service.model.embeddings import FeatureEmbedder
+from service.model.encoder import ContextEncoder
 from service.model.features import (
     FeatureBatch,
     UserFeatures,
@@ -90,13 +91,17 @@ class Stages:
         # GPU: the embedder and the encoder as CUDA graphs over padded buckets (a replay
         # instead of ~20 and ~150 launches from their threads); CPU: eager, on the batch
         # as it is
-        self.embedder: StaticFeatures | FeatureEmbedder = (
-            StaticFeatures(self.model.embedder, self.model.config, GRAPH_BUCKETS)
-            if cuda
-            else self.model.embedder
-        )
-        self.encoder = (
-            StaticEncoder(self.model.encoder, GRAPH_BUCKETS) if cuda else self.model.encoder
+        self.embedder: StaticFeatures | FeatureEmbedder = self.model.embedder
+        self.encoder: StaticEncoder | ContextEncoder = self.model.encoder
+        if cuda:
+            self.embedder, self.encoder = self.graphed()
+
+    def graphed(self) -> tuple[StaticFeatures, StaticEncoder]:
+        """The fixed-shape embedder and encoder over `self.buckets` (the decode engine's
+        buckets too, `prepare`): what stages 2 and 3 run on GPU."""
+        return (
+            StaticFeatures(self.model.embedder, self.model.config, self.buckets),
+            StaticEncoder(self.model.encoder, self.buckets),
         )
 
     def prepare(self, index: ServingIndex, beams: tuple[int, ...]) -> ServingIndex:

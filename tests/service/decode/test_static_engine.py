@@ -64,12 +64,15 @@ def test_equals_beam_search(mode: FilterMode, beams: tuple[int, ...], batch: int
 @pytest.mark.parametrize("self_attn", ["fused", "gather", "sdpa"])
 @pytest.mark.parametrize("kv", ["paged", "dense"])
 @pytest.mark.parametrize("fixed_beams", [False, True])
+@pytest.mark.parametrize("fused_tail", [False, True])
 def test_ablation_switches_do_not_change_the_result(
-    cross: str, self_attn: str, kv: str, fixed_beams: bool
+    cross: str, self_attn: str, kv: str, fixed_beams: bool, fused_tail: bool
 ) -> None:
     ads = make_ads(80, seed=7)
     index, _, search = setup(ads, seed=2)
-    options = DecodeOptions(cross=cross, self_attn=self_attn, kv=kv, fixed_beams=fixed_beams)
+    options = DecodeOptions(
+        cross=cross, self_attn=self_attn, kv=kv, fixed_beams=fixed_beams, fused_tail=fused_tail
+    )
     engine = engine_for(search, index, options=options, batch_buckets=(2, 4))
     ctx, reqs, beams = ctx_for(3, seed=4), requests(TARGETING[:3]), (1, 5, 9, 6)
     want = search.run(ctx, reqs, beams, FilterMode.CD_GTM)
@@ -276,9 +279,11 @@ def test_streams_below_one_are_refused() -> None:
         DecodeOptions(streams=0)
 
 
-def test_intermediate_beam_order_does_not_change_the_result(monkeypatch) -> None:
+@pytest.mark.parametrize("fixed_beams", [False, True])
+def test_intermediate_beam_order_does_not_change_the_result(monkeypatch, fixed_beams) -> None:
     """Top-k may skip its sort before the last step: with the kept beams of every
-    intermediate step shuffled within each request, the SIDs are still the reference's."""
+    intermediate step shuffled within each request, the SIDs are still the reference's
+    (with fixed beams the steps that kill slots past M_{t+1} keep their sort)."""
     from service.decode import static_engine
 
     gen = torch.Generator().manual_seed(0)
@@ -296,9 +301,15 @@ def test_intermediate_beam_order_does_not_change_the_result(monkeypatch) -> None
 
     monkeypatch.setattr(static_engine, "select", shuffling_select)
     index, _, search = setup(make_ads(120, seed=4))
-    engine = engine_for(search, index, batch_buckets=(4,))
+    options = DecodeOptions(fixed_beams=fixed_beams)
+    engine = engine_for(search, index, options=options, batch_buckets=(4,))
     ctx, reqs = ctx_for(3, seed=2), requests(TARGETING[:3])
     for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
         want = search.run(ctx, reqs, (1, 6, 12, 9), mode)
-        assert_same(engine.run(ctx, reqs, (1, 6, 12, 9), mode), want)
-    assert len(shuffled) == 2 * 3  # every intermediate step of both runs was shuffled
+        got = engine.run(ctx, reqs, (1, 6, 12, 9), mode)
+        if fixed_beams:
+            got = dataclasses.replace(got, rows_per_step=want.rows_per_step)
+        assert_same(got, want)
+    # every intermediate step was shuffled, except (fixed beams) the ones that cut slots:
+    # widths 12 everywhere: t = 0 (M_1 = 6) and t = 2 (M_3 = 9) keep the sort
+    assert len(shuffled) == 2 * (1 if fixed_beams else 3)

@@ -211,3 +211,13 @@ def test_graph_buckets_always_hold_the_largest_batch(max_batch: int, want) -> No
     assert graph_buckets(max_batch) == want
     with pytest.raises(ValueError, match="max_batch"):
         graph_buckets(0)
+
+
+def test_every_graphed_stage_uses_the_buckets_of_max_batch(model) -> None:
+    """Embedder, encoder and (in `prepare`) the decode engine share one bucket set that
+    holds max_batch: a larger batch setting gets graphs in all three, not eager stages."""
+    stages = Stages(model, "m1", "cpu", None, max_batch=32)
+    assert stages.buckets == graph_buckets(32)
+    embedder, encoder = stages.graphed()
+    assert embedder.buckets == encoder.buckets == (4, 8, 16, 32)
+    assert stages.embedder is model.embedder and stages.encoder is model.encoder  # CPU: eager
