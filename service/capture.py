@@ -1,5 +1,6 @@
 """CUDA graph capture for the whole process: reserved streams and one lock (pipeline
-stage 3: the decode engines' plans and the encoder's buckets).
+stages 2 and 3: the decode engines' plans, the embedder's and encoder's buckets), and
+`BucketGraphs`, the bucketed-module pattern the embedder and encoder share.
 
 `torch.cuda.Stream()` hands out one of a small per-device pool of streams in rotation, so
 a stream drawn for a capture may be the very stream another pipeline stage is using on
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -58,3 +60,88 @@ def capture(
         # thread_local: other stage threads may keep using CUDA while this captures
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             return fn()
+
+
+_B = TypeVar("_B")  # a batch as the module's callers pass it
+_I = TypeVar("_I")  # a bucket's static inputs
+_O = TypeVar("_O")  # the module's outputs over a whole bucket
+
+
+@dataclass
+class _BucketPlan(Generic[_I, _O]):
+    inputs: _I
+    graph: torch.cuda.CUDAGraph | None = None
+    out: _O | None = None  # the graph's outputs (CUDA)
+
+
+class BucketGraphs(Generic[_B, _I, _O]):
+    """A module at fixed shapes, one CUDA graph per batch-size bucket (pipeline stages 2
+    and 3: `StaticFeatures`, `StaticEncoder`). A batch is copied into its bucket's static
+    inputs (rows past it become padding), the bucket's graph replays, and the batch's rows
+    are copied out before the next replay overwrites them. Off CUDA the same padded body
+    runs eagerly. Subclasses say how to allocate (`_inputs`), fill (`_load`) and run
+    (`_body`) a bucket, and cut a batch out of its outputs (`_take`)."""
+
+    def __init__(self, buckets: tuple[int, ...], device: torch.device, warmup_runs: int) -> None:
+        self.buckets = tuple(sorted(buckets))
+        self.device = device
+        self.warmup_runs = warmup_runs
+        self._plans: dict[int, _BucketPlan[_I, _O]] = {}
+        self._pool = None  # one graph memory pool per module: its replays never overlap
+        self._lock = threading.Lock()
+
+    @property
+    def graphs(self) -> int:
+        """CUDA graphs captured so far."""
+        return sum(p.graph is not None for p in self._plans.values())
+
+    @torch.no_grad()
+    def warm(self) -> None:
+        """Build (on CUDA: capture) every bucket's plan; call before serving."""
+        with self._lock:
+            for b in self.buckets:
+                self._plan(b)
+
+    def _run(self, batch: _B, size: int) -> _O:
+        """`batch` of `size` requests (at most the largest bucket) through its bucket."""
+        bucket = next(k for k in self.buckets if k >= size)
+        with self._lock:
+            plan = self._plan(bucket)
+            self._load(plan.inputs, batch)
+            if plan.graph is not None:
+                plan.graph.replay()
+                out = plan.out
+            else:
+                out = self._body(plan.inputs)
+            assert out is not None
+            return self._take(out, size)
+
+    def _plan(self, bucket: int) -> _BucketPlan[_I, _O]:
+        if bucket not in self._plans:
+            plan = _BucketPlan[_I, _O](self._inputs(bucket))
+            if self.device.type == "cuda":
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                plan.out = capture(
+                    graph,
+                    lambda: self._body(plan.inputs),
+                    device=self.device,
+                    pool=self._pool,
+                    warmup_runs=self.warmup_runs,
+                )
+                plan.graph = graph
+            self._plans[bucket] = plan
+        return self._plans[bucket]
+
+    def _inputs(self, bucket: int) -> _I:
+        raise NotImplementedError
+
+    def _load(self, inputs: _I, batch: _B) -> None:
+        raise NotImplementedError
+
+    def _body(self, inputs: _I) -> _O:
+        raise NotImplementedError
+
+    def _take(self, out: _O, size: int) -> _O:
+        raise NotImplementedError

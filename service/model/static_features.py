@@ -19,12 +19,9 @@ larger than the largest bucket or wider than max_history take the eager embedder
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
-
 import torch
 
-from service.capture import capture
+from service.capture import BucketGraphs
 from service.model.config import ModelConfig
 from service.model.embeddings import EmbeddedFeatures, FeatureEmbedder
 from service.model.features import (
@@ -36,15 +33,9 @@ from service.model.features import (
 )
 
 
-@dataclass
-class _Plan:
-    packed: torch.Tensor  # int64 [bucket, K]: the static input, width max_history
-    graph: torch.cuda.CUDAGraph | None = None
-    out: EmbeddedFeatures | None = None  # the graph's outputs [bucket, ...]
-
-
-class StaticFeatures:
-    """`FeatureEmbedder` over fixed-shape buffers; call it like the embedder."""
+class StaticFeatures(BucketGraphs[torch.Tensor, torch.Tensor, EmbeddedFeatures]):
+    """`FeatureEmbedder` over fixed-shape buffers; call it like the embedder. A bucket's
+    static input is one packed int64 [bucket, K] buffer at width max_history."""
 
     def __init__(
         self,
@@ -53,25 +44,9 @@ class StaticFeatures:
         batch_buckets: tuple[int, ...] = (4, 16),
         warmup_runs: int = 2,
     ) -> None:
+        super().__init__(batch_buckets, next(embedder.parameters()).device, warmup_runs)
         self.embedder = embedder
-        self.buckets = tuple(sorted(batch_buckets))
         self.width, self.sid_length = config.max_history, config.sid_length
-        self.warmup_runs = warmup_runs
-        self.device = next(embedder.parameters()).device
-        self._plans: dict[int, _Plan] = {}
-        self._pool = None
-        self._lock = threading.Lock()
-
-    @property
-    def graphs(self) -> int:
-        return sum(p.graph is not None for p in self._plans.values())
-
-    @torch.no_grad()
-    def warm(self) -> None:
-        """Build (on CUDA: capture) every bucket's plan; call before serving."""
-        with self._lock:
-            for b in self.buckets:
-                self._plan(b)
 
     @torch.no_grad()
     def __call__(self, f: FeatureBatch) -> EmbeddedFeatures:
@@ -80,45 +55,21 @@ class StaticFeatures:
             return self.embedder(f)
         # stage 1's batches come packed; others (tests, callers off the pipeline) pack here
         packed = f.packed if isinstance(f, PackedFeatureBatch) else pack_features(f)
-        bucket = next(k for k in self.buckets if k >= b)
-        with self._lock:
-            plan = self._plan(bucket)
-            plan.packed.zero_()  # padding requests and events; wipes the previous batch
-            plan.packed[:b, : packed.shape[1]].copy_(packed)
-            if plan.graph is not None:
-                plan.graph.replay()
-                out = plan.out
-            else:
-                out = self._body(plan)
-            assert out is not None
-            # copies, before the next replay overwrites the outputs
-            return EmbeddedFeatures(
-                out.nonseq[:b].clone(), out.seq[:b].clone(), out.keys[:b].clone()
-            )
+        return self._run(packed, b)
 
-    def _body(self, plan: _Plan) -> EmbeddedFeatures:
-        return self.embedder(unpack_features(plan.packed, self.sid_length))
-
-    def _plan(self, bucket: int) -> _Plan:
-        if bucket in self._plans:
-            return self._plans[bucket]
+    def _inputs(self, bucket: int) -> torch.Tensor:
         k = packed_columns(self.width, self.sid_length)
-        plan = _Plan(torch.zeros(bucket, k, dtype=torch.int64, device=self.device))
-        if self.device.type == "cuda":
-            self._capture(plan)
-        self._plans[bucket] = plan
-        return plan
+        return torch.zeros(bucket, k, dtype=torch.int64, device=self.device)
 
-    def _capture(self, plan: _Plan) -> None:
-        """Warm up, then capture one padded forward (`service/capture.py`)."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        plan.out = capture(
-            graph,
-            lambda: self._body(plan),
-            device=self.device,
-            pool=self._pool,
-            warmup_runs=self.warmup_runs,
+    def _load(self, inputs: torch.Tensor, batch: torch.Tensor) -> None:
+        inputs.zero_()  # padding requests and events; wipes the previous batch
+        inputs[: batch.shape[0], : batch.shape[1]].copy_(batch)
+
+    def _body(self, inputs: torch.Tensor) -> EmbeddedFeatures:
+        return self.embedder(unpack_features(inputs, self.sid_length))
+
+    def _take(self, out: EmbeddedFeatures, size: int) -> EmbeddedFeatures:
+        # copies, before the next replay overwrites the outputs
+        return EmbeddedFeatures(
+            out.nonseq[:size].clone(), out.seq[:size].clone(), out.keys[:size].clone()
         )
-        plan.graph = graph
