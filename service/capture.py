@@ -13,6 +13,7 @@ run one at a time (`LOCK`), since every capture shares them.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -74,7 +75,7 @@ class _BucketPlan(Generic[_I, _O]):
     out: _O | None = None  # the graph's outputs (CUDA)
 
 
-class BucketGraphs(Generic[_B, _I, _O]):
+class BucketGraphs(ABC, Generic[_B, _I, _O]):
     """A module at fixed shapes, one CUDA graph per batch-size bucket (pipeline stages 2
     and 3: `StaticFeatures`, `StaticEncoder`). A batch is copied into its bucket's static
     inputs (rows past it become padding), the bucket's graph replays, and the batch's rows
@@ -134,14 +135,18 @@ class BucketGraphs(Generic[_B, _I, _O]):
             self._plans[bucket] = plan
         return self._plans[bucket]
 
+    @abstractmethod
     def _inputs(self, bucket: int) -> _I:
-        raise NotImplementedError
+        """A bucket's static inputs, allocated once (zeros: padding requests)."""
 
+    @abstractmethod
     def _load(self, inputs: _I, batch: _B) -> None:
-        raise NotImplementedError
+        """Copy a batch into a bucket's inputs; everything past it becomes padding."""
 
+    @abstractmethod
     def _body(self, inputs: _I) -> _O:
-        raise NotImplementedError
+        """The module on a bucket's inputs (what is captured)."""
 
+    @abstractmethod
     def _take(self, out: _O, size: int) -> _O:
-        raise NotImplementedError
+        """The batch's first `size` rows of the outputs, as copies."""
