@@ -96,7 +96,8 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
         ("graph_bloom", "CUDA graph, + Bloom GTM", {"bloom": True}, GTM),
         ("graph_fused", "+ fused layer ops", {"fused_layers": True}, GTM),
         ("graph_streams", "+ 2 parts on 2 streams", {"streams": 2}, GTM),
-        ("graph_tail", "+ one-pass tail (final)", {"fused_tail": True}, GTM),
+        ("graph_tail", "+ one-pass tail", {"fused_tail": True}, GTM),
+        ("graph_triton_ffn", "+ Triton GELU-epilogue GEMM", {"ffn_up": "triton"}, GTM),
     ]
     out, options = [], NAIVE
     for key, label, change, mode in steps:
@@ -106,6 +107,7 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
 
 
 ROWS = _rows()
+FINAL_ROWS = ("graph_tail", "graph_triton_ffn")  # rows that may be the final configuration
 
 
 # --------------------------------------------------------------------------- inputs
@@ -266,7 +268,7 @@ def main() -> None:
     if wanted - {r[0] for r in ROWS}:
         ap.error(f"unknown rows {sorted(wanted - {r[0] for r in ROWS})}")
     rows: list[dict] = []
-    final = eager_bloom = unfused = None
+    final = eager_bloom = unfused = cublaslt = None
     for key, label, options, mode in ROWS:
         if key not in wanted:
             continue
@@ -283,7 +285,9 @@ def main() -> None:
                 eager_bloom = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == "graph_bloom":
                 unfused = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
-            if key == "graph_tail":
+            if key == "graph_tail":  # the cuBLASLt up-projection: compared with Triton's below
+                cublaslt = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
+            if key in FINAL_ROWS:  # the last of them run is the final configuration
                 final = engine
             else:
                 del engine
@@ -321,7 +325,10 @@ def main() -> None:
             batch_buckets=(len(b0.ctx),),
         ).run(b0.ctx, b0.requests, beams, GTM)  # fmt: skip
         figures["graph_equals_eager"] = bool(torch.equal(again.leaves, eager.leaves))
-        for name, other in (("unfused_graph", unfused), ("unfused_eager", eager_bloom)):
+        others = [("unfused_graph", unfused), ("unfused_eager", eager_bloom)]
+        if final.options.ffn_up == "triton":
+            others.append(("cublaslt_ffn", cublaslt))
+        for name, other in others:
             if other is not None:  # bf16 rounding differs: how many SIDs both return
                 figures[f"fused_vs_{name}_sid_overlap"] = sid_overlap(again, other)
     if final is not None and not a.no_full:

@@ -90,7 +90,14 @@ async def start(settings: ServerSettings, *, bind_when_ready: bool = False) -> A
         metrics.swaps.inc()
         metrics.set_index(index.version, index.manifest.get("created"), index.loaded_at)
 
-    stages = Stages(loaded.model, loaded.model_version, device, None, settings.max_batch)
+    stages = Stages(
+        loaded.model,
+        loaded.model_version,
+        device,
+        None,
+        settings.max_batch,
+        settings.graph_buckets,
+    )
     watcher = IndexWatcher(
         Path(settings.index_root),
         indexes,

@@ -87,6 +87,13 @@ class ServerSettings(BaseSettings):
         "and benchmarks' dtype) and float32 on CPU (bfloat16 is slow on most CPUs).",
     )
     max_batch: int = Field(16, description="Most requests in one batch.")
+    graph_buckets: list[int] | None = Field(
+        None,
+        description="GPU only: batch sizes the CUDA graphs are captured for; a batch runs "
+        "padded to the next one (max_batch is always added). Finer buckets waste less GPU "
+        "on padding but take longer to capture at start-up and on each index swap. "
+        "Default: 4, 8, 12, 16 (GRAPH_BUCKETS in service/pipeline/stages.py).",
+    )
     max_wait_ms: float = Field(
         5.0,
         description="Longest a request waits for its batch to fill while the pipeline is "
@@ -182,6 +189,13 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"must be >= 1, got {v}")
         return v
 
+    @field_validator("graph_buckets")
+    @classmethod
+    def _buckets(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or any(b < 1 for b in v) or v != sorted(set(v))):
+            raise ValueError(f"must be increasing sizes >= 1, got {v}")
+        return v
+
     @field_validator("max_history_events")
     @classmethod
     def _non_negative(cls, v: int) -> int:
@@ -209,7 +223,7 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"must be a positive number of seconds, got {v}")
         return v
 
-    @field_validator("beam_max", "beams", mode="before")
+    @field_validator("beam_max", "beams", "graph_buckets", mode="before")
     @classmethod
     def _parse_schedule(cls, v: Any) -> Any:
         if isinstance(v, str):  # from the environment: "[1,64,128,128]" or "1,64,128,128"

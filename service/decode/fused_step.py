@@ -15,9 +15,10 @@ the `[R, d_model]` activations (DESIGN.md §7, "fewer kernels per step"):
    pending constant: every LayerNorm normalises `x + shift`, where `shift` is the sum of
    the biases added so far (`kernels.layer_norm`, one pass, fp32), so no separate add
    kernel runs, ever.
-3. The FFN's GELU is the up-projection's epilogue on CUDA (`torch._addmm_activation`,
-   cuBLASLt's tanh-approximated GELU) when the model was trained with "gelu_tanh"; an
-   erf-GELU model (older checkpoints) keeps the separate activation.
+3. The FFN's GELU is the up-projection's epilogue on CUDA when the model was trained with
+   "gelu_tanh" (`kernels.gelu_linear`: cuBLASLt's GELU_BIAS epilogue, or our persistent
+   Triton GEMM with the same epilogue — `ffn_up`); an erf-GELU model (older checkpoints)
+   keeps the separate activation.
 
 Inference only (no autograd): build one per loaded decoder; the table and the shifts are
 snapshots of its weights.
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from kernels.cross_attention import cross_attention
+from kernels.gelu_linear import BACKENDS, gelu_linear
 from kernels.layer_norm import layer_norm
 from service.decode.kv_cache import KVCache
 from service.model.decoder import CrossAttention, CrossKV, SIDDecoder
@@ -48,9 +50,14 @@ class FusedDecoderStep:
     LayerNorms; call it like the decoder's `step`."""
 
     @torch.no_grad()
-    def __init__(self, decoder: SIDDecoder, *, table_in_attention: bool = True) -> None:
+    def __init__(
+        self, decoder: SIDDecoder, *, table_in_attention: bool = True, ffn_up: str = "cublaslt"
+    ) -> None:
+        if ffn_up not in BACKENDS:
+            raise ValueError(f"ffn_up must be one of {BACKENDS}, got {ffn_up!r}")
         self.decoder = decoder
         self.table_in_attention = table_in_attention  # False: gather the rows' QKV first
+        self.ffn_up = ffn_up  # the gelu_linear backend of the up-projection
         c = decoder.config
         first = decoder.layers[0]
         # [sid_length, vocab + 1, 3·H·d_h]: layer 0's QKV for every (position, token)
@@ -72,8 +79,8 @@ class FusedDecoderStep:
         self.gelu_epilogue = c.ffn_activation == "gelu_tanh" and first.qkv.weight.is_cuda
 
     def _ffn_up(self, h: torch.Tensor, up: nn.Linear, act: nn.Module) -> torch.Tensor:
-        if self.gelu_epilogue:  # one cuBLASLt call: bias + tanh-GELU in the epilogue
-            return torch._addmm_activation(up.bias, h, up.weight.t(), use_gelu=True)
+        if self.gelu_epilogue:  # one GEMM: bias + tanh-GELU in its epilogue
+            return gelu_linear(h, up.weight, up.bias, self.ffn_up)
         return act(up(h))
 
     @torch.no_grad()

@@ -63,12 +63,16 @@ class DecodeOptions:
     # one kernel for mask + log-softmax + score, layer 0's QKV table read by the attention
     # kernel (False: masked_logits, then candidates; the table gathered first)
     fused_tail: bool = True
+    # the FFN up-projection's GEMM + GELU epilogue (kernels.gelu_linear): "cublaslt" or
+    # "triton" (the persistent TMA kernel); fused_layers only
+    ffn_up: str = "cublaslt"
 
     def __post_init__(self) -> None:
         for name, value, known in (
             ("cross", self.cross, ("beam_as_query", "per_beam")),
             ("self_attn", self.self_attn, ATTENTION_MODES),
             ("kv", self.kv, ("paged", "dense")),
+            ("ffn_up", self.ffn_up, ("cublaslt", "triton")),
         ):
             if value not in known:
                 raise ValueError(f"{name} must be one of {known}, got {value!r}")
@@ -127,7 +131,9 @@ class StaticBeamSearch:
         per_beam = self.options.cross == "per_beam"
         self._cross = cross_attention_per_beam if per_beam else cross_attention
         self._step = (
-            FusedDecoderStep(decoder, table_in_attention=self.options.fused_tail)
+            FusedDecoderStep(
+                decoder, table_in_attention=self.options.fused_tail, ffn_up=self.options.ffn_up
+            )
             if self.options.fused_layers
             else decoder.step
         )

@@ -51,20 +51,24 @@ log = logging.getLogger("grace.pipeline")
 
 _Movable = TypeVar("_Movable", torch.Tensor, FeatureBatch)
 # Batch sizes the GPU graphs are captured for (embedder, encoder, decode loop): a batch runs
-# padded to the next one. A graph's cost is its bucket's, not the batch's, so the buckets
-# are close enough that a half-full batch does not pay for a full one — under a load
-# split unevenly over `--workers`, one worker's batches averaged 7.6 requests while
-# padded to 16 on the H200 (docs/OPERATIONS.md) — yet few, as each is captured (and new
-# shapes autotuned) at start-up and on every index swap.
-GRAPH_BUCKETS = (4, 8, 16)
+# padded to the next one. A graph's cost is its bucket's, not the batch's — the decode
+# loop costs about 0.96 ms + 0.72 ms per request of its bucket on the H200 (3.84 / 6.72 /
+# 12.48 ms at 4 / 8 / 16) — so the buckets are close enough that a part-full batch does
+# not pay for a full one: at 800 req/s over two workers batches averaged 10.4 requests,
+# padded to 16 (docs/OPERATIONS.md). Yet few, as each is captured (and its new shapes
+# autotuned) at start-up and on every index swap: ~11 s per decode plan, two plans (filter
+# modes) per bucket. The `graph_buckets` setting overrides them.
+GRAPH_BUCKETS = (4, 8, 12, 16)
 
 
-def graph_buckets(max_batch: int) -> tuple[int, ...]:
-    """The buckets for batches of up to `max_batch`: GRAPH_BUCKETS below it, then itself
-    (so a larger `max_batch` setting gets its own graphs instead of failing its batches)."""
+def graph_buckets(max_batch: int, buckets: Sequence[int] = GRAPH_BUCKETS) -> tuple[int, ...]:
+    """The buckets for batches of up to `max_batch`: `buckets` below it, then itself (so a
+    larger `max_batch` setting gets its own graphs instead of failing its batches)."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    return (*(b for b in GRAPH_BUCKETS if b < max_batch), max_batch)
+    if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+        raise ValueError(f"buckets must be increasing and >= 1, got {list(buckets)}")
+    return (*(b for b in buckets if b < max_batch), max_batch)
 
 
 PostFn = Callable[[BatchState, Sequence[tuple[np.ndarray, np.ndarray]]], list[PostResult]]
@@ -80,13 +84,14 @@ class Stages:
         device: str,
         post: PostFn | None,
         max_batch: int = GRAPH_BUCKETS[-1],
+        buckets: Sequence[int] | None = None,  # graph bucket sizes (default GRAPH_BUCKETS)
     ) -> None:
         self.model = model.eval()
         self.model_version = model_version
         self.device = torch.device(device)
         self.post_fn = post or default_post
         cuda = self.device.type == "cuda"
-        self.buckets = graph_buckets(max_batch)
+        self.buckets = graph_buckets(max_batch, GRAPH_BUCKETS if buckets is None else buckets)
         self.streams = [torch.cuda.Stream(self.device) if cuda else None for _ in range(4)]
         # GPU: the embedder and the encoder as CUDA graphs over padded buckets (a replay
         # instead of ~20 and ~150 launches from their threads); CPU: eager, on the batch

@@ -83,6 +83,19 @@ def test_retrieve_returns_only_eligible_ads_and_reports_stats(data: Path) -> Non
     asyncio.run(main())
 
 
+def test_graph_buckets_setting_reaches_the_stages(data: Path) -> None:
+    """The server builds its graphed stages over the configured buckets (plus max_batch)."""
+
+    async def main() -> None:
+        app = await start(settings(data, graph_buckets=[2, 8]))
+        try:
+            assert app.pipeline.stages.buckets == (2, 8, 16)
+        finally:
+            await app.drain()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(
     ("mutate", "field"),
     [

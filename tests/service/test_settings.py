@@ -156,3 +156,16 @@ def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu() -> None:
     assert load_settings({"dtype": "float32"}).resolve_dtype("cuda") == "float32"
     with pytest.raises(ValueError, match="dtype"):
         load_settings({"dtype": "float64"})
+
+
+def test_graph_buckets_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset: the built-in buckets (None); "4,8,16" or JSON from the environment; sizes
+    that are not increasing are refused at start-up, not at the first capture."""
+    assert load_settings().graph_buckets is None
+    for raw in ("4,8,16", "[4, 8, 16]"):
+        monkeypatch.setenv("GRACE_GRAPH_BUCKETS", raw)
+        assert load_settings().graph_buckets == [4, 8, 16]
+    for raw in ("8,4", "0,8", "4,4"):
+        monkeypatch.setenv("GRACE_GRAPH_BUCKETS", raw)
+        with pytest.raises(ValidationError, match="graph_buckets"):
+            load_settings()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels.gelu_linear as gelu_linear_module
 from index_builder.lookup import FilterMode
 from service.decode.fused_step import FusedDecoderStep
 from service.decode.kv_cache import PagedKVCache
@@ -68,6 +69,28 @@ def test_equals_the_decoder_step(activation: str) -> None:
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_triton_up_projection_equals_the_decoder_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ffn_up="triton"`: the up-projection + GELU goes through the persistent Triton GEMM
+    (on CPU under the interpreter, bf16 as served; the epilogue switch forced on, as CUDA
+    sets it) and the logits stay the decoder's."""
+    config = dataclasses.replace(CONFIG, decoder_layers=2)
+    decoder = decoder_with_biases(config).to(torch.bfloat16)
+    fused = FusedDecoderStep(decoder, ffn_up="triton")
+    fused.gelu_epilogue = True  # CPU leaves it off: cuBLASLt exists only on CUDA
+    calls = []
+    real = gelu_linear_module.triton_gelu_linear
+    monkeypatch.setattr(
+        gelu_linear_module, "triton_gelu_linear", lambda *a: calls.append(1) or real(*a)
+    )
+    got = run_steps(decoder, fused, 2, (1, 4, 4, 3), torch.bfloat16, "cpu")
+    assert len(calls) == 4 * config.decoder_layers  # every layer of every step
+    want = run_steps(decoder, decoder.step, 2, (1, 4, 4, 3), torch.bfloat16, "cpu")
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), rtol=5e-2, atol=1e-1)
+    with pytest.raises(ValueError, match="ffn_up"):
+        FusedDecoderStep(decoder, ffn_up="cutlass")
+
+
 def test_the_activation_changes_the_function() -> None:
     """The config's activation is really used: tanh and erf GELU give different logits."""
     a = decoder_with_biases(dataclasses.replace(CONFIG, ffn_activation="gelu"))
@@ -111,12 +134,14 @@ def test_gpu_gelu_epilogue_is_tanh_gelu() -> None:
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("ffn_up", ["cublaslt", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_equals_the_decoder_step(dtype: torch.dtype) -> None:
-    """On CUDA: the LayerNorm kernel, in-place addmm and the GELU epilogue."""
+def test_gpu_equals_the_decoder_step(dtype: torch.dtype, ffn_up: str) -> None:
+    """On CUDA: the LayerNorm kernel, in-place addmm and the GELU epilogue (either GEMM;
+    the Triton one takes bf16 only and falls back to the reference for fp32)."""
     config = dataclasses.replace(PROFILES["tiny"], decoder_layers=3)
     decoder = decoder_with_biases(config, "cuda").to(dtype)
-    fused = FusedDecoderStep(decoder)
+    fused = FusedDecoderStep(decoder, ffn_up=ffn_up)
     assert fused.gelu_epilogue
     want = run_steps(decoder, decoder.step, 4, (1, 16, 32, 32), dtype, "cuda")
     got = run_steps(decoder, fused, 4, (1, 16, 32, 32), dtype, "cuda")

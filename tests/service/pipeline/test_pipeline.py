@@ -203,14 +203,19 @@ def test_a_failed_capture_falls_back_to_the_eager_module(model, caplog) -> None:
 
 
 @pytest.mark.parametrize(
-    ("max_batch", "want"), [(16, (4, 8, 16)), (32, (4, 8, 16, 32)), (6, (4, 6)), (1, (1,))]
+    ("max_batch", "want"),
+    [(16, (4, 8, 12, 16)), (32, (4, 8, 12, 16, 32)), (6, (4, 6)), (1, (1,))],
 )
 def test_graph_buckets_always_hold_the_largest_batch(max_batch: int, want) -> None:
     """Every batch the batcher can form has a bucket (a larger max_batch gets its own
-    graphs rather than failing its batches), and half-full batches pad to half a bucket."""
+    graphs rather than failing its batches), and part-full batches pad to a smaller one."""
     assert graph_buckets(max_batch) == want
+    assert graph_buckets(16, (2, 6)) == (2, 6, 16)  # the setting's own sizes
     with pytest.raises(ValueError, match="max_batch"):
         graph_buckets(0)
+    for bad in ((8, 4), (4, 4), (0, 8)):
+        with pytest.raises(ValueError, match="buckets"):
+            graph_buckets(16, bad)
 
 
 def test_every_graphed_stage_uses_the_buckets_of_max_batch(model) -> None:
@@ -219,5 +224,7 @@ def test_every_graphed_stage_uses_the_buckets_of_max_batch(model) -> None:
     stages = Stages(model, "m1", "cpu", None, max_batch=32)
     assert stages.buckets == graph_buckets(32)
     embedder, encoder = stages.graphed()
-    assert embedder.buckets == encoder.buckets == (4, 8, 16, 32)
+    assert embedder.buckets == encoder.buckets == (4, 8, 12, 16, 32)
+    coarse = Stages(model, "m1", "cpu", None, max_batch=16, buckets=[8])  # the setting
+    assert coarse.graphed()[0].buckets == coarse.graphed()[1].buckets == (8, 16)
     assert stages.embedder is model.embedder and stages.encoder is model.encoder  # CPU: eager

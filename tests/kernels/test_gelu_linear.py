@@ -1,0 +1,104 @@
+"""The GELU-epilogue GEMM, gelu_tanh(x @ W.T + b), against the torch reference.
+
+On CPU the Triton kernel runs under TRITON_INTERPRET=1 (tests/conftest.py) at small,
+ragged shapes with several tile configs; the `gpu` tests run the autotuned kernel and the
+cuBLASLt backend at the paper decoder's shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels._triton_gelu_linear import DEFAULT_CONFIG, supports, triton_gelu_linear
+from kernels.gelu_linear import gelu_linear, gelu_linear_reference
+
+TOL = {"atol": 3e-2, "rtol": 3e-2}  # bf16/fp16 output of an fp32 accumulation
+
+
+def inputs(m: int, k: int, n: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=device) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g, device=device).to(dtype)
+    return x, w, b
+
+
+def want(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return gelu_linear_reference(x.float(), w.float(), b.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 16, 32), (37, 48, 80), (64, 64, 96)])
+def test_kernel_equals_reference(dtype: torch.dtype, m: int, k: int, n: int) -> None:
+    """Ragged M, N and K tiles (TMA boxes clip at the edges) and several tiles per program."""
+    x, w, b = inputs(m, k, n, dtype)
+    got = triton_gelu_linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (m, n)
+    torch.testing.assert_close(got.float(), want(x, w, b), **TOL)
+
+
+@pytest.mark.parametrize("subtile", [False, True])
+@pytest.mark.parametrize(("bm", "bn", "bk", "group"), [(16, 16, 16, 1), (32, 64, 32, 4)])
+def test_every_tile_config_is_exact(subtile: bool, bm: int, bn: int, bk: int, group: int) -> None:
+    """The epilogue's two column halves and the grouped tile order change nothing."""
+    x, w, b = inputs(70, 80, 144, torch.bfloat16, seed=1)
+    config = {**DEFAULT_CONFIG, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+    config |= {"GROUP_M": group, "SUBTILE": subtile}
+    got = triton_gelu_linear(x, w, b, config=config)
+    torch.testing.assert_close(got.float(), want(x, w, b), **TOL)
+
+
+def test_strided_rows_are_read_through_their_stride() -> None:
+    """x as a column slice of a wider tensor: only its own K columns enter the product."""
+    wide, w, b = inputs(20, 96, 48, torch.bfloat16, seed=2)
+    x = wide[:, 16:80]
+    w = w[:, :64].contiguous()
+    assert supports(x, w)
+    torch.testing.assert_close(triton_gelu_linear(x, w, b).float(), want(x, w, b), **TOL)
+
+
+def test_gelu_is_the_tanh_form_with_the_bias_inside() -> None:
+    """A zero weight leaves gelu_tanh(b) in every row: the bias goes in before the GELU,
+    and the approximation is the tanh one (it differs from erf-GELU by up to ~5e-4)."""
+    x, _, _ = inputs(5, 32, 32, torch.float16)
+    w = torch.zeros(32, 32, dtype=torch.float16)
+    b = torch.linspace(-6, 6, 32).to(torch.float16)
+    got = triton_gelu_linear(x, w, b).float()
+    tanh = torch.nn.functional.gelu(b.float(), approximate="tanh")
+    torch.testing.assert_close(got, tanh.expand(5, 32), atol=2e-3, rtol=2e-3)
+
+
+def test_dispatcher_falls_back_to_the_reference() -> None:
+    """cuBLASLt on CPU, fp32 (TMA here takes 2-byte types) and misaligned rows all give
+    the reference's answer; an unknown backend is refused."""
+    x, w, b = inputs(9, 24, 40, torch.float32)
+    ref = gelu_linear_reference(x, w, b)
+    for backend in ("cublaslt", "triton", "reference"):
+        torch.testing.assert_close(gelu_linear(x, w, b, backend), ref)
+    xb, wb, bb = inputs(9, 20, 40, torch.bfloat16)  # 40-byte rows: not 16-byte multiples
+    assert not supports(xb, wb)
+    torch.testing.assert_close(gelu_linear(xb, wb, bb, "triton"), gelu_linear_reference(xb, wb, bb))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        gelu_linear(x, w, b, "cutlass")
+
+
+def test_empty_batch() -> None:
+    x, w, b = inputs(0, 32, 48, torch.bfloat16)
+    assert triton_gelu_linear(x, w, b).shape == (0, 48)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [8, 4096, 8192])
+def test_paper_shapes_on_gpu(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder's up-projection (1 024 → 7 680) at a part's rows per step: the Triton
+    kernel (its default config, and autotuned) and cuBLASLt agree with the fp32 reference."""
+    x, w, b = inputs(m, 1024, 7680, torch.bfloat16, device="cuda")
+    ref = want(x, w, b)
+    torch.testing.assert_close(gelu_linear(x, w, b, "cublaslt").float(), ref, **TOL)
+    torch.testing.assert_close(triton_gelu_linear(x, w, b).float(), ref, **TOL)
+    import kernels._triton_gelu_linear as mod
+
+    monkeypatch.setattr(mod, "AUTOTUNE", True)
+    torch.testing.assert_close(mod.triton_gelu_linear(x, w, b).float(), ref, **TOL)
