@@ -145,7 +145,7 @@ def _gelu_linear_kernel(
 
 _gelu_linear_tuned = triton.autotune(
     configs=_gpu_configs(),
-    # M rounded up to a power of two: a server's buckets (4, 8, 16 requests × beams)
+    # M rounded up to a power of two: the row counts of a server's buckets and their parts
     # tune a handful of shapes, not every row count
     key=["M_BUCKET", "N", "K"],
 )(_gelu_linear_kernel)
@@ -158,17 +158,23 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """TMA's rules: 2-byte dtypes, unit last stride, 16-byte aligned bases and rows."""
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> bool:
+    """TMA's rules: 2-byte dtypes, unit last stride, real (not broadcast) rows, 16-byte
+    aligned bases and rows; a unit-stride float bias; one device for all three."""
     es = x.element_size()
     return (
         x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
+        and bias.is_floating_point()
+        and x.device == weight.device == bias.device
         and x.dim() == 2
         and weight.dim() == 2
+        and bias.shape == (weight.shape[0],)
         and x.shape[1] == weight.shape[1]
         and x.stride(1) == 1
+        and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1])
         and weight.is_contiguous()
+        and bias.stride(0) == 1
         and all(t.data_ptr() % 16 == 0 for t in (x, weight))
         and (x.stride(0) * es) % 16 == 0
         and (weight.shape[0] * es) % 16 == 0  # the output's rows
@@ -184,8 +190,7 @@ def triton_gelu_linear(
     # on CUDA, DEFAULT_CONFIG elsewhere
 ) -> torch.Tensor:  # [M, N], x's dtype, contiguous
     """`gelu_tanh(x @ weight.T + bias)` in one persistent launch."""
-    assert supports(x, weight), "use kernels.gelu_linear.gelu_linear: it checks supports()"
-    assert bias.shape == (weight.shape[0],) and bias.device == x.device
+    assert supports(x, weight, bias), "use kernels.gelu_linear.gelu_linear: it checks supports()"
     assert x.is_cuda or _INTERPRET, x.device
     m, k = x.shape
     n = weight.shape[0]

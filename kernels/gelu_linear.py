@@ -7,8 +7,9 @@
   in fp32; CUDA tensors its TMA rules accept (`supports`), and CPU tensors under
   `TRITON_INTERPRET=1` (tests).
 - "reference": `F.gelu(F.linear(x, W, b), approximate="tanh")`, anywhere.
-A backend that cannot take the call falls back to the reference, so CPU serving and odd
-layouts stay correct. Which backend the server uses is `DecodeOptions.ffn_up`.
+A call the Triton kernel cannot take goes to cuBLASLt on CUDA, and anything cuBLASLt
+cannot take (CPU, autograd) to the reference, so CPU serving and odd layouts stay
+correct. The decode loop's backend is `DecodeOptions.ffn_up` (served: cuBLASLt).
 """
 
 from __future__ import annotations
@@ -37,16 +38,12 @@ def gelu_linear(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if backend == "triton" and triton_gelu_linear is not None and (x.is_cuda or _INTERPRET):
+        if not grad and supports(x, weight, bias):
+            return triton_gelu_linear(x, weight, bias)
+        backend = "cublaslt"  # what the kernel cannot take (fp32, odd layouts)
     if backend == "cublaslt" and x.is_cuda and not grad and x.dim() == 2:
         return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
-    if (
-        backend == "triton"
-        and triton_gelu_linear is not None
-        and (x.is_cuda or _INTERPRET)
-        and not grad
-        and supports(x, weight)
-    ):
-        return triton_gelu_linear(x, weight, bias)
     return gelu_linear_reference(x, weight, bias)
 
 

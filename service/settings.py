@@ -87,11 +87,12 @@ class ServerSettings(BaseSettings):
         "and benchmarks' dtype) and float32 on CPU (bfloat16 is slow on most CPUs).",
     )
     max_batch: int = Field(16, description="Most requests in one batch.")
-    graph_buckets: list[int] | None = Field(
+    graph_buckets: Annotated[list[int] | None, NoDecode] = Field(
         None,
         description="GPU only: batch sizes the CUDA graphs are captured for; a batch runs "
         "padded to the next one (max_batch is always added). Finer buckets waste less GPU "
-        "on padding but take longer to capture at start-up and on each index swap. "
+        "on padding but take longer to capture at start-up and on each index swap (two "
+        "decode plans and their buffers per bucket); sizes >= max_batch are ignored. "
         "Default: 4, 8, 12, 16 (GRAPH_BUCKETS in service/pipeline/stages.py).",
     )
     max_wait_ms: float = Field(

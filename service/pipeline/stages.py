@@ -55,9 +55,11 @@ _Movable = TypeVar("_Movable", torch.Tensor, FeatureBatch)
 # loop costs about 0.96 ms + 0.72 ms per request of its bucket on the H200 (3.84 / 6.72 /
 # 12.48 ms at 4 / 8 / 16) — so the buckets are close enough that a part-full batch does
 # not pay for a full one: at 800 req/s over two workers batches averaged 10.4 requests,
-# padded to 16 (docs/OPERATIONS.md). Yet few, as each is captured (and its new shapes
-# autotuned) at start-up and on every index swap: ~11 s per decode plan, two plans (filter
-# modes) per bucket. The `graph_buckets` setting overrides them.
+# most padded to 16 before the bucket of 12 (docs/OPERATIONS.md). Yet few, as each is
+# captured (new shapes autotuned) at start-up and on every index swap: two decode plans
+# (filter modes) per bucket, 11–18 s each on the H200 (6 plans in 66–70 s, 110 s with a
+# cold Triton cache; bench/results/gpu_loadtest_workers.json). The `graph_buckets`
+# setting overrides them.
 GRAPH_BUCKETS = (4, 8, 12, 16)
 
 

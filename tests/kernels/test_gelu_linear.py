@@ -9,8 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from kernels._triton_gelu_linear import DEFAULT_CONFIG, supports, triton_gelu_linear
+from kernels._triton_gelu_linear import (
+    DEFAULT_CONFIG,
+    _bias_gelu,
+    supports,
+    triton_gelu_linear,
+)
 from kernels.gelu_linear import gelu_linear, gelu_linear_reference
 
 TOL = {"atol": 3e-2, "rtol": 3e-2}  # bf16/fp16 output of an fp32 accumulation
@@ -54,31 +62,59 @@ def test_strided_rows_are_read_through_their_stride() -> None:
     wide, w, b = inputs(20, 96, 48, torch.bfloat16, seed=2)
     x = wide[:, 16:80]
     w = w[:, :64].contiguous()
-    assert supports(x, w)
+    assert supports(x, w, b)
     torch.testing.assert_close(triton_gelu_linear(x, w, b).float(), want(x, w, b), **TOL)
 
 
-def test_gelu_is_the_tanh_form_with_the_bias_inside() -> None:
-    """A zero weight leaves gelu_tanh(b) in every row: the bias goes in before the GELU,
-    and the approximation is the tanh one (it differs from erf-GELU by up to ~5e-4)."""
+@triton.jit
+def _epilogue_probe(z_ptr, b_ptr, y_ptr, N: tl.constexpr):
+    """The kernel's epilogue on one fp32 row, so its maths is checked at fp32 precision."""
+    cols = tl.arange(0, N)
+    y = _bias_gelu(tl.load(z_ptr + cols)[None, :], b_ptr, 0, N)
+    tl.store(y_ptr + cols[None, :], y)
+
+
+def test_epilogue_is_tanh_gelu_with_the_bias_inside() -> None:
+    """In fp32 the epilogue is gelu_tanh(z + b): tight enough to tell it from erf-GELU
+    (they differ by up to ~5e-4 here), which a bf16 output could not."""
+    z = torch.linspace(-6, 6, 64)
+    b = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    y = torch.empty(64)
+    _epilogue_probe[(1,)](z, b, y, N=64)
+    want = F.gelu(z + b, approximate="tanh")
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+    assert (F.gelu(z + b) - want).abs().max() > 1e-4  # the tolerance separates the two
+
+
+def test_zero_weight_leaves_the_activated_bias() -> None:
+    """A zero weight leaves gelu(b) in every row of the bf16 output."""
     x, _, _ = inputs(5, 32, 32, torch.float16)
     w = torch.zeros(32, 32, dtype=torch.float16)
     b = torch.linspace(-6, 6, 32).to(torch.float16)
     got = triton_gelu_linear(x, w, b).float()
-    tanh = torch.nn.functional.gelu(b.float(), approximate="tanh")
+    tanh = F.gelu(b.float(), approximate="tanh")
     torch.testing.assert_close(got, tanh.expand(5, 32), atol=2e-3, rtol=2e-3)
 
 
 def test_dispatcher_falls_back_to_the_reference() -> None:
-    """cuBLASLt on CPU, fp32 (TMA here takes 2-byte types) and misaligned rows all give
-    the reference's answer; an unknown backend is refused."""
+    """cuBLASLt on CPU, fp32 (TMA here takes 2-byte types), misaligned rows, a strided
+    bias and broadcast rows all give the reference's answer; an unknown backend is
+    refused."""
     x, w, b = inputs(9, 24, 40, torch.float32)
     ref = gelu_linear_reference(x, w, b)
     for backend in ("cublaslt", "triton", "reference"):
         torch.testing.assert_close(gelu_linear(x, w, b, backend), ref)
     xb, wb, bb = inputs(9, 20, 40, torch.bfloat16)  # 40-byte rows: not 16-byte multiples
-    assert not supports(xb, wb)
+    assert not supports(xb, wb, bb)
     torch.testing.assert_close(gelu_linear(xb, wb, bb, "triton"), gelu_linear_reference(xb, wb, bb))
+    xb, wb, bb = inputs(9, 32, 48, torch.bfloat16)
+    assert supports(xb, wb, bb)
+    strided = torch.randn(96).to(torch.bfloat16)[::2]  # the kernel reads the bias densely
+    assert not supports(xb, wb, strided)
+    got = gelu_linear(xb, wb, strided, "triton")
+    torch.testing.assert_close(got, gelu_linear_reference(xb, wb, strided))
+    broadcast = xb[:1].expand(9, 32)  # every row the same memory: not a TMA tensor
+    assert not supports(broadcast, wb, bb)
     with pytest.raises(ValueError, match="backend must be one of"):
         gelu_linear(x, w, b, "cutlass")
 

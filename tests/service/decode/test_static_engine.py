@@ -222,13 +222,14 @@ def test_gpu_graph_equals_beam_search() -> None:
     tables = GtmTables.from_arrays(index.trie, device="cuda")
     offsets = torch.from_numpy(index.trie.level_offsets)
     search = BeamSearch(decoder, tables, offsets)
-    engine = StaticBeamSearch(decoder, tables, offsets, batch_buckets=(4, 16))
-    ctx = ctx_for(3).cuda()
-    reqs = RequestTensors.from_encoded(encode_requests(TARGETING[:3]), "cuda")
-    for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
-        got = engine.run(ctx, reqs, (1, 8, 16, 12), mode)
-        assert_same(got, search.run(ctx, reqs, (1, 8, 16, 12), mode))
-    assert engine.graphs == 2
+    engine = StaticBeamSearch(decoder, tables, offsets, batch_buckets=(4, 8, 12, 16))
+    for b in (3, 10):  # padded to 4, and to 12 (split into two parts of 6)
+        ctx = ctx_for(b).cuda()
+        reqs = RequestTensors.from_encoded(encode_requests((TARGETING * 4)[:b]), "cuda")
+        for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
+            got = engine.run(ctx, reqs, (1, 8, 16, 12), mode)
+            assert_same(got, search.run(ctx, reqs, (1, 8, 16, 12), mode))
+    assert engine.graphs == 4
 
 
 @pytest.mark.gpu
@@ -260,13 +261,17 @@ def test_gpu_paper_profile_graph_equals_eager() -> None:
 
 
 @pytest.mark.parametrize("streams", [1, 2, 4])
-@pytest.mark.parametrize("batch", [3, 5, 8])
-def test_parts_on_their_own_streams_equal_beam_search(streams: int, batch: int) -> None:
-    """A bucket of 8 split into `streams` parts (decoded one after another on CPU, on
-    parallel streams in one graph on CUDA): a part may be partly or wholly padding."""
+@pytest.mark.parametrize(("bucket", "batch"), [(8, 3), (8, 5), (8, 8), (12, 9), (12, 12)])
+def test_parts_on_their_own_streams_equal_beam_search(
+    streams: int, bucket: int, batch: int
+) -> None:
+    """A bucket of 8 or 12 (the server's buckets are not all powers of two) split into
+    `streams` parts (decoded one after another on CPU, on parallel streams in one graph on
+    CUDA): a part may be partly or wholly padding."""
     index, _, search = setup(make_ads(120, seed=9), seed=3)
-    engine = engine_for(search, index, options=DecodeOptions(streams=streams), batch_buckets=(8,))
-    targeting = (TARGETING * 2)[:batch]
+    options = DecodeOptions(streams=streams)
+    engine = engine_for(search, index, options=options, batch_buckets=(bucket,))
+    targeting = (TARGETING * 3)[:batch]
     ctx, reqs, beams = ctx_for(batch, seed=6), requests(targeting), (1, 4, 8, 6)
     for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
         assert_same(engine.run(ctx, reqs, beams, mode), search.run(ctx, reqs, beams, mode))
