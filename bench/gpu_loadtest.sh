@@ -11,6 +11,7 @@
 #      /metrics after each rate go to OUT (PYSPY_RATE=R: also py-spy stacks during rate R),
 #      and `nvidia-smi dmon` GPU utilisation per second during each rate (dmon_<rate>.txt).
 #      WORKERS=N serves with `grace serve --workers N` (metrics of each worker kept).
+#   4. bench/summarize_loadtest.py turns those files into OUT/summary.json and a table.
 # Usage: bash bench/gpu_loadtest.sh OUT [RATES] [DURATION]
 # Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu LOCUST_PROCESSES=2 \
 #   bash bench/gpu_loadtest.sh /tmp/lt 20 8s
@@ -84,3 +85,5 @@ for rate in $RATES; do
     [ -n "$DMON" ] && kill "$DMON" 2>/dev/null
     scrape "$rate"
 done
+# the figures of this run (bench/summarize_loadtest.py): OUT/summary.json and a table
+python3 bench/summarize_loadtest.py "$OUT" --rates "$RATES" --duration "$DURATION"
