@@ -68,6 +68,15 @@ _I = TypeVar("_I")  # a bucket's static inputs
 _O = TypeVar("_O")  # the module's outputs over a whole bucket
 
 
+def bucket_of(buckets: tuple[int, ...], size: int) -> int:
+    """The smallest of the (sorted) `buckets` that holds a batch of `size`: the shape it
+    runs at, its rows past `size` padding."""
+    for b in buckets:
+        if b >= size:
+            return b
+    raise ValueError(f"batch of {size} exceeds the largest bucket {buckets[-1]}")
+
+
 @dataclass
 class _BucketPlan(Generic[_I, _O]):
     inputs: _I
@@ -105,7 +114,7 @@ class BucketGraphs(ABC, Generic[_B, _I, _O]):
 
     def _run(self, batch: _B, size: int) -> _O:
         """`batch` of `size` requests (at most the largest bucket) through its bucket."""
-        bucket = next(k for k in self.buckets if k >= size)
+        bucket = bucket_of(self.buckets, size)
         with self._lock:
             plan = self._plan(bucket)
             self._load(plan.inputs, batch)

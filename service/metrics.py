@@ -57,6 +57,12 @@ class Metrics:
             "grace_batch_size", "Requests per batch.", buckets=(1, 2, 4, 8, 12, 16, 32),
             registry=r,
         )  # fmt: skip
+        self.padding = Counter(
+            "grace_batch_padding_total",
+            "Padding rows the GPU graphs computed: a batch runs at its graph bucket's size "
+            "(graph_buckets), so a part-full batch costs the GPU a full bucket. Stays 0 on CPU.",
+            registry=r,
+        )
         self.queue_depth = Gauge("grace_queue_depth", "Requests waiting for a batch.", registry=r)
         self.inflight = Gauge(
             "grace_inflight_requests", "Requests accepted and not yet answered.", registry=r

@@ -40,7 +40,7 @@ from index_builder.lookup import FilterMode, GtmTables, RequestTensors
 from index_builder.targeting import MAX_REQUEST_LOCATIONS
 from kernels.cross_attention import cross_attention, cross_attention_per_beam
 from kernels.gtm_mask import candidates, masked_candidates, masked_logits
-from service.capture import capture, part_streams
+from service.capture import bucket_of, capture, part_streams
 from service.decode.engine import NEG_INF, DecodeResult, check_schedule, select
 from service.decode.fused_step import FusedDecoderStep
 from service.decode.kv_cache import ATTENTION_MODES, DenseKVCache, KVCache, PagedKVCache
@@ -149,10 +149,7 @@ class StaticBeamSearch:
         return sum(p.graph is not None for p in self._plans.values())
 
     def bucket(self, batch: int) -> int:
-        for b in self.batch_buckets:
-            if b >= batch:
-                return b
-        raise ValueError(f"batch of {batch} exceeds the largest bucket {self.batch_buckets[-1]}")
+        return bucket_of(self.batch_buckets, batch)
 
     def _location_key(self, mode: FilterMode, n: int) -> int:
         """L of the plan: 0 without GTM, 1 for bitmask-only, else the bucket holding n."""

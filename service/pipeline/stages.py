@@ -28,6 +28,7 @@ import torch
 from index_builder.exact import PostResult
 from index_builder.lookup import FilterMode, RequestTensors
 from index_builder.targeting import MAX_REQUEST_LOCATIONS, encode_requests
+from service.capture import bucket_of
 from service.decode.engine import BeamSearch
 from service.decode.retrieve import reference_post
 from service.decode.static_engine import StaticBeamSearch
@@ -102,6 +103,11 @@ class Stages:
         self.encoder: StaticEncoder | ContextEncoder = self.model.encoder
         if cuda:
             self.embedder, self.encoder = self.graphed()
+
+    def padding(self, size: int) -> int:
+        """Rows of padding a batch of `size` runs with: on GPU its graphs compute the whole
+        bucket (`grace_batch_padding_total`); the CPU path runs the batch as it is."""
+        return bucket_of(self.buckets, size) - size if self.device.type == "cuda" else 0
 
     def graphed(self) -> tuple[StaticFeatures, StaticEncoder]:
         """The fixed-shape embedder and encoder over `self.buckets` (the decode engine's

@@ -228,3 +228,14 @@ def test_every_graphed_stage_uses_the_buckets_of_max_batch(model) -> None:
     coarse = Stages(model, "m1", "cpu", None, max_batch=16, buckets=[8])  # the setting
     assert coarse.graphed()[0].buckets == coarse.graphed()[1].buckets == (8, 16)
     assert stages.embedder is model.embedder and stages.encoder is model.encoder  # CPU: eager
+
+
+def test_padding_is_what_the_bucket_adds_on_gpu_only(model) -> None:
+    """`grace_batch_padding_total` counts the rows a GPU batch's graphs compute past its
+    requests; the CPU path runs each batch at its own size."""
+    stages = Stages(model, "m1", "cpu", None, max_batch=16)
+    assert [stages.padding(n) for n in (1, 4, 5, 12, 16)] == [0] * 5
+    stages.device = torch.device("cuda")  # the bookkeeping only: nothing runs here
+    assert [stages.padding(n) for n in (1, 4, 5, 9, 12, 13, 16)] == [3, 0, 3, 3, 0, 3, 0]
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        stages.padding(17)
