@@ -49,7 +49,7 @@ def _gtm_mask_kernel(
     req_blooms_ptr,  # int64 [B, L, W_BL]
     score_ptr,  # float32 [R]: accumulated score of each row (read with SCORE only)
     stride_logits,
-    R,  # rows: an autotune key only
+    R,  # rows rounded up to a power of two: an autotune key only
     L,  # Bloom rows per request (padding rows repeat row 0)
     V: tl.constexpr,
     W_BM: tl.constexpr,
@@ -237,7 +237,10 @@ def gtm_mask_triton(
         t.node_offsets, t.child_nodes, t.tokens, t.bitmask_index, t.bloom_index,
         t.bitmask_table, t.bloom_table, req_bitmask, req_blooms,
         node_ids if score is None else score,  # never read without SCORE
-        logits.stride(0), rows, n_loc,
+        # the key R is the rows rounded up to a power of two: a server's part-sized row
+        # counts (bucket 12: 6 144 rows) reuse the tuning of the next power of two instead
+        # of autotuning every bucket's shapes at start-up
+        logits.stride(0), triton.next_power_of_2(rows), n_loc,
     )  # fmt: skip
     meta = {
         "V": VOCAB_SIZE,

@@ -105,6 +105,8 @@ def _self_attn_kernel(
     s_tr,  # table strides
     s_tt,
     qk_scale,  # log2(e) / sqrt(D): softmax in base 2
+    N_BUCKET,  # n_queries rounded up to a power of two: the autotune key (a server's
+    # part-sized row counts, e.g. bucket 12's 6 144 rows, reuse the next power's tuning)
     H: tl.constexpr,
     D: tl.constexpr,
     T: tl.constexpr,  # tokens read from memory; FUSED adds the new one at position T
@@ -199,7 +201,7 @@ def _self_attn_kernel(
 
 
 _self_attn_tuned = triton.autotune(
-    configs=CONFIGS, key=["n_queries", "H", "D", "T", "FUSED", "PAGED", "STORE", "GATHER"]
+    configs=CONFIGS, key=["N_BUCKET", "H", "D", "T", "FUSED", "PAGED", "STORE", "GATHER"]
 )(_self_attn_kernel)
 
 
@@ -252,10 +254,11 @@ def _launch(
     scale = math.log2(math.e) / math.sqrt(d)
     if config is None and q.is_cuda and AUTOTUNE:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _self_attn_tuned[grid](*args, scale, **consts)
+        _self_attn_tuned[grid](*args, scale, triton.next_power_of_2(n), **consts)
     else:
         config = dict(DEFAULT_CONFIG if config is None else config)
-        _self_attn_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, scale, **consts, **config)
+        grid = (triton.cdiv(n, config["BLOCK_N"]),)
+        _self_attn_kernel[grid](*args, scale, triton.next_power_of_2(n), **consts, **config)
     return out
 
 
