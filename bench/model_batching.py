@@ -1,0 +1,197 @@
+"""A discrete-event model of the GPU server's batching, to rank `graph_buckets` and batcher
+settings before spending GPU time on load tests (docs/OPERATIONS.md). Its output is a
+model's, not a measurement: it leaves out CPU contention, the GIL, context switches
+between workers and the client's own jitter, and under-predicts P99 near saturation
+(`--check` prints it next to the measured runs).
+
+What it models, one event per arrival, batch close, GPU start and batch end:
+- Poisson arrivals spread evenly at random over W workers (one connection each is what
+  64 client connections average out to);
+- each worker's `Batcher` as `service/batcher.py` runs it: a batch closes at `max_batch`,
+  or `max_wait` after its first request while fewer than `BUSY_BATCHES` batches are in
+  the worker's pipeline, else `max_wait_busy`; at most `max_inflight` batches in flight;
+  a bounded queue refuses the overflow (here it also holds the batch being filled, which
+  the real batcher has already taken out: a capacity below `max_batch` caps batches);
+- stage 1 on the worker's CPU (`cpu_ms` + `cpu_ms_per_request`), then the one GPU shared
+  by all workers in arrival order, running the batch at its graph bucket's cost, then
+  the post stage (`post_ms`).
+GPU cost per batch: the decode loop at its bucket — `decode_ms = a + b · bucket`, fitted
+to `bench/results/decoder_loop_buckets.json` (measured on the H200) — plus
+`other_gpu_ms` per batch (embedder, encoder, copies: ~1.5 ms, from the load tests).
+
+    python bench/model_batching.py --buckets 4,8,12,16 --rates 700 800 900 1000
+    python bench/model_batching.py --check      # the model against the measured runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from service.batcher import BUSY_BATCHES
+from service.capture import bucket_of
+from service.pipeline.stages import graph_buckets
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Server:
+    buckets: tuple[int, ...] = (4, 8, 12, 16)
+    workers: int = 2
+    max_batch: int = 16
+    max_wait_ms: float = 5.0
+    max_wait_busy_ms: float = 20.0
+    max_inflight: int = 4
+    queue_capacity: int = 128
+    decode_ms: tuple[float, float] = (0.96, 0.72)  # a + b · bucket, see fit_decode_cost
+    other_gpu_ms: float = 1.5
+    cpu_ms: float = 0.25
+    cpu_ms_per_request: float = 0.3
+    post_ms: float = 1.0
+
+    def gpu_s(self, size: int) -> float:
+        a, b = self.decode_ms
+        return (a + b * bucket_of(self.buckets, size) + self.other_gpu_ms) / 1e3
+
+
+def fit_decode_cost(path: Path = RESULTS / "decoder_loop_buckets.json") -> tuple[float, float]:
+    """Least-squares `a + b · bucket` through the measured decode loop per bucket."""
+    per = json.loads(path.read_text())["figures"]["per_batch"]
+    xs = [float(k) for k in per]
+    ys = [per[k]["p50_ms"] for k in per]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    return round(my - b * mx, 3), round(b, 3)
+
+
+def simulate(server: Server, rate: float, seconds: float = 20.0, seed: int = 0) -> dict:
+    """Latency percentiles, refusals, mean batch and GPU padding at one offered rate."""
+    rnd = random.Random(seed)
+    events: list[tuple[float, int, str, object]] = []
+    n = 0
+
+    def at(t: float, kind: str, data: object = None) -> None:
+        nonlocal n
+        n += 1
+        heapq.heappush(events, (t, n, kind, data))
+
+    t = rnd.expovariate(rate)
+    while t < seconds:
+        at(t, "arrive", rnd.randrange(server.workers))
+        t += rnd.expovariate(rate)
+    queues: list[list[float]] = [[] for _ in range(server.workers)]
+    inflight = [0] * server.workers
+    cpu_free = [0.0] * server.workers
+    gpu_free = 0.0
+    latencies: list[float] = []
+    sizes: list[int] = []
+    padding = refused = 0
+
+    def close(w: int, now: float) -> None:
+        nonlocal padding
+        q = queues[w]
+        if not q or inflight[w] >= server.max_inflight:
+            return
+        busy = inflight[w] >= BUSY_BATCHES
+        due = q[0] + (server.max_wait_busy_ms if busy else server.max_wait_ms) / 1e3
+        if len(q) < server.max_batch and now < due:
+            # a busy pipeline is looked at again every max_wait, as the batcher does
+            step = max(server.max_wait_ms / 1e3, 1e-3)
+            at(min(due, now + step) if busy else due, "look", w)
+            return
+        batch = q[: server.max_batch]
+        del q[: server.max_batch]
+        inflight[w] += 1
+        sizes.append(len(batch))
+        padding += bucket_of(server.buckets, len(batch)) - len(batch)
+        start = max(now, cpu_free[w])
+        cpu_free[w] = start + (server.cpu_ms + server.cpu_ms_per_request * len(batch)) / 1e3
+        at(cpu_free[w], "gpu", (w, batch))
+        if q:
+            at(now, "look", w)
+
+    while events:
+        now, _, kind, data = heapq.heappop(events)
+        if kind == "arrive":
+            w = int(data)  # type: ignore[call-overload]
+            if len(queues[w]) >= server.queue_capacity:
+                refused += 1
+            else:
+                queues[w].append(now)
+                close(w, now)
+        elif kind == "look":
+            close(int(data), now)  # type: ignore[call-overload]
+        elif kind == "gpu":
+            w, batch = data  # type: ignore[misc]
+            gpu_free = max(now, gpu_free) + server.gpu_s(len(batch))
+            at(gpu_free + server.post_ms / 1e3, "done", (w, batch))
+        else:  # done
+            w, batch = data  # type: ignore[misc]
+            inflight[w] -= 1
+            latencies.extend(now - a for a in batch)
+            close(w, now)
+    latencies.sort()
+    requests = sum(sizes)
+
+    def pct(p: float) -> float:
+        return round(1e3 * latencies[min(len(latencies) - 1, int(p * len(latencies)))], 1)
+
+    return {
+        "offered_rps": rate,
+        "ok_rps": round(len(latencies) / seconds, 1),
+        "p50_ms": pct(0.50),
+        "p99_ms": pct(0.99),
+        "refused": refused,
+        "mean_batch": round(requests / len(sizes), 2) if sizes else 0.0,
+        "padding_share": round(padding / (padding + requests), 3) if requests else 0.0,
+    }
+
+
+# measured on the H200 (bench/results/gpu_loadtest_workers.json, 2 workers, buckets 4/8/16)
+MEASURED = {700: 59, 800: 160, 900: 220}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--buckets", default="4,8,12,16", help="graph bucket sizes, increasing")
+    ap.add_argument("--rates", type=float, nargs="+", default=[700, 800, 900, 1000, 1100])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--max-wait-ms", type=float, default=5.0)
+    ap.add_argument("--max-wait-busy-ms", type=float, default=20.0)
+    ap.add_argument("--seconds", type=float, default=20.0, help="modelled time per rate")
+    ap.add_argument("--check", action="store_true",
+                    help="model buckets 4,8,16 at the measured rates and print both")  # fmt: skip
+    a = ap.parse_args()
+    try:
+        buckets = graph_buckets(16, tuple(int(b) for b in a.buckets.split(",")))
+    except ValueError:
+        ap.error(f"--buckets must be increasing integers >= 1, got {a.buckets!r}")
+    server = Server(
+        buckets=(4, 8, 16) if a.check else buckets,
+        workers=a.workers,
+        max_wait_ms=a.max_wait_ms,
+        max_wait_busy_ms=a.max_wait_busy_ms,
+        decode_ms=fit_decode_cost(),
+    )
+    print(f"model (not a measurement): buckets {server.buckets}, {server.workers} workers, "
+          f"decode {server.decode_ms[0]} + {server.decode_ms[1]}·bucket ms")  # fmt: skip
+    for rate in sorted(MEASURED) if a.check else a.rates:
+        r = simulate(server, rate, a.seconds)
+        seen = f"  measured P99 {MEASURED[int(rate)]} ms" if a.check else ""
+        print(f"{rate:7.0f} req/s: OK {r['ok_rps']:7.1f}  P50 {r['p50_ms']:6.1f}  P99 "
+              f"{r['p99_ms']:6.1f} ms  batch {r['mean_batch']:5.2f}  padding "
+              f"{100 * r['padding_share']:4.1f} %  refused {r['refused']}{seen}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""`bench/model_batching.py`, the batching model used to rank graph buckets before GPU
+load tests: calibrated on the measured per-bucket decode cost, and behaving as a batching
+server must (less padding with finer buckets, refusals past capacity)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.model_batching import RESULTS, Server, fit_decode_cost, simulate
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "model_batching.py"
+
+
+def test_decode_cost_fits_the_measured_buckets() -> None:
+    a, b = fit_decode_cost()
+    per = json.loads((RESULTS / "decoder_loop_buckets.json").read_text())["figures"]["per_batch"]
+    for bucket, row in per.items():
+        assert abs(a + b * int(bucket) - row["p50_ms"]) < 0.3, (bucket, a, b)
+
+
+def test_finer_buckets_pad_less_and_wait_less() -> None:
+    """Same arrivals (seed), same load: each finer bucket set computes less padding, and
+    at a load where coarse buckets saturate the GPU, latency falls with it."""
+    runs = [
+        simulate(Server(buckets=b, decode_ms=fit_decode_cost()), 900, seconds=10)
+        for b in ((4, 8, 16), (4, 8, 12, 16), (2, 4, 6, 8, 10, 12, 14, 16))
+    ]
+    shares = [r["padding_share"] for r in runs]
+    assert shares[0] > shares[1] > shares[2] > 0
+    assert runs[0]["p99_ms"] > runs[2]["p99_ms"]
+    assert all(r["refused"] == 0 for r in runs)
+
+
+def test_light_load_runs_small_batches_after_max_wait() -> None:
+    """At 50 req/s a batch closes max_wait after its first request, nearly alone: latency
+    is that wait plus one small batch's CPU, GPU and post time."""
+    server = Server()
+    r = simulate(server, 50, seconds=20)
+    floor = server.max_wait_ms + server.gpu_s(1) * 1e3 + server.post_ms
+    assert r["mean_batch"] < 1.5
+    assert floor - 1 < r["p50_ms"] < floor + 3
+
+
+def test_overload_is_refused_at_the_queue() -> None:
+    """Offered far past the GPU's capacity, a small queue refuses the excess and the
+    answered rate stays near what the GPU can run in full batches."""
+    server = Server(queue_capacity=32)
+    r = simulate(server, 3000, seconds=5)
+    capacity = 16 / server.gpu_s(16)
+    assert r["refused"] > 0 and r["ok_rps"] < 1.05 * capacity
+    assert r["mean_batch"] > 15
+
+
+def test_check_prints_the_model_next_to_the_measured_runs() -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--check", "--seconds", "5"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "not a measurement" in done.stdout and done.stdout.count("measured P99") == 3
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--buckets", "8,4"], capture_output=True)
+    assert bad.returncode == 2
