@@ -5,10 +5,12 @@ The load script leaves, per offered rate R: locust's `rate_R_stats.csv` and `rat
 (`metrics_R_wI.prom`, and `metrics_start_wI.prom` after the warm-up), `nvidia-smi dmon`
 samples (`dmon_R.txt`, GPU only) and the server's log. This script turns them into the
 figures docs/OPERATIONS.md quotes, so a run's numbers come from its files, not by hand:
-OK req/s, refused share, P50/P99, pass/fail against the thresholds, and per worker the
-batches, mean batch size and mean stage times over that rate alone (metric deltas from
-the previous scrape), plus the median GPU busy share and how long the decode plans took
-to capture.
+OK req/s, failed share, P50/P99, pass/fail (locust's verdict as logged; the given
+thresholds where the log has none), and per worker the batches, mean batch size and mean
+stage times over that rate alone (metric deltas from the previous scrape; a restarted
+worker's counters count from zero), plus the median GPU busy share and how long the
+decode plans took to capture. The JSON's header (commit, device, date) is the machine's
+that runs this script: the load script runs it where the test ran.
 
     python bench/summarize_loadtest.py /tmp/paper --rates "700 800" --duration 20s \\
         --json bench/results/gpu_loadtest_run.json
@@ -45,8 +47,12 @@ def seconds(duration: str) -> float:
     return 3600 * h + 60 * m + s
 
 
-def scrape(path: Path) -> dict[tuple[str, str], float]:
-    """(sample name, stage label or "") -> value, for the series this summary reads."""
+def scrape(path: Path) -> dict[tuple[str, str], float] | None:
+    """(sample name, stage label or "") -> value for the series this summary reads; None
+    for a scrape that is missing or empty (the load script leaves an empty file when a
+    worker did not answer)."""
+    if not path.exists() or not path.read_text().strip():
+        return None
     out: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(path.read_text()):
         for s in family.samples:
@@ -55,9 +61,19 @@ def scrape(path: Path) -> dict[tuple[str, str], float]:
     return out
 
 
-def worker_delta(before: Path, after: Path) -> dict:
-    """Batches, mean batch size and mean stage wall time per batch between two scrapes."""
-    a, b = (scrape(before) if before.exists() else {}), scrape(after)
+def worker_delta(before: Path | None, after: Path) -> dict:
+    """Batches, mean batch size and mean stage wall time per batch between two scrapes.
+    A counter that went down means the worker restarted: as Prometheus' rate() does, its
+    value after the restart is the increase. A missing "after" scrape gives no figures."""
+    b = scrape(after)
+    if b is None:
+        return {"batches": None, "mean_batch": None, "stage_mean_ms": None, "scrape": "missing"}
+    a = (scrape(before) if before is not None else None) or {}
+    restarted = b.get(("grace_batch_size_count", ""), 0.0) < a.get(
+        ("grace_batch_size_count", ""), 0.0
+    )
+    if restarted:
+        a = {}
 
     def d(name: str, stage: str = "") -> float:
         return b.get((name, stage), 0.0) - a.get((name, stage), 0.0)
@@ -67,11 +83,14 @@ def worker_delta(before: Path, after: Path) -> dict:
     for st in STAGES:
         n = d("grace_stage_duration_seconds_count", st)
         stages[st] = round(1e3 * d("grace_stage_duration_seconds_sum", st) / n, 2) if n else None
-    return {
+    out = {
         "batches": int(batches),
         "mean_batch": round(d("grace_batch_size_sum") / batches, 2) if batches else None,
         "stage_mean_ms": stages,
     }
+    if restarted or (before is not None and scrape(before) is None):
+        out["scrape"] = "restarted" if restarted else "no baseline: counts since start"
+    return out
 
 
 def gpu_busy(path: Path) -> dict | None:
@@ -85,37 +104,62 @@ def gpu_busy(path: Path) -> dict | None:
     return {"sm_pct_per_s": sm, "median_pct_under_load": statistics.median(busy) if busy else 0}
 
 
-def rate_row(out: Path, rate: str, prev: str, duration_s: float, p99_ms: float,
+def _workers(out: Path, rate: str) -> list[int]:
+    """Worker numbers with a scrape after this rate (a missing one leaves a gap, not an end)."""
+    found = (re.fullmatch(rf"metrics_{re.escape(rate)}_w(\d+)\.prom", p.name)
+             for p in out.glob(f"metrics_{rate}_w*.prom"))  # fmt: skip
+    return sorted(int(m[1]) for m in found if m)
+
+
+def _verdict(log: list[str]) -> bool | None:
+    """locust's own verdict (loadtest/locustfile.py logs it: every threshold, the open-loop
+    dispatch lag and "no request answered" included); None when the log has none."""
+    for line in reversed(log):
+        if "threshold missed:" in line:
+            return False
+        if "thresholds met" in line:
+            return True
+    return None
+
+
+def rate_row(out: Path, rate: str, prev: str | None, duration_s: float, p99_ms: float,
              fail_ratio: float) -> dict:  # fmt: skip
     with (out / f"rate_{rate}_stats.csv").open() as fh:
-        agg = next(r for r in csv.DictReader(fh) if r["Name"] == "Aggregated")
-    sent, failed = int(agg["Request Count"]), int(agg["Failure Count"])
-    m = None
-    log = out / f"rate_{rate}.log"
-    if log.exists():
-        m = next((m for m in map(_SUMMARY.search, reversed(log.read_text().splitlines())) if m),
-                 None)  # fmt: skip
-    # the summary line's percentiles are locust's over all calls; the CSV's are the same
-    p50 = float(m["p50"]) if m else float(agg["50%"])
-    p99 = float(m["p99"]) if m else float(agg["99%"])
-    workers = []
-    i = 0
-    while (out / f"metrics_{rate}_w{i}.prom").exists():
-        workers.append(
-            worker_delta(out / f"metrics_{prev}_w{i}.prom", out / f"metrics_{rate}_w{i}.prom")
+        agg = next((r for r in csv.DictReader(fh) if r["Name"] == "Aggregated"), None)
+    sent = int(agg["Request Count"]) if agg else 0
+    failed = int(agg["Failure Count"]) if agg else 0
+    log_path = out / f"rate_{rate}.log"
+    log = log_path.read_text().splitlines() if log_path.exists() else []
+    m = next((m for m in map(_SUMMARY.search, reversed(log)) if m), None)
+
+    def pct(key: str) -> float | None:  # the CSV's "N/A" when nothing was answered
+        try:
+            return float(m[key]) if m else float(agg[f"{key[1:]}%"]) if agg else None
+        except (TypeError, ValueError):
+            return None
+
+    p50, p99 = pct("p50"), pct("p99")
+    failed_ratio = failed / sent if sent else 0.0
+    verdict = _verdict(log)
+    if verdict is None:  # no thresholds in the log: judge by the given ones
+        verdict = sent > 0 and p99 is not None and p99 <= p99_ms and failed_ratio <= fail_ratio
+    workers = {
+        f"w{i}": worker_delta(
+            None if prev is None else out / f"metrics_{prev}_w{i}.prom",
+            out / f"metrics_{rate}_w{i}.prom",
         )
-        i += 1
-    refused = failed / sent if sent else 0.0
+        for i in _workers(out, rate)
+    }
     return {
         "offered_rps": float(rate),
         "sent": sent,
         "ok": sent - failed,
         "ok_rps": round((sent - failed) / duration_s, 1),
         "failed": failed,
-        "failed_pct": round(100 * refused, 2),
+        "failed_pct": round(100 * failed_ratio, 2),
         "all_p50_ms": p50,
         "all_p99_ms": p99,
-        "passed": p99 <= p99_ms and refused <= fail_ratio,
+        "passed": verdict,
         "server_workers": workers,
         "gpu": gpu_busy(out / f"dmon_{rate}.txt"),
     }
@@ -123,10 +167,15 @@ def rate_row(out: Path, rate: str, prev: str, duration_s: float, p99_ms: float,
 
 def summarize(out: Path, rates: list[str], duration_s: float, p99_ms: float = 100.0,
               fail_ratio: float = 0.001) -> dict:  # fmt: skip
+    """Rates in the order they ran: each one's worker figures are the change since the
+    scrape after the previous rate (after the warm-up for the first)."""
+    if duration_s <= 0:
+        raise ValueError(f"duration must be positive, got {duration_s}")
     rows, prev = [], "start"
     for rate in rates:
-        rows.append(rate_row(out, rate, prev, duration_s, p99_ms, fail_ratio))
-        prev = rate
+        if (out / f"rate_{rate}_stats.csv").exists():  # a rate whose locust run left nothing
+            rows.append(rate_row(out, rate, prev, duration_s, p99_ms, fail_ratio))
+        prev = rate  # its scrape, if any, is still the next rate's baseline
     passing = [r["ok_rps"] for r in rows if r["passed"]]
     log = out / "server.log"
     captures = [
@@ -143,19 +192,32 @@ def summarize(out: Path, rates: list[str], duration_s: float, p99_ms: float = 10
     }
 
 
+def run_order(out: Path, rates: list[str]) -> list[str]:
+    """The rates whose CSVs exist, checked to be in the order they ran (file times): the
+    metric deltas are taken between consecutive rates."""
+    times = [(out / f"rate_{r}_stats.csv").stat().st_mtime for r in rates]
+    if times != sorted(times):
+        raise ValueError(f"rates {rates} are not in the order they ran (by their CSVs' times)")
+    return rates
+
+
 def table(figures: dict) -> str:
     lines = [
         "| offered | OK req/s | failed | P50 / P99 | passed | GPU | batch | post ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in figures["rates"]:
-        ws = r["server_workers"]
+        ws = list(r["server_workers"].values())
         gpu = f"{r['gpu']['median_pct_under_load']:.0f} %" if r["gpu"] else "—"
         batch = " + ".join(f"{w['mean_batch']}" for w in ws) or "—"
-        post = " / ".join(f"{w['stage_mean_ms']['post']}" for w in ws) or "—"
+        post = (
+            " / ".join(f"{w['stage_mean_ms']['post']}" if w["stage_mean_ms"] else "—" for w in ws)
+            or "—"
+        )
+        ms = "—" if r["all_p99_ms"] is None else f"{r['all_p50_ms']:.0f} / {r['all_p99_ms']:.0f} ms"
         lines.append(
             f"| {r['offered_rps']:,.0f} | {r['ok_rps']:,.1f} | {r['failed_pct']} % | "
-            f"{r['all_p50_ms']:.0f} / {r['all_p99_ms']:.0f} ms | {'yes' if r['passed'] else 'no'} "
+            f"{ms} | {'yes' if r['passed'] else 'no'} "
             f"| {gpu} | {batch} | {post} |"
         )
     return "\n".join(lines)
@@ -170,6 +232,8 @@ def main() -> None:
     ap.add_argument("--p99-ms", type=float, default=100.0, help="P99 threshold (ms)")
     ap.add_argument("--fail-ratio", type=float, default=0.001, help="failure threshold")
     ap.add_argument("--json", type=Path, help="write the result here (default: OUT/summary.json)")
+    ap.add_argument("--skip-missing", action="store_true",
+                    help="leave out rates that left no CSV (the load script's use)")  # fmt: skip
     a = ap.parse_args()
     if not a.out.is_dir():
         ap.error(f"{a.out} is not a directory")
@@ -177,10 +241,18 @@ def main() -> None:
         duration = seconds(a.duration)
     except ValueError as exc:
         ap.error(str(exc))
+    if duration <= 0:
+        ap.error(f"--duration must be positive, got {a.duration!r}")
     rates = a.rates.split()
     missing = [r for r in rates if not (a.out / f"rate_{r}_stats.csv").exists()]
+    if missing and not a.skip_missing:
+        ap.error(f"no rate_R_stats.csv in {a.out} for rates {missing} (--skip-missing)")
+    try:
+        run_order(a.out, [r for r in rates if r not in missing])
+    except ValueError as exc:
+        ap.error(str(exc))
     if missing:
-        ap.error(f"no rate_R_stats.csv in {a.out} for rates {missing}")
+        print(f"skipping rates without results: {missing}", file=sys.stderr)
     figures = summarize(a.out, rates, duration, a.p99_ms, a.fail_ratio)
     path = a.json or a.out / "summary.json"
     path.parent.mkdir(parents=True, exist_ok=True)

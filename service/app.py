@@ -122,7 +122,7 @@ async def start(settings: ServerSettings, *, bind_when_ready: bool = False) -> A
 
     def dispatch(batch: list) -> None:
         metrics.batch_size.observe(len(batch))
-        metrics.padding.inc(stages.padding(len(batch)))
+        metrics.padding.inc(stages.padding([p.payload for p in batch]))
         pipeline.dispatch(batch)
 
     batcher = Batcher(

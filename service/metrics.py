@@ -59,8 +59,9 @@ class Metrics:
         )  # fmt: skip
         self.padding = Counter(
             "grace_batch_padding_total",
-            "Padding rows the GPU graphs computed: a batch runs at its graph bucket's size "
-            "(graph_buckets), so a part-full batch costs the GPU a full bucket. Stays 0 on CPU.",
+            "Requests' worth of padding the GPU decoded: each decode group of a batch (one "
+            "beam schedule and filter mode) runs at its graph bucket's size (graph_buckets), "
+            "so a part-full group costs the GPU a full bucket. Stays 0 on CPU.",
             registry=r,
         )
         self.queue_depth = Gauge("grace_queue_depth", "Requests waiting for a batch.", registry=r)

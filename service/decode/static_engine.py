@@ -179,7 +179,9 @@ class StaticBeamSearch:
             for n in locations or self.location_buckets
         }
         with self._lock:
-            for b, mode, n_loc in sorted(keys):
+            # largest batches first: the kernels tune on their rows rounded up to a power of
+            # two (a shared key), so the busiest bucket's own shapes pick the configs
+            for b, mode, n_loc in sorted(keys, key=lambda k: (-k[0], k[1:])):
                 plan = self._plan(b, tuple(beams), mode, n_loc)
                 if plan.graph is None and self.device.type == "cuda":
                     plan.live.fill_(True)

@@ -44,7 +44,7 @@ from service.model.features import (
 from service.model.retriever import GenerativeRetriever
 from service.model.static_encoder import StaticEncoder
 from service.model.static_features import StaticFeatures
-from service.pipeline.records import BatchState, DecodeGroup, RetrievalResult
+from service.pipeline.records import BatchState, DecodeGroup, RetrievalRequest, RetrievalResult
 from service.post import PostRequest
 from service.serving_index import ServingIndex
 
@@ -74,6 +74,16 @@ def graph_buckets(max_batch: int, buckets: Sequence[int] = GRAPH_BUCKETS) -> tup
     if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
         raise ValueError(f"buckets must be increasing and >= 1, got {list(buckets)}")
     return (*(b for b in buckets if b < max_batch), max_batch)
+
+
+def decode_groups(
+    requests: Sequence[RetrievalRequest],
+) -> dict[tuple[tuple[int, ...], FilterMode], list[int]]:
+    """Rows of the batch by (beam schedule, filter mode): each group is one decode run."""
+    rows_of: dict[tuple[tuple[int, ...], FilterMode], list[int]] = {}
+    for i, r in enumerate(requests):
+        rows_of.setdefault((r.beams, r.filter_mode), []).append(i)
+    return rows_of
 
 
 PostFn = Callable[[BatchState, Sequence[tuple[np.ndarray, np.ndarray]]], list[PostResult]]
@@ -106,10 +116,15 @@ class Stages:
         if cuda:
             self.embedder, self.encoder = self.graphed()
 
-    def padding(self, size: int) -> int:
-        """Rows of padding a batch of `size` runs with: on GPU its graphs compute the whole
-        bucket (`grace_batch_padding_total`); the CPU path runs the batch as it is."""
-        return bucket_of(self.buckets, size) - size if self.device.type == "cuda" else 0
+    def padding(self, requests: Sequence[RetrievalRequest]) -> int:
+        """Requests' worth of padding the GPU decodes for this batch
+        (`grace_batch_padding_total`): each decode group — requests sharing a beam
+        schedule and filter mode — runs padded to its own bucket. The CPU path runs every
+        group at its own size."""
+        if self.device.type != "cuda":
+            return 0
+        return sum(bucket_of(self.buckets, len(rows)) - len(rows)
+                   for rows in decode_groups(requests).values())  # fmt: skip
 
     def graphed(self) -> tuple[StaticFeatures, StaticEncoder]:
         """The fixed-shape embedder and encoder over `self.buckets` (the decode engine's
@@ -171,12 +186,9 @@ class Stages:
             for r in batch.requests
         ]
         features = prepare_features(users, batch.index.retrieval.lookup, self.model.config)
-        rows_of: dict[tuple[tuple[int, ...], FilterMode], list[int]] = {}
-        for i, r in enumerate(batch.requests):
-            rows_of.setdefault((r.beams, r.filter_mode), []).append(i)
         with self._on(0, batch):
             batch.features = self._to_device(features)
-            for (beams, mode), rows in rows_of.items():
+            for (beams, mode), rows in decode_groups(batch.requests).items():
                 reqs = None
                 if mode != FilterMode.CD_ONLY:
                     enc = encode_requests([batch.requests[i].targeting for i in rows])

@@ -413,3 +413,27 @@ def test_gpu_mask_replays_in_a_cuda_graph(big_world) -> None:
         logits.normal_()
         graph.replay()
         assert_same(out, masked_logits_reference(logits, tables, nodes, request, requests))
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel: records the positional arguments of each launch."""
+
+    def __init__(self) -> None:
+        self.args: list[tuple] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.args.append(args)
+
+
+def test_tuning_key_is_the_rows_rounded_up_to_a_power_of_two(world, monkeypatch) -> None:
+    """The kernel's R argument is only its autotune key: 5 and 7 rows share the key of 8,
+    so the row counts of other graph buckets reuse a tuning instead of re-tuning."""
+    import kernels._triton_gtm_mask as mod
+
+    index, tables, requests = world
+    spy = _LaunchSpy()
+    monkeypatch.setattr(mod, "_gtm_mask_kernel", spy)
+    for n in (5, 7, 8):
+        logits, nodes, request = rows_of(index, n, 4, seed=n)
+        mod.gtm_mask_triton(logits, tables, nodes, request, requests, gtm=True)
+    assert [args[-2] for args in spy.args] == [8, 8, 8]

@@ -334,3 +334,22 @@ def test_gpu_dispatchers_run_the_kernels() -> None:
         got = fused_self_attention(qkv, k_cache, v_cache, 3, table)
     want = fused_self_attention_reference(qkv, k_cache.clone(), v_cache.clone(), 3, table)
     torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+
+
+def test_tuning_key_is_the_queries_rounded_up_to_a_power_of_two(monkeypatch) -> None:
+    """N_BUCKET (after the softmax scale) is the autotune key: R·H queries rounded up to a
+    power of two, so the row counts of other graph buckets reuse a tuning."""
+    import kernels._triton_self_attention as mod
+
+    seen: list[tuple] = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: seen.append(args)
+
+    monkeypatch.setattr(mod, "_self_attn_kernel", Spy())
+    for rows in (3, 5, 8):
+        q = torch.randn(rows, 2, 16)
+        k = torch.randn(rows, 2, 2, 16)
+        mod.prefix_self_attention_triton(q, k, k.clone())
+    assert [(args[8], args[-1]) for args in seen] == [(6, 8), (10, 16), (16, 16)]

@@ -278,6 +278,7 @@ def test_dashboard_shows_what_the_issue_asks_for() -> None:
         "job_stage:grace_stage_duration_seconds:p50_5m",  # per stage
         "job_stage:grace_stage_duration_seconds:p99_5m",
         "grace_batch_size_bucket",
+        "grace_batch_padding_total",  # GPU padding share (docs/OPERATIONS.md)
         "grace_queue_depth",
         "grace_inflight_requests",
         "job:grace_ads_pass_ratio:rate5m",

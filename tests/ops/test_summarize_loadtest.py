@@ -4,6 +4,7 @@ quotes. Synthetic run directories: two rates, two workers, counters that grow.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,7 @@ def run_dir(tmp_path: Path) -> Path:
             f"[x] vm/INFO/grace.loadtest: grace loadtest: {sent} requests, {failed} failures "
             f"(0.0 %), {sent / 20} req/s, P50 {p50} ms, P99 {p99} ms, open-loop dispatch lag\n"
         )
+        os.utime(out / f"rate_{rate}_stats.csv", (int(rate), int(rate)))  # ran in this order
     # worker 0: 100 batches of 5 before the rates, +200 batches of 4 at 700, +100 of 10 at 800
     for w in (0, 1):
         (out / f"metrics_start_w{w}.prom").write_text(metrics(100, 500, 1.0))
@@ -69,10 +71,11 @@ def test_rates_workers_and_thresholds(run_dir: Path) -> None:
     assert (r800["ok"], r800["failed_pct"], r800["passed"]) == (15992, 0.05, False)
     assert f["max_ok_rps_passing"] == 700.0
     w = r700["server_workers"]
-    assert len(w) == 2 and w[0]["batches"] == 200 and w[0]["mean_batch"] == 4.0  # deltas
-    assert w[0]["stage_mean_ms"] == {"input": 4.0, "features": 1.0, "compute": 2.0, "post": 10.0}
-    assert r800["server_workers"][1]["mean_batch"] == 10.0
-    assert r800["server_workers"][1]["stage_mean_ms"]["post"] == 25.0
+    assert set(w) == {"w0", "w1"} and w["w0"]["batches"] == 200  # deltas, not totals
+    assert w["w0"]["mean_batch"] == 4.0
+    assert w["w0"]["stage_mean_ms"] == {"input": 4.0, "features": 1.0, "compute": 2.0, "post": 10.0}
+    assert r800["server_workers"]["w1"]["mean_batch"] == 10.0
+    assert r800["server_workers"]["w1"]["stage_mean_ms"]["post"] == 25.0
     assert r700["gpu"]["median_pct_under_load"] == 97 and r800["gpu"] is None
     assert f["decode_plan_captures"] == [{"plans": 6, "seconds": 67.8}]
     text = table(f)
@@ -86,6 +89,45 @@ def test_a_failure_ratio_over_the_threshold_fails_the_rate(run_dir: Path) -> Non
     f = summarize(run_dir, ["700", "800"], 20.0, p99_ms=200.0, fail_ratio=0.001)
     assert [r["passed"] for r in f["rates"]] == [True, True]
     assert f["max_ok_rps_passing"] == 799.6
+
+
+def test_locust_verdict_wins_over_the_recomputed_one(run_dir: Path) -> None:
+    """The log's verdict covers checks the CSV cannot show (open-loop dispatch lag)."""
+    log = run_dir / "rate_700.log"
+    log.write_text(log.read_text() + "[x] ERROR: threshold missed: dispatch lag 2.0 s\n")
+    assert summarize(run_dir, ["700", "800"], 20.0)["rates"][0]["passed"] is False
+    log.write_text(log.read_text() + "[x] INFO: thresholds met\n")
+    assert summarize(run_dir, ["700", "800"], 20.0)["rates"][0]["passed"] is True
+
+
+def test_restarts_and_missing_scrapes_never_give_negative_counts(run_dir: Path) -> None:
+    """A worker restarted during 800 (counters back near zero): its after-value is the
+    increase. Worker 0's scrape after 700 empty: no figures for it there, and at 800 its
+    counts run from its start (flagged); worker 1 is still reported."""
+    (run_dir / "metrics_800_w1.prom").write_text(metrics(50, 300, 1.0))
+    (run_dir / "metrics_700_w0.prom").write_text("")
+    r700, r800 = summarize(run_dir, ["700", "800"], 20.0)["rates"]
+    assert r700["server_workers"]["w0"] == {
+        "batches": None,
+        "mean_batch": None,
+        "stage_mean_ms": None,
+        "scrape": "missing",
+    }
+    assert r700["server_workers"]["w1"]["batches"] == 200
+    w1 = r800["server_workers"]["w1"]
+    assert (w1["batches"], w1["mean_batch"], w1["scrape"]) == (50, 6.0, "restarted")
+    w0 = r800["server_workers"]["w0"]
+    assert w0["batches"] == 400 and w0["scrape"].startswith("no baseline")
+    (run_dir / "metrics_700_w0.prom").unlink()  # a gap: w1 is still found
+    assert set(summarize(run_dir, ["700"], 20.0)["rates"][0]["server_workers"]) == {"w1"}
+
+
+def test_a_rate_that_answered_nothing_fails_without_crashing(run_dir: Path) -> None:
+    (run_dir / "rate_800_stats.csv").write_text(CSV_HEAD + ",Aggregated,0,0,N/A,N/A\n")
+    (run_dir / "rate_800.log").write_text("")
+    r800 = summarize(run_dir, ["700", "800"], 20.0)["rates"][1]
+    assert (r800["sent"], r800["all_p99_ms"], r800["passed"]) == (0, None, False)
+    assert "| 800 | 0.0 | 0.0 % | — | no |" in table({"rates": [r800]})
 
 
 def test_durations() -> None:
@@ -106,3 +148,9 @@ def test_command_line_writes_json_and_refuses_missing_rates(run_dir: Path, tmp_p
     assert "max OK req/s passing: 700.0" in done.stdout
     bad = subprocess.run([*cmd, "--rates", "700 900"], capture_output=True, text=True)
     assert bad.returncode == 2 and "rates ['900']" in bad.stderr
+    skip = subprocess.run([*cmd, "--rates", "700 900", "--skip-missing"], capture_output=True)
+    assert skip.returncode == 0 and len(json.loads(out.read_text())["figures"]["rates"]) == 1
+    order = subprocess.run([*cmd, "--rates", "800 700"], capture_output=True, text=True)
+    assert order.returncode == 2 and "not in the order they ran" in order.stderr
+    zero = subprocess.run([*cmd[:4], "--duration", "0s", "--rates", "700"], capture_output=True)
+    assert zero.returncode == 2

@@ -178,6 +178,8 @@ def test_warm_builds_every_plan_once() -> None:
     engine = engine_for(search, index, batch_buckets=(1, 2, 4), location_buckets=(1, 8))
     beams = (1, 3, 5, 4)
     assert engine.warm(beams) == 3 * (2 + 1)  # CD_GTM per location bucket, CD_ONLY once
+    # largest bucket first: its shapes are the ones the shared tuning keys are tuned on
+    assert [key[0] for key in engine._plans] == [4, 4, 4, 2, 2, 2, 1, 1, 1]
     engine.run(ctx_for(3), requests(TARGETING[:3]), beams, FilterMode.CD_GTM)
     engine.run(ctx_for(1), None, beams, FilterMode.CD_ONLY)
     assert len(engine._plans) == 9 and engine.graphs == 0  # CPU: eager, no graphs

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -230,12 +231,25 @@ def test_every_graphed_stage_uses_the_buckets_of_max_batch(model) -> None:
     assert stages.embedder is model.embedder and stages.encoder is model.encoder  # CPU: eager
 
 
-def test_padding_is_what_the_bucket_adds_on_gpu_only(model) -> None:
-    """`grace_batch_padding_total` counts the rows a GPU batch's graphs compute past its
-    requests; the CPU path runs each batch at its own size."""
+def test_padding_is_what_the_buckets_add_per_decode_group_on_gpu_only(model) -> None:
+    """`grace_batch_padding_total` counts the requests' worth of rows the GPU decodes past
+    the batch's requests: each decode group (beam schedule, filter mode) pads to its own
+    bucket. The CPU path runs each group at its own size."""
+
+    def reqs(*groups: tuple[int, FilterMode]):
+        return [
+            SimpleNamespace(beams=(1, 4, 8, 8), filter_mode=mode)
+            for n, mode in groups
+            for _ in range(n)
+        ]
+
     stages = Stages(model, "m1", "cpu", None, max_batch=16)
-    assert [stages.padding(n) for n in (1, 4, 5, 12, 16)] == [0] * 5
+    assert stages.padding(reqs((5, FilterMode.CD_GTM))) == 0
     stages.device = torch.device("cuda")  # the bookkeeping only: nothing runs here
-    assert [stages.padding(n) for n in (1, 4, 5, 9, 12, 13, 16)] == [3, 0, 3, 3, 0, 3, 0]
+    gtm, cd = FilterMode.CD_GTM, FilterMode.CD_ONLY
+    assert [stages.padding(reqs((n, gtm))) for n in (1, 4, 5, 9, 12, 13, 16)] == [
+        3, 0, 3, 3, 0, 3, 0
+    ]  # fmt: skip
+    assert stages.padding(reqs((5, gtm), (5, cd))) == 6  # two groups of 5, each in 8
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
-        stages.padding(17)
+        stages.padding(reqs((17, gtm)))
