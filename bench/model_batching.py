@@ -8,8 +8,8 @@ What it models, one event per arrival, batch close, GPU start and batch end:
 - Poisson arrivals spread evenly at random over W workers (one connection each is what
   64 client connections average out to);
 - each worker's `Batcher` as `service/batcher.py` runs it: a batch closes at `max_batch`,
-  or `max_wait` after its first request while fewer than `BUSY_BATCHES` batches are in
-  the worker's pipeline, else `max_wait_busy`; at most `max_inflight` batches in flight;
+  or `max_wait` after it took its first request while fewer than `busy_batches` batches
+  are in the worker's pipeline, else `max_wait_busy`; at most `max_inflight` batches in flight;
   a bounded queue refuses the overflow (here it also holds the batch being filled, which
   the real batcher has already taken out: a capacity below `max_batch` caps batches);
 - stage 1 on the worker's CPU (`cpu_ms` + `cpu_ms_per_request`), then the one GPU shared
@@ -50,6 +50,7 @@ class Server:
     max_wait_ms: float = 5.0
     max_wait_busy_ms: float = 20.0
     max_inflight: int = 4
+    busy_batches: int = BUSY_BATCHES
     queue_capacity: int = 128
     decode_ms: tuple[float, float] = (0.96, 0.72)  # a + b · bucket, see fit_decode_cost
     other_gpu_ms: float = 1.5
@@ -107,7 +108,7 @@ def simulate(server: Server, rate: float, seconds: float = 20.0, seed: int = 0) 
             return
         if opened[w] is None:
             opened[w] = now
-        busy = inflight[w] >= BUSY_BATCHES
+        busy = inflight[w] >= server.busy_batches
         due = opened[w] + (server.max_wait_busy_ms if busy else server.max_wait_ms) / 1e3
         if len(q) < server.max_batch and now < due:
             # a busy pipeline is looked at again every max_wait, as the batcher does
@@ -184,6 +185,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--max-wait-ms", type=float, default=5.0)
     ap.add_argument("--max-wait-busy-ms", type=float, default=20.0)
+    ap.add_argument("--busy-batches", type=int, default=BUSY_BATCHES)
     ap.add_argument("--seconds", type=float, default=20.0, help="modelled time per rate")
     ap.add_argument("--seeds", type=int, default=5, help="arrival sequences per rate (medians)")
     ap.add_argument("--check", action="store_true",
@@ -193,17 +195,19 @@ def main() -> None:
         buckets = graph_buckets(16, tuple(int(b) for b in a.buckets.split(",")))
     except ValueError:
         ap.error(f"--buckets must be increasing integers >= 1, got {a.buckets!r}")
-    if a.seeds < 1 or a.seconds <= 0:
-        ap.error("--seeds must be >= 1 and --seconds positive")
+    if a.seeds < 1 or a.seconds <= 0 or a.busy_batches < 1:
+        ap.error("--seeds and --busy-batches must be >= 1 and --seconds positive")
     server = Server(
         buckets=(4, 8, 16) if a.check else buckets,
         workers=a.workers,
         max_wait_ms=a.max_wait_ms,
         max_wait_busy_ms=a.max_wait_busy_ms,
+        busy_batches=a.busy_batches,
         decode_ms=fit_decode_cost(),
     )
     print(f"model (not a measurement): buckets {server.buckets}, {server.workers} workers, "
-          f"decode {server.decode_ms[0]} + {server.decode_ms[1]}·bucket ms")  # fmt: skip
+          f"busy from {server.busy_batches} batch(es), decode {server.decode_ms[0]} + "
+          f"{server.decode_ms[1]}·bucket ms")  # fmt: skip
     for rate in sorted(MEASURED) if a.check else a.rates:
         r = over_seeds(server, rate, a.seconds, a.seeds)
         seen = f"  measured P99 {MEASURED[int(rate)]} ms" if a.check else ""

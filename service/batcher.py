@@ -4,7 +4,8 @@
     ──dispatch (stage 1 thread)──► pipeline ──Pending.resolve──► handler's await returns
 
 A batch closes at `max_batch` requests, or `max_wait` after its first request arrived
-while the pipeline is nearly idle (fewer than `BUSY_BATCHES` batches ahead of it). When
+while the pipeline is nearly idle (fewer than `busy_batches` — default `BUSY_BATCHES` —
+batches ahead of it). When
 the pipeline is busy a small batch would only queue behind the others, and the GPU runs
 a padded bucket for it at almost the cost of a full one (DESIGN.md §2: batches of 16), so
 the batch keeps filling for up to `max_wait_busy`: at moderate load batches are full, not
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-BUSY_BATCHES = 2  # batches ahead (one computing, one waiting) that make the pipeline busy
+BUSY_BATCHES = 2  # default: batches ahead (one computing, one waiting) that make it busy
 BUSY_POLL = 0.001  # seconds between looks at a busy pipeline when max_wait is 0
 
 
@@ -83,15 +84,21 @@ class Batcher:
         max_wait_busy: float | None = None,  # default: 4 * max_wait
         capacity: int = 256,
         max_inflight: int = 4,
+        busy_batches: int = BUSY_BATCHES,  # batches in flight that make the pipeline busy
     ) -> None:
         if max_wait_busy is None:
             max_wait_busy = 4 * max_wait
-        if max_batch < 1 or capacity < 1 or max_inflight < 1 or not 0 <= max_wait <= max_wait_busy:
+        if (
+            min(max_batch, capacity, max_inflight, busy_batches) < 1
+            or not 0 <= max_wait <= max_wait_busy
+        ):
             raise ValueError(
-                "max_batch, capacity and max_inflight must be >= 1, 0 <= max_wait <= max_wait_busy"
+                "max_batch, capacity, max_inflight and busy_batches must be >= 1, "
+                "0 <= max_wait <= max_wait_busy"
             )
         self._dispatch = dispatch
         self.max_batch, self.max_wait, self.max_wait_busy = max_batch, max_wait, max_wait_busy
+        self.busy_batches = busy_batches
         self.inflight = 0  # dispatched batches not yet done (event loop only)
         self._queue: asyncio.Queue[Pending] = asyncio.Queue(maxsize=capacity)
         self._slots = asyncio.Semaphore(max_inflight)
@@ -152,7 +159,7 @@ class Batcher:
                 if not self._queue.empty():  # already waiting: no reason to close without it
                     batch.append(self._queue.get_nowait())
                     continue
-                busy = self.inflight >= BUSY_BATCHES
+                busy = self.inflight >= self.busy_batches
                 remaining = (
                     first + (self.max_wait_busy if busy else self.max_wait) - time.monotonic()
                 )

@@ -32,6 +32,7 @@ from pydantic_settings import (
 )
 
 from index_builder.format import SID_LENGTH
+from service.batcher import BUSY_BATCHES
 from service.model.config import PROFILES
 
 _FILE_SOURCES = {
@@ -104,6 +105,13 @@ class ServerSettings(BaseSettings):
         20.0,
         description="Longest a batch keeps filling while two or more batches are ahead of "
         "it in the pipeline (a small batch would only queue and waste the GPU), in ms.",
+    )
+    busy_batches: int = Field(
+        BUSY_BATCHES,
+        description="Batches in flight from which the pipeline counts as busy and a forming "
+        "batch keeps filling for up to max_wait_busy_ms instead of max_wait_ms: 1 fills "
+        "batches as soon as anything is in flight (fewer, fuller GPU batches), 2 as soon as "
+        "one batch waits behind a computing one.",
     )
     queue_capacity: int = Field(
         256, description="Requests waiting for a batch; beyond it new ones get RESOURCE_EXHAUSTED."
@@ -183,7 +191,9 @@ class ServerSettings(BaseSettings):
             return v
         raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {v!r}")
 
-    @field_validator("max_batch", "queue_capacity", "default_max_ads", "max_ads_limit")
+    @field_validator(
+        "max_batch", "queue_capacity", "default_max_ads", "max_ads_limit", "busy_batches"
+    )
     @classmethod
     def _at_least_one(cls, v: int) -> int:
         if v < 1:

@@ -173,6 +173,36 @@ def test_a_busy_pipeline_fills_batches_instead_of_closing_at_max_wait() -> None:
     run(main())
 
 
+def test_busy_batches_sets_when_a_forming_batch_keeps_filling() -> None:
+    """With one batch held in the pipeline, a trickle of requests (one every 10 ms, slower
+    than max_wait): under the default (busy from two batches in flight) the first closes
+    alone after max_wait and only the rest fill one batch; with busy_batches=1 the
+    pipeline is busy already and all of them fill one batch."""
+
+    async def trickle(busy_batches: int) -> list[list[int]]:
+        batcher, pipe = make(
+            max_batch=16, max_wait=0.005, max_wait_busy=0.2, busy_batches=busy_batches
+        )
+        pipe.gate.clear()  # the first batch stays in flight
+        held = asyncio.ensure_future(batcher.submit(100))
+        while batcher.inflight < 1:
+            await asyncio.sleep(0.001)
+        rest = []
+        for i in range(4):
+            rest.append(asyncio.ensure_future(batcher.submit(i)))
+            await asyncio.sleep(0.01)
+        pipe.gate.set()
+        await asyncio.gather(held, *rest)
+        await batcher.stop()
+        pipe.close()
+        return pipe.batches[1:]
+
+    assert run(trickle(2)) == [[0], [1, 2, 3]]
+    assert run(trickle(1)) == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="busy_batches"):
+        Batcher(lambda batch: None, busy_batches=0)
+
+
 def test_max_wait_busy_below_max_wait_is_refused() -> None:
     with pytest.raises(ValueError, match="max_wait_busy"):
         Batcher(lambda batch: None, max_wait=0.01, max_wait_busy=0.005)

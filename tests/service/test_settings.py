@@ -169,3 +169,12 @@ def test_graph_buckets_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setenv("GRACE_GRAPH_BUCKETS", raw)
         with pytest.raises(ValidationError, match="graph_buckets"):
             load_settings()
+
+
+def test_busy_batches_must_be_positive(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings().busy_batches == 2
+    monkeypatch.setenv("GRACE_BUSY_BATCHES", "1")
+    assert load_settings().busy_batches == 1
+    monkeypatch.setenv("GRACE_BUSY_BATCHES", "0")
+    with pytest.raises(ValidationError, match="busy_batches"):
+        load_settings()
