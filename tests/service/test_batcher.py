@@ -141,6 +141,15 @@ def test_stop_fails_queued_requests() -> None:
     run(main())
 
 
+async def submit_trickle(batcher: Batcher, items, gap: float = 0.01) -> list[asyncio.Future]:
+    """Submit `items` one every `gap` seconds (slower than the tests' max_wait)."""
+    out = []
+    for i in items:
+        out.append(asyncio.ensure_future(batcher.submit(i)))
+        await asyncio.sleep(gap)
+    return out
+
+
 def test_a_busy_pipeline_fills_batches_instead_of_closing_at_max_wait() -> None:
     """With two batches held in the pipeline, a trickle of requests (one every 10 ms,
     slower than max_wait) forms one batch over max_wait_busy, not one batch each; once the
@@ -154,10 +163,7 @@ def test_a_busy_pipeline_fills_batches_instead_of_closing_at_max_wait() -> None:
             held.append(asyncio.ensure_future(batcher.submit(i)))
             while batcher.inflight < len(held):
                 await asyncio.sleep(0.001)
-        trickle = []
-        for i in range(5):
-            trickle.append(asyncio.ensure_future(batcher.submit(i)))
-            await asyncio.sleep(0.01)
+        trickle = await submit_trickle(batcher, range(5))
         pipe.gate.set()
         assert await asyncio.gather(*held, *trickle) == [200, 202, 0, 2, 4, 6, 8]
         assert pipe.batches[:2] == [[100], [101]]
@@ -187,10 +193,7 @@ def test_busy_batches_sets_when_a_forming_batch_keeps_filling() -> None:
         held = asyncio.ensure_future(batcher.submit(100))
         while batcher.inflight < 1:
             await asyncio.sleep(0.001)
-        rest = []
-        for i in range(4):
-            rest.append(asyncio.ensure_future(batcher.submit(i)))
-            await asyncio.sleep(0.01)
+        rest = await submit_trickle(batcher, range(4))
         pipe.gate.set()
         await asyncio.gather(held, *rest)
         await batcher.stop()
