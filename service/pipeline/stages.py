@@ -59,9 +59,10 @@ _Movable = TypeVar("_Movable", torch.Tensor, FeatureBatch)
 # most padded to 16 before the bucket of 12 (docs/OPERATIONS.md). Yet few, as each is
 # captured at start-up and on every index swap: two decode plans (filter modes) per
 # bucket, 11–18 s each on the H200 with buckets 4/8/16 (6 plans in 66–70 s, 110 s with a
-# cold Triton cache; bench/results/gpu_loadtest_workers.json), much of it autotuning new
-# row counts — the mask and self-attention kernels now key their tuning on rows rounded
-# up to a power of two, so other bucket sizes reuse it (not yet measured). The
+# cold Triton cache; bench/results/gpu_loadtest_workers.json), likely much of it
+# autotuning new row counts (not profiled) — the mask and self-attention kernels now key
+# their tuning on rows rounded up to a power of two, so other bucket sizes reuse it (not
+# yet measured). The
 # `graph_buckets` setting overrides them.
 GRAPH_BUCKETS = (4, 8, 12, 16)
 
