@@ -15,16 +15,14 @@ this module is imported, and then the autotuner holds a single small config.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels._tuning import AUTOTUNE
+from kernels._tuning import AUTOTUNE, INTERPRET
 
 MAX_T_CTX = 256  # the whole context in one block; longer contexts go to SDPA
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = INTERPRET  # kernels._tuning: read once for every launcher
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SMEM_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block; the rest for scratch
 

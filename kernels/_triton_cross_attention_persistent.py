@@ -22,8 +22,6 @@ several (b, h) pairs; that switch must be set before this module is imported.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -37,18 +35,18 @@ from kernels._triton_cross_attention import (
     _load_kv,
     _smem,
 )
-from kernels._tuning import AUTOTUNE
+from kernels._tuning import (
+    AUTOTUNE,
+    BLOCK_SMEM_BYTES,
+    SM_SMEM_BYTES,
+    programs_per_wave,
+)
 
-# one H100/H200 SM: 228 KiB of shared memory (227 KiB at most for one block, 1 KiB of
-# each block reserved by the driver) and 64 Ki 32-bit registers
-SM_SMEM_BYTES = 228 * 1024
-BLOCK_SMEM_BYTES = 227 * 1024
-SM_REGS = 64 * 1024
+SM_REGS = 64 * 1024  # 32-bit registers of one H100/H200 SM
 # ptxas (sm_90, triton 3.6) gives this kernel 176-255 registers a thread at d_h = 128,
 # 255 at 4 warps (the K/V reload in the outer loop is the peak): size occupancy as if
 # every thread took 255
 REGS_PER_THREAD = 255
-CPU_PROGRAMS = 3  # the interpreter's "SM count": few programs, each walks several (b, h)
 # off CUDA, and on CUDA without autotuning (GPU tests): small tiles, so the interpreter's
 # shapes (M = 17) get a ragged tile and several tiles per (b, h)
 DEFAULT_CONFIG = {"BLOCK_M": 16, "OCCUPANCY": 1, "USE_TMA": False, "num_warps": 4, "num_stages": 2}
@@ -219,14 +217,6 @@ _cross_attn_persistent_tuned = triton.autotune(
 )(_cross_attn_persistent_kernel)
 
 
-@functools.cache
-def _programs_per_wave(device: torch.device) -> int:
-    """SMs of a CUDA device; a few "SMs" for the interpreter."""
-    if device.type != "cuda":
-        return CPU_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _tma_ok(q: torch.Tensor, out: torch.Tensor, d: int) -> bool:
     """Whether q and out view as 2-D `[B·M, H·d_h]` tensors TMA can address: heads packed,
     d_h a whole box width, 16-byte aligned base and row stride; sm90+ (or interpreted)."""
@@ -281,7 +271,7 @@ def triton_cross_attention_persistent(
         assert tma_ok and m % config["BLOCK_M"] == 0, "USE_TMA: whole tiles of a 2-D view"
         box = [config["BLOCK_M"], block_d]
         q_desc, o_desc = _descriptor(q, box), _descriptor(out, box)
-    sms = _programs_per_wave(q.device)
+    sms = programs_per_wave(q.device)
 
     def grid(meta: dict) -> tuple[int]:
         tiles = b * h * triton.cdiv(m, meta["BLOCK_M"])

@@ -19,19 +19,13 @@ module is imported.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels._tuning import AUTOTUNE
+from kernels._tuning import AUTOTUNE, BLOCK_SMEM_BYTES, INTERPRET, programs_per_wave
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_SMEM_BYTES = 227 * 1024  # one H100/H200 block's shared memory at most
-CPU_PROGRAMS = 3  # the interpreter's "SM count": few programs, each walks several tiles
 # without autotuning (GPU tests, the interpreter): small tiles, so test shapes get ragged
 # edge tiles and several tiles per program
 DEFAULT_CONFIG = {
@@ -151,13 +145,6 @@ _gelu_linear_tuned = triton.autotune(
 )(_gelu_linear_kernel)
 
 
-@functools.cache
-def _programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return CPU_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> bool:
     """TMA's rules: 2-byte dtypes, unit last stride, real (not broadcast) rows, 16-byte
     aligned bases and rows; a unit-stride float bias; one device for all three."""
@@ -191,7 +178,7 @@ def triton_gelu_linear(
 ) -> torch.Tensor:  # [M, N], x's dtype, contiguous
     """`gelu_tanh(x @ weight.T + bias)` in one persistent launch."""
     assert supports(x, weight, bias), "use kernels.gelu_linear.gelu_linear: it checks supports()"
-    assert x.is_cuda or _INTERPRET, x.device
+    assert x.is_cuda or INTERPRET, x.device
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -204,7 +191,7 @@ def triton_gelu_linear(
     y_desc = TensorDescriptor(y, [m, n], [n, 1], [1, 1])
     if not tuned:
         _set_block_shape({"x_desc": x_desc, "w_desc": w_desc, "y_desc": y_desc, **config})
-    programs = _programs(x.device)
+    programs = programs_per_wave(x.device)
 
     def grid(meta: dict) -> tuple[int]:
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
@@ -216,7 +203,7 @@ def triton_gelu_linear(
         NUM_PROGRAMS=programs,
         # the interpreter multiplies bf16 bit patterns as integers (triton#11584); bf16
         # values widened to fp32 give the same products the tensor cores form
-        WIDEN=_INTERPRET and x.dtype == torch.bfloat16,
+        WIDEN=INTERPRET and x.dtype == torch.bfloat16,
         **({} if tuned else config),
     )  # fmt: skip
     return y

@@ -1,9 +1,31 @@
-"""Whether the Triton launchers autotune (the default: benches and the server) or run each
+"""What the Triton launchers share about where they run: whether they autotune, whether
+Triton's interpreter runs them, and the Hopper limits the persistent kernels size their
+grids and tiles by.
+
+AUTOTUNE: the launchers autotune (the default: benches and the server) or run each
 kernel's fixed default config. The test suite sets `GRACE_AUTOTUNE=0` (tests/conftest.py)
 so a GPU test run does not benchmark every config at every awkward shape it checks; tests
-that sweep configs pass them explicitly. Read once, at import.
+that sweep configs pass them explicitly. Both switches are read once, at import.
 """
 
+import functools
 import os
 
+import torch
+
 AUTOTUNE = os.environ.get("GRACE_AUTOTUNE", "1") != "0"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # CPU tensors, tests
+
+# one H100/H200 SM: 228 KiB of shared memory (227 KiB at most for one block, 1 KiB of
+# each block reserved by the driver)
+SM_SMEM_BYTES = 228 * 1024
+BLOCK_SMEM_BYTES = 227 * 1024
+CPU_PROGRAMS = 3  # the interpreter's "SM count": few programs, each walks several tiles
+
+
+@functools.cache
+def programs_per_wave(device: torch.device) -> int:
+    """A persistent grid's size: the SMs of a CUDA device; a few "SMs" for the interpreter."""
+    if device.type != "cuda":
+        return CPU_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count

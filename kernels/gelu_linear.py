@@ -14,10 +14,10 @@ correct. The decode loop's backend is `DecodeOptions.ffn_up` (served: cuBLASLt).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from kernels._tuning import INTERPRET
 
 try:
     from kernels._triton_gelu_linear import supports, triton_gelu_linear
@@ -25,7 +25,6 @@ except ImportError:  # no triton on this machine: the reference serves every cal
     supports = triton_gelu_linear = None  # type: ignore[assignment]
 
 BACKENDS = ("cublaslt", "triton", "reference")
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def gelu_linear(
@@ -38,7 +37,7 @@ def gelu_linear(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if backend == "triton" and triton_gelu_linear is not None and (x.is_cuda or _INTERPRET):
+    if backend == "triton" and triton_gelu_linear is not None and (x.is_cuda or INTERPRET):
         if not grad and supports(x, weight, bias):
             return triton_gelu_linear(x, weight, bias)
         backend = "cublaslt"  # what the kernel cannot take (fp32, odd layouts)
