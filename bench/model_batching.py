@@ -5,8 +5,10 @@ between workers and the client's own jitter, and under-predicts P99 near saturat
 (`--check` prints it next to the measured runs).
 
 What it models, one event per arrival, batch close, GPU start and batch end:
-- Poisson arrivals spread evenly at random over W workers (one connection each is what
-  64 client connections average out to);
+- Poisson arrivals spread at random over W workers, evenly unless `shares` says otherwise
+  (connections are spread over workers by the kernel's SO_REUSEPORT hash, requests follow
+  their connection: on the H200 the measured split of 64 connections' requests ranged
+  from 48/52 to 65/35 between runs, `--shares 0.65,0.35`);
 - each worker's `Batcher` as `service/batcher.py` runs it: a batch closes at `max_batch`,
   or `max_wait` after it took its first request while fewer than `busy_batches` batches
   are in the worker's pipeline, else `max_wait_busy`; at most `max_inflight` batches in flight;
@@ -21,11 +23,14 @@ to `bench/results/decoder_loop_buckets.json` (measured on the H200) — plus
 
     python bench/model_batching.py --buckets 4,8,12,16 --rates 700 800 900 1000 --seeds 5
     python bench/model_batching.py --check      # the model against the measured runs
+    python bench/model_batching.py --buckets 2,4,6,8,10,12,14,16 --busy-batches 1 \
+        --shares 0.65,0.35 --rates 900 950    # one worker given 65 % of the requests
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import json
 import random
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from service.batcher import BUSY_BATCHES
+from service.batcher import BUSY_BATCHES_GPU
 from service.capture import bucket_of
 from service.pipeline.stages import graph_buckets
 
@@ -50,13 +55,14 @@ class Server:
     max_wait_ms: float = 5.0
     max_wait_busy_ms: float = 20.0
     max_inflight: int = 4
-    busy_batches: int = BUSY_BATCHES
+    busy_batches: int = BUSY_BATCHES_GPU
     queue_capacity: int = 128
     decode_ms: tuple[float, float] = (0.96, 0.72)  # a + b · bucket, see fit_decode_cost
     other_gpu_ms: float = 1.5
     cpu_ms: float = 0.25
     cpu_ms_per_request: float = 0.3
     post_ms: float = 1.0
+    shares: tuple[float, ...] | None = None  # each worker's share of arrivals (None: even)
 
     def gpu_s(self, size: int) -> float:
         a, b = self.decode_ms
@@ -88,7 +94,12 @@ def simulate(server: Server, rate: float, seconds: float = 20.0, seed: int = 0) 
 
     t = rnd.expovariate(rate)
     while t < seconds:
-        at(t, "arrive", rnd.randrange(server.workers))
+        w = (
+            rnd.randrange(server.workers)
+            if server.shares is None
+            else rnd.choices(range(server.workers), server.shares)[0]
+        )
+        at(t, "arrive", w)
         t += rnd.expovariate(rate)
     queues: list[list[float]] = [[] for _ in range(server.workers)]
     # when each worker's forming batch opened: the batcher takes a slot, then its first
@@ -174,8 +185,15 @@ def over_seeds(server: Server, rate: float, seconds: float, seeds: int) -> dict:
     return out
 
 
-# measured on the H200 (bench/results/gpu_loadtest_workers.json, 2 workers, buckets 4/8/16)
-MEASURED = {700: 59, 800: 160, 900: 220}
+# measured on the H200 (bench/results/gpu_loadtest_workers.json, 2 workers): P99 (ms) per
+# offered rate, for the configurations the runs used
+FINE = (2, 4, 6, 8, 10, 12, 14, 16)
+MEASURED: list[tuple[str, dict, dict[int, tuple[int, ...]]]] = [
+    ("buckets 4/8/16, busy from 2", {"buckets": (4, 8, 16), "busy_batches": 2},
+     {700: (59,), 800: (160,), 900: (220,)}),
+    ("buckets 2..16 even, busy from 1", {"buckets": FINE, "busy_batches": 1},
+     {800: (56,), 850: (63,), 900: (160, 140), 950: (350,), 1000: (220,)}),
+]  # fmt: skip
 
 
 def main() -> None:
@@ -185,11 +203,19 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--max-wait-ms", type=float, default=5.0)
     ap.add_argument("--max-wait-busy-ms", type=float, default=20.0)
-    ap.add_argument("--busy-batches", type=int, default=BUSY_BATCHES)
+    ap.add_argument("--busy-batches", type=int, default=BUSY_BATCHES_GPU)
+    ap.add_argument(
+        "--shares",
+        default=None,
+        help="each worker's share of the requests, e.g. 0.65,0.35 (default: even)",
+    )
     ap.add_argument("--seconds", type=float, default=20.0, help="modelled time per rate")
     ap.add_argument("--seeds", type=int, default=5, help="arrival sequences per rate (medians)")
-    ap.add_argument("--check", action="store_true",
-                    help="model buckets 4,8,16 at the measured rates and print both")  # fmt: skip
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="model the measured configurations at their rates and print both",
+    )
     a = ap.parse_args()
     try:
         buckets = graph_buckets(16, tuple(int(b) for b in a.buckets.split(",")))
@@ -197,24 +223,41 @@ def main() -> None:
         ap.error(f"--buckets must be increasing integers >= 1, got {a.buckets!r}")
     if a.seeds < 1 or a.seconds <= 0 or a.busy_batches < 1:
         ap.error("--seeds and --busy-batches must be >= 1 and --seconds positive")
+    shares = None
+    if a.shares is not None:
+        try:
+            shares = tuple(float(x) for x in a.shares.split(","))
+        except ValueError:
+            shares = ()
+        if len(shares) != a.workers or min(shares) < 0 or sum(shares) <= 0:
+            ap.error(f"--shares needs {a.workers} non-negative numbers, got {a.shares!r}")
     server = Server(
-        buckets=(4, 8, 16) if a.check else buckets,
+        buckets=buckets,
         workers=a.workers,
         max_wait_ms=a.max_wait_ms,
         max_wait_busy_ms=a.max_wait_busy_ms,
         busy_batches=a.busy_batches,
         decode_ms=fit_decode_cost(),
+        shares=shares,
     )
-    print(f"model (not a measurement): buckets {server.buckets}, {server.workers} workers, "
-          f"busy from {server.busy_batches} batch(es), decode {server.decode_ms[0]} + "
-          f"{server.decode_ms[1]}·bucket ms")  # fmt: skip
-    for rate in sorted(MEASURED) if a.check else a.rates:
-        r = over_seeds(server, rate, a.seconds, a.seeds)
-        seen = f"  measured P99 {MEASURED[int(rate)]} ms" if a.check else ""
-        print(f"{rate:7.0f} req/s: OK {r['ok_rps']:7.1f}  P50 {r['p50_ms']:6.1f}  P99 "
-              f"{r['p99_ms']:6.1f} ms ({r['p99_min_ms']:.0f}–{r['p99_max_ms']:.0f})  batch "
-              f"{r['mean_batch']:5.2f}  padding {100 * r['padding_share']:4.1f} %  refused "
-              f"{r['refused']}{seen}")  # fmt: skip
+    runs = (
+        [(label, dataclasses.replace(server, **kw), seen) for label, kw, seen in MEASURED]
+        if a.check
+        else [("", server, {})]
+    )
+    for label, srv, seen in runs:
+        print(f"model (not a measurement): buckets {srv.buckets}, {srv.workers} workers, "
+              f"busy from {srv.busy_batches} batch(es), decode {srv.decode_ms[0]} + "
+              f"{srv.decode_ms[1]}·bucket ms, request shares {srv.shares or 'even'}"
+              + (f" [{label}]" if label else ""))  # fmt: skip
+        for rate in sorted(seen) if a.check else a.rates:
+            r = over_seeds(srv, rate, a.seconds, a.seeds)
+            p99 = ", ".join(str(x) for x in seen.get(int(rate), ()))
+            note = f"  measured P99 {p99} ms" if p99 else ""
+            print(f"{rate:7.0f} req/s: OK {r['ok_rps']:7.1f}  P50 {r['p50_ms']:6.1f}  P99 "
+                  f"{r['p99_ms']:6.1f} ms ({r['p99_min_ms']:.0f}–{r['p99_max_ms']:.0f})  batch "
+                  f"{r['mean_batch']:5.2f}  padding {100 * r['padding_share']:4.1f} %  refused "
+                  f"{r['refused']}{note}")  # fmt: skip
 
 
 if __name__ == "__main__":

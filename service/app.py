@@ -131,7 +131,7 @@ async def start(settings: ServerSettings, *, bind_when_ready: bool = False) -> A
         max_wait=settings.max_wait_ms / 1e3,
         max_wait_busy=max(settings.max_wait_ms, settings.max_wait_busy_ms) / 1e3,
         capacity=settings.queue_capacity,
-        busy_batches=settings.busy_batches,
+        busy_batches=settings.resolve_busy_batches(device),
     )
     batcher.start()
     metrics.queue_depth.set_function(lambda: batcher.depth)

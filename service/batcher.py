@@ -4,8 +4,8 @@
     ──dispatch (stage 1 thread)──► pipeline ──Pending.resolve──► handler's await returns
 
 A batch closes at `max_batch` requests, or `max_wait` after its first request arrived
-while the pipeline is nearly idle (fewer than `busy_batches` — default `BUSY_BATCHES` —
-batches ahead of it). When
+while the pipeline is nearly idle (fewer than `busy_batches` batches in flight: the
+server's default, `default_busy_batches`, is 1 on a GPU and 2 on a CPU). When
 the pipeline is busy a small batch would only queue behind the others, and the GPU runs
 a padded bucket for it at almost the cost of a full one (DESIGN.md §2: batches of 16), so
 the batch keeps filling for up to `max_wait_busy`: at moderate load batches are full, not
@@ -31,7 +31,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-BUSY_BATCHES = 2  # default: batches ahead (one computing, one waiting) that make it busy
+# Batches in flight that make the pipeline busy, by default: on a GPU 1 — a batch keeps
+# filling while anything computes and goes when the pipeline drains, so batches stop
+# queueing on the shared GPU (H200, 2 workers: P99 56–63 ms at 800–850 req/s where 2 read
+# 270–280 ms at 800–900); on a CPU 2 — the stage threads share the cores, and a second
+# batch in flight keeps them busy (CPU demo at 120 req/s: P99 220 ms with 2, 410–450 with
+# 1). docs/OPERATIONS.md has both runs.
+BUSY_BATCHES = 2
+BUSY_BATCHES_GPU = 1
+
+
+def default_busy_batches(device: str) -> int:
+    """The busy threshold for a server on `device` ("cpu", "cuda", "cuda:N")."""
+    return BUSY_BATCHES_GPU if device.startswith("cuda") else BUSY_BATCHES
+
+
 BUSY_POLL = 0.001  # seconds between looks at a busy pipeline when max_wait is 0
 
 

@@ -32,7 +32,7 @@ from pydantic_settings import (
 )
 
 from index_builder.format import SID_LENGTH
-from service.batcher import BUSY_BATCHES
+from service.batcher import default_busy_batches
 from service.model.config import PROFILES
 
 _FILE_SOURCES = {
@@ -94,7 +94,7 @@ class ServerSettings(BaseSettings):
         "padded to the next one (max_batch is always added). Finer buckets waste less GPU "
         "on padding but take longer to capture at start-up and on each index swap (two "
         "decode plans and their buffers per bucket); sizes >= max_batch are ignored. "
-        "Default: 4, 8, 12, 16 (GRAPH_BUCKETS in service/pipeline/stages.py).",
+        "Default: 2, 4, ..., 16 (GRAPH_BUCKETS in service/pipeline/stages.py).",
     )
     max_wait_ms: float = Field(
         5.0,
@@ -106,12 +106,13 @@ class ServerSettings(BaseSettings):
         description="Longest a batch keeps filling while two or more batches are ahead of "
         "it in the pipeline (a small batch would only queue and waste the GPU), in ms.",
     )
-    busy_batches: int = Field(
-        BUSY_BATCHES,
+    busy_batches: int | None = Field(
+        None,
         description="Batches in flight from which the pipeline counts as busy and a forming "
         "batch keeps filling for up to max_wait_busy_ms instead of max_wait_ms: 1 fills "
         "batches as soon as anything is in flight (fewer, fuller GPU batches), 2 as soon as "
-        "one batch waits behind a computing one.",
+        "one batch waits behind a computing one. Default: 1 on CUDA, 2 on CPU "
+        "(default_busy_batches in service/batcher.py).",
     )
     queue_capacity: int = Field(
         256, description="Requests waiting for a batch; beyond it new ones get RESOURCE_EXHAUSTED."
@@ -195,8 +196,8 @@ class ServerSettings(BaseSettings):
         "max_batch", "queue_capacity", "default_max_ads", "max_ads_limit", "busy_batches"
     )
     @classmethod
-    def _at_least_one(cls, v: int) -> int:
-        if v < 1:
+    def _at_least_one(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
             raise ValueError(f"must be >= 1, got {v}")
         return v
 
@@ -282,6 +283,10 @@ class ServerSettings(BaseSettings):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if device.startswith("cuda") else "float32"
+
+    def resolve_busy_batches(self, device: str) -> int:
+        """The batcher's busy threshold on `device`: `busy_batches`, or the device's default."""
+        return default_busy_batches(device) if self.busy_batches is None else self.busy_batches
 
     def resolve_device(self) -> str:
         """The torch device to run on: `device`, with 'auto' resolved."""

@@ -54,17 +54,15 @@ _Movable = TypeVar("_Movable", torch.Tensor, FeatureBatch)
 # Batch sizes the GPU graphs are captured for (embedder, encoder, decode loop): a batch runs
 # padded to the next one. A graph's cost is its bucket's, not the batch's — the decode
 # loop costs about 0.96 ms + 0.72 ms per request of its bucket on the H200 (3.84 / 6.72 /
-# 12.48 ms at 4 / 8 / 16) — so the buckets are close enough that a part-full batch does
-# not pay for a full one: at 800 req/s over two workers batches averaged 10.4 requests,
-# most padded to 16 before the bucket of 12 (docs/OPERATIONS.md). Yet few, as each is
-# captured at start-up and on every index swap: two decode plans (filter modes) per
-# bucket, 11–18 s each on the H200 with buckets 4/8/16 (6 plans in 66–70 s, 110 s with a
-# cold Triton cache; bench/results/gpu_loadtest_workers.json), likely much of it
-# autotuning new row counts (not profiled) — the mask and self-attention kernels now key
-# their tuning on rows rounded up to a power of two, so other bucket sizes reuse it (not
-# yet measured). The
-# `graph_buckets` setting overrides them.
-GRAPH_BUCKETS = (4, 8, 12, 16)
+# 12.48 ms at 4 / 8 / 16) — so every even size up to 16: padding costs at most one
+# request. On the H200 (paper profile, two workers) these buckets with `busy_batches` 1
+# served 795–841 req/s at P99 <= 100 ms where 4/8/12/16 failed at 800 (P99 270 ms) and
+# 4/8/16 passed only at 691 (docs/OPERATIONS.md, bench/results/gpu_loadtest_workers.json).
+# The price is start-up and every index swap: two decode plans (filter modes) per bucket,
+# 16 plans captured in 96 s per worker against 8 in 70 s (the mask and self-attention
+# kernels key their tuning on rows rounded up to a power of two, so most buckets reuse
+# the 16- and 8-row tuning). The `graph_buckets` setting overrides them.
+GRAPH_BUCKETS = (2, 4, 6, 8, 10, 12, 14, 16)
 
 
 def graph_buckets(max_batch: int, buckets: Sequence[int] = GRAPH_BUCKETS) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.model_batching import RESULTS, Server, fit_decode_cost, simulate
+from bench.model_batching import MEASURED, RESULTS, Server, fit_decode_cost, simulate
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "model_batching.py"
 
@@ -71,6 +71,23 @@ def test_check_prints_the_model_next_to_the_measured_runs() -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), "--check", "--seconds", "5"],
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "not a measurement" in done.stdout and done.stdout.count("measured P99") == 3
-    bad = subprocess.run([sys.executable, str(SCRIPT), "--buckets", "8,4"], capture_output=True)
-    assert bad.returncode == 2
+    assert "not a measurement" in done.stdout
+    assert done.stdout.count("measured P99") == sum(len(seen) for *_, seen in MEASURED)
+    for bad in (["--buckets", "8,4"], ["--shares", "0.5"], ["--shares", "a,b"],
+                ["--shares", "-1,2"]):  # fmt: skip
+        done = subprocess.run([sys.executable, str(SCRIPT), *bad], capture_output=True)
+        assert done.returncode == 2, bad
+
+
+def test_uneven_request_shares_load_one_worker_more() -> None:
+    """`shares` sends that share of the arrivals to each worker (SO_REUSEPORT spreads
+    connections, not requests): the loaded worker forms fuller batches and the tail grows,
+    while an even split is what `None` gives."""
+    fine = (2, 4, 6, 8, 10, 12, 14, 16)
+    even, skew = (
+        simulate(Server(buckets=fine, busy_batches=1, shares=sh, decode_ms=fit_decode_cost()),
+                 1000, 10)
+        for sh in ((0.5, 0.5), (0.8, 0.2))
+    )  # fmt: skip
+    assert skew["p99_ms"] > even["p99_ms"]
+    assert skew["mean_batch"] != even["mean_batch"]

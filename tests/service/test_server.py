@@ -83,13 +83,20 @@ def test_retrieve_returns_only_eligible_ads_and_reports_stats(data: Path) -> Non
     asyncio.run(main())
 
 
-def test_graph_buckets_setting_reaches_the_stages(data: Path) -> None:
-    """The server builds its graphed stages over the configured buckets (plus max_batch)."""
+def test_graph_buckets_and_busy_batches_reach_the_server(data: Path) -> None:
+    """The server builds its graphed stages over the configured buckets (plus max_batch),
+    and its batcher counts busy from the device's default (CPU: 2) unless set."""
 
     async def main() -> None:
         app = await start(settings(data, graph_buckets=[2, 8]))
         try:
             assert app.pipeline.stages.buckets == (2, 8, 16)
+            assert app.batcher.busy_batches == 2
+        finally:
+            await app.drain()
+        app = await start(settings(data, busy_batches=1))
+        try:
+            assert app.batcher.busy_batches == 1
         finally:
             await app.drain()
 

@@ -171,10 +171,12 @@ def test_graph_buckets_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
             load_settings()
 
 
-def test_busy_batches_must_be_positive(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert load_settings().busy_batches == 2
+def test_busy_batches_by_device_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    default = load_settings()
+    assert default.resolve_busy_batches("cuda:0") == 1  # GPU: fill while anything computes
+    assert default.resolve_busy_batches("cpu") == 2  # CPU: keep two batches in flight
     monkeypatch.setenv("GRACE_BUSY_BATCHES", "1")
-    assert load_settings().busy_batches == 1
+    assert load_settings().resolve_busy_batches("cpu") == 1
     monkeypatch.setenv("GRACE_BUSY_BATCHES", "0")
     with pytest.raises(ValidationError, match="busy_batches"):
         load_settings()

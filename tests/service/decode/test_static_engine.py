@@ -13,9 +13,10 @@ from index_builder.kway import KwaySpec
 from index_builder.lookup import FilterMode, GtmTables, RequestTensors
 from index_builder.targeting import Targeting, encode_requests
 from service.decode.engine import BeamSearch, DecodeResult, select
-from service.decode.static_engine import DecodeOptions, StaticBeamSearch
+from service.decode.static_engine import SPLIT_MIN_BUCKET, DecodeOptions, StaticBeamSearch
 from service.model.config import PROFILES
 from service.model.decoder import SIDDecoder
+from service.pipeline.stages import GRAPH_BUCKETS
 from tests.helpers.catalogs import catalog_from_ads
 from tests.helpers.indexes import small_index
 from tests.helpers.oracle import Ad
@@ -224,14 +225,14 @@ def test_gpu_graph_equals_beam_search() -> None:
     tables = GtmTables.from_arrays(index.trie, device="cuda")
     offsets = torch.from_numpy(index.trie.level_offsets)
     search = BeamSearch(decoder, tables, offsets)
-    engine = StaticBeamSearch(decoder, tables, offsets, batch_buckets=(4, 8, 12, 16))
-    for b in (3, 10):  # padded to 4, and to 12 (split into two parts of 6)
+    engine = StaticBeamSearch(decoder, tables, offsets, batch_buckets=GRAPH_BUCKETS)
+    for b in (1, 5, 10, 13):  # the served buckets 2, 6 (one part), 10 and 14 (two parts)
         ctx = ctx_for(b).cuda()
         reqs = RequestTensors.from_encoded(encode_requests((TARGETING * 4)[:b]), "cuda")
         for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
             got = engine.run(ctx, reqs, (1, 8, 16, 12), mode)
             assert_same(got, search.run(ctx, reqs, (1, 8, 16, 12), mode))
-    assert engine.graphs == 4
+    assert engine.graphs == 8
 
 
 @pytest.mark.gpu
@@ -263,13 +264,17 @@ def test_gpu_paper_profile_graph_equals_eager() -> None:
 
 
 @pytest.mark.parametrize("streams", [1, 2, 4])
-@pytest.mark.parametrize(("bucket", "batch"), [(8, 3), (8, 5), (8, 8), (12, 9), (12, 12)])
+@pytest.mark.parametrize(
+    ("bucket", "batch"),
+    [(2, 1), (6, 5), (8, 3), (8, 5), (8, 8), (10, 7), (12, 9), (12, 12), (14, 13)],
+)
 def test_parts_on_their_own_streams_equal_beam_search(
     streams: int, bucket: int, batch: int
 ) -> None:
-    """A bucket of 8 or 12 (the server's buckets are not all powers of two) split into
-    `streams` parts (decoded one after another on CPU, on parallel streams in one graph on
-    CUDA): a part may be partly or wholly padding."""
+    """The server's buckets (every even size up to 16, not all powers of two) split into
+    `streams` parts when the bucket is large enough and divides evenly (decoded one after
+    another on CPU, on parallel streams in one graph on CUDA): a part may be partly or
+    wholly padding."""
     index, _, search = setup(make_ads(120, seed=9), seed=3)
     options = DecodeOptions(streams=streams)
     engine = engine_for(search, index, options=options, batch_buckets=(bucket,))
@@ -278,7 +283,8 @@ def test_parts_on_their_own_streams_equal_beam_search(
     for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
         assert_same(engine.run(ctx, reqs, beams, mode), search.run(ctx, reqs, beams, mode))
     plans = list(engine._plans.values())
-    assert all(len(p.parts) == (streams if streams > 1 else 0) for p in plans)
+    split = streams > 1 and bucket >= SPLIT_MIN_BUCKET and bucket % streams == 0
+    assert all(len(p.parts) == (streams if split else 0) for p in plans)
 
 
 def test_streams_below_one_are_refused() -> None:

@@ -205,7 +205,12 @@ def test_a_failed_capture_falls_back_to_the_eager_module(model, caplog) -> None:
 
 @pytest.mark.parametrize(
     ("max_batch", "want"),
-    [(16, (4, 8, 12, 16)), (32, (4, 8, 12, 16, 32)), (6, (4, 6)), (1, (1,))],
+    [
+        (16, (2, 4, 6, 8, 10, 12, 14, 16)),
+        (32, (2, 4, 6, 8, 10, 12, 14, 16, 32)),
+        (7, (2, 4, 6, 7)),
+        (1, (1,)),
+    ],
 )
 def test_graph_buckets_always_hold_the_largest_batch(max_batch: int, want) -> None:
     """Every batch the batcher can form has a bucket (a larger max_batch gets its own
@@ -225,7 +230,7 @@ def test_every_graphed_stage_uses_the_buckets_of_max_batch(model) -> None:
     stages = Stages(model, "m1", "cpu", None, max_batch=32)
     assert stages.buckets == graph_buckets(32)
     embedder, encoder = stages.graphed()
-    assert embedder.buckets == encoder.buckets == (4, 8, 12, 16, 32)
+    assert embedder.buckets == encoder.buckets == (2, 4, 6, 8, 10, 12, 14, 16, 32)
     coarse = Stages(model, "m1", "cpu", None, max_batch=16, buckets=[8])  # the setting
     assert coarse.graphed()[0].buckets == coarse.graphed()[1].buckets == (8, 16)
     assert stages.embedder is model.embedder and stages.encoder is model.encoder  # CPU: eager
@@ -243,7 +248,7 @@ def test_padding_is_what_the_buckets_add_per_decode_group_on_gpu_only(model) -> 
             for _ in range(n)
         ]
 
-    stages = Stages(model, "m1", "cpu", None, max_batch=16)
+    stages = Stages(model, "m1", "cpu", None, max_batch=16, buckets=[4, 8, 12])
     assert stages.padding(reqs((5, FilterMode.CD_GTM))) == 0
     stages.device = torch.device("cuda")  # the bookkeeping only: nothing runs here
     gtm, cd = FilterMode.CD_GTM, FilterMode.CD_ONLY
@@ -251,5 +256,8 @@ def test_padding_is_what_the_buckets_add_per_decode_group_on_gpu_only(model) -> 
         3, 0, 3, 3, 0, 3, 0
     ]  # fmt: skip
     assert stages.padding(reqs((5, gtm), (5, cd))) == 6  # two groups of 5, each in 8
+    fine = Stages(model, "m1", "cpu", None, max_batch=16)  # the default: every even size
+    fine.device = torch.device("cuda")
+    assert [fine.padding(reqs((n, gtm))) for n in (1, 5, 9, 16)] == [1, 1, 1, 0]
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         stages.padding(reqs((17, gtm)))
