@@ -64,6 +64,12 @@ class ServerSettings(BaseSettings):
         "and stage threads share one GIL: docs/OPERATIONS.md). Worker i serves metrics on "
         "metrics_port + i. More than one needs a fixed port.",
     )
+    mps: bool = Field(
+        False,
+        description="With workers > 1 on CUDA: run a private CUDA MPS control daemon so the "
+        "workers' kernels share the GPU side by side instead of time-slicing between their "
+        "contexts (service/mps.py; needs nvidia-cuda-mps-control on PATH).",
+    )
     metrics_port: int = Field(
         9464, description="Prometheus HTTP port; 0 lets the OS pick a free one (tests)."
     )
@@ -254,6 +260,8 @@ class ServerSettings(BaseSettings):
     def _resolve(self) -> ServerSettings:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.mps and (self.workers < 2 or self.device == "cpu"):
+            raise ValueError("mps shares one GPU between workers: it needs workers > 1 and CUDA")
         if self.workers > 1 and self.port == 0:
             raise ValueError("workers > 1 share one port: give a fixed port, not 0")
         if self.metrics_port and self.metrics_port <= self.port < self.metrics_port + self.workers:

@@ -28,6 +28,7 @@ import os
 import signal
 import threading
 
+from service.mps import MpsError, mps_daemon
 from service.settings import ServerSettings
 
 log = logging.getLogger("grace.workers")
@@ -61,7 +62,18 @@ def _die_with(parent: int) -> None:
 
 def supervise(settings: ServerSettings) -> int:
     """Run `settings.workers` workers until they stop; 0 when all stopped cleanly. A
-    worker that exits on its own (whatever its status) stops the others: exit 1."""
+    worker that exits on its own (whatever its status) stops the others: exit 1. With
+    `settings.mps` the workers share the GPU through a private MPS daemon (service/mps.py),
+    started before the first and stopped after the last."""
+    if not settings.mps:
+        return _supervise(settings)
+    if not settings.resolve_device().startswith("cuda"):
+        raise MpsError("mps is on but no CUDA device is in use")
+    with mps_daemon():
+        return _supervise(settings)
+
+
+def _supervise(settings: ServerSettings) -> int:
     ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA state crosses a fork
     level = logging.getLogger().getEffectiveLevel()
     procs: list[mp.process.BaseProcess] = []

@@ -23,8 +23,13 @@ def _serve(args: argparse.Namespace) -> int:
             "model_dir": args.model,
             "device": args.device,
             "workers": args.workers,
+            "mps": args.mps,
         }
     )
+    if settings.mps:  # fail before building anything
+        from service.mps import control_binary
+
+        control_binary()
     if args.catalog:
         from index_builder.build import build_index
 
@@ -66,6 +71,9 @@ def register(add: AddCommand) -> None:
     p.add_argument("--workers", type=int,
                    help="serving processes sharing the port, each with its own model, index "
                    "and GIL; worker i has metrics on METRICS_PORT + i (1)")  # fmt: skip
+    p.add_argument("--mps", action="store_true", default=None,
+                   help="workers > 1 on CUDA: share the GPU through a private CUDA MPS "
+                   "daemon (kernels side by side, not time-sliced; off)")  # fmt: skip
     p.add_argument("--config", help="settings file (.toml, .json, .yaml)")
     p.add_argument("--no-progress", action="store_true")
 

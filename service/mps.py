@@ -1,0 +1,94 @@
+"""CUDA MPS for `grace serve --workers N` on one GPU (setting `mps`, docs/OPERATIONS.md).
+
+Without MPS the GPU time-slices between the workers' CUDA contexts: one process's
+kernels run while the other's wait, and a latency-bound kernel of one cannot fill the
+SMs the other leaves idle. The Multi-Process Service funnels every worker's work
+through one server context, so their kernels run side by side. The supervisor
+(`service/workers.py`) starts a private control daemon before the first worker and
+stops it after the last:
+
+    nvidia-cuda-mps-control -d      (pipe and log directories in a private temp dir)
+    workers inherit CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY and connect to it
+    echo quit | nvidia-cuda-mps-control
+
+Nothing of the GPU's own settings changes (compute mode, MIG): the daemon is a process
+of the serving user and goes with it. A node-wide MPS daemon (e.g. the NVIDIA device
+plugin's MPS sharing) needs none of this: leave `mps` off and let its environment reach
+the pod.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger("grace.mps")
+CONTROL = "nvidia-cuda-mps-control"
+ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+TIMEOUT_S = 30.0
+
+
+class MpsError(OSError):
+    """The MPS control daemon could not be started (the CLI reports it as bad input)."""
+
+
+def control_binary() -> str:
+    """The control daemon's path; MpsError when it is not on PATH (check before slow work)."""
+    exe = shutil.which(CONTROL)
+    if exe is None:
+        raise MpsError(
+            f"mps is on but {CONTROL} is not on PATH (it comes with the NVIDIA driver; in a "
+            "container the NVIDIA runtime mounts it with the 'compute' capability)"
+        )
+    return exe
+
+
+@contextlib.contextmanager
+def mps_daemon(root: Path | None = None) -> Iterator[dict[str, str]]:
+    """Run a private MPS control daemon for the duration of the block; yields the
+    environment its clients need (also set in `os.environ` meanwhile, so spawned workers
+    inherit it). Raises MpsError when the control binary is missing or fails to start."""
+    exe = control_binary()
+    with contextlib.ExitStack() as stack:
+        if root is None:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="grace-mps-")))
+        dirs = dict(zip(ENV, (root / "pipe", root / "log"), strict=True))
+        for d in dirs.values():
+            d.mkdir(parents=True, exist_ok=True)
+        env = {k: str(v) for k, v in dirs.items()}
+        full = {**os.environ, **env}
+        try:
+            subprocess.run([exe, "-d"], env=full, check=True, timeout=TIMEOUT_S,
+                           capture_output=True, text=True)  # fmt: skip
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+            detail = getattr(exc, "stderr", None) or exc
+            raise MpsError(f"{CONTROL} -d failed: {detail}") from exc
+        log.info("MPS control daemon started (pipes in %s)", env[ENV[0]])
+        saved = {k: os.environ.get(k) for k in ENV}
+        os.environ.update(env)
+        try:
+            yield env
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            _quit(exe, full)
+
+
+def _quit(exe: str, env: dict[str, str]) -> None:
+    """Stop the daemon (it ends its MPS server once the last client has gone)."""
+    try:
+        subprocess.run([exe], input="quit\n", env=env, check=True, timeout=TIMEOUT_S,
+                       capture_output=True, text=True)  # fmt: skip
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        log.error("could not stop the MPS control daemon: %s", exc)
+    else:
+        log.info("MPS control daemon stopped")

@@ -1,0 +1,118 @@
+"""`service/mps.py` and the `mps` setting: the supervisor's private CUDA MPS daemon, run
+against a stand-in `nvidia-cuda-mps-control` that logs how it was called (no GPU here)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from service import workers
+from service.mps import ENV, MpsError, mps_daemon
+from service.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fake_control(bin_dir: Path, log: Path, fail: bool = False) -> None:
+    """A `nvidia-cuda-mps-control` that appends 'ARGS|STDIN|PIPE_DIR' to `log`."""
+    exe = bin_dir / "nvidia-cuda-mps-control"
+    exe.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-d" ]; then in=; else in=$(cat); fi\n'
+        f'echo "$*|$in|$CUDA_MPS_PIPE_DIRECTORY" >> {log}\n'
+        + ('echo "An instance of this daemon is already running" >&2; exit 1\n' if fail else "")
+    )
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.fixture
+def control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    fake_control(bin_dir, log)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for k in ENV:
+        monkeypatch.delenv(k, raising=False)
+    return log
+
+
+def test_daemon_starts_before_and_quits_after_the_block(control: Path) -> None:
+    """`-d` with private pipe/log dirs, the clients' environment exported meanwhile (so
+    spawned workers connect to it), 'quit' on the way out, the environment restored."""
+    with mps_daemon() as env:
+        pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
+        assert Path(pipe).is_dir() and Path(env["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
+        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == pipe
+        assert control.read_text().splitlines() == [f"-d||{pipe}"]
+    assert control.read_text().splitlines() == [f"-d||{pipe}", f"|quit|{pipe}"]
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    assert not Path(pipe).exists()  # the private temp dir is gone
+
+
+def test_daemon_quits_even_when_the_block_fails(control: Path) -> None:
+    with pytest.raises(KeyError), mps_daemon():
+        raise KeyError("a worker failed")
+    assert [line.split("|")[1] for line in control.read_text().splitlines()] == ["", "quit"]
+
+
+def test_missing_or_failing_control_binary_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing there
+    with pytest.raises(MpsError, match="not on PATH"), mps_daemon():
+        pass
+    fake_control(tmp_path, tmp_path / "calls.log", fail=True)
+    with pytest.raises(MpsError, match="already running"), mps_daemon():
+        pass
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+def test_mps_setting_needs_workers_and_cuda() -> None:
+    assert not load_settings({"workers": 2}).mps
+    assert load_settings({"workers": 2, "mps": True, "device": "cuda"}).mps
+    for bad in ({"workers": 1, "mps": True}, {"workers": 2, "mps": True, "device": "cpu"}):
+        with pytest.raises(ValidationError, match="mps"):
+            load_settings(bad)
+
+
+def test_supervise_runs_the_workers_inside_the_daemon(
+    control: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers start with the daemon's environment and the daemon outlives them; with
+    `auto` resolving to a CPU the supervisor refuses before starting anything."""
+    seen: list[str | None] = []
+
+    def fake_supervise(settings) -> int:
+        seen.append(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))
+        return 0
+
+    monkeypatch.setattr(workers, "_supervise", fake_supervise)
+    s = load_settings({"workers": 2, "mps": True, "device": "cuda", "port": 50999})
+    assert workers.supervise(s) == 0
+    assert seen[0] is not None and control.read_text().count("quit") == 1
+    auto = load_settings({"workers": 2, "mps": True, "port": 50999})
+    monkeypatch.setattr(type(auto), "resolve_device", lambda self: "cpu")
+    with pytest.raises(MpsError, match="no CUDA"):
+        workers.supervise(auto)
+    assert len(seen) == 1
+
+
+def test_serve_flag_reports_a_missing_daemon_as_bad_input(tmp_path: Path) -> None:
+    """`grace serve --workers 2 --mps` without the driver's control binary: one line on
+    stderr, exit status 2, no traceback."""
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{Path(sys.executable).parent}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "--workers", "2", "--mps", "--device",
+         "cuda", "--data-dir", str(tmp_path), "--port", "50998", "--no-progress"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "nvidia-cuda-mps-control is not on PATH" in done.stderr
+    assert "Traceback" not in done.stderr
