@@ -74,9 +74,12 @@ class App:
         self.metrics.close()
 
 
-async def start(settings: ServerSettings, *, bind_when_ready: bool = False) -> App:
+async def start(
+    settings: ServerSettings, *, bind_when_ready: bool = False, address: str | None = None
+) -> App:
     """Load, warm and serve. `bind_when_ready` (a worker of several): open the gRPC port
-    only once SERVING, so the kernel never hands a connection to a worker still loading."""
+    only once SERVING, so the kernel never hands a connection to a worker still loading.
+    `address` (a worker behind the request front): listen there, not on host:port."""
     device = settings.resolve_device()
     metrics = Metrics()
     health_servicer = health.HealthServicer()
@@ -141,8 +144,8 @@ async def start(settings: ServerSettings, *, bind_when_ready: bool = False) -> A
     servicer = RetrievalServicer(
         batcher, Limits.from_settings(settings), indexes, metrics, request_log
     )
-    options = _server_options(settings)
-    if bind_when_ready:
+    options = server_options(settings)
+    if bind_when_ready and address is None:
         options.append(("grpc.so_reuseport", 1))  # workers share the port
     server = grpc.aio.server(options=options)
     retrieval_pb2_grpc.add_AdRetrievalServicer_to_server(servicer, server)
@@ -153,7 +156,7 @@ async def start(settings: ServerSettings, *, bind_when_ready: bool = False) -> A
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    address = f"{settings.host}:{settings.port}"
+    address = address or f"{settings.host}:{settings.port}"
     port = 0 if bind_when_ready else server.add_insecure_port(address)
     if not bind_when_ready:
         await server.start()  # health answers NOT_SERVING while loading
@@ -166,14 +169,15 @@ async def start(settings: ServerSettings, *, bind_when_ready: bool = False) -> A
         port = server.add_insecure_port(address)
         await server.start()
     log.info(
-        "serving %s on port %d (index %s, model %s, %s)",
-        SERVICE, port, indexes.current.version, loaded.model_version, device,
+        "serving %s on %s (index %s, model %s, %s)",
+        SERVICE, address if address.startswith("unix:") else f"port {port}",
+        indexes.current.version, loaded.model_version, device,
     )  # fmt: skip
     return App(server, port, metrics_port, health_servicer, servicer, batcher, pipeline, watcher,
                metrics, settings)  # fmt: skip
 
 
-def _server_options(settings: ServerSettings) -> list[tuple[str, int]]:
+def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
     """gRPC core options: connection ageing lets clients rebalance across replicas."""
     if settings.max_connection_age_seconds <= 0:
         return []
@@ -203,9 +207,11 @@ async def _warm_up(batcher: Batcher, settings: ServerSettings) -> None:
     await batcher.submit(request)
 
 
-async def serve_forever(settings: ServerSettings, *, bind_when_ready: bool = False) -> None:
+async def serve_forever(
+    settings: ServerSettings, *, bind_when_ready: bool = False, address: str | None = None
+) -> None:
     """Run until SIGTERM/SIGINT, then drain gracefully."""
-    app = await start(settings, bind_when_ready=bind_when_ready)
+    app = await start(settings, bind_when_ready=bind_when_ready, address=address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -217,7 +223,9 @@ async def serve_forever(settings: ServerSettings, *, bind_when_ready: bool = Fal
     log.info("stopped")
 
 
-def run(settings: ServerSettings, *, bind_when_ready: bool = False) -> int:
+def run(
+    settings: ServerSettings, *, bind_when_ready: bool = False, address: str | None = None
+) -> int:
     """Serve until stopped; returns the exit status. One event loop per process (uvloop
     when available); `settings.workers > 1` runs that many worker processes instead
     (`service/workers.py`)."""
@@ -225,7 +233,7 @@ def run(settings: ServerSettings, *, bind_when_ready: bool = False) -> int:
         from service.workers import supervise
 
         return supervise(settings)
-    main = serve_forever(settings, bind_when_ready=bind_when_ready)
+    main = serve_forever(settings, bind_when_ready=bind_when_ready, address=address)
     try:
         import uvloop
     except ImportError:

@@ -64,6 +64,13 @@ class ServerSettings(BaseSettings):
         "and stage threads share one GIL: docs/OPERATIONS.md). Worker i serves metrics on "
         "metrics_port + i. More than one needs a fixed port.",
     )
+    balance: Literal["connection", "request"] = Field(
+        "connection",
+        description="With workers > 1: 'connection' shares the port through SO_REUSEPORT "
+        "(the kernel spreads connections, requests follow them); 'request' puts a front "
+        "on the port that hands each request to the worker with the fewest in flight, the "
+        "workers on private unix sockets (service/balancer.py; one local hop more).",
+    )
     mps: bool = Field(
         False,
         description="With workers > 1 on CUDA: run a private CUDA MPS control daemon so the "
@@ -260,6 +267,8 @@ class ServerSettings(BaseSettings):
     def _resolve(self) -> ServerSettings:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.balance == "request" and self.workers < 2:
+            raise ValueError("balance 'request' spreads requests over workers: needs workers > 1")
         if self.mps and (self.workers < 2 or self.device == "cpu"):
             raise ValueError("mps shares one GPU between workers: it needs workers > 1 and CUDA")
         if self.workers > 1 and self.port == 0:

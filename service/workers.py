@@ -26,8 +26,10 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import tempfile
 import threading
 
+from service.balancer import FrontThread
 from service.mps import MpsError, mps_daemon
 from service.settings import ServerSettings
 
@@ -42,12 +44,12 @@ def worker_settings(settings: ServerSettings, i: int) -> ServerSettings:
     return settings.model_copy(update={"workers": 1, "metrics_port": metrics})
 
 
-def _worker(settings: ServerSettings, i: int, level: int, parent: int) -> None:
+def _worker(settings: ServerSettings, i: int, level: int, parent: int, address: str | None) -> None:
     logging.basicConfig(level=level, format=LOG_FORMAT.format(i=i))
     _die_with(parent)
     from service.app import run
 
-    raise SystemExit(run(settings, bind_when_ready=True))
+    raise SystemExit(run(settings, bind_when_ready=True, address=address))
 
 
 def _die_with(parent: int) -> None:
@@ -74,13 +76,28 @@ def supervise(settings: ServerSettings) -> int:
 
 
 def _supervise(settings: ServerSettings) -> int:
+    if settings.balance == "request":  # each worker on a private socket, the front on the port
+        with tempfile.TemporaryDirectory(prefix="grace-workers-") as sockets:
+            return _run_workers(settings, [f"unix:{sockets}/worker-{i}.sock"
+                                           for i in range(settings.workers)])  # fmt: skip
+    return _run_workers(settings, [None] * settings.workers)
+
+
+def _run_workers(settings: ServerSettings, addresses: list[str | None]) -> int:
+    """Start a worker per address (None: the shared public port) and, for private
+    addresses, the request front (service/balancer.py); watch them until they stop."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA state crosses a fork
     level = logging.getLogger().getEffectiveLevel()
     procs: list[mp.process.BaseProcess] = []
     stopping = threading.Event()
+    front: FrontThread | None = None
 
     def stop_all(signum: int = signal.SIGTERM, _frame: object = None) -> None:
         stopping.set()
+        if front is not None:  # drain the front first, so no call reaches a stopped worker
+            front.stop()
+            if threading.current_thread() is not front:
+                front.join(settings.drain_seconds + 10)
         for p in procs:
             if p.pid is not None and p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)  # each worker drains, then exits
@@ -91,14 +108,17 @@ def _supervise(settings: ServerSettings) -> int:
         for i in range(settings.workers):
             if stopping.is_set():  # told to stop while starting: start no more
                 break
-            args = (worker_settings(settings, i), i, level, os.getpid())
+            args = (worker_settings(settings, i), i, level, os.getpid(), addresses[i])
             p = ctx.Process(target=_worker, args=args, name=f"grace-worker-{i}")
             procs.append(p)
             p.start()
+        if addresses[0] is not None and not stopping.is_set():
+            front = FrontThread(settings, [a for a in addresses if a], stop_all)
+            front.start()
         if stopping.is_set():
             stop_all()  # the ones started after the signal arrived
-        log.info("started %d workers on port %d: pids %s", len(procs), settings.port,
-                 [p.pid for p in procs])  # fmt: skip
+        log.info("started %d workers on port %d%s: pids %s", len(procs), settings.port,
+                 " behind the request front" if front else "", [p.pid for p in procs])  # fmt: skip
         while any(p.is_alive() for p in procs):
             for p in procs:
                 p.join(0.1)
@@ -117,7 +137,11 @@ def _supervise(settings: ServerSettings) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if front is not None:
+            front.stop()
+            front.join(settings.drain_seconds + 10)
     clean = (0, -signal.SIGTERM, -signal.SIGINT)  # stopped before its own handler was in
     failed = failed or any(p.exitcode not in clean for p in procs)
+    failed = failed or (front is not None and front.failed)
     log.info("workers stopped (exit codes %s)", [p.exitcode for p in procs])
     return 1 if failed else 0

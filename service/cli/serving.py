@@ -24,6 +24,7 @@ def _serve(args: argparse.Namespace) -> int:
             "device": args.device,
             "workers": args.workers,
             "mps": args.mps,
+            "balance": args.balance,
         }
     )
     if settings.mps:  # fail before building anything
@@ -71,6 +72,10 @@ def register(add: AddCommand) -> None:
     p.add_argument("--workers", type=int,
                    help="serving processes sharing the port, each with its own model, index "
                    "and GIL; worker i has metrics on METRICS_PORT + i (1)")  # fmt: skip
+    p.add_argument("--balance", choices=["connection", "request"],
+                   help="workers > 1: 'connection' shares the port (SO_REUSEPORT: requests "
+                   "follow their connection's worker); 'request' puts a front on the port "
+                   "that hands each request to the least busy worker (connection)")  # fmt: skip
     p.add_argument("--mps", action="store_true", default=None,
                    help="workers > 1 on CUDA: share the GPU through a private CUDA MPS "
                    "daemon (kernels side by side, not time-sliced; off)")  # fmt: skip

@@ -139,12 +139,12 @@ def test_device_resolution() -> None:
 
 
 def test_connection_ageing_becomes_grpc_options_and_zero_turns_it_off() -> None:
-    from service.app import _server_options
+    from service.app import server_options
 
-    opts = dict(_server_options(load_settings({"max_connection_age_seconds": 90})))
+    opts = dict(server_options(load_settings({"max_connection_age_seconds": 90})))
     assert opts["grpc.max_connection_age_ms"] == 90_000
     assert opts["grpc.max_connection_age_grace_ms"] == 30_000  # the default grace
-    assert _server_options(load_settings({"max_connection_age_seconds": 0})) == []
+    assert server_options(load_settings({"max_connection_age_seconds": 0})) == []
     with pytest.raises(ValueError, match="max_connection_age_seconds"):
         load_settings({"max_connection_age_seconds": -1})
 

@@ -4,6 +4,7 @@ only once SERVING, each with its own metrics port; SIGTERM drains both and exits
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.client import request_for_user
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
@@ -56,6 +58,15 @@ def scrape(port: int) -> str | None:
         return None
 
 
+def serving(port: int) -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def counter(text: str, name: str, must: str = "") -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])
@@ -75,12 +86,15 @@ def test_worker_settings_are_single_servers_with_their_own_metrics_port() -> Non
         load_settings({"workers": 0})
 
 
-def test_two_workers_share_the_port_and_drain_on_sigterm(data: Path) -> None:
+@pytest.mark.parametrize("balance", ["connection", "request"])
+def test_two_workers_share_the_port_and_drain_on_sigterm(data: Path, balance: str) -> None:
+    """'connection': 24 connections land on both workers (SO_REUSEPORT). 'request': 24
+    calls on ONE connection are split evenly by the front (service/balancer.py)."""
     port, metrics = free_ports(1), free_ports(2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data), "--port",
          str(port), "--metrics-port", str(metrics), "--device", "cpu", "--no-progress",
-         "--workers", "2"],
+         "--workers", "2", "--balance", balance],
         cwd=ROOT, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -92,18 +106,27 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(data: Path) -> None:
                 break
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.2)
-        time.sleep(1.0)  # SERVING, then the port opens
+        while not serving(port):  # SERVING, then the port opens (behind the front too)
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
 
         async def many_connections() -> list:
             req = request_for_user(data / "world", 0, 10, retrieval_pb2.CD_GTM)
 
-            async def one() -> retrieval_pb2.RetrieveResponse:
+            async def one(shared: grpc.aio.Channel | None) -> retrieval_pb2.RetrieveResponse:
+                if shared is not None:
+                    return await retrieval_pb2_grpc.AdRetrievalStub(shared).Retrieve(
+                        req, timeout=30
+                    )
                 # its own TCP connection: channels to one target share one by default
                 local = [("grpc.use_local_subchannel_pool", 1)]
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=local) as ch:
                     return await retrieval_pb2_grpc.AdRetrievalStub(ch).Retrieve(req, timeout=30)
 
-            return await asyncio.gather(*(one() for _ in range(24)))
+            if balance == "connection":
+                return await asyncio.gather(*(one(None) for _ in range(24)))
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                return await asyncio.gather(*(one(ch) for _ in range(24)))
 
         replies = asyncio.run(many_connections())
         assert all(len(r.ads) > 0 for r in replies)
@@ -112,6 +135,8 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(data: Path) -> None:
             for i in range(2)
         ]
         assert sum(handled) == 24 and min(handled) > 0, handled  # both workers answered
+        if balance == "request":
+            assert abs(handled[0] - handled[1]) <= 2, handled  # one connection, split evenly
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
@@ -120,6 +145,10 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(data: Path) -> None:
     log = proc.stderr.read()
     assert "started 2 workers" in log and log.count("stopped") >= 2
     assert all(scrape(metrics + i) is None for i in range(2))  # both processes are gone
+    if balance == "request":
+        sockets = re.findall(r"on unix:(\S+)/worker-0\.sock", log)
+        assert sockets and not Path(sockets[0]).exists()  # the private sockets are removed
+        assert "front stopped" in log
 
 
 def test_a_worker_that_exits_stops_the_others_and_the_supervisor_fails(tmp_path: Path) -> None:

@@ -1,0 +1,190 @@
+"""`service/balancer.py`: the request front of `grace serve --workers N --balance request`,
+against stand-in workers (gRPC servers on unix sockets that report who answered, the
+deadline and metadata they saw); the real workers behind it are in test_workers.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from service.balancer import Front, FrontThread, _client_metadata
+from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from service.settings import load_settings
+
+METHOD = "/grace.v1.AdRetrieval/Retrieve"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Worker(grpc.GenericRpcHandler):
+    """Answers Retrieve with model_version 'w<i>' and index_version 'remaining|x-trace';
+    request_id 'slow' waits 0.3 s, 'fail' aborts INVALID_ARGUMENT with trailing metadata."""
+
+    def __init__(self, i: int, path: Path) -> None:
+        self.i, self.address = i, f"unix:{path}"
+        self.health = health.HealthServicer()
+        self.health.set("grace.v1.AdRetrieval", NOT_SERVING)
+
+    def service(self, details):
+        if details.method != METHOD:
+            return None
+        return grpc.unary_unary_rpc_method_handler(
+            self.retrieve,
+            request_deserializer=retrieval_pb2.RetrieveRequest.FromString,
+            response_serializer=retrieval_pb2.RetrieveResponse.SerializeToString,
+        )
+
+    async def retrieve(self, request, context):
+        if request.request_id == "slow":
+            await asyncio.sleep(0.3)
+        if request.request_id == "fail":
+            context.set_trailing_metadata((("x-why", "because"),))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request at w{self.i}")
+        meta = dict(context.invocation_metadata())
+        remaining = context.time_remaining()
+        return retrieval_pb2.RetrieveResponse(
+            model_version=f"w{self.i}",
+            index_version=f"{remaining if remaining is None else round(remaining, 1)}|"
+            f"{meta.get('x-trace', '')}",
+        )
+
+    async def start(self) -> grpc.aio.Server:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((self,))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        server.add_insecure_port(self.address)
+        await server.start()
+        return server
+
+    def ready(self) -> None:
+        self.health.set("grace.v1.AdRetrieval", SERVING)
+
+
+def test_least_in_flight_then_in_turn() -> None:
+    front = Front(load_settings({"port": 0}), ["unix:a", "unix:b", "unix:c"])
+    front.inflight = [2, 1, 1]
+    assert [front.pick() for _ in range(4)] == [1, 2, 1, 2]
+    front.inflight = [0, 3, 0]
+    assert {front.pick(), front.pick()} == {0, 2}
+
+
+def test_only_the_callers_own_metadata_is_passed_on() -> None:
+    got = _client_metadata((("user-agent", "grpc-python"), ("grpc-accept-encoding", "gzip"),
+                            ("x-trace", "t1"), ("authorization", "Bearer k")))  # fmt: skip
+    assert got == (("x-trace", "t1"), ("authorization", "Bearer k"))
+    assert _client_metadata(None) == ()
+
+
+def test_front_serves_only_once_every_worker_does_and_forwards_faithfully(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        workers = [Worker(i, tmp_path / f"w{i}.sock") for i in range(2)]
+        servers = [await w.start() for w in workers]
+        front = Front(load_settings({"port": 0, "drain_seconds": 5}), [w.address for w in workers])
+        stopping = asyncio.Event()
+        task = asyncio.create_task(front.run(stopping))
+        await asyncio.sleep(1.2)
+        assert front.server is None and front.port == 0  # a worker still loading: no port
+        workers[0].ready()
+        await asyncio.sleep(1.2)
+        assert front.server is None
+        workers[1].ready()
+        for _ in range(50):
+            if front.port:
+                break
+            await asyncio.sleep(0.1)
+        assert front.port
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{front.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            check = health_pb2_grpc.HealthStub(ch).Check
+            assert (await check(health_pb2.HealthCheckRequest())).status == SERVING
+
+            # one connection, one call at a time: the workers take turns
+            who = [(await stub.Retrieve(retrieval_pb2.RetrieveRequest())).model_version
+                   for _ in range(6)]  # fmt: skip
+            assert sorted(who) == ["w0"] * 3 + ["w1"] * 3
+
+            # a slow call keeps its worker busy: the next calls go to the other one
+            slow = asyncio.ensure_future(
+                stub.Retrieve(retrieval_pb2.RetrieveRequest(request_id="slow"))
+            )
+            await asyncio.sleep(0.05)
+            busy = 1 - int(front.inflight.index(1))  # the idle worker's index
+            quick = [(await stub.Retrieve(retrieval_pb2.RetrieveRequest())).model_version
+                     for _ in range(3)]  # fmt: skip
+            assert quick == [f"w{busy}"] * 3
+            assert (await slow).model_version == f"w{1 - busy}"
+
+            # deadline and the caller's metadata reach the worker
+            reply = await stub.Retrieve(retrieval_pb2.RetrieveRequest(), timeout=2,
+                                        metadata=(("x-trace", "t-42"),))  # fmt: skip
+            remaining, trace = reply.index_version.split("|")
+            assert 1.0 < float(remaining) <= 2.0 and trace == "t-42"
+
+            # the worker's status, details and trailing metadata come back unchanged
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Retrieve(retrieval_pb2.RetrieveRequest(request_id="fail"))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith("bad request at w")
+            assert ("x-why", "because") in tuple(err.value.trailing_metadata())
+
+            # other services than AdRetrieval and health are not forwarded
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await ch.unary_unary("/grace.v1.Other/Call")(b"")
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+            # stopping: NOT_SERVING at once, a call in flight still finishes
+            slow = asyncio.ensure_future(
+                stub.Retrieve(retrieval_pb2.RetrieveRequest(request_id="slow"))
+            )
+            await asyncio.sleep(0.05)
+            stopping.set()
+            await asyncio.sleep(0.1)
+            assert (await check(health_pb2.HealthCheckRequest())).status == NOT_SERVING
+            assert (await slow).model_version in ("w0", "w1")
+        await task
+        assert sum(front.answered) == 13 and front.inflight == [0, 0]
+        for s in servers:
+            await s.stop(None)
+
+    asyncio.run(main())
+
+
+def test_front_that_cannot_bind_reports_and_fails(tmp_path: Path) -> None:
+    """The public port taken: the front thread logs, calls on_error (the supervisor's
+    stop_all) and counts as failed."""
+    blocker = socket.socket()
+    blocker.bind(("0.0.0.0", 0))
+    blocker.listen()
+    port = blocker.getsockname()[1]
+    called: list[bool] = []
+
+    async def workers_up() -> list[grpc.aio.Server]:
+        ws = [Worker(i, tmp_path / f"w{i}.sock") for i in range(2)]
+        for w in ws:
+            w.ready()
+        return [await w.start() for w in ws]
+
+    loop = asyncio.new_event_loop()
+    try:
+        servers = loop.run_until_complete(workers_up())
+        settings = load_settings({"port": port, "drain_seconds": 1})
+        thread = FrontThread(settings, [f"unix:{tmp_path}/w{i}.sock" for i in range(2)],
+                             lambda: called.append(True))  # fmt: skip
+        thread.start()
+        for _ in range(100):  # the stand-in workers answer health on this loop
+            loop.run_until_complete(asyncio.sleep(0.1))
+            if not thread.is_alive():
+                break
+        assert not thread.is_alive() and thread.failed and called
+        for s in servers:
+            loop.run_until_complete(s.stop(None))
+    finally:
+        loop.close()
+        blocker.close()
