@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,7 @@ async def start(
     """Load, warm and serve. `bind_when_ready` (a worker of several): open the gRPC port
     only once SERVING, so the kernel never hands a connection to a worker still loading.
     `address` (a worker behind the request front): listen there, not on host:port."""
+    t0 = time.perf_counter()
     device = settings.resolve_device()
     metrics = Metrics()
     health_servicer = health.HealthServicer()
@@ -87,6 +89,8 @@ async def start(
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     loaded = load_checkpoint(Path(settings.model_dir), device)
     loaded.model.to(getattr(torch, settings.resolve_dtype(device)))
+    log.info("model %s loaded on %s in %.1f s", loaded.model_version, device,
+             time.perf_counter() - t0)  # fmt: skip
     indexes = IndexHolder()
 
     def swapped(index: ServingIndex) -> None:
@@ -169,9 +173,9 @@ async def start(
         port = server.add_insecure_port(address)
         await server.start()
     log.info(
-        "serving %s on %s (index %s, model %s, %s)",
+        "serving %s on %s (index %s, model %s, %s), ready in %.1f s",
         SERVICE, address if address.startswith("unix:") else f"port {port}",
-        indexes.current.version, loaded.model_version, device,
+        indexes.current.version, loaded.model_version, device, time.perf_counter() - t0,
     )  # fmt: skip
     return App(server, port, metrics_port, health_servicer, servicer, batcher, pipeline, watcher,
                metrics, settings)  # fmt: skip

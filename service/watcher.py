@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -58,9 +59,12 @@ class IndexWatcher:
         try:
             stream = torch.cuda.Stream() if self.device.startswith("cuda") else None
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                t0 = time.perf_counter()
                 index = load_serving_index(
                     self.root / version, tokenizer_fingerprint=self.fingerprint, device=self.device
                 )
+                log.info("index %s loaded and validated in %.1f s", version,
+                         time.perf_counter() - t0)  # fmt: skip
                 index = self._prepare(index)  # e.g. capture its CUDA graphs, off the path
             if stream is not None:
                 stream.synchronize()  # tables fully on the device before any batch sees them

@@ -4,6 +4,8 @@ the field, health through start-up and drain, metrics, and hot swaps under load.
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -83,9 +85,13 @@ def test_retrieve_returns_only_eligible_ads_and_reports_stats(data: Path) -> Non
     asyncio.run(main())
 
 
-def test_graph_buckets_and_busy_batches_reach_the_server(data: Path) -> None:
+def test_graph_buckets_and_busy_batches_reach_the_server(
+    data: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The server builds its graphed stages over the configured buckets (plus max_batch),
-    and its batcher counts busy from the device's default (CPU: 2) unless set."""
+    and its batcher counts busy from the device's default (CPU: 2) unless set. Its log
+    says where start-up time went (model, index, then ready)."""
+    caplog.set_level(logging.INFO)
 
     async def main() -> None:
         app = await start(settings(data, graph_buckets=[2, 8]))
@@ -94,6 +100,12 @@ def test_graph_buckets_and_busy_batches_reach_the_server(data: Path) -> None:
             assert app.batcher.busy_batches == 2
         finally:
             await app.drain()
+        for step in (
+            r"model \S+ loaded on cpu in [\d.]+ s",
+            r"index \S+ loaded and validated in [\d.]+ s",
+            r"ready in [\d.]+ s",
+        ):
+            assert re.search(step, caplog.text), step  # fmt: skip
         app = await start(settings(data, busy_batches=1))
         try:
             assert app.batcher.busy_batches == 1
