@@ -11,8 +11,12 @@
 #      /metrics after each rate go to OUT (PYSPY_RATE=R: also py-spy stacks during rate R),
 #      and `nvidia-smi dmon` GPU utilisation per second during each rate (dmon_<rate>.txt).
 #      WORKERS=N serves with `grace serve --workers N` (metrics of each worker kept).
-#   4. bench/summarize_loadtest.py turns those files into OUT/summary.json and a table.
+#   4. bench/summarize_loadtest.py turns those files into OUT/summary.json and a table —
+#      also when the script is stopped early (timeout, Ctrl-C): the rates done so far.
 # Usage: bash bench/gpu_loadtest.sh OUT [RATES] [DURATION]
+# DATA=DIR keeps world, index, model and the replay file there instead of in OUT, so one
+# build serves several runs: DATA=/tmp/paper GRACE_MPS=true bash bench/gpu_loadtest.sh
+# /tmp/res/mps "900 1000" 20s (any GRACE_* setting reaches the server).
 # Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu LOCUST_PROCESSES=2 \
 #   bash bench/gpu_loadtest.sh /tmp/lt 20 8s
 set -uo pipefail
@@ -23,19 +27,29 @@ WORKERS=${WORKERS:-1}  # grace serve --workers: serving processes sharing the po
 # client connections (one per locust user): SO_REUSEPORT spreads connections, not
 # requests, over workers; 16 left one of two workers with a third of the load
 USERS=${USERS:-64}
+DATA=${DATA:-$OUT}
 GRACE=(python3 -m service.cli)
-mkdir -p "$OUT"
-if [ ! -f "$OUT/index/CURRENT" ]; then
-    python3 bench/bench_paper_index.py --ads "$ADS" --users 1000 --out "$OUT" \
-        --workers "$(nproc)" --device "$DEVICE" --quiet --json "$OUT/paper_index.json" || exit 1
+mkdir -p "$OUT" "$DATA"
+if [ ! -f "$DATA/index/CURRENT" ]; then
+    python3 bench/bench_paper_index.py --ads "$ADS" --users 1000 --out "$DATA" \
+        --workers "$(nproc)" --device "$DEVICE" --quiet --json "$DATA/paper_index.json" || exit 1
 fi
-[ -f "$OUT/model/config.json" ] || "${GRACE[@]}" init-model --profile "$PROFILE" \
-    --tokenizer "$OUT/tokenizer" --out "$OUT/model" || exit 1
-GRACE_PROFILE=$PROFILE GRACE_QUEUE_CAPACITY=128 "${GRACE[@]}" serve --data-dir "$OUT" \
-    --model "$OUT/model" --index-root "$OUT/index" --device "$DEVICE" --no-progress \
+[ -f "$DATA/model/config.json" ] || "${GRACE[@]}" init-model --profile "$PROFILE" \
+    --tokenizer "$DATA/tokenizer" --out "$DATA/model" || exit 1
+GRACE_PROFILE=$PROFILE GRACE_QUEUE_CAPACITY=128 "${GRACE[@]}" serve --data-dir "$DATA" \
+    --model "$DATA/model" --index-root "$DATA/index" --device "$DEVICE" --no-progress \
     --workers "$WORKERS" > "$OUT/server.log" 2>&1 &
 SERVER=$!
-trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
+DONE_RATES=""
+finish() {  # stop the server; summarise the rates run so far (all of them, or a timeout's)
+    trap - EXIT INT TERM
+    kill -TERM $SERVER 2>/dev/null; wait $SERVER
+    # the figures of this run (bench/summarize_loadtest.py): OUT/summary.json and a table
+    [ -n "$DONE_RATES" ] && python3 bench/summarize_loadtest.py "$OUT" --rates "$DONE_RATES" \
+        --duration "$DURATION" --skip-missing
+}
+trap finish EXIT
+trap 'exit 143' INT TERM
 start=$(date +%s)
 metrics() {  # worker $1's Prometheus text (workers serve metrics on 9464 + i)
     python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:$((9464 + $1))/metrics').read().decode())" 2>/dev/null
@@ -53,15 +67,15 @@ done
 echo "SERVING after $(( $(date +%s) - start )) s ($WORKERS worker(s))"
 # a replay file loads in a fraction of a second (building requests from the world takes
 # seconds, during which a locust worker would miss its heartbeats)
-[ -f "$OUT/requests.jsonl" ] || "${GRACE[@]}" record --world "$OUT/world" --users 1000 \
-    --out "$OUT/requests.jsonl" || exit 1
+[ -f "$DATA/requests.jsonl" ] || "${GRACE[@]}" record --world "$DATA/world" --users 1000 \
+    --out "$DATA/requests.jsonl" || exit 1
 scrape() {  # the server's Prometheus metrics (stage times, batch sizes) after each rate
     for ((i = 0; i < WORKERS; i++)); do metrics "$i" > "$OUT/metrics_$1_w$i.prom"; done
 }
 # a short unjudged warm-up: the first traffic after SERVING meets cold allocator pools
 # and library plans (the first measured rate read P99 3.2 s without it)
 python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u "$USERS" -r "$USERS" \
-    -t "${WARMUP:-10s}" --processes "$PROCS" --only-summary --replay "$OUT/requests.jsonl" \
+    -t "${WARMUP:-10s}" --processes "$PROCS" --only-summary --replay "$DATA/requests.jsonl" \
     --arrival-rate "${WARMUP_RATE:-200}" > "$OUT/warmup.log" 2>&1
 scrape start
 for rate in $RATES; do
@@ -78,12 +92,11 @@ for rate in $RATES; do
     fi
     python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u "$USERS" -r "$USERS" -t "$DURATION" \
         --processes "$PROCS" \
-        --only-summary --replay "$OUT/requests.jsonl" --arrival-rate "$rate" \
+        --only-summary --replay "$DATA/requests.jsonl" --arrival-rate "$rate" \
         --max-inflight 4000 --csv "$OUT/rate_$rate" --check-p99-ms 100 \
         --check-fail-ratio 0.001 > "$OUT/rate_$rate.log" 2>&1
     echo "rate $rate req/s: exit $? ($(grep -h 'grace loadtest' "$OUT/rate_$rate.log" | tail -1))"
     [ -n "$DMON" ] && kill "$DMON" 2>/dev/null
     scrape "$rate"
+    DONE_RATES="$DONE_RATES $rate"
 done
-# the figures of this run (bench/summarize_loadtest.py): OUT/summary.json and a table
-python3 bench/summarize_loadtest.py "$OUT" --rates "$RATES" --duration "$DURATION" --skip-missing
