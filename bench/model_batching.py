@@ -64,6 +64,12 @@ class Server:
     post_ms: float = 1.0
     shares: tuple[float, ...] | None = None  # each worker's share of arrivals (None: even)
 
+    def __post_init__(self) -> None:
+        if self.shares is not None and (
+            len(self.shares) != self.workers or min(self.shares) < 0 or sum(self.shares) <= 0
+        ):
+            raise ValueError(f"shares needs {self.workers} non-negative weights, got {self.shares}")
+
     def gpu_s(self, size: int) -> float:
         a, b = self.decode_ms
         return (a + b * bucket_of(self.buckets, size) + self.other_gpu_ms) / 1e3
@@ -214,7 +220,8 @@ def main() -> None:
     ap.add_argument(
         "--check",
         action="store_true",
-        help="model the measured configurations at their rates and print both",
+        help="model the measured configurations at their rates and print both (their own "
+        "buckets and busy threshold: --buckets, --busy-batches and --shares do not apply)",
     )
     a = ap.parse_args()
     try:
@@ -241,7 +248,10 @@ def main() -> None:
         shares=shares,
     )
     runs = (
-        [(label, dataclasses.replace(server, **kw), seen) for label, kw, seen in MEASURED]
+        [
+            (label, dataclasses.replace(server, shares=None, **kw), seen)
+            for label, kw, seen in MEASURED
+        ]
         if a.check
         else [("", server, {})]
     )

@@ -28,20 +28,20 @@ from grpc_reflection.v1alpha import reflection
 from index_builder.lookup import FilterMode
 from index_builder.targeting import Targeting
 from service.batcher import Batcher
+from service.grpc_server import DRAIN_NOTICE_SECONDS, SERVICE, server_options, set_health
 from service.metrics import Metrics
 from service.model.checkpoint import load_checkpoint
 from service.pipeline.runner import Pipeline
 from service.pipeline.stages import Stages
 from service.request_log import RequestLog
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
-from service.server import SERVICE, RetrievalServicer
+from service.server import RetrievalServicer
 from service.serving_index import IndexHolder, ServingIndex
 from service.settings import ServerSettings
 from service.validation import Limits, ValidatedRequest
 from service.watcher import IndexWatcher
 
 log = logging.getLogger("grace.serve")
-DRAIN_NOTICE_SECONDS = 0.5  # NOT_SERVING is visible this long before the port closes
 
 
 @dataclass
@@ -61,8 +61,7 @@ class App:
 
     async def drain(self) -> None:
         """Stop accepting, finish what is in flight, stop the threads."""
-        self.health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        set_health(self.health, serving=False)
         await asyncio.sleep(DRAIN_NOTICE_SECONDS)  # let health checkers and balancers see it
         self.servicer.draining = True
         await self.server.stop(self.settings.drain_seconds)
@@ -85,8 +84,7 @@ async def start(
     device = settings.resolve_device()
     metrics = Metrics()
     health_servicer = health.HealthServicer()
-    for name in ("", SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    set_health(health_servicer, serving=False)
     loaded = load_checkpoint(Path(settings.model_dir), device)
     loaded.model.to(getattr(torch, settings.resolve_dtype(device)))
     log.info("model %s loaded on %s in %.1f s", loaded.model_version, device,
@@ -148,7 +146,9 @@ async def start(
     servicer = RetrievalServicer(
         batcher, Limits.from_settings(settings), indexes, metrics, request_log
     )
-    options = server_options(settings)
+    # connection ageing rebalances clients over replicas; the front's private hop to a
+    # worker has nothing to rebalance
+    options = server_options(settings) if address is None else []
     if bind_when_ready and address is None:
         options.append(("grpc.so_reuseport", 1))  # workers share the port
     server = grpc.aio.server(options=options)
@@ -167,8 +167,7 @@ async def start(
     metrics_port = metrics.serve(settings.metrics_port, settings.host)
     watcher.start()
     await _warm_up(batcher, settings)  # first batch pays one-time costs, not a client
-    for name in ("", SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    set_health(health_servicer, serving=True)
     if bind_when_ready:
         port = server.add_insecure_port(address)
         await server.start()
@@ -179,16 +178,6 @@ async def start(
     )  # fmt: skip
     return App(server, port, metrics_port, health_servicer, servicer, batcher, pipeline, watcher,
                metrics, settings)  # fmt: skip
-
-
-def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
-    """gRPC core options: connection ageing lets clients rebalance across replicas."""
-    if settings.max_connection_age_seconds <= 0:
-        return []
-    return [
-        ("grpc.max_connection_age_ms", int(settings.max_connection_age_seconds * 1e3)),
-        ("grpc.max_connection_age_grace_ms", int(settings.max_connection_age_grace_seconds * 1e3)),
-    ]
 
 
 async def _warm_up(batcher: Batcher, settings: ServerSettings) -> None:

@@ -13,9 +13,13 @@ runs this front instead, in a thread of its own process:
 - each Retrieve goes, as raw bytes (never parsed here), to the worker with the fewest
   calls in flight, ties in turn; deadline and metadata go with it, and the worker's
   answer, status, details and trailing metadata come back unchanged;
+- a worker whose connection is down (it died: the supervisor is stopping the rest) gets
+  no new calls while another is up;
 - the front answers health and reflection itself: NOT_SERVING until every worker says
-  SERVING, then it binds the public port (nothing connects to a server still loading);
-  on stop it says NOT_SERVING, waits the drain notice, and lets calls in flight finish.
+  SERVING, then it binds the public port (nothing connects to a server still loading;
+  SO_REUSEPORT off, so a second server on the port is an error, not a silent share); on
+  stop it says NOT_SERVING, waits the drain notice, and lets calls in flight finish —
+  the supervisor tells the workers to drain only after that.
 The price is one local hop per request (measured on CPU in docs/SERVICE.md).
 """
 
@@ -26,20 +30,29 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from service.grpc_server import DRAIN_NOTICE_SECONDS, SERVICE, server_options, set_health
 from service.rpc.grace.v1 import retrieval_pb2
 from service.settings import ServerSettings
 
 log = logging.getLogger("grace.balancer")
-SERVICE = retrieval_pb2.DESCRIPTOR.services_by_name["AdRetrieval"].full_name
-FORWARDED = f"/{SERVICE}/"  # methods sent on to a worker; the rest are the front's own
-DRAIN_NOTICE_SECONDS = 1.0  # as the workers: let health checkers see NOT_SERVING first
+# the methods sent on to a worker (the rest — health, reflection — are the front's own)
+FORWARDED = tuple(
+    f"/{SERVICE}/{m.name}" for m in retrieval_pb2.DESCRIPTOR.services_by_name["AdRetrieval"].methods
+)
 READY_POLL_SECONDS = 0.5
+# a worker binds its socket early (NOT_SERVING while loading): retry the hop quickly, not
+# with gRPC's default backoff (up to 120 s) — its readiness is polled every 0.5 s
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+DOWN = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 
 
 class Front(grpc.GenericRpcHandler):
@@ -51,26 +64,28 @@ class Front(grpc.GenericRpcHandler):
         self.answered = [0] * len(self.workers)  # calls each worker finished (tests, logs)
         self._turn = itertools.count()
         self._channels: list[grpc.aio.Channel] = []
-        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+        self._handlers = {
+            m: grpc.unary_unary_rpc_method_handler(self._forwarder(m)) for m in FORWARDED
+        }
         self.health = health.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
     def pick(self) -> int:
-        """The worker with the fewest calls in flight; ties go round in turn."""
-        low = min(self.inflight)
-        tied = [i for i, n in enumerate(self.inflight) if n == low]
+        """The worker with the fewest calls in flight among those whose connection is not
+        down (all, if every one is); ties go round in turn."""
+        up = [i for i, c in enumerate(self._channels) if c.get_state() not in DOWN]
+        up = up or list(range(len(self.workers)))
+        low = min(self.inflight[i] for i in up)
+        tied = [i for i in up if self.inflight[i] == low]
         return tied[next(self._turn) % len(tied)]
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        method = details.method
-        if not method.startswith(FORWARDED):
-            return None  # health, reflection: registered on the front itself
-        if method not in self._handlers:
-            self._handlers[method] = grpc.unary_unary_rpc_method_handler(self._forwarder(method))
-        return self._handlers[method]
+        return self._handlers.get(details.method)  # None: health, reflection, or unknown
 
-    def _forwarder(self, method: str):
+    def _forwarder(
+        self, method: str
+    ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
         async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             i = self.pick()
             self.inflight[i] += 1
@@ -96,29 +111,30 @@ class Front(grpc.GenericRpcHandler):
     async def start(self, stopping: asyncio.Event) -> bool:
         """Wait until every worker is SERVING, then serve on the public port; False when
         told to stop first."""
-        from service.app import server_options
-
-        self._channels = [grpc.aio.insecure_channel(a) for a in self.workers]
-        for name in ("", SERVICE):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._channels = [
+            grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.workers
+        ]
+        set_health(self.health, serving=False)
         while not await self._all_serving():
             try:
                 await asyncio.wait_for(stopping.wait(), READY_POLL_SECONDS)
                 return False
             except TimeoutError:
                 pass
-        self.server = grpc.aio.server(options=server_options(self.settings))
+        options = [*server_options(self.settings), ("grpc.so_reuseport", 0)]
+        self.server = grpc.aio.server(options=options)
         self.server.add_generic_rpc_handlers((self,))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                  reflection.SERVICE_NAME)  # fmt: skip
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
-        if not self.port:
-            raise OSError(f"cannot bind {self.settings.host}:{self.settings.port}")
+        address = f"{self.settings.host}:{self.settings.port}"
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:  # taken (SO_REUSEPORT is off) or not ours to bind
+            raise OSError(f"the request front cannot bind {address}: {exc}") from exc
         await self.server.start()
-        for name in ("", SERVICE):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        set_health(self.health, serving=True)
         log.info("balancing requests over %d workers on port %d", len(self.workers), self.port)
         return True
 
@@ -135,8 +151,7 @@ class Front(grpc.GenericRpcHandler):
 
     async def stop(self) -> None:
         """NOT_SERVING, the drain notice, then let calls in flight finish (drain_seconds)."""
-        for name in ("", SERVICE):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        set_health(self.health, serving=False)
         if self.server is not None:
             await asyncio.sleep(DRAIN_NOTICE_SECONDS)
             await self.server.stop(self.settings.drain_seconds)
@@ -153,7 +168,9 @@ class Front(grpc.GenericRpcHandler):
             await self.stop()
 
 
-def _client_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> tuple:
+def _client_metadata(
+    metadata: Sequence[tuple[str, str | bytes]] | None,
+) -> tuple[tuple[str, str | bytes], ...]:
     """The caller's own metadata for the hop to the worker: gRPC's reserved keys and the
     transport's own (user-agent) are set again by the front's channel."""
     return tuple(
@@ -175,12 +192,14 @@ class FrontThread(threading.Thread):
         self.failed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
-        self._started = threading.Event()
+        self._stop_asked = threading.Event()
 
     def run(self) -> None:
         async def main() -> None:
-            self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
-            self._started.set()
+            self._stopping = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
+            if self._stop_asked.is_set():  # stop() came before the loop existed
+                self._stopping.set()
             await self.front.run(self._stopping)
 
         try:
@@ -189,12 +208,11 @@ class FrontThread(threading.Thread):
             log.exception("the request front failed: stopping the workers")
             self.failed = True
             self.on_error()
-        finally:
-            self._started.set()
 
     def stop(self) -> None:
-        """Ask the front to drain and stop (any thread; returns at once)."""
-        self._started.wait(10)
+        """Ask the front to drain and stop: from any thread, before or after it started,
+        returning at once (join the thread to wait for the drain)."""
+        self._stop_asked.set()
         loop, stopping = self._loop, self._stopping
         if loop is not None and stopping is not None:
             with contextlib.suppress(RuntimeError):  # its loop has already closed

@@ -54,7 +54,7 @@ class Metrics:
             registry=r,
         )
         self.batch_size = Histogram(
-            "grace_batch_size", "Requests per batch.", buckets=(1, 2, 4, 8, 12, 16, 32),
+            "grace_batch_size", "Requests per batch.", buckets=(1, 2, 4, 6, 8, 10, 12, 14, 16, 32),
             registry=r,
         )  # fmt: skip
         self.padding = Counter(

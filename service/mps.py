@@ -28,6 +28,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from service.settings import ServerSettings
+
 log = logging.getLogger("grace.mps")
 CONTROL = "nvidia-cuda-mps-control"
 ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
@@ -36,6 +38,14 @@ TIMEOUT_S = 30.0
 
 class MpsError(OSError):
     """The MPS control daemon could not be started (the CLI reports it as bad input)."""
+
+
+def check_mps(settings: ServerSettings) -> None:
+    """Everything `mps` needs, checked before anything slow: the control binary on PATH
+    and a CUDA device (MpsError otherwise)."""
+    control_binary()
+    if not settings.resolve_device().startswith("cuda"):
+        raise MpsError("mps is on but no CUDA device is in use (device resolves to cpu)")
 
 
 def control_binary() -> str:
@@ -63,12 +73,16 @@ def mps_daemon(root: Path | None = None) -> Iterator[dict[str, str]]:
             d.mkdir(parents=True, exist_ok=True)
         env = {k: str(v) for k, v in dirs.items()}
         full = {**os.environ, **env}
+        out = dirs["CUDA_MPS_LOG_DIRECTORY"] / "grace-start.txt"
         try:
-            subprocess.run([exe, "-d"], env=full, check=True, timeout=TIMEOUT_S,
-                           capture_output=True, text=True)  # fmt: skip
+            with out.open("w") as sink:  # a file, not a pipe the daemon could keep open
+                subprocess.run([exe, "-d"], env=full, check=True, timeout=TIMEOUT_S,
+                               stdin=subprocess.DEVNULL, stdout=sink, stderr=sink)  # fmt: skip
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
-            detail = getattr(exc, "stderr", None) or exc
-            raise MpsError(f"{CONTROL} -d failed: {detail}") from exc
+            if isinstance(exc, subprocess.TimeoutExpired):
+                _quit(exe, full)  # it may be up after all: do not leave it behind
+            said = out.read_text().strip() if out.exists() else ""
+            raise MpsError(f"{CONTROL} -d failed: {said or exc}") from exc
         log.info("MPS control daemon started (pipes in %s)", env[ENV[0]])
         saved = {k: os.environ.get(k) for k in ENV}
         os.environ.update(env)
@@ -87,7 +101,7 @@ def _quit(exe: str, env: dict[str, str]) -> None:
     """Stop the daemon (it ends its MPS server once the last client has gone)."""
     try:
         subprocess.run([exe], input="quit\n", env=env, check=True, timeout=TIMEOUT_S,
-                       capture_output=True, text=True)  # fmt: skip
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
         log.error("could not stop the MPS control daemon: %s", exc)
     else:

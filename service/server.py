@@ -15,6 +15,7 @@ import time
 import grpc
 
 from service.batcher import Batcher, DeadlineExpired, Overloaded
+from service.grpc_server import SERVICE
 from service.metrics import Metrics
 from service.pipeline.records import RetrievalResult
 from service.post import encode_ads
@@ -22,8 +23,6 @@ from service.request_log import RequestLog
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.serving_index import IndexHolder
 from service.validation import InvalidRequest, Limits, validate_request
-
-SERVICE = "grace.v1.AdRetrieval"
 
 
 class Abort(Exception):

@@ -116,8 +116,8 @@ class ServerSettings(BaseSettings):
     )
     max_wait_busy_ms: float = Field(
         20.0,
-        description="Longest a batch keeps filling while two or more batches are ahead of "
-        "it in the pipeline (a small batch would only queue and waste the GPU), in ms.",
+        description="Longest a batch keeps filling while the pipeline is busy (busy_batches "
+        "or more batches in flight: a small batch would only queue and waste the GPU), in ms.",
     )
     busy_batches: int | None = Field(
         None,

@@ -7,15 +7,18 @@ CUDA graphs and runs its pipeline on the same GPU — listening on one port thro
 SO_REUSEPORT, so the kernel spreads new connections over them (clients rebalance as
 `max_connection_age` closes old ones). A worker opens the port only once it is SERVING,
 so no connection lands on one still loading. Worker i serves metrics on
-`metrics_port + i` (or a free port when `metrics_port` is 0).
+`metrics_port + i` (or a free port when `metrics_port` is 0). With `balance = "request"`
+the workers listen on private unix sockets instead and a front in this process
+(`service/balancer.py`) hands each request to the least busy one.
 
-The supervisor (this process) only starts the workers, forwards SIGTERM/SIGINT (each
-worker drains as a single server does) and watches them: if one exits on its own, it
-stops the others and exits non-zero, so the orchestrator restarts the whole pod; a
-worker whose supervisor dies gets SIGTERM (PR_SET_PDEATHSIG) instead of living on. A
-gRPC health or liveness probe reaches whichever worker the kernel picks: one wedged
-worker out of N fails a probe only 1/N of the time, so do not rely on probes alone to
-catch it.
+The supervisor (this process) starts the workers, forwards SIGTERM/SIGINT (each worker
+drains as a single server does; the front, if any, drains first) and watches them: if
+one exits on its own, it stops the others and exits non-zero, so the orchestrator
+restarts the whole pod; a worker whose supervisor dies gets SIGTERM (PR_SET_PDEATHSIG)
+instead of living on. On the shared port a gRPC health or liveness probe reaches
+whichever worker the kernel picks: one wedged worker out of N fails a probe only 1/N of
+the time, so do not rely on probes alone to catch it. Behind the front the probe asks the
+front, which says SERVING from the moment every worker did until it drains.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ import tempfile
 import threading
 
 from service.balancer import FrontThread
-from service.mps import MpsError, mps_daemon
+from service.mps import check_mps, mps_daemon
 from service.settings import ServerSettings
 
 log = logging.getLogger("grace.workers")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[worker {i}]: %(message)s"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, with its terminating NUL
 
 
 def worker_settings(settings: ServerSettings, i: int) -> ServerSettings:
@@ -49,7 +53,9 @@ def _worker(settings: ServerSettings, i: int, level: int, parent: int, address: 
     _die_with(parent)
     from service.app import run
 
-    raise SystemExit(run(settings, bind_when_ready=True, address=address))
+    # on the shared port a worker opens it only once SERVING; behind the front it binds
+    # its socket at once (NOT_SERVING while loading) and the front polls its health
+    raise SystemExit(run(settings, bind_when_ready=address is None, address=address))
 
 
 def _die_with(parent: int) -> None:
@@ -69,38 +75,53 @@ def supervise(settings: ServerSettings) -> int:
     started before the first and stopped after the last."""
     if not settings.mps:
         return _supervise(settings)
-    if not settings.resolve_device().startswith("cuda"):
-        raise MpsError("mps is on but no CUDA device is in use")
+    check_mps(settings)
     with mps_daemon():
         return _supervise(settings)
 
 
 def _supervise(settings: ServerSettings) -> int:
-    if settings.balance == "request":  # each worker on a private socket, the front on the port
-        with tempfile.TemporaryDirectory(prefix="grace-workers-") as sockets:
-            return _run_workers(settings, [f"unix:{sockets}/worker-{i}.sock"
-                                           for i in range(settings.workers)])  # fmt: skip
-    return _run_workers(settings, [None] * settings.workers)
+    if settings.balance == "connection":
+        return _run_workers(settings, [None] * settings.workers)
+    # each worker on a private socket, the front on the public port
+    with tempfile.TemporaryDirectory(prefix="grace-") as sockets:
+        addresses = [f"{sockets}/worker-{i}.sock" for i in range(settings.workers)]
+        if len(addresses[-1]) > MAX_SOCKET_PATH:
+            raise OSError(
+                f"unix socket path {addresses[-1]!r} is too long (> {MAX_SOCKET_PATH} "
+                "bytes): set TMPDIR to a shorter directory"
+            )
+        return _run_workers(settings, [f"unix:{a}" for a in addresses])
 
 
 def _run_workers(settings: ServerSettings, addresses: list[str | None]) -> int:
     """Start a worker per address (None: the shared public port) and, for private
-    addresses, the request front (service/balancer.py); watch them until they stop."""
+    addresses, the request front (service/balancer.py); watch them until they stop.
+    Stopping never blocks the signal handler: it marks the stop and asks the front to
+    drain; the watch loop below tells the workers to drain once the front has finished,
+    so no call reaches a stopped worker."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA state crosses a fork
     level = logging.getLogger().getEffectiveLevel()
     procs: list[mp.process.BaseProcess] = []
     stopping = threading.Event()
-    front: FrontThread | None = None
+    signalled: set[int] = set()
+    front = None
+    if addresses[0] is not None:
+        front = FrontThread(settings, [a for a in addresses if a], lambda: stop_all())
 
     def stop_all(signum: int = signal.SIGTERM, _frame: object = None) -> None:
         stopping.set()
-        if front is not None:  # drain the front first, so no call reaches a stopped worker
+        if front is not None:
             front.stop()
-            if threading.current_thread() is not front:
-                front.join(settings.drain_seconds + 10)
+
+    def signal_workers() -> None:
         for p in procs:
-            if p.pid is not None and p.is_alive():
+            if p.pid is not None and p.pid not in signalled and p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)  # each worker drains, then exits
+                signalled.add(p.pid)
+
+    def front_done() -> bool:
+        return front is None or not front.is_alive()
 
     previous = {sig: signal.signal(sig, stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
     failed = False
@@ -112,22 +133,24 @@ def _run_workers(settings: ServerSettings, addresses: list[str | None]) -> int:
             p = ctx.Process(target=_worker, args=args, name=f"grace-worker-{i}")
             procs.append(p)
             p.start()
-        if addresses[0] is not None and not stopping.is_set():
-            front = FrontThread(settings, [a for a in addresses if a], stop_all)
+        if front is not None and not stopping.is_set():
             front.start()
-        if stopping.is_set():
-            stop_all()  # the ones started after the signal arrived
         log.info("started %d workers on port %d%s: pids %s", len(procs), settings.port,
                  " behind the request front" if front else "", [p.pid for p in procs])  # fmt: skip
         while any(p.is_alive() for p in procs):
+            if stopping.is_set() and front_done():
+                signal_workers()
             for p in procs:
-                p.join(0.1)
+                p.join(0.05)
                 if p.exitcode is not None and not stopping.is_set():
                     log.error("%s exited with %s: stopping the others", p.name, p.exitcode)
                     failed = True
                     stop_all()
     except BaseException:
         stop_all()  # never leave started workers behind
+        if not front_done():
+            front.join(settings.drain_seconds + 10)  # type: ignore[union-attr]
+        signal_workers()
         for p in procs:
             if p.pid is not None:
                 p.join(30)
@@ -139,7 +162,8 @@ def _run_workers(settings: ServerSettings, addresses: list[str | None]) -> int:
             signal.signal(sig, handler)
         if front is not None:
             front.stop()
-            front.join(settings.drain_seconds + 10)
+            if front.is_alive():
+                front.join(settings.drain_seconds + 10)
     clean = (0, -signal.SIGTERM, -signal.SIGINT)  # stopped before its own handler was in
     failed = failed or any(p.exitcode not in clean for p in procs)
     failed = failed or (front is not None and front.failed)

@@ -28,9 +28,9 @@ def _serve(args: argparse.Namespace) -> int:
         }
     )
     if settings.mps:  # fail before building anything
-        from service.mps import control_binary
+        from service.mps import check_mps
 
-        control_binary()
+        check_mps(settings)
     if args.catalog:
         from index_builder.build import build_index
 
@@ -76,7 +76,7 @@ def register(add: AddCommand) -> None:
                    help="workers > 1: 'connection' shares the port (SO_REUSEPORT: requests "
                    "follow their connection's worker); 'request' puts a front on the port "
                    "that hands each request to the least busy worker (connection)")  # fmt: skip
-    p.add_argument("--mps", action="store_true", default=None,
+    p.add_argument("--mps", action=argparse.BooleanOptionalAction, default=None,
                    help="workers > 1 on CUDA: share the GPU through a private CUDA MPS "
                    "daemon (kernels side by side, not time-sliced; off)")  # fmt: skip
     p.add_argument("--config", help="settings file (.toml, .json, .yaml)")

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.model_batching import MEASURED, RESULTS, Server, fit_decode_cost, simulate
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "model_batching.py"
@@ -90,4 +92,5 @@ def test_uneven_request_shares_load_one_worker_more() -> None:
         for sh in ((0.5, 0.5), (0.8, 0.2))
     )  # fmt: skip
     assert skew["p99_ms"] > even["p99_ms"]
-    assert skew["mean_batch"] != even["mean_batch"]
+    with pytest.raises(ValueError, match="shares"):
+        Server(shares=(1.0,))  # two workers, one weight

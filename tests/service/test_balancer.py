@@ -23,10 +23,12 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class Worker(grpc.GenericRpcHandler):
     """Answers Retrieve with model_version 'w<i>' and index_version 'remaining|x-trace';
-    request_id 'slow' waits 0.3 s, 'fail' aborts INVALID_ARGUMENT with trailing metadata."""
+    request_id 'slow' waits for `release`, 'fail' aborts INVALID_ARGUMENT with trailing
+    metadata."""
 
     def __init__(self, i: int, path: Path) -> None:
         self.i, self.address = i, f"unix:{path}"
+        self.release = asyncio.Event()
         self.health = health.HealthServicer()
         self.health.set("grace.v1.AdRetrieval", NOT_SERVING)
 
@@ -41,7 +43,7 @@ class Worker(grpc.GenericRpcHandler):
 
     async def retrieve(self, request, context):
         if request.request_id == "slow":
-            await asyncio.sleep(0.3)
+            await self.release.wait()
         if request.request_id == "fail":
             context.set_trailing_metadata((("x-why", "because"),))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request at w{self.i}")
@@ -63,6 +65,15 @@ class Worker(grpc.GenericRpcHandler):
 
     def ready(self) -> None:
         self.health.set("grace.v1.AdRetrieval", SERVING)
+
+
+async def until(condition, seconds: float = 10.0) -> None:
+    """Wait (polling) until `condition()` holds; fail after `seconds`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not condition():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
 
 
 def test_least_in_flight_then_in_turn() -> None:
@@ -114,12 +125,17 @@ def test_front_serves_only_once_every_worker_does_and_forwards_faithfully(
             slow = asyncio.ensure_future(
                 stub.Retrieve(retrieval_pb2.RetrieveRequest(request_id="slow"))
             )
-            await asyncio.sleep(0.05)
-            busy = 1 - int(front.inflight.index(1))  # the idle worker's index
+            await until(lambda: sum(front.inflight) == 1)
+            idle = front.inflight.index(0)
             quick = [(await stub.Retrieve(retrieval_pb2.RetrieveRequest())).model_version
                      for _ in range(3)]  # fmt: skip
-            assert quick == [f"w{busy}"] * 3
-            assert (await slow).model_version == f"w{1 - busy}"
+            assert quick == [f"w{idle}"] * 3
+            workers[1 - idle].release.set()
+            assert (await slow).model_version == f"w{1 - idle}"
+
+            # no deadline from the caller: none on the hop either
+            reply = await stub.Retrieve(retrieval_pb2.RetrieveRequest())
+            assert reply.index_version == "None|"
 
             # deadline and the caller's metadata reach the worker
             reply = await stub.Retrieve(retrieval_pb2.RetrieveRequest(), timeout=2,
@@ -140,20 +156,38 @@ def test_front_serves_only_once_every_worker_does_and_forwards_faithfully(
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
             # stopping: NOT_SERVING at once, a call in flight still finishes
+            for w in workers:
+                w.release.clear()
             slow = asyncio.ensure_future(
                 stub.Retrieve(retrieval_pb2.RetrieveRequest(request_id="slow"))
             )
-            await asyncio.sleep(0.05)
+            await until(lambda: sum(front.inflight) == 1)
             stopping.set()
-            await asyncio.sleep(0.1)
+            for _ in range(200):  # NOT_SERVING at once, while the call is still in flight
+                if (await check(health_pb2.HealthCheckRequest())).status == NOT_SERVING:
+                    break
+                await asyncio.sleep(0.01)
             assert (await check(health_pb2.HealthCheckRequest())).status == NOT_SERVING
+            assert not slow.done()
+            for w in workers:
+                w.release.set()
             assert (await slow).model_version in ("w0", "w1")
         await task
-        assert sum(front.answered) == 13 and front.inflight == [0, 0]
+        assert sum(front.answered) == 14 and front.inflight == [0, 0]
         for s in servers:
             await s.stop(None)
 
     asyncio.run(main())
+
+
+def test_stop_before_the_front_thread_starts_is_kept() -> None:
+    """A SIGTERM between creating the front and starting it: stop() returns at once and
+    the thread, once started, stops without serving."""
+    thread = FrontThread(load_settings({"port": 0}), ["unix:/nonexistent/w.sock"], lambda: None)
+    thread.stop()
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and not thread.failed and thread.front.server is None
 
 
 def test_front_that_cannot_bind_reports_and_fails(tmp_path: Path) -> None:

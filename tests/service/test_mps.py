@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from service import workers
-from service.mps import ENV, MpsError, mps_daemon
+from service import mps, workers
+from service.mps import ENV, MpsError, check_mps, mps_daemon
 from service.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,3 +116,29 @@ def test_serve_flag_reports_a_missing_daemon_as_bad_input(tmp_path: Path) -> Non
     assert done.returncode == 2, done.stderr
     assert "nvidia-cuda-mps-control is not on PATH" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_daemon_start_that_hangs_is_told_to_quit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-d` that does not return in time: MpsError, and 'quit' is sent in case it is up."""
+    log = tmp_path / "calls.log"
+    exe = tmp_path / "nvidia-cuda-mps-control"
+    exe.write_text(
+        f'#!/bin/sh\nif [ "$1" = "-d" ]; then sleep 5; exit 0; fi\necho "quit:$(cat)" >> {log}\n'
+    )
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(mps, "TIMEOUT_S", 0.5)
+    with pytest.raises(MpsError, match="failed"), mps_daemon():
+        pass
+    assert log.read_text().strip() == "quit:quit"
+
+
+def test_check_mps_refuses_a_cpu_before_anything_starts(control: Path) -> None:
+    check_mps(load_settings({"workers": 2, "mps": True, "device": "cuda"}))
+    auto = load_settings({"workers": 2, "mps": True})
+    if auto.resolve_device() == "cpu":  # this machine: no GPU
+        with pytest.raises(MpsError, match="no CUDA device"):
+            check_mps(auto)
+    assert not control.exists()  # checking starts no daemon

@@ -139,7 +139,7 @@ def test_device_resolution() -> None:
 
 
 def test_connection_ageing_becomes_grpc_options_and_zero_turns_it_off() -> None:
-    from service.app import server_options
+    from service.grpc_server import server_options
 
     opts = dict(server_options(load_settings({"max_connection_age_seconds": 90})))
     assert opts["grpc.max_connection_age_ms"] == 90_000

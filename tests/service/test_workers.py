@@ -167,3 +167,20 @@ def test_a_worker_that_exits_stops_the_others_and_the_supervisor_fails(tmp_path:
 def test_the_grpc_port_may_not_be_a_workers_metrics_port() -> None:
     with pytest.raises(ValueError, match="metrics ports"):
         load_settings({"workers": 2, "port": 9465, "metrics_port": 9464})
+
+
+def test_a_front_that_cannot_take_the_port_stops_the_workers(data: Path) -> None:
+    """`balance = "request"` with the public port already taken (no SO_REUSEPORT sharing
+    for the front): the workers come up, the front fails to bind, everything stops, exit 1."""
+    from service.workers import supervise
+
+    with socket.socket() as blocker:
+        blocker.bind(("0.0.0.0", 0))
+        blocker.listen()
+        s = load_settings(
+            {"workers": 2, "port": blocker.getsockname()[1], "metrics_port": 0,
+             "data_dir": data, "device": "cpu", "balance": "request", "drain_seconds": 1}
+        )  # fmt: skip
+        t = time.monotonic()
+        assert supervise(s) == 1
+        assert time.monotonic() - t < 120

@@ -1,0 +1,32 @@
+"""gRPC plumbing shared by a serving process (`service/app.py`) and the request front of
+several workers (`service/balancer.py`): the service name, health, the drain notice and
+the server options. Torch-free, so the supervisor that runs the front stays small."""
+
+from __future__ import annotations
+
+from grpc_health.v1 import health, health_pb2
+
+from service.settings import ServerSettings
+
+SERVICE = "grace.v1.AdRetrieval"
+DRAIN_NOTICE_SECONDS = 0.5  # NOT_SERVING is visible this long before the port closes
+
+
+def set_health(servicer: health.HealthServicer, serving: bool) -> None:
+    """Overall and per-service health, which probes and balancers read."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else (
+        health_pb2.HealthCheckResponse.NOT_SERVING
+    )  # fmt: skip
+    for name in ("", SERVICE):
+        servicer.set(name, status)
+
+
+def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
+    """gRPC core options of the public server: connection ageing lets clients rebalance
+    across replicas."""
+    if settings.max_connection_age_seconds <= 0:
+        return []
+    return [
+        ("grpc.max_connection_age_ms", int(settings.max_connection_age_seconds * 1e3)),
+        ("grpc.max_connection_age_grace_ms", int(settings.max_connection_age_grace_seconds * 1e3)),
+    ]
