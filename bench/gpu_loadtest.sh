@@ -30,6 +30,9 @@ USERS=${USERS:-64}
 DATA=${DATA:-$OUT}
 GRACE=(python3 -m service.cli)
 mkdir -p "$OUT" "$DATA"
+# what this run ran with, for the summary (the server reads every GRACE_* variable)
+{ env | grep -E '^GRACE_'; echo "WORKERS=$WORKERS"; echo "USERS=$USERS"; echo "DEVICE=$DEVICE"
+  echo "PROFILE=$PROFILE"; } | sort > "$OUT/settings.env"
 if [ ! -f "$DATA/index/CURRENT" ]; then
     python3 bench/bench_paper_index.py --ads "$ADS" --users 1000 --out "$DATA" \
         --workers "$(nproc)" --device "$DEVICE" --quiet --json "$DATA/paper_index.json" || exit 1

@@ -183,7 +183,13 @@ def summarize(out: Path, rates: list[str], duration_s: float, p99_ms: float = 10
         for m in map(_CAPTURE.search, log.read_text().splitlines() if log.exists() else [])
         if m
     ]
+    env = out / "settings.env"  # what the load script ran with (GRACE_*, WORKERS, USERS)
+    settings = dict(
+        line.split("=", 1) for line in (env.read_text().splitlines() if env.exists() else [])
+        if "=" in line
+    )  # fmt: skip
     return {
+        "settings": settings,
         "thresholds": {"p99_ms": p99_ms, "fail_ratio": fail_ratio},
         "duration_s": duration_s,
         "rates": rows,

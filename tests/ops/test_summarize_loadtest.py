@@ -65,7 +65,10 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 def test_rates_workers_and_thresholds(run_dir: Path) -> None:
+    assert summarize(run_dir, ["700"], 20.0)["settings"] == {}  # an older run: no record
+    (run_dir / "settings.env").write_text("GRACE_BALANCE=request\nWORKERS=2\n")
     f = summarize(run_dir, ["700", "800"], 20.0)
+    assert f["settings"] == {"GRACE_BALANCE": "request", "WORKERS": "2"}
     r700, r800 = f["rates"]
     assert (r700["ok"], r700["ok_rps"], r700["passed"]) == (14000, 700.0, True)
     assert (r800["ok"], r800["failed_pct"], r800["passed"]) == (15992, 0.05, False)
