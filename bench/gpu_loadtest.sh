@@ -28,31 +28,41 @@ WORKERS=${WORKERS:-1}  # grace serve --workers: serving processes sharing the po
 # requests, over workers; 16 left one of two workers with a third of the load
 USERS=${USERS:-64}
 DATA=${DATA:-$OUT}
+for v in GRACE_PROFILE GRACE_DEVICE GRACE_WORKERS GRACE_PORT GRACE_METRICS_PORT GRACE_DATA_DIR; do
+    # set by this script (flags, fixed ports it polls): use PROFILE=, DEVICE=, WORKERS=, DATA=
+    [ -z "${!v:-}" ] || { echo "$v is set by this script; unset it (see the header)"; exit 2; }
+done
+export GRACE_QUEUE_CAPACITY=${GRACE_QUEUE_CAPACITY:-128} GRACE_PROFILE=$PROFILE
 GRACE=(python3 -m service.cli)
 mkdir -p "$OUT" "$DATA"
 # what this run ran with, for the summary (the server reads every GRACE_* variable)
 { env | grep -E '^GRACE_'; echo "WORKERS=$WORKERS"; echo "USERS=$USERS"; echo "DEVICE=$DEVICE"
-  echo "PROFILE=$PROFILE"; } | sort > "$OUT/settings.env"
+  echo "PROFILE=$PROFILE"; echo "DATA=$DATA"; echo "ADS=$ADS"; } | sort > "$OUT/settings.env"
 if [ ! -f "$DATA/index/CURRENT" ]; then
     python3 bench/bench_paper_index.py --ads "$ADS" --users 1000 --out "$DATA" \
         --workers "$(nproc)" --device "$DEVICE" --quiet --json "$DATA/paper_index.json" || exit 1
 fi
 [ -f "$DATA/model/config.json" ] || "${GRACE[@]}" init-model --profile "$PROFILE" \
     --tokenizer "$DATA/tokenizer" --out "$DATA/model" || exit 1
-GRACE_PROFILE=$PROFILE GRACE_QUEUE_CAPACITY=128 "${GRACE[@]}" serve --data-dir "$DATA" \
-    --model "$DATA/model" --index-root "$DATA/index" --device "$DEVICE" --no-progress \
-    --workers "$WORKERS" > "$OUT/server.log" 2>&1 &
-SERVER=$!
+SERVER=""
 DONE_RATES=""
 finish() {  # stop the server; summarise the rates run so far (all of them, or a timeout's)
+    local rc=$?
     trap - EXIT INT TERM
-    kill -TERM $SERVER 2>/dev/null; wait $SERVER
+    [ -n "$SERVER" ] && { kill -TERM "$SERVER" 2>/dev/null; wait "$SERVER"; }
     # the figures of this run (bench/summarize_loadtest.py): OUT/summary.json and a table
-    [ -n "$DONE_RATES" ] && python3 bench/summarize_loadtest.py "$OUT" --rates "$DONE_RATES" \
-        --duration "$DURATION" --skip-missing
+    if [ -n "$DONE_RATES" ]; then
+        python3 bench/summarize_loadtest.py "$OUT" --rates "$DONE_RATES" \
+            --duration "$DURATION" --skip-missing || rc=1
+    fi
+    exit "$rc"
 }
 trap finish EXIT
-trap 'exit 143' INT TERM
+trap 'exit 130' INT
+trap 'exit 143' TERM
+"${GRACE[@]}" serve --data-dir "$DATA" --model "$DATA/model" --index-root "$DATA/index" \
+    --device "$DEVICE" --no-progress --workers "$WORKERS" > "$OUT/server.log" 2>&1 &
+SERVER=$!
 start=$(date +%s)
 metrics() {  # worker $1's Prometheus text (workers serve metrics on 9464 + i)
     python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:$((9464 + $1))/metrics').read().decode())" 2>/dev/null
@@ -70,8 +80,10 @@ done
 echo "SERVING after $(( $(date +%s) - start )) s ($WORKERS worker(s))"
 # a replay file loads in a fraction of a second (building requests from the world takes
 # seconds, during which a locust worker would miss its heartbeats)
-[ -f "$DATA/requests.jsonl" ] || "${GRACE[@]}" record --world "$DATA/world" --users 1000 \
-    --out "$DATA/requests.jsonl" || exit 1
+if [ ! -f "$DATA/requests.jsonl" ]; then  # whole or not at all: a timeout may come
+    "${GRACE[@]}" record --world "$DATA/world" --users 1000 --out "$DATA/requests.tmp.jsonl" \
+        && mv "$DATA/requests.tmp.jsonl" "$DATA/requests.jsonl" || exit 1
+fi
 scrape() {  # the server's Prometheus metrics (stage times, batch sizes) after each rate
     for ((i = 0; i < WORKERS; i++)); do metrics "$i" > "$OUT/metrics_$1_w$i.prom"; done
 }

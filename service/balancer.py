@@ -13,8 +13,8 @@ runs this front instead, in a thread of its own process:
 - each Retrieve goes, as raw bytes (never parsed here), to the worker with the fewest
   calls in flight, ties in turn; deadline and metadata go with it, and the worker's
   answer, status, details and trailing metadata come back unchanged;
-- a worker whose connection is down (it died: the supervisor is stopping the rest) gets
-  no new calls while another is up;
+- a worker the supervisor has seen exit (it is stopping the rest) gets no new calls
+  while another is up (`mark_down`);
 - the front answers health and reflection itself: NOT_SERVING until every worker says
   SERVING, then it binds the public port (nothing connects to a server still loading;
   SO_REUSEPORT off, so a second server on the port is an error, not a silent share); on
@@ -52,7 +52,6 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-DOWN = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 
 
 class Front(grpc.GenericRpcHandler):
@@ -62,6 +61,7 @@ class Front(grpc.GenericRpcHandler):
         self.settings, self.workers = settings, list(workers)
         self.inflight = [0] * len(self.workers)
         self.answered = [0] * len(self.workers)  # calls each worker finished (tests, logs)
+        self.down: set[int] = set()  # workers that exited (the supervisor's word)
         self._turn = itertools.count()
         self._channels: list[grpc.aio.Channel] = []
         self._handlers = {
@@ -71,10 +71,14 @@ class Front(grpc.GenericRpcHandler):
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
+    def mark_down(self, i: int) -> None:
+        """Worker i has exited: send it nothing more (any thread)."""
+        self.down.add(i)
+
     def pick(self) -> int:
-        """The worker with the fewest calls in flight among those whose connection is not
-        down (all, if every one is); ties go round in turn."""
-        up = [i for i, c in enumerate(self._channels) if c.get_state() not in DOWN]
+        """The worker with the fewest calls in flight among those not down (all, if every
+        one is); ties go round in turn."""
+        up = [i for i in range(len(self.workers)) if i not in self.down]
         up = up or list(range(len(self.workers)))
         low = min(self.inflight[i] for i in up)
         tied = [i for i in up if self.inflight[i] == low]

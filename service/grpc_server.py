@@ -1,14 +1,15 @@
 """gRPC plumbing shared by a serving process (`service/app.py`) and the request front of
 several workers (`service/balancer.py`): the service name, health, the drain notice and
-the server options. Torch-free, so the supervisor that runs the front stays small."""
+the server options. It imports no torch, nor anything that does."""
 
 from __future__ import annotations
 
 from grpc_health.v1 import health, health_pb2
 
+from service.rpc.grace.v1 import retrieval_pb2
 from service.settings import ServerSettings
 
-SERVICE = "grace.v1.AdRetrieval"
+SERVICE = retrieval_pb2.DESCRIPTOR.services_by_name["AdRetrieval"].full_name
 DRAIN_NOTICE_SECONDS = 0.5  # NOT_SERVING is visible this long before the port closes
 
 

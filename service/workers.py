@@ -31,6 +31,7 @@ import os
 import signal
 import tempfile
 import threading
+import time
 
 from service.balancer import FrontThread
 from service.mps import check_mps, mps_daemon
@@ -97,19 +98,27 @@ def _supervise(settings: ServerSettings) -> int:
 def _run_workers(settings: ServerSettings, addresses: list[str | None]) -> int:
     """Start a worker per address (None: the shared public port) and, for private
     addresses, the request front (service/balancer.py); watch them until they stop.
-    Stopping never blocks the signal handler: it marks the stop and asks the front to
-    drain; the watch loop below tells the workers to drain once the front has finished,
-    so no call reaches a stopped worker."""
+    The signal handler only raises a flag (it takes no lock the interrupted main thread
+    might hold); the loops below turn it into a stop: ask the front to drain, then, once
+    it has finished (or after drain_seconds + 10 s), tell the workers to drain, so no
+    call reaches a stopped worker."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA state crosses a fork
     level = logging.getLogger().getEffectiveLevel()
     procs: list[mp.process.BaseProcess] = []
     stopping = threading.Event()
+    asked = [False]  # set by the signal handler
     signalled: set[int] = set()
+    front_deadline = [0.0]
     front = None
     if addresses[0] is not None:
         front = FrontThread(settings, [a for a in addresses if a], lambda: stop_all())
 
-    def stop_all(signum: int = signal.SIGTERM, _frame: object = None) -> None:
+    def on_signal(signum: int, _frame: object) -> None:
+        asked[0] = True
+
+    def stop_all() -> None:
+        if not stopping.is_set():
+            front_deadline[0] = time.monotonic() + settings.drain_seconds + 10
         stopping.set()
         if front is not None:
             front.stop()
@@ -121,35 +130,39 @@ def _run_workers(settings: ServerSettings, addresses: list[str | None]) -> int:
                 signalled.add(p.pid)
 
     def front_done() -> bool:
-        return front is None or not front.is_alive()
+        return front is None or not front.is_alive() or time.monotonic() > front_deadline[0]
 
-    previous = {sig: signal.signal(sig, stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     failed = False
     try:
         for i in range(settings.workers):
-            if stopping.is_set():  # told to stop while starting: start no more
+            if asked[0]:  # told to stop while starting: start no more
                 break
             args = (worker_settings(settings, i), i, level, os.getpid(), addresses[i])
             p = ctx.Process(target=_worker, args=args, name=f"grace-worker-{i}")
             procs.append(p)
             p.start()
-        if front is not None and not stopping.is_set():
+        if front is not None and not asked[0]:
             front.start()
         log.info("started %d workers on port %d%s: pids %s", len(procs), settings.port,
                  " behind the request front" if front else "", [p.pid for p in procs])  # fmt: skip
         while any(p.is_alive() for p in procs):
+            if asked[0] and not stopping.is_set():
+                stop_all()
             if stopping.is_set() and front_done():
                 signal_workers()
-            for p in procs:
+            for i, p in enumerate(procs):
                 p.join(0.05)
+                if p.exitcode is not None and front is not None:
+                    front.front.mark_down(i)  # no more calls to it
                 if p.exitcode is not None and not stopping.is_set():
                     log.error("%s exited with %s: stopping the others", p.name, p.exitcode)
                     failed = True
                     stop_all()
     except BaseException:
         stop_all()  # never leave started workers behind
-        if not front_done():
-            front.join(settings.drain_seconds + 10)  # type: ignore[union-attr]
+        if front is not None and front.is_alive():
+            front.join(settings.drain_seconds + 10)
         signal_workers()
         for p in procs:
             if p.pid is not None:
@@ -158,12 +171,12 @@ def _run_workers(settings: ServerSettings, addresses: list[str | None]) -> int:
                 p.kill()
         raise
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if front is not None:
             front.stop()
             if front.is_alive():
                 front.join(settings.drain_seconds + 10)
+        for sig, handler in previous.items():  # after the front: a late signal is still ours
+            signal.signal(sig, handler)
     clean = (0, -signal.SIGTERM, -signal.SIGINT)  # stopped before its own handler was in
     failed = failed or any(p.exitcode not in clean for p in procs)
     failed = failed or (front is not None and front.failed)
