@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.client import request_for_user
+from service.mps import CONTROL
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.settings import load_settings
 from service.workers import worker_settings
@@ -86,20 +89,39 @@ def test_worker_settings_are_single_servers_with_their_own_metrics_port() -> Non
         load_settings({"workers": 0})
 
 
-@pytest.mark.parametrize("balance", ["connection", "request"])
-def test_two_workers_share_the_port_and_drain_on_sigterm(data: Path, balance: str) -> None:
+GPU_MPS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(shutil.which(CONTROL) is None, reason=f"needs {CONTROL}"),
+]
+
+
+@pytest.mark.parametrize(
+    ("device", "balance", "mps"),
+    [
+        pytest.param("cpu", "connection", False, id="cpu-connection"),
+        pytest.param("cpu", "request", False, id="cpu-request"),
+        pytest.param("cuda", "connection", True, id="cuda-connection-mps", marks=GPU_MPS),
+        pytest.param("cuda", "request", True, id="cuda-request-mps", marks=GPU_MPS),
+    ],
+)
+def test_two_workers_share_the_port_and_drain_on_sigterm(
+    data: Path, device: str, balance: str, mps: bool
+) -> None:
     """'connection': 24 connections land on both workers (SO_REUSEPORT). 'request': 24
-    calls on ONE connection are split evenly by the front (service/balancer.py)."""
+    calls on ONE connection are split evenly by the front (service/balancer.py). On a GPU
+    with `--mps` the workers run through a private MPS daemon, quit at the end."""
     port, metrics = free_ports(1), free_ports(2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data), "--port",
-         str(port), "--metrics-port", str(metrics), "--device", "cpu", "--no-progress",
-         "--workers", "2", "--balance", balance],
+         str(port), "--metrics-port", str(metrics), "--device", device, "--no-progress",
+         "--workers", "2", "--balance", balance, *(["--mps"] if mps else [])],
         cwd=ROOT, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        # each worker has warmed up (its first batch) before it opens the port
-        deadline = time.monotonic() + 180
+        # each worker has warmed up (its first batch) before it opens the port; on a GPU
+        # after capturing its CUDA graphs
+        deadline = time.monotonic() + (180 if device == "cpu" else 600)
         while time.monotonic() < deadline:
             texts = [scrape(metrics + i) for i in range(2)]
             if all(t and counter(t, "grace_batch_size_count") >= 1 for t in texts):
@@ -149,6 +171,8 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(data: Path, balance: st
         sockets = re.findall(r"on unix:(\S+)/worker-0\.sock", log)
         assert sockets and not Path(sockets[0]).exists()  # the private sockets are removed
         assert "front stopped" in log
+    if mps:
+        assert "MPS control daemon started" in log and "MPS control daemon stopped" in log
 
 
 def test_a_worker_that_exits_stops_the_others_and_the_supervisor_fails(tmp_path: Path) -> None:
