@@ -22,19 +22,24 @@ from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from index_builder.lookup import FilterMode
 from index_builder.targeting import Targeting
 from service.batcher import Batcher
-from service.grpc_server import DRAIN_NOTICE_SECONDS, SERVICE, server_options, set_health
+from service.grpc_server import (
+    DRAIN_NOTICE_SECONDS,
+    SERVICE,
+    add_health_and_reflection,
+    server_options,
+    set_health,
+)
 from service.metrics import Metrics
 from service.model.checkpoint import load_checkpoint
 from service.pipeline.runner import Pipeline
 from service.pipeline.stages import Stages
 from service.request_log import RequestLog
-from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from service.rpc.grace.v1 import retrieval_pb2_grpc
 from service.server import RetrievalServicer
 from service.serving_index import IndexHolder, ServingIndex
 from service.settings import ServerSettings
@@ -153,13 +158,7 @@ async def start(
         options.append(("grpc.so_reuseport", 1))  # workers share the port
     server = grpc.aio.server(options=options)
     retrieval_pb2_grpc.add_AdRetrievalServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (
-        retrieval_pb2.DESCRIPTOR.services_by_name["AdRetrieval"].full_name,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
+    add_health_and_reflection(server, health_servicer)
     address = address or f"{settings.host}:{settings.port}"
     port = 0 if bind_when_ready else server.add_insecure_port(address)
     if not bind_when_ready:

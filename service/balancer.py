@@ -34,9 +34,14 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from service.grpc_server import DRAIN_NOTICE_SECONDS, SERVICE, server_options, set_health
+from service.grpc_server import (
+    DRAIN_NOTICE_SECONDS,
+    SERVICE,
+    add_health_and_reflection,
+    server_options,
+    set_health,
+)
 from service.rpc.grace.v1 import retrieval_pb2
 from service.settings import ServerSettings
 
@@ -128,10 +133,7 @@ class Front(grpc.GenericRpcHandler):
         options = [*server_options(self.settings), ("grpc.so_reuseport", 0)]
         self.server = grpc.aio.server(options=options)
         self.server.add_generic_rpc_handlers((self,))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                 reflection.SERVICE_NAME)  # fmt: skip
-        reflection.enable_server_reflection(names, self.server)
+        add_health_and_reflection(self.server, self.health)
         address = f"{self.settings.host}:{self.settings.port}"
         try:
             self.port = self.server.add_insecure_port(address)

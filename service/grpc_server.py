@@ -4,7 +4,9 @@ the server options. It imports no torch, nor anything that does."""
 
 from __future__ import annotations
 
-from grpc_health.v1 import health, health_pb2
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from service.rpc.grace.v1 import retrieval_pb2
 from service.settings import ServerSettings
@@ -20,6 +22,15 @@ def set_health(servicer: health.HealthServicer, serving: bool) -> None:
     )  # fmt: skip
     for name in ("", SERVICE):
         servicer.set(name, status)
+
+
+def add_health_and_reflection(server: grpc.aio.Server, servicer: health.HealthServicer) -> None:
+    """Register grpc.health.v1 (answered by `servicer`) and server reflection for
+    AdRetrieval, health and reflection itself."""
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME)  # fmt: skip
+    reflection.enable_server_reflection(names, server)
 
 
 def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
