@@ -71,11 +71,13 @@ class ServerSettings(BaseSettings):
         "on the port that hands each request to the worker with the fewest in flight, the "
         "workers on private unix sockets (service/balancer.py; one local hop more).",
     )
-    mps: bool = Field(
-        False,
+    mps: bool | None = Field(
+        None,
         description="With workers > 1 on CUDA: run a private CUDA MPS control daemon so the "
         "workers' kernels share the GPU side by side instead of time-slicing between their "
-        "contexts (service/mps.py; needs nvidia-cuda-mps-control on PATH).",
+        "contexts (service/mps.py; needs nvidia-cuda-mps-control on PATH). Unset: on "
+        "whenever it can be (workers > 1, CUDA, the binary on PATH, no MPS daemon already "
+        "configured in CUDA_MPS_PIPE_DIRECTORY); true: required, an error otherwise.",
     )
     metrics_port: int = Field(
         9464, description="Prometheus HTTP port; 0 lets the OS pick a free one (tests)."

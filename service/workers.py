@@ -34,7 +34,7 @@ import threading
 import time
 
 from service.balancer import FrontThread
-from service.mps import check_mps, mps_daemon
+from service.mps import MpsError, check_mps, mps_daemon, resolve_mps
 from service.settings import ServerSettings
 
 log = logging.getLogger("grace.workers")
@@ -72,12 +72,18 @@ def _die_with(parent: int) -> None:
 def supervise(settings: ServerSettings) -> int:
     """Run `settings.workers` workers until they stop; 0 when all stopped cleanly. A
     worker that exits on its own (whatever its status) stops the others: exit 1. With
-    `settings.mps` the workers share the GPU through a private MPS daemon (service/mps.py),
-    started before the first and stopped after the last."""
-    if not settings.mps:
+    MPS (`resolve_mps`: by default whenever it can) the workers share the GPU through a
+    private daemon (service/mps.py), started before the first and stopped after the last."""
+    if not resolve_mps(settings):
         return _supervise(settings)
     check_mps(settings)
-    with mps_daemon():
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(mps_daemon())
+        except MpsError as exc:
+            if settings.mps:  # asked for: the CLI reports it as bad input
+                raise
+            log.warning("MPS did not start, the workers time-slice the GPU: %s", exc)
         return _supervise(settings)
 
 

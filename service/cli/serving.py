@@ -78,7 +78,9 @@ def register(add: AddCommand) -> None:
                    "that hands each request to the least busy worker (connection)")  # fmt: skip
     p.add_argument("--mps", action=argparse.BooleanOptionalAction, default=None,
                    help="workers > 1 on CUDA: share the GPU through a private CUDA MPS "
-                   "daemon (kernels side by side, not time-sliced; off)")  # fmt: skip
+                   "daemon (kernels side by side, not time-sliced). Default: on whenever "
+                   "the driver's nvidia-cuda-mps-control is on PATH and no MPS daemon is "
+                   "configured already; --mps makes it required, --no-mps turns it off")  # fmt: skip
     p.add_argument("--config", help="settings file (.toml, .json, .yaml)")
     p.add_argument("--no-progress", action="store_true")
 

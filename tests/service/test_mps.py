@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from service import mps, workers
-from service.mps import ENV, MpsError, check_mps, mps_daemon
+from service.mps import ENV, MpsError, check_mps, mps_daemon, resolve_mps
 from service.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ def test_missing_or_failing_control_binary_is_a_clear_error(
 
 
 def test_mps_setting_needs_workers_and_cuda() -> None:
-    assert not load_settings({"workers": 2}).mps
+    assert load_settings({"workers": 2}).mps is None  # unset: decided at start (resolve_mps)
     assert load_settings({"workers": 2, "mps": True, "device": "cuda"}).mps
     for bad in ({"workers": 1, "mps": True}, {"workers": 2, "mps": True, "device": "cpu"}):
         with pytest.raises(ValidationError, match="mps"):
@@ -142,3 +142,52 @@ def test_check_mps_refuses_a_cpu_before_anything_starts(control: Path) -> None:
         with pytest.raises(MpsError, match="no CUDA device"):
             check_mps(auto)
     assert not control.exists()  # checking starts no daemon
+
+
+def _on(settings: dict, monkeypatch: pytest.MonkeyPatch, device: str = "cuda") -> bool:
+    s = load_settings({"port": 50999, **settings})
+    monkeypatch.setattr(type(s), "resolve_device", lambda self: device)
+    return resolve_mps(s)
+
+
+def test_unset_mps_is_on_wherever_it_can_help(
+    control: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unset, MPS runs for several workers on CUDA with the control binary present; never
+    for one worker or a CPU; not when a node-wide daemon is already configured; `mps`
+    false wins. A missing binary turns it off with a warning, not an error."""
+    assert _on({"workers": 2}, monkeypatch)
+    assert not _on({"workers": 1}, monkeypatch)
+    assert not _on({"workers": 2}, monkeypatch, device="cpu")
+    assert not _on({"workers": 2, "mps": False}, monkeypatch)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/run/nvidia/mps")
+    assert not _on({"workers": 2}, monkeypatch)
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
+    monkeypatch.setenv("PATH", str(control.parent))  # no control binary there
+    with caplog.at_level("WARNING", logger="grace.mps"):
+        assert not _on({"workers": 3}, monkeypatch)
+    assert "3 workers share one GPU without MPS" in caplog.text
+    assert not control.exists()  # deciding starts no daemon
+
+
+def test_unset_mps_that_fails_to_start_serves_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A daemon that will not start stops `mps` true with an error, but only warns when
+    `mps` was left unset: the workers then run without it."""
+    fake_control(tmp_path, tmp_path / "calls.log", fail=True)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    for k in ENV:
+        monkeypatch.delenv(k, raising=False)
+    ran: list[str | None] = []
+    monkeypatch.setattr(
+        workers, "_supervise", lambda s: ran.append(os.environ.get(ENV[0])) or 0
+    )
+    unset = load_settings({"workers": 2, "device": "cuda", "port": 50999})
+    with caplog.at_level("WARNING", logger="grace.workers"):
+        assert workers.supervise(unset) == 0
+    assert ran == [None] and "MPS did not start" in caplog.text
+    with pytest.raises(MpsError, match="already running"):
+        workers.supervise(load_settings({"workers": 2, "mps": True, "device": "cuda",
+                                         "port": 50999}))  # fmt: skip
+    assert ran == [None]
