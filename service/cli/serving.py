@@ -80,7 +80,7 @@ def register(add: AddCommand) -> None:
                    help="workers > 1 on CUDA: share the GPU through a private CUDA MPS "
                    "daemon (kernels side by side, not time-sliced). Default: on whenever "
                    "the driver's nvidia-cuda-mps-control is on PATH and no MPS daemon is "
-                   "configured already; --mps makes it required, --no-mps turns it off")  # fmt: skip
+                   "configured already; --mps: required; --no-mps: off")  # fmt: skip
     p.add_argument("--config", help="settings file (.toml, .json, .yaml)")
     p.add_argument("--no-progress", action="store_true")
 

@@ -58,8 +58,15 @@ class FeatureEmbedder(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, std=0.02)
+        self._sid_rows = (c.sid_length, c.vocab_size)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)make the buffers no checkpoint holds: `load_checkpoint` builds the model on
+        the meta device and calls this once the stored weights are in."""
+        length, vocab = self._sid_rows
         self.register_buffer(
-            "sid_offsets", torch.arange(c.sid_length) * c.vocab_size, persistent=False
+            "sid_offsets", torch.arange(length) * vocab, persistent=False
         )  # [sid_length]
 
     def forward(self, f: FeatureBatch) -> EmbeddedFeatures:

@@ -155,6 +155,27 @@ def test_structural_corruption_is_caught(published: Path, name, mutate, fault) -
         validate_index(published)
 
 
+@pytest.mark.parametrize(("kind", "word"), [("bitmask", "bitmask"), ("bloom", "Bloom")])
+def test_a_prefix_matcher_missing_a_childs_bits_is_caught(
+    published: Path, kind: str, word: str
+) -> None:
+    """Inner matchers are checked against their children's (the leaf checks cannot see
+    them): an ancestor entry pointed at an empty matcher row is refused, whether its row
+    was its child's own (the pairs the check skips as trivially sound) or another."""
+    table = np.load(published / f"trie.{kind}_table.npy")
+    index = np.load(published / f"trie.{kind}_index.npy")
+    node_offsets = np.load(published / "trie.node_offsets.npy")
+    parent = np.repeat(np.arange(len(node_offsets) - 1), np.diff(node_offsets))
+    (children,) = np.nonzero(parent > 0)  # entries whose parent is an entry too
+    child = children[-1]
+    broken = index.copy()
+    broken[parent[child] - 1] = len(table)  # a new, empty row
+    _rewrite(published, f"trie.{kind}_table", np.vstack([table, np.zeros_like(table[:1])]))
+    _rewrite(published, f"trie.{kind}_index", broken)
+    with pytest.raises(IndexValidationError, match=f"prefix's {word} matcher misses"):
+        validate_index(published)
+
+
 def test_tokenizer_mismatch_is_refused(published: Path) -> None:
     with pytest.raises(IndexValidationError, match="SID tokenizer"):
         validate_index(published, expect_tokenizer="abc123")

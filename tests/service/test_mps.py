@@ -180,9 +180,7 @@ def test_unset_mps_that_fails_to_start_serves_without_it(
     for k in ENV:
         monkeypatch.delenv(k, raising=False)
     ran: list[str | None] = []
-    monkeypatch.setattr(
-        workers, "_supervise", lambda s: ran.append(os.environ.get(ENV[0])) or 0
-    )
+    monkeypatch.setattr(workers, "_supervise", lambda s: ran.append(os.environ.get(ENV[0])) or 0)
     unset = load_settings({"workers": 2, "device": "cuda", "port": 50999})
     with caplog.at_level("WARNING", logger="grace.workers"):
         assert workers.supervise(unset) == 0

@@ -150,3 +150,29 @@ def test_truncated_weights_are_refused(saved):
     _edit_meta(saved, weights_sha256=digest)
     with pytest.raises(CheckpointError, match="unreadable"):
         load_checkpoint(saved)
+
+
+def test_weights_stored_in_another_dtype_load_as_the_model_is_built(model, saved):
+    """The model is built on the meta device and takes the stored tensors: a bf16 file
+    still gives the fp32 parameters the model declares (as a copying load would)."""
+    stored = load_file(str(saved / "model.safetensors"))
+    weights = {k: v.to(torch.bfloat16) for k, v in stored.items()}
+    _rewrite_weights(saved, weights)
+    loaded = load_checkpoint(saved)
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.float32}
+    assert torch.equal(loaded.model.decoder.head.weight, weights["decoder.head.weight"].float())
+    assert loaded.model.embedder.sid_offsets.tolist() == [
+        p * CONFIG.vocab_size for p in range(CONFIG.sid_length)
+    ]  # the buffer no checkpoint holds is made again
+
+
+def test_state_outside_the_checkpoint_without_reset_buffers_is_refused(saved):
+    """A model whose non-persistent buffer would stay on the meta device: a clear error."""
+
+    class WithBuffer(GenerativeRetriever):
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            self.register_buffer("scale", torch.ones(3), persistent=False)
+
+    with pytest.raises(CheckpointError, match=r"does not hold: \['scale'\]"):
+        load_checkpoint(saved, build=WithBuffer)
