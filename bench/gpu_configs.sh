@@ -3,7 +3,7 @@
 # (docs/OPERATIONS.md): for a GPU session that must compare settings within a few calls.
 # Each configuration is NAME or NAME:VAR=VALUE,VAR=VALUE (any GRACE_* setting, or the load
 # script's own USERS, ...), runs under a time limit of LIMIT seconds (server start
-# included, ~200 s for the paper profile with 2 workers; a run cut short still writes the
+# included, ~150-250 s for the paper profile with 2-3 workers; a run cut short writes the
 # rates it finished) and writes RESULTS/NAME (summary.json with its settings, CSVs,
 # logs). DATA (default /tmp/paper) must already hold the index, world and model: build
 # them first, without a limit (bench/gpu_loadtest.sh or bench/bench_paper_index.py).
@@ -17,7 +17,8 @@ if [ $# -lt 5 ]; then
     exit 2
 fi
 RESULTS=$1; RATES=$2; DURATION=$3; LIMIT=$4; shift 4
-export DATA=${DATA:-/tmp/paper} WORKERS=${WORKERS:-2}
+# three workers (sharing the GPU through MPS by default): the gpu overlay's setting
+export DATA=${DATA:-/tmp/paper} WORKERS=${WORKERS:-3}
 if [ ! -f "$DATA/index/CURRENT" ] || [ ! -f "$DATA/model/config.json" ]; then
     echo "no index or model in $DATA: build them first (see the header)"; exit 2
 fi
