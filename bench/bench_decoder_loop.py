@@ -25,11 +25,13 @@ with random bf16 weights. Each row adds one optimisation to the row above — al
                      self-attention kernel instead of gathered into a copy first
 
 Each row: P50/P99 over `--batches` batches (CUDA events around `engine.run`, inputs
-already on the device; `--naive-batches` for the slow naive row), cycling through 8
-distinct batches (2 with `--small`); MFU = decoder FLOPs of the row's schedule
-(service/model/flops.py) × B / P50 / a bf16 matmul ceiling (8192³) measured in the same
-run. A last row times the full compute stage for one batch: features (embedding) +
-encoder + decode loop.
+already on the device, the GPU idle before each call; `--naive-batches` for the slow
+naive row), cycling through 8 distinct batches (2 with `--small`); the CUDA graph rows
+also report `back_to_back_p50_ms` / `back_to_back_p99_ms`, the same calls queued without
+a synchronisation in between (GPU time per batch, host jitter hidden); MFU = decoder
+FLOPs of the row's schedule (service/model/flops.py) × B / P50 / a bf16 matmul ceiling
+(8192³) measured in the same run. A last row times the full compute stage for one
+batch: features (embedding) + encoder + decode loop.
 
 Requests: world users (`--world DIR`) or built from the index: each copies one ad's rules
 and carries exactly `--locations` locations of the index's vocabulary (bench_gtm_mask's
@@ -186,6 +188,24 @@ def times_ms(fn: Callable[[int], object], n: int, cuda: bool, warmup: int) -> li
     return out
 
 
+def back_to_back_ms(fn: Callable[[int], object], n: int, warmup: int) -> list[float]:
+    """GPU milliseconds of fn(i) for i < n queued one after another, no synchronisation in
+    between: each pair of events brackets one call's work on the stream, so host time
+    (Python, the launch, a GC pause) is hidden whenever the host keeps ahead of the GPU —
+    as the server's compute thread does under load. CUDA only."""
+    for i in range(warmup):
+        fn(i)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(n)]  # fmt: skip
+    torch.cuda.synchronize()
+    for i, (start, end) in enumerate(events):
+        start.record()
+        fn(i)
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
 def stats(xs: list[float]) -> dict[str, float]:
     return {**percentiles(xs), "mean_ms": round(statistics.fmean(xs), 3), "batches": len(xs)}
 
@@ -213,6 +233,9 @@ def run_row(model, index, batches, options, mode, beams, n, cuda) -> tuple[dict,
         engine.run(b.ctx, b.requests, beams, mode)
 
     row = stats(times_ms(call, n, cuda, warmup=2))
+    if cuda and options.cuda_graph:  # the same calls queued back to back: GPU time alone
+        b2b = stats(back_to_back_ms(call, n, warmup=2))
+        row.update(back_to_back_p50_ms=b2b["p50_ms"], back_to_back_p99_ms=b2b["p99_ms"])
     live = [float((r.leaves >= 0).sum(1).float().mean()) for r in results]
     row.update(
         warm_s=round(warm_s, 2),
@@ -405,10 +428,12 @@ def print_row(r: dict, flush: bool = False) -> None:
     if "error" in r:
         print(f"{r['label']:<34} ERROR {r['error']}", flush=flush)
         return
+    b2b = (f", back to back {r['back_to_back_p50_ms']:.3f} / {r['back_to_back_p99_ms']:.3f}"
+           if "back_to_back_p50_ms" in r else "")  # fmt: skip
     print(
         f"{r['label']:<34} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} {r['batches']:>5} "
         f"{r['gflops_per_request']:>8.1f} {100 * r['mfu']:>6.1f}%  graphs {r['graphs']}, "
-        f"warm {r['warm_s']} s, live SIDs/req {r['live_sids_per_request']}",
+        f"warm {r['warm_s']} s, live SIDs/req {r['live_sids_per_request']}{b2b}",
         flush=flush,
     )
 
