@@ -154,11 +154,18 @@ def load_checkpoint(
         model = build(config)  # (8 s of the paper profile's 4.6 GB on a CPU)
     expected = model.state_dict()
     _check_weights(expected, weights, path)
-    weights = {k: v.to(expected[k].dtype) for k, v in weights.items()}  # as load_state_dict would
+    # safetensors maps the file: on a CPU the parameters would stay views of that mapping
+    # (read lazily, and a file overwritten in place would change or crash the model), so
+    # they get their own memory there; another device copies them when the model moves
+    own = torch.device(device).type == "cpu"
+    weights = {k: v.to(expected[k].dtype, copy=own) for k, v in weights.items()}
     model.load_state_dict(weights, strict=True, assign=True)
+    loaded = {k: v.data_ptr() for k, v in model.state_dict().items()}
     for module in model.modules():
         if hasattr(module, "reset_buffers"):  # the buffers no checkpoint holds
             module.reset_buffers()
+    if {k: v.data_ptr() for k, v in model.state_dict().items()} != loaded:
+        raise CheckpointError(f"checkpoint {path}: a reset_buffers replaced loaded state")
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:  # a module with state outside the checkpoint and no reset_buffers
         raise CheckpointError(f"checkpoint {path}: the model has state it does not hold: {left}")

@@ -176,3 +176,27 @@ def test_state_outside_the_checkpoint_without_reset_buffers_is_refused(saved):
 
     with pytest.raises(CheckpointError, match=r"does not hold: \['scale'\]"):
         load_checkpoint(saved, build=WithBuffer)
+
+
+def test_a_checkpoint_overwritten_after_loading_leaves_the_model_unchanged(model, saved):
+    """The loaded model owns its weights: the file rewritten in place afterwards (as `cp`
+    over it would) changes nothing the model computes (no view of a file mapping)."""
+    loaded = load_checkpoint(saved)
+    f = _features()
+    with torch.no_grad():
+        before = loaded.model.encode(f).clone()
+        weights = saved / "model.safetensors"
+        size = weights.stat().st_size
+        with weights.open("r+b") as fh:  # same size, new bytes, same inode
+            fh.write(b"\x7f" * size)
+        assert torch.equal(loaded.model.encode(f), before)
+
+
+def test_a_reset_buffers_that_replaces_loaded_weights_is_refused(saved):
+    class Clobbers(GenerativeRetriever):
+        def reset_buffers(self) -> None:
+            head = self.decoder.head
+            head.weight = torch.nn.Parameter(torch.zeros_like(head.weight))
+
+    with pytest.raises(CheckpointError, match="replaced loaded state"):
+        load_checkpoint(saved, build=Clobbers)
