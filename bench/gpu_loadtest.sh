@@ -78,6 +78,10 @@ until "${GRACE[@]}" health --target localhost:50051 --timeout 2 >/dev/null 2>&1;
     sleep 1
 done
 echo "SERVING after $(( $(date +%s) - start )) s ($WORKERS worker(s))"
+# MPS is on by default for several CUDA workers: record whether the daemon really ran
+mps=no; grep -q "MPS control daemon started" "$OUT/server.log" && mps=yes
+{ cat "$OUT/settings.env"; echo "MPS_STARTED=$mps"; } | sort > "$OUT/settings.tmp" \
+    && mv "$OUT/settings.tmp" "$OUT/settings.env"
 # a replay file loads in a fraction of a second (building requests from the world takes
 # seconds, during which a locust worker would miss its heartbeats)
 if [ ! -f "$DATA/requests.jsonl" ]; then  # whole or not at all: a timeout may come

@@ -9,8 +9,12 @@ stops it after the last — by default whenever it can (`resolve_mps`), on reque
 (`mps` true) or an error when it cannot:
 
     nvidia-cuda-mps-control -d      (pipe and log directories in a private temp dir)
+    a throwaway CUDA client attaches through it (ATTACH_PROBE): the daemon works
     workers inherit CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY and connect to it
     echo quit | nvidia-cuda-mps-control
+
+The supervisor decides without importing torch (it stays small and never touches the
+GPU itself): device 'auto' counts as CUDA where the NVIDIA driver's device node exists.
 
 Nothing of the GPU's own settings changes (compute mode, MIG): the daemon is a process
 of the serving user and goes with it. A node-wide MPS daemon (e.g. the NVIDIA device
@@ -25,6 +29,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,18 +40,47 @@ log = logging.getLogger("grace.mps")
 CONTROL = "nvidia-cuda-mps-control"
 ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 TIMEOUT_S = 30.0
+# `-d` returns as soon as the control daemon forks; whether a client can use the GPU
+# through it (the MPS server starts, the user matches, /dev/shm has room) shows only when
+# one attaches. So a throwaway process attaches first, through the driver API alone (no
+# torch: ~0.2 s), and its failure is the daemon's.
+ATTACH_PROBE = [
+    sys.executable, "-c",
+    "import ctypes, sys\n"
+    "cu = ctypes.CDLL('libcuda.so.1')\n"
+    "dev, ctx = ctypes.c_int(), ctypes.c_void_p()\n"
+    "for name, rc in (('cuInit', cu.cuInit(0)),\n"
+    "                 ('cuDeviceGet', cu.cuDeviceGet(ctypes.byref(dev), 0))):\n"
+    "    if rc: sys.exit(f'{name} failed with CUDA error {rc}')\n"
+    "rc = cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)\n"
+    "if rc: sys.exit(f'cuDevicePrimaryCtxRetain failed with CUDA error {rc}')\n",
+]  # fmt: skip
+ATTACH_TIMEOUT_S = 60.0
 
 
 class MpsError(OSError):
     """The MPS control daemon could not be started (the CLI reports it as bad input)."""
 
 
+DRIVER_NODE = Path("/dev/nvidiactl")  # present wherever the NVIDIA driver is usable
+
+
 def check_mps(settings: ServerSettings) -> None:
     """Everything `mps` needs, checked before anything slow: the control binary on PATH
     and a CUDA device (MpsError otherwise)."""
     control_binary()
-    if not settings.resolve_device().startswith("cuda"):
-        raise MpsError("mps is on but no CUDA device is in use (device resolves to cpu)")
+    if not _on_cuda(settings):
+        raise MpsError(f"mps is on but no CUDA device is in use (device {settings.device}"
+                       f"{'' if settings.device == 'cpu' else f', no {DRIVER_NODE}'})")  # fmt: skip
+
+
+def _on_cuda(settings: ServerSettings) -> bool:
+    """Whether the workers will run on CUDA, without importing torch: 'auto' does where
+    the driver is (a CPU-only torch on a GPU host would then run its workers on the CPU
+    next to an idle daemon: harmless)."""
+    if settings.device == "auto":
+        return DRIVER_NODE.exists()
+    return settings.device.startswith("cuda")
 
 
 def resolve_mps(settings: ServerSettings) -> bool:
@@ -54,11 +88,12 @@ def resolve_mps(settings: ServerSettings) -> bool:
     can help — several workers on CUDA, the control binary on PATH, and no MPS daemon
     already configured for this process (CUDA_MPS_PIPE_DIRECTORY set: a node-wide one,
     which the workers join by inheriting that environment). On one H200 (paper profile)
-    it halved the P99 at 900 req/s and the decode plans' capture time (docs/OPERATIONS.md).
+    it cut the P99 at 900 req/s to a third and halved the decode plans' capture time
+    (docs/OPERATIONS.md).
     """
     if settings.mps is not None:
         return settings.mps
-    if settings.workers < 2 or not settings.resolve_device().startswith("cuda"):
+    if settings.workers < 2 or not _on_cuda(settings):
         return False
     if os.environ.get(ENV[0]):
         log.info("MPS: using the daemon configured in %s=%s", ENV[0], os.environ[ENV[0]])
@@ -109,6 +144,11 @@ def mps_daemon(root: Path | None = None) -> Iterator[dict[str, str]]:
                 _quit(exe, full)  # it may be up after all: do not leave it behind
             said = out.read_text().strip() if out.exists() else ""
             raise MpsError(f"{CONTROL} -d failed: {said or exc}") from exc
+        try:
+            _attach(full)
+        except MpsError:
+            _quit(exe, full)
+            raise
         log.info("MPS control daemon started (pipes in %s)", env[ENV[0]])
         saved = {k: os.environ.get(k) for k in ENV}
         os.environ.update(env)
@@ -121,6 +161,18 @@ def mps_daemon(root: Path | None = None) -> Iterator[dict[str, str]]:
                 else:
                     os.environ[k] = v
             _quit(exe, full)
+
+
+def _attach(env: dict[str, str]) -> None:
+    """A CUDA client attaches through the new daemon, or MpsError with what it said."""
+    try:
+        done = subprocess.run(ATTACH_PROBE, env=env, timeout=ATTACH_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True)  # fmt: skip
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        raise MpsError(f"no CUDA client could attach through the MPS daemon: {exc}") from exc
+    if done.returncode != 0:
+        said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise MpsError(f"no CUDA client could attach through the MPS daemon: {said}")
 
 
 def _quit(exe: str, env: dict[str, str]) -> None:

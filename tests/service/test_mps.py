@@ -40,6 +40,7 @@ def control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     for k in ENV:
         monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(mps, "ATTACH_PROBE", [sys.executable, "-c", "pass"])  # attaches
     return log
 
 
@@ -98,7 +99,7 @@ def test_supervise_runs_the_workers_inside_the_daemon(
     assert workers.supervise(s) == 0
     assert seen[0] is not None and control.read_text().count("quit") == 1
     auto = load_settings({"workers": 2, "mps": True, "port": 50999})
-    monkeypatch.setattr(type(auto), "resolve_device", lambda self: "cpu")
+    monkeypatch.setattr(mps, "DRIVER_NODE", Path("/nonexistent/nvidiactl"))
     with pytest.raises(MpsError, match="no CUDA"):
         workers.supervise(auto)
     assert len(seen) == 1
@@ -135,19 +136,22 @@ def test_a_daemon_start_that_hangs_is_told_to_quit(
     assert log.read_text().strip() == "quit:quit"
 
 
-def test_check_mps_refuses_a_cpu_before_anything_starts(control: Path) -> None:
+def test_check_mps_refuses_a_cpu_before_anything_starts(
+    control: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decided without torch: 'auto' is CUDA where the driver's device node is."""
     check_mps(load_settings({"workers": 2, "mps": True, "device": "cuda"}))
     auto = load_settings({"workers": 2, "mps": True})
-    if auto.resolve_device() == "cpu":  # this machine: no GPU
-        with pytest.raises(MpsError, match="no CUDA device"):
-            check_mps(auto)
+    monkeypatch.setattr(mps, "DRIVER_NODE", tmp_path / "nvidiactl")
+    with pytest.raises(MpsError, match="no CUDA device"):
+        check_mps(auto)
+    (tmp_path / "nvidiactl").touch()
+    check_mps(auto)
     assert not control.exists()  # checking starts no daemon
 
 
-def _on(settings: dict, monkeypatch: pytest.MonkeyPatch, device: str = "cuda") -> bool:
-    s = load_settings({"port": 50999, **settings})
-    monkeypatch.setattr(type(s), "resolve_device", lambda self: device)
-    return resolve_mps(s)
+def _on(settings: dict, device: str = "cuda") -> bool:
+    return resolve_mps(load_settings({"port": 50999, "device": device, **settings}))
 
 
 def test_unset_mps_is_on_wherever_it_can_help(
@@ -156,18 +160,43 @@ def test_unset_mps_is_on_wherever_it_can_help(
     """Unset, MPS runs for several workers on CUDA with the control binary present; never
     for one worker or a CPU; not when a node-wide daemon is already configured; `mps`
     false wins. A missing binary turns it off with a warning, not an error."""
-    assert _on({"workers": 2}, monkeypatch)
-    assert not _on({"workers": 1}, monkeypatch)
-    assert not _on({"workers": 2}, monkeypatch, device="cpu")
-    assert not _on({"workers": 2, "mps": False}, monkeypatch)
+    assert _on({"workers": 2})
+    assert not _on({"workers": 1})
+    assert not _on({"workers": 2}, device="cpu")
+    assert not _on({"workers": 2, "mps": False})
+    monkeypatch.setattr(mps, "DRIVER_NODE", control.parent / "nvidiactl")
+    assert not _on({"workers": 2}, device="auto")  # no NVIDIA driver: auto is the CPU
+    (control.parent / "nvidiactl").touch()
+    assert _on({"workers": 2}, device="auto")
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/run/nvidia/mps")
-    assert not _on({"workers": 2}, monkeypatch)
+    assert not _on({"workers": 2})
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
     monkeypatch.setenv("PATH", str(control.parent))  # no control binary there
     with caplog.at_level("WARNING", logger="grace.mps"):
-        assert not _on({"workers": 3}, monkeypatch)
+        assert not _on({"workers": 3})
     assert "3 workers share one GPU without MPS" in caplog.text
     assert not control.exists()  # deciding starts no daemon
+
+
+def test_a_daemon_no_client_can_attach_through_is_quit(
+    control: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`-d` succeeds but a CUDA client cannot attach (server will not start, user or
+    /dev/shm trouble): the daemon is told to quit; unset `mps` serves without it, `mps`
+    true is an error naming what the client said."""
+    monkeypatch.setattr(mps, "ATTACH_PROBE",
+                        [sys.executable, "-c", "raise SystemExit('CUDA error 805')"])  # fmt: skip
+    ran: list[str | None] = []
+    monkeypatch.setattr(workers, "_supervise", lambda s: ran.append(os.environ.get(ENV[0])) or 0)
+    unset = load_settings({"workers": 2, "device": "cuda", "port": 50999})
+    with caplog.at_level("WARNING", logger="grace.workers"):
+        assert workers.supervise(unset) == 0
+    assert ran == [None] and "CUDA error 805" in caplog.text
+    assert [line.split("|")[1] for line in control.read_text().splitlines()] == ["", "quit"]
+    asked = load_settings({"workers": 2, "mps": True, "device": "cuda", "port": 50999})
+    with pytest.raises(MpsError, match=r"could attach.*CUDA error 805"):
+        workers.supervise(asked)
+    assert ran == [None]
 
 
 def test_unset_mps_that_fails_to_start_serves_without_it(
