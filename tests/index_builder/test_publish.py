@@ -155,9 +155,10 @@ def test_structural_corruption_is_caught(published: Path, name, mutate, fault) -
         validate_index(published)
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["row-shared-with-child", "own-row"])
 @pytest.mark.parametrize(("kind", "word"), [("bitmask", "bitmask"), ("bloom", "Bloom")])
 def test_a_prefix_matcher_missing_a_childs_bits_is_caught(
-    published: Path, kind: str, word: str
+    published: Path, kind: str, word: str, shared: bool
 ) -> None:
     """Inner matchers are checked against their children's (the leaf checks cannot see
     them): an ancestor entry pointed at an empty matcher row is refused, whether its row
@@ -167,7 +168,8 @@ def test_a_prefix_matcher_missing_a_childs_bits_is_caught(
     node_offsets = np.load(published / "trie.node_offsets.npy")
     parent = np.repeat(np.arange(len(node_offsets) - 1), np.diff(node_offsets))
     (children,) = np.nonzero(parent > 0)  # entries whose parent is an entry too
-    child = children[-1]
+    same = index[children] == index[parent[children] - 1]
+    child = children[same if shared else ~same][-1]
     broken = index.copy()
     broken[parent[child] - 1] = len(table)  # a new, empty row
     _rewrite(published, f"trie.{kind}_table", np.vstack([table, np.zeros_like(table[:1])]))
