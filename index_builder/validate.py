@@ -5,6 +5,7 @@ Beyond `format.read_index_dir` (manifest, checksums, dtypes, shapes, schema) it 
 the CSR trie invariants, the SID -> ad index, the exact targeting index, and the GTM
 soundness invariant: every matcher contains the OR of its subtree's ads, so no eligible
 prefix can be masked. Every check is vectorised; a 30 M-SID index validates in seconds.
+The optional k-way groups are checked for structure only (docs/FORMAT.md says why).
 """
 
 from __future__ import annotations
