@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench.common import write_result
-from index_builder.format import read_manifest
 from index_builder.publish import current_version
 from service.model.checkpoint import load_checkpoint
 from service.serving_index import load_serving_index
@@ -52,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default=None, help="serving dtype (bfloat16 on cuda, float32)")
     p.add_argument("--repeat", type=int, default=3, help="loads of each (median reported)")
+    p.add_argument("--out", type=Path, help="result JSON (default bench/results/startup_DEVICE)")
     args = p.parse_args(argv)
     version = current_version(args.index_root)
     if version is None:
@@ -61,15 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     def model() -> None:
         load_checkpoint(args.model, args.device).model.to(dtype)
 
+    loaded: list = []
+
     def index() -> None:
-        load_serving_index(args.index_root / version, tokenizer_fingerprint=None,
-                           device=args.device)  # fmt: skip
+        loaded[:] = [load_serving_index(args.index_root / version, tokenizer_fingerprint=None,
+                                        device=args.device)]  # fmt: skip
 
     model_s, index_s = _seconds(model, args.repeat), _seconds(index, args.repeat)
-    manifest = read_manifest(args.index_root / version)
     figures = {
         "index_version": version,
-        "ads": manifest.get("counts", {}).get("ads"),
+        "ads": loaded[0].post.ads.num_ads,
         "model": str(args.model),
         "device": args.device,
         "model_load_s": model_s,
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         "index_load_and_validate_s": index_s,
         "index_load_and_validate_median_s": statistics.median(index_s),
     }
-    path = write_result(f"startup_{args.device.split(':')[0]}", figures)
+    path = write_result(f"startup_{args.device.split(':')[0]}", figures, args.out)
     print(f"model load {figures['model_load_median_s']:.2f} s, index load and validation "
           f"{figures['index_load_and_validate_median_s']:.2f} s (medians of {args.repeat}); "
           f"wrote {path}")  # fmt: skip

@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="index roots with CURRENT (or version directories)")  # fmt: skip
     p.add_argument("--beams", type=int, nargs=4, default=list(PROFILES["paper"].beams),
                    help="beam widths M_1..M_4 (the paper profile's)")  # fmt: skip
+    p.add_argument("--out", type=Path, help="result JSON (default bench/results/topk_capacity)")
     args = p.parse_args(argv)
     out = []
     for root in args.index_root:
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{root} step {s['step']}: capacity {s['capacity']:,} of {s['dense']:,} "
                   f"({s['dense_over_capacity']}x fewer); children mean {s['children_mean']}, "
                   f"max {s['children_max']}")  # fmt: skip
-    print(write_result("topk_capacity", {"beams": args.beams, "indexes": out}))
+    print(write_result("topk_capacity", {"beams": args.beams, "indexes": out}, args.out))
     return 0
 
 

@@ -91,8 +91,9 @@ def header() -> dict[str, Any]:
     }
 
 
-def write_result(name: str, figures: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_result(name: str, figures: dict[str, Any], path: Path | None = None) -> Path:
+    """bench/results/NAME.json (or `path`): the header and the figures."""
+    path = path or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**header(), "figures": figures}, indent=1) + "\n")
     return path

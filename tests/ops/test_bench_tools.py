@@ -1,0 +1,70 @@
+"""The start-up and top-k capacity benchmark scripts run end to end on a small index and
+model, and the capacity they report is the largest any set of beams can need."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bench import bench_startup, bench_topk_capacity
+from index_builder.format import VOCAB_SIZE
+from index_builder.publish import current_path, publish
+from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
+from service.model.checkpoint import save_checkpoint
+from service.model.config import PROFILES
+from service.model.retriever import GenerativeRetriever
+from tests.helpers.indexes import small_index, writer
+
+
+@pytest.fixture(scope="module")
+def index_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("index")
+    publish(root, writer(small_index(200)))
+    return root
+
+
+def test_startup_bench_times_both_loads(index_root: Path, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    tokenizer = SIDTokenizer(
+        TokenizerConfig(levels=3, codebook_size=16, seed=0),
+        np.random.default_rng(0).normal(size=(3, 16, 8)).astype(np.float32),
+    )
+    save_checkpoint(GenerativeRetriever(PROFILES["tiny"]), tokenizer, tmp_path / "model")
+    out = tmp_path / "startup.json"
+    args = ["--index-root", str(index_root), "--model", str(tmp_path / "model"),
+            "--repeat", "2", "--out", str(out)]  # fmt: skip
+    assert bench_startup.main(args) == 0
+    result = json.loads(out.read_text())
+    f = result["figures"]
+    assert f["ads"] == 200 and f["device"] == "cpu"
+    assert len(f["model_load_s"]) == len(f["index_load_and_validate_s"]) == 2
+    assert f["model_load_median_s"] > 0 and f["index_load_and_validate_median_s"] > 0
+    assert {"command", "git_commit", "device", "date"} <= result.keys()
+
+
+def test_capacity_is_the_most_any_beams_can_need(index_root: Path, tmp_path: Path) -> None:
+    """For each step: no choice of M_t nodes of that level has more children than the
+    reported capacity, and the M_t nodes with the most children reach it exactly."""
+    version = current_path(index_root)
+    assert version is not None
+    beams = (1, 3, 8, 20)
+    found = bench_topk_capacity.capacities(version, beams)
+    arrays = small_index(200).trie
+    level = np.asarray(arrays.level_offsets)
+    children = np.diff(np.asarray(arrays.node_offsets))
+    rng = np.random.default_rng(0)
+    for step, m in zip(found["steps"], beams, strict=True):
+        per_node = children[level[step["step"] - 1] : level[step["step"]]]
+        assert step["dense"] == m * VOCAB_SIZE and step["capacity"] <= step["dense"]
+        for _ in range(200):  # any M_t distinct nodes of the level
+            pick = rng.choice(len(per_node), size=min(m, len(per_node)), replace=False)
+            assert per_node[pick].sum() <= step["capacity"]
+        assert np.sort(per_node)[::-1][:m].sum() == step["capacity"]
+    out = tmp_path / "cap.json"
+    args = ["--index-root", str(index_root), "--beams", *map(str, beams), "--out", str(out)]
+    assert bench_topk_capacity.main(args) == 0
+    assert json.loads(out.read_text())["figures"]["indexes"][0]["steps"] == found["steps"]
