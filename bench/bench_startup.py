@@ -21,7 +21,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -30,18 +32,24 @@ import torch
 from bench.common import write_result
 from index_builder.publish import current_version
 from service.model.checkpoint import load_checkpoint
-from service.serving_index import load_serving_index
+from service.serving_index import ServingIndex, load_serving_index
+
+T = TypeVar("T")
 
 
-def _seconds(fn, repeat: int) -> list[float]:
-    out = []
+def _seconds(load: Callable[[], T], repeat: int) -> tuple[list[float], T | None]:
+    """Seconds of each of `repeat` loads, and the last one loaded. The previous result is
+    freed before the next timer starts, so no load pays for freeing another."""
+    out: list[float] = []
+    last: T | None = None
     for _ in range(repeat):
+        last = None
         t = time.perf_counter()
-        fn()
+        last = load()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         out.append(round(time.perf_counter() - t, 3))
-    return out
+    return out, last
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,19 +66,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{args.index_root}: no CURRENT version (build an index first)")
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device != "cpu" else "float32"))
 
-    def model() -> None:
-        load_checkpoint(args.model, args.device).model.to(dtype)
+    def model() -> object:
+        return load_checkpoint(args.model, args.device).model.to(dtype)
 
-    loaded: list = []
+    def index() -> ServingIndex:
+        return load_serving_index(args.index_root / version, tokenizer_fingerprint=None,
+                                  device=args.device)  # fmt: skip
 
-    def index() -> None:
-        loaded[:] = [load_serving_index(args.index_root / version, tokenizer_fingerprint=None,
-                                        device=args.device)]  # fmt: skip
-
-    model_s, index_s = _seconds(model, args.repeat), _seconds(index, args.repeat)
+    model_s, _ = _seconds(model, args.repeat)
+    index_s, served = _seconds(index, args.repeat)
     figures = {
         "index_version": version,
-        "ads": loaded[0].post.ads.num_ads,
+        "ads": served.post.ads.num_ads if served and served.post else None,
         "model": str(args.model),
         "device": args.device,
         "model_load_s": model_s,

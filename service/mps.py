@@ -9,7 +9,7 @@ stops it after the last — by default whenever it can (`resolve_mps`), on reque
 (`mps` true) or an error when it cannot:
 
     nvidia-cuda-mps-control -d      (pipe and log directories in a private temp dir)
-    a throwaway CUDA client attaches through it (ATTACH_PROBE): the daemon works
+    a throwaway CUDA client attaches through it (service/_mps_probe.py): it works
     workers inherit CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY and connect to it
     echo quit | nvidia-cuda-mps-control
 
@@ -40,21 +40,9 @@ log = logging.getLogger("grace.mps")
 CONTROL = "nvidia-cuda-mps-control"
 ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 TIMEOUT_S = 30.0
-# `-d` returns as soon as the control daemon forks; whether a client can use the GPU
-# through it (the MPS server starts, the user matches, /dev/shm has room) shows only when
-# one attaches. So a throwaway process attaches first, through the driver API alone (no
-# torch: ~0.2 s), and its failure is the daemon's.
-ATTACH_PROBE = [
-    sys.executable, "-c",
-    "import ctypes, sys\n"
-    "cu = ctypes.CDLL('libcuda.so.1')\n"
-    "dev, ctx = ctypes.c_int(), ctypes.c_void_p()\n"
-    "for name, rc in (('cuInit', cu.cuInit(0)),\n"
-    "                 ('cuDeviceGet', cu.cuDeviceGet(ctypes.byref(dev), 0))):\n"
-    "    if rc: sys.exit(f'{name} failed with CUDA error {rc}')\n"
-    "rc = cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)\n"
-    "if rc: sys.exit(f'cuDevicePrimaryCtxRetain failed with CUDA error {rc}')\n",
-]  # fmt: skip
+# `-d` returns as soon as the control daemon forks: a throwaway process attaches through
+# it before any worker starts (service/_mps_probe.py says what it checks)
+PROBE_SCRIPT = Path(__file__).with_name("_mps_probe.py")
 ATTACH_TIMEOUT_S = 60.0
 
 
@@ -76,8 +64,9 @@ def check_mps(settings: ServerSettings) -> None:
 
 def _on_cuda(settings: ServerSettings) -> bool:
     """Whether the workers will run on CUDA, without importing torch: 'auto' does where
-    the driver is (a CPU-only torch on a GPU host would then run its workers on the CPU
-    next to an idle daemon: harmless)."""
+    the driver is (a torch that cannot use that GPU — a CPU-only build, a driver too old
+    for it — then runs its workers on the CPU next to a daemon whose server holds some GPU
+    memory: set `mps` false there)."""
     if settings.device == "auto":
         return DRIVER_NODE.exists()
     return settings.device.startswith("cuda")
@@ -121,10 +110,11 @@ def control_binary() -> str:
 
 
 @contextlib.contextmanager
-def mps_daemon(root: Path | None = None) -> Iterator[dict[str, str]]:
+def mps_daemon(root: Path | None = None, ordinal: int = 0) -> Iterator[dict[str, str]]:
     """Run a private MPS control daemon for the duration of the block; yields the
     environment its clients need (also set in `os.environ` meanwhile, so spawned workers
-    inherit it). Raises MpsError when the control binary is missing or fails to start."""
+    inherit it). Raises MpsError when the control binary is missing, fails to start, or
+    no CUDA client can use GPU `ordinal` through it."""
     exe = control_binary()
     with contextlib.ExitStack() as stack:
         if root is None:
@@ -145,8 +135,8 @@ def mps_daemon(root: Path | None = None) -> Iterator[dict[str, str]]:
             said = out.read_text().strip() if out.exists() else ""
             raise MpsError(f"{CONTROL} -d failed: {said or exc}") from exc
         try:
-            _attach(full)
-        except MpsError:
+            _attach(exe, ordinal, full)
+        except BaseException:  # MpsError, or an interrupt while it waits: no daemon left
             _quit(exe, full)
             raise
         log.info("MPS control daemon started (pipes in %s)", env[ENV[0]])
@@ -163,16 +153,25 @@ def mps_daemon(root: Path | None = None) -> Iterator[dict[str, str]]:
             _quit(exe, full)
 
 
-def _attach(env: dict[str, str]) -> None:
-    """A CUDA client attaches through the new daemon, or MpsError with what it said."""
+def _attach(exe: str, ordinal: int, env: dict[str, str]) -> None:
+    """A CUDA client uses GPU `ordinal` through the new daemon, or MpsError with why."""
+    log.info("MPS: checking that a CUDA client attaches through the daemon")
+    command = [sys.executable, "-I", str(PROBE_SCRIPT), exe, str(ordinal)]
     try:
-        done = subprocess.run(ATTACH_PROBE, env=env, timeout=ATTACH_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(command, env=env, timeout=ATTACH_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              errors="replace")  # fmt: skip
     except (subprocess.TimeoutExpired, OSError) as exc:
         raise MpsError(f"no CUDA client could attach through the MPS daemon: {exc}") from exc
     if done.returncode != 0:
         said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
         raise MpsError(f"no CUDA client could attach through the MPS daemon: {said}")
+
+
+def gpu_ordinal(settings: ServerSettings) -> int:
+    """The GPU the workers use: N of 'cuda:N', else 0 (of the visible devices)."""
+    _, _, n = settings.device.partition(":")
+    return int(n) if n.isdigit() else 0
 
 
 def _quit(exe: str, env: dict[str, str]) -> None:

@@ -160,17 +160,27 @@ def load_checkpoint(
     own = torch.device(device).type == "cpu"
     weights = {k: v.to(expected[k].dtype, copy=own) for k, v in weights.items()}
     model.load_state_dict(weights, strict=True, assign=True)
-    loaded = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    loaded = _fingerprint(model)
     for module in model.modules():
         if hasattr(module, "reset_buffers"):  # the buffers no checkpoint holds
             module.reset_buffers()
-    if {k: v.data_ptr() for k, v in model.state_dict().items()} != loaded:
-        raise CheckpointError(f"checkpoint {path}: a reset_buffers replaced loaded state")
+    after = _fingerprint(model)
+    if after.keys() != loaded.keys():
+        raise CheckpointError(f"checkpoint {path}: a reset_buffers added or removed state "
+                              f"{sorted(after.keys() ^ loaded.keys())}")  # fmt: skip
+    if changed := sorted(k for k in loaded if after[k] != loaded[k]):
+        raise CheckpointError(f"checkpoint {path}: a reset_buffers changed loaded {changed}")
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:  # a module with state outside the checkpoint and no reset_buffers
         raise CheckpointError(f"checkpoint {path}: the model has state it does not hold: {left}")
     model.to(device).eval()
     return LoadedModel(model, config, tokenizer, str(meta["model_version"]), meta)
+
+
+def _fingerprint(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Per state_dict entry, its storage and in-place version: any replacement or write
+    changes one of them."""
+    return {k: (v.data_ptr(), v._version) for k, v in model.state_dict().items()}
 
 
 def _read_meta(p: Path) -> dict[str, Any]:

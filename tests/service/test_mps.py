@@ -4,6 +4,7 @@ against a stand-in `nvidia-cuda-mps-control` that logs how it was called (no GPU
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -40,19 +41,27 @@ def control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     for k in ENV:
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr(mps, "ATTACH_PROBE", [sys.executable, "-c", "pass"])  # attaches
+    probe = bin_dir / "probe.py"  # attaches: logs what it was given
+    probe.write_text(
+        "import os, sys\n"
+        f"open({str(log)!r}, 'a').write('probe|' + ' '.join(sys.argv[1:]) + '|'"
+        " + os.environ['CUDA_MPS_PIPE_DIRECTORY'] + '\\n')\n"
+    )
+    monkeypatch.setattr(mps, "PROBE_SCRIPT", probe)
     return log
 
 
 def test_daemon_starts_before_and_quits_after_the_block(control: Path) -> None:
     """`-d` with private pipe/log dirs, the clients' environment exported meanwhile (so
     spawned workers connect to it), 'quit' on the way out, the environment restored."""
-    with mps_daemon() as env:
+    with mps_daemon(ordinal=2) as env:
         pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
         assert Path(pipe).is_dir() and Path(env["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
         assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == pipe
-        assert control.read_text().splitlines() == [f"-d||{pipe}"]
-    assert control.read_text().splitlines() == [f"-d||{pipe}", f"|quit|{pipe}"]
+        exe = shutil.which("nvidia-cuda-mps-control")
+        # the probe attached through this daemon (its pipes), to GPU 2, before the block
+        assert control.read_text().splitlines() == [f"-d||{pipe}", f"probe|{exe} 2|{pipe}"]
+    assert control.read_text().splitlines()[2:] == [f"|quit|{pipe}"]
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
     assert not Path(pipe).exists()  # the private temp dir is gone
 
@@ -60,7 +69,8 @@ def test_daemon_starts_before_and_quits_after_the_block(control: Path) -> None:
 def test_daemon_quits_even_when_the_block_fails(control: Path) -> None:
     with pytest.raises(KeyError), mps_daemon():
         raise KeyError("a worker failed")
-    assert [line.split("|")[1] for line in control.read_text().splitlines()] == ["", "quit"]
+    calls = [x for x in control.read_text().splitlines() if not x.startswith("probe|")]
+    assert [line.split("|")[1] for line in calls] == ["", "quit"]
 
 
 def test_missing_or_failing_control_binary_is_a_clear_error(
@@ -184,12 +194,13 @@ def test_a_daemon_no_client_can_attach_through_is_quit(
     """`-d` succeeds but a CUDA client cannot attach (server will not start, user or
     /dev/shm trouble): the daemon is told to quit; unset `mps` serves without it, `mps`
     true is an error naming what the client said."""
-    monkeypatch.setattr(mps, "ATTACH_PROBE",
-                        [sys.executable, "-c", "raise SystemExit('CUDA error 805')"])  # fmt: skip
+    failing = control.parent / "failing_probe.py"
+    failing.write_text("raise SystemExit('cuInit failed with CUDA error 805')\n")
+    monkeypatch.setattr(mps, "PROBE_SCRIPT", failing)
     ran: list[str | None] = []
     monkeypatch.setattr(workers, "_supervise", lambda s: ran.append(os.environ.get(ENV[0])) or 0)
     unset = load_settings({"workers": 2, "device": "cuda", "port": 50999})
-    with caplog.at_level("WARNING", logger="grace.workers"):
+    with caplog.at_level("ERROR", logger="grace.workers"):
         assert workers.supervise(unset) == 0
     assert ran == [None] and "CUDA error 805" in caplog.text
     assert [line.split("|")[1] for line in control.read_text().splitlines()] == ["", "quit"]
@@ -218,3 +229,50 @@ def test_unset_mps_that_fails_to_start_serves_without_it(
         workers.supervise(load_settings({"workers": 2, "mps": True, "device": "cuda",
                                          "port": 50999}))  # fmt: skip
     assert ran == [None]
+
+
+def _server_list_control(bin_dir: Path, pids: str) -> str:
+    """A control binary answering `get_server_list` with `pids` (and logging nothing)."""
+    exe = bin_dir / "control-with-servers"
+    exe.write_text(f'#!/bin/sh\ncat >/dev/null\necho "{pids}"\n')
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return str(exe)
+
+
+def test_probe_needs_a_server_serving_the_attached_client(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The probe passes only when the attach succeeds *and* the daemon lists a server —
+    a client that cannot reach the daemon runs without MPS, silently."""
+    from service import _mps_probe
+
+    attached: list[int] = []
+    monkeypatch.setattr(_mps_probe, "attach", attached.append)
+    assert _mps_probe.main([_server_list_control(tmp_path, "4242"), "1"]) == 0
+    assert attached == [1]
+    assert _mps_probe.main([_server_list_control(tmp_path, ""), "0"]) == 1
+    assert "attached without MPS" in capsys.readouterr().err
+
+    def fails(ordinal: int) -> None:
+        raise RuntimeError("cuDevicePrimaryCtxRetain failed with CUDA error 805")
+
+    monkeypatch.setattr(_mps_probe, "attach", fails)
+    assert _mps_probe.main([_server_list_control(tmp_path, "4242"), "0"]) == 1
+    assert "CUDA error 805" in capsys.readouterr().err
+
+
+def test_probe_reports_a_missing_driver(tmp_path: Path) -> None:
+    """Run as the supervisor runs it: no libcuda here, so the reason is the loader's."""
+    done = subprocess.run(
+        [sys.executable, "-I", str(mps.PROBE_SCRIPT), _server_list_control(tmp_path, "1"), "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if done.returncode == 0:
+        pytest.skip("a CUDA driver is installed here")
+    assert "libcuda" in done.stderr
+
+
+def test_gpu_ordinal_follows_the_device_setting() -> None:
+    assert mps.gpu_ordinal(load_settings({"device": "cuda:3"})) == 3
+    assert mps.gpu_ordinal(load_settings({"device": "cuda"})) == 0
+    assert mps.gpu_ordinal(load_settings({"device": "auto"})) == 0

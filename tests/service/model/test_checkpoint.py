@@ -187,16 +187,38 @@ def test_a_checkpoint_overwritten_after_loading_leaves_the_model_unchanged(model
         before = loaded.model.encode(f).clone()
         weights = saved / "model.safetensors"
         size = weights.stat().st_size
+        state = {k: v.clone() for k, v in loaded.model.state_dict().items()}
         with weights.open("r+b") as fh:  # same size, new bytes, same inode
             fh.write(b"\x7f" * size)
         assert torch.equal(loaded.model.encode(f), before)
+        for k, v in loaded.model.state_dict().items():
+            assert torch.equal(v, state[k]), k
 
 
-def test_a_reset_buffers_that_replaces_loaded_weights_is_refused(saved):
-    class Clobbers(GenerativeRetriever):
-        def reset_buffers(self) -> None:
-            head = self.decoder.head
-            head.weight = torch.nn.Parameter(torch.zeros_like(head.weight))
+class _Replaces(GenerativeRetriever):
+    def reset_buffers(self) -> None:
+        head = self.decoder.head
+        head.weight = torch.nn.Parameter(torch.zeros_like(head.weight))
 
-    with pytest.raises(CheckpointError, match="replaced loaded state"):
-        load_checkpoint(saved, build=Clobbers)
+
+class _Overwrites(GenerativeRetriever):
+    def reset_buffers(self) -> None:
+        with torch.no_grad():
+            self.decoder.head.weight.zero_()
+
+
+class _Adds(GenerativeRetriever):
+    def reset_buffers(self) -> None:
+        self.register_buffer("extra", torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("build", "said"),
+    [(_Replaces, r"changed loaded \['decoder\.head\.weight'\]"),
+     (_Overwrites, r"changed loaded \['decoder\.head\.weight'\]"),
+     (_Adds, r"added or removed state \['extra'\]")],
+)  # fmt: skip
+def test_a_reset_buffers_that_touches_loaded_state_is_refused(saved, build, said):
+    """`reset_buffers` may only make what the checkpoint does not hold."""
+    with pytest.raises(CheckpointError, match=said):
+        load_checkpoint(saved, build=build)
