@@ -188,46 +188,34 @@ def test_unset_mps_is_on_wherever_it_can_help(
     assert not control.exists()  # deciding starts no daemon
 
 
-def test_a_daemon_no_client_can_attach_through_is_quit(
-    control: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("failure", ["daemon", "probe"])
+def test_an_mps_start_that_fails_serves_without_it_unless_asked(
+    control: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    failure: str,
 ) -> None:
-    """`-d` succeeds but a CUDA client cannot attach (server will not start, user or
-    /dev/shm trouble): the daemon is told to quit; unset `mps` serves without it, `mps`
-    true is an error naming what the client said."""
-    failing = control.parent / "failing_probe.py"
-    failing.write_text("raise SystemExit('cuInit failed with CUDA error 805')\n")
-    monkeypatch.setattr(mps, "PROBE_SCRIPT", failing)
+    """`-d` fails, or it succeeds but no CUDA client can use the GPU through it (server
+    will not start, user or /dev/shm trouble): unset `mps` logs an error and serves
+    without MPS, `mps` true is an error naming why; a daemon that started is told to quit."""
+    if failure == "daemon":
+        fake_control(control.parent / "bin", control, fail=True)
+        said, calls = "already running", [""]
+    else:
+        failing = control.parent / "failing_probe.py"
+        failing.write_text("raise SystemExit('cuInit failed with CUDA error 805')\n")
+        monkeypatch.setattr(mps, "PROBE_SCRIPT", failing)
+        said, calls = "could attach.*CUDA error 805", ["", "quit"]
     ran: list[str | None] = []
     monkeypatch.setattr(workers, "_supervise", lambda s: ran.append(os.environ.get(ENV[0])) or 0)
     unset = load_settings({"workers": 2, "device": "cuda", "port": 50999})
     with caplog.at_level("ERROR", logger="grace.workers"):
         assert workers.supervise(unset) == 0
-    assert ran == [None] and "CUDA error 805" in caplog.text
-    assert [line.split("|")[1] for line in control.read_text().splitlines()] == ["", "quit"]
-    asked = load_settings({"workers": 2, "mps": True, "device": "cuda", "port": 50999})
-    with pytest.raises(MpsError, match=r"could attach.*CUDA error 805"):
-        workers.supervise(asked)
-    assert ran == [None]
-
-
-def test_unset_mps_that_fails_to_start_serves_without_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A daemon that will not start stops `mps` true with an error, but only warns when
-    `mps` was left unset: the workers then run without it."""
-    fake_control(tmp_path, tmp_path / "calls.log", fail=True)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    for k in ENV:
-        monkeypatch.delenv(k, raising=False)
-    ran: list[str | None] = []
-    monkeypatch.setattr(workers, "_supervise", lambda s: ran.append(os.environ.get(ENV[0])) or 0)
-    unset = load_settings({"workers": 2, "device": "cuda", "port": 50999})
-    with caplog.at_level("WARNING", logger="grace.workers"):
-        assert workers.supervise(unset) == 0
     assert ran == [None] and "MPS did not start" in caplog.text
-    with pytest.raises(MpsError, match="already running"):
-        workers.supervise(load_settings({"workers": 2, "mps": True, "device": "cuda",
-                                         "port": 50999}))  # fmt: skip
+    assert [line.split("|")[1] for line in control.read_text().splitlines()] == calls
+    asked = load_settings({"workers": 2, "mps": True, "device": "cuda", "port": 50999})
+    with pytest.raises(MpsError, match=said):
+        workers.supervise(asked)
     assert ran == [None]
 
 
