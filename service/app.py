@@ -36,6 +36,7 @@ from service.grpc_server import (
 )
 from service.metrics import Metrics
 from service.model.checkpoint import load_checkpoint
+from service.mps import mps_client
 from service.pipeline.runner import Pipeline
 from service.pipeline.stages import Stages
 from service.request_log import RequestLog
@@ -147,6 +148,7 @@ async def start(
     metrics.queue_depth.set_function(lambda: batcher.depth)
     if device.startswith("cuda"):
         metrics.gpu_memory.set_function(lambda: torch.cuda.memory_allocated())
+    metrics.mps_client.set(int(mps_client(device)))
     request_log = RequestLog(settings.request_log) if settings.request_log else None
     servicer = RetrievalServicer(
         batcher, Limits.from_settings(settings), indexes, metrics, request_log

@@ -95,6 +95,12 @@ class Metrics:
         self.gpu_memory = Gauge(
             "grace_gpu_memory_bytes", "GPU memory allocated by the server.", registry=r
         )
+        self.mps_client = Gauge(
+            "grace_mps_client",
+            "1 when this process reaches its GPU through a CUDA MPS daemon, else 0 "
+            "(several workers on one GPU without it time-slice: GraceGpuWorkersWithoutMps).",
+            registry=r,
+        )
 
     def set_index(self, version: str, created_iso: str | None, loaded_at: float) -> None:
         """Record the index now being served."""

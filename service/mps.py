@@ -72,6 +72,13 @@ def _on_cuda(settings: ServerSettings) -> bool:
     return settings.device.startswith("cuda")
 
 
+def mps_client(device: str) -> bool:
+    """Whether a process on `device` reaches the GPU through an MPS daemon: CUDA, with a
+    daemon's pipe directory in its environment (the supervisor's private one, which it
+    exports only once a client has attached through it, or a node-wide one)."""
+    return device.startswith("cuda") and bool(os.environ.get(ENV[0]))
+
+
 def resolve_mps(settings: ServerSettings) -> bool:
     """Whether the supervisor runs its private daemon: `mps` when set; unset, whenever it
     can help — several workers on CUDA, the control binary on PATH, and no MPS daemon

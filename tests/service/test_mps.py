@@ -264,3 +264,11 @@ def test_gpu_ordinal_follows_the_device_setting() -> None:
     assert mps.gpu_ordinal(load_settings({"device": "cuda:3"})) == 3
     assert mps.gpu_ordinal(load_settings({"device": "cuda"})) == 0
     assert mps.gpu_ordinal(load_settings({"device": "auto"})) == 0
+
+
+def test_mps_client_is_cuda_with_a_daemons_pipes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `grace_mps_client` reports: CUDA and a daemon's pipe directory exported."""
+    monkeypatch.delenv(ENV[0], raising=False)
+    assert not mps.mps_client("cuda")
+    monkeypatch.setenv(ENV[0], "/tmp/grace-mps-x/pipe")
+    assert mps.mps_client("cuda:1") and not mps.mps_client("cpu")
