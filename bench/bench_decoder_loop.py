@@ -166,44 +166,35 @@ def synthetic_user(
 # --------------------------------------------------------------------------- timing
 
 
-def times_ms(fn: Callable[[int], object], n: int, cuda: bool, warmup: int) -> list[float]:
-    """Milliseconds of fn(i) for i < n, each alone: CUDA events on GPU (the device idles
-    before each call, so launch-bound eager rows are charged their host time too)."""
+def times_ms(
+    fn: Callable[[int], object], n: int, cuda: bool, warmup: int, back_to_back: bool = False
+) -> list[float]:
+    """Milliseconds of fn(i) for i < n. On GPU, CUDA events around each call: by default
+    the device idles before each one (launch-bound eager rows are charged their host time
+    too); `back_to_back` queues the calls without a sync in between, so each pair of
+    events brackets one call's GPU work and host time (Python, the launch, a GC pause)
+    stays hidden while the host keeps ahead — as the server's compute thread does under
+    load."""
     for i in range(warmup):
         fn(i)
-    out = []
-    for i in range(n):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
+    if cuda:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(n)]  # fmt: skip
+        torch.cuda.synchronize()
+        for i, (start, end) in enumerate(events):
+            if not back_to_back:
+                torch.cuda.synchronize()
             start.record()
             fn(i)
             end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn(i)
-            out.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) for start, end in events]
+    out = []
+    for i in range(n):
+        t = time.perf_counter()
+        fn(i)
+        out.append((time.perf_counter() - t) * 1e3)
     return out
-
-
-def back_to_back_ms(fn: Callable[[int], object], n: int, warmup: int) -> list[float]:
-    """GPU milliseconds of fn(i) for i < n queued one after another, no synchronisation in
-    between: each pair of events brackets one call's work on the stream, so host time
-    (Python, the launch, a GC pause) is hidden whenever the host keeps ahead of the GPU —
-    as the server's compute thread does under load. CUDA only."""
-    for i in range(warmup):
-        fn(i)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(n)]  # fmt: skip
-    torch.cuda.synchronize()
-    for i, (start, end) in enumerate(events):
-        start.record()
-        fn(i)
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in events]
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -234,7 +225,7 @@ def run_row(model, index, batches, options, mode, beams, n, cuda) -> tuple[dict,
 
     row = stats(times_ms(call, n, cuda, warmup=2))
     if cuda and options.cuda_graph:  # the same calls queued back to back: GPU time alone
-        b2b = stats(back_to_back_ms(call, n, warmup=2))
+        b2b = stats(times_ms(call, n, cuda, warmup=2, back_to_back=True))
         row.update(back_to_back_p50_ms=b2b["p50_ms"], back_to_back_p99_ms=b2b["p99_ms"])
     live = [float((r.leaves >= 0).sum(1).float().mean()) for r in results]
     row.update(

@@ -72,11 +72,16 @@ def _on_cuda(settings: ServerSettings) -> bool:
     return settings.device.startswith("cuda")
 
 
+def _configured_daemon() -> str | None:
+    """The pipe directory of an MPS daemon this process's CUDA clients will use, if any:
+    the supervisor's private one (exported only once a client has attached through it)
+    or a node-wide one."""
+    return os.environ.get(ENV[0]) or None
+
+
 def mps_client(device: str) -> bool:
-    """Whether a process on `device` reaches the GPU through an MPS daemon: CUDA, with a
-    daemon's pipe directory in its environment (the supervisor's private one, which it
-    exports only once a client has attached through it, or a node-wide one)."""
-    return device.startswith("cuda") and bool(os.environ.get(ENV[0]))
+    """Whether a process on `device` reaches the GPU through an MPS daemon."""
+    return device.startswith("cuda") and _configured_daemon() is not None
 
 
 def resolve_mps(settings: ServerSettings) -> bool:
@@ -91,8 +96,8 @@ def resolve_mps(settings: ServerSettings) -> bool:
         return settings.mps
     if settings.workers < 2 or not _on_cuda(settings):
         return False
-    if os.environ.get(ENV[0]):
-        log.info("MPS: using the daemon configured in %s=%s", ENV[0], os.environ[ENV[0]])
+    if (pipes := _configured_daemon()) is not None:
+        log.info("MPS: using the daemon configured in %s=%s", ENV[0], pipes)
         return False
     if shutil.which(CONTROL) is None:
         log.warning(

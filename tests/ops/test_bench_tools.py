@@ -8,16 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from bench import bench_startup, bench_topk_capacity
+from index_builder.catalog import read_catalog
 from index_builder.format import VOCAB_SIZE
 from index_builder.publish import current_path, publish
-from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
-from service.model.checkpoint import save_checkpoint
-from service.model.config import PROFILES
-from service.model.retriever import GenerativeRetriever
 from tests.helpers.indexes import small_index, writer
+from tests.helpers.serving import make_serving_data
 
 
 @pytest.fixture(scope="module")
@@ -27,20 +24,16 @@ def index_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def test_startup_bench_times_both_loads(index_root: Path, tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    tokenizer = SIDTokenizer(
-        TokenizerConfig(levels=3, codebook_size=16, seed=0),
-        np.random.default_rng(0).normal(size=(3, 16, 8)).astype(np.float32),
-    )
-    save_checkpoint(GenerativeRetriever(PROFILES["tiny"]), tokenizer, tmp_path / "model")
+def test_startup_bench_times_both_loads(tmp_path: Path) -> None:
+    root = make_serving_data(tmp_path / "data")
     out = tmp_path / "startup.json"
-    args = ["--index-root", str(index_root), "--model", str(tmp_path / "model"),
+    args = ["--index-root", str(root / "index"), "--model", str(root / "model"),
             "--repeat", "2", "--out", str(out)]  # fmt: skip
     assert bench_startup.main(args) == 0
     result = json.loads(out.read_text())
     f = result["figures"]
-    assert f["ads"] == 200 and f["device"] == "cpu"
+    world_ads = len(read_catalog(root / "world" / "catalog.parquet", progress=False).ad_id)
+    assert f["ads"] == world_ads and f["device"] == "cpu"
     assert len(f["model_load_s"]) == len(f["index_load_and_validate_s"]) == 2
     assert f["model_load_median_s"] > 0 and f["index_load_and_validate_median_s"] > 0
     assert {"command", "git_commit", "device", "date"} <= result.keys()
