@@ -12,6 +12,11 @@ Each variant is checked against the fp32 reference before it is timed; a backend
 build or shape lacks is reported, not fatal. A diagnostic times cuDNN SDPA alone, without
 the `.contiguous()` that `_sdpa_beam_as_query` ends with, and reports whether cuDNN's
 output transposed back to `[B, M, H, d_h]` is already contiguous (the copy then free).
+A second diagnostic sweeps the persistent kernel's TMA configs with Triton's automatic
+warp specialisation of the tile loop (`WS`; a producer warp feeding the consumers, what
+Hopper attention kernels such as cuDNN's do by hand): each config compiled, checked and
+timed on its own, a config the compiler refuses reported, not fatal — so it can be tried
+without putting it in the served autotune set first.
 GPU timings: each call captured in a CUDA graph (the decoder runs as one, DESIGN §7),
 replayed with CUDA events around it and the L2 cache flushed before every call; medians
 and P99 of `--iters` calls. Bandwidth counts the bytes the op must move at least (read
@@ -230,6 +235,7 @@ def measure(a: argparse.Namespace, shape: dict[str, int]) -> dict[str, Any]:
         "paper_ms": PAPER_MS,
         "variants": rows,
         "cudnn_without_copy": cudnn_copy_diagnostic(a, q, k, v, want, rows),
+        "warp_specialized": ws_sweep(a, q, k, v, want),
         "winner": winner and winner["backend"],
         "winner_meets_target": (
             bool(winner and winner["median_ms"] <= TARGET_MS) if a.device == "cuda" else None
@@ -278,6 +284,59 @@ def cudnn_copy_diagnostic(
     return out
 
 
+def ws_sweep(
+    a: argparse.Namespace,
+    q: torch.Tensor,  # [B·M, H, d_h]
+    k: torch.Tensor,  # [B, H, T_ctx, d_h]
+    v: torch.Tensor,
+    want: torch.Tensor,  # the fp32 reference
+) -> dict[str, Any]:
+    """The persistent kernel's TMA configs with a warp-specialised tile loop, one by one
+    (its shape pruning applies): status, error and median per config, and the fastest."""
+    from kernels import _triton_cross_attention_persistent as pca
+
+    b, _, t, d = k.shape
+    m = q.shape[0] // b
+    if not pca.supports(t, d, q.dtype) or not pca._tma_ok(q, q, d):
+        return {"status": "unavailable: no TMA descriptors at this shape or device"}
+    meta = {"BLOCK_T": max(16, 1 << (t - 1).bit_length()), "BLOCK_D": max(16, d), "TMA_OK": True}
+    tma = [c for c in pca._gpu_configs() if c.kwargs["USE_TMA"]]
+    if a.device == "cuda":
+        kept = pca._prune(tma, {"M": m, "q_ptr": q}, **meta)
+    else:  # the interpreter ignores WS: one small config runs the sweep's plumbing
+        small = {"BLOCK_M": 16, "OCCUPANCY": 1, "USE_TMA": True}
+        kept = [pca.triton.Config(small, num_warps=4, num_stages=2)] if m % 16 == 0 else []
+    out: list[dict[str, Any]] = []
+    for c in kept:
+        config = {**c.kwargs, "WS": True, "num_warps": c.num_warps, "num_stages": c.num_stages}
+        row: dict[str, Any] = {"config": {k_: v_ for k_, v_ in config.items() if k_ != "USE_TMA"}}
+        out.append(row)
+
+        def fn(config: dict = config) -> torch.Tensor:
+            return pca.triton_cross_attention_persistent(q, k, v, config=config)
+
+        try:
+            got = fn()
+            torch.testing.assert_close(got, want, **TOL[a.dtype])
+        except AssertionError as e:
+            row["status"] = f"mismatch: {str(e).splitlines()[0][:90]}"
+            continue
+        except Exception as e:  # a compiler refusal is a result here
+            row["status"] = f"refused: {type(e).__name__}: {str(e).splitlines()[0][:90]}"
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+            continue
+        xs = (
+            cuda_times(fn, a.iters, a.warmup, graph=not a.eager)
+            if a.device == "cuda"
+            else (timed(fn, a.iters, a.warmup))
+        )
+        row |= {"status": "ok", "median_ms": round(statistics.median(xs), 4)}
+    ok = [r for r in out if r["status"] == "ok"]
+    best = min(ok, key=lambda r: r["median_ms"]) if ok else None
+    return {"status": "ok" if ok else "none ran", "configs": out, "best": best}
+
+
 def _speedup(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}x"
 
@@ -313,6 +372,15 @@ def print_table(f: dict[str, Any]) -> None:
         print(
             f"  cuDNN without the final copy: {timing}{copy}output strides "
             f"{c['output_strides']}, [B, M, H, d_h] contiguous: {c['bmhd_contiguous']}"
+        )
+    w = f["warp_specialized"]
+    if w["status"] != "ok":
+        print(f"  warp-specialised persistent kernel: {w['status']}")
+    else:
+        ran = sum(r["status"] == "ok" for r in w["configs"])
+        print(
+            f"  warp-specialised persistent kernel: {ran} of {len(w['configs'])} configs ran; "
+            f"fastest {w['best']['median_ms']:.4f} ms ({w['best']['config']})"
         )
     verdict = {True: "meets", False: "misses", None: "not a GPU run: no verdict on"}
     print(

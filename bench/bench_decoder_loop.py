@@ -201,6 +201,24 @@ def stats(xs: list[float]) -> dict[str, float]:
     return {**percentiles(xs), "mean_ms": round(statistics.fmean(xs), 3), "batches": len(xs)}
 
 
+def tail_spread(xs: list[float], distinct: int, over_ms: float = 1.0) -> dict:
+    """Where a row's tail comes from: sample i ran batch i % `distinct`. Per batch its
+    median and worst time, and the samples slower than the row's median + `over_ms` (their
+    positions in the run: clustered in time, or always the same batch?). A tail made by
+    the data shows as one batch slow every time; a tail made by the GPU or the host as
+    scattered samples of every batch."""
+    med = statistics.median(xs)
+    per = [xs[j::distinct] for j in range(distinct)]
+    slow = [i for i, x in enumerate(xs) if x > med + over_ms]
+    return {
+        "per_batch_p50_ms": [round(statistics.median(p), 3) for p in per],
+        "per_batch_max_ms": [round(max(p), 3) for p in per],
+        f"samples_over_p50_plus_{over_ms:g}_ms": slow,
+        "their_batches": [i % distinct for i in slow],
+        "their_ms": [round(xs[i], 3) for i in slow],
+    }
+
+
 def matmul_ceiling(device: str, dtype: torch.dtype, n: int) -> float:
     """FLOP/s of one n³ matmul (median of 20), the MFU denominator."""
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -223,10 +241,14 @@ def run_row(model, index, batches, options, mode, beams, n, cuda) -> tuple[dict,
         b = batches[i % len(batches)]
         engine.run(b.ctx, b.requests, beams, mode)
 
-    row = stats(times_ms(call, n, cuda, warmup=2))
+    xs = times_ms(call, n, cuda, warmup=2)
+    row = stats(xs)
     if cuda and options.cuda_graph:  # the same calls queued back to back: GPU time alone
-        b2b = stats(times_ms(call, n, cuda, warmup=2, back_to_back=True))
+        ys = times_ms(call, n, cuda, warmup=2, back_to_back=True)
+        b2b = stats(ys)
         row.update(back_to_back_p50_ms=b2b["p50_ms"], back_to_back_p99_ms=b2b["p99_ms"])
+        nb = len(batches)
+        row.update(tail=tail_spread(xs, nb), back_to_back_tail=tail_spread(ys, nb))
     live = [float((r.leaves >= 0).sum(1).float().mean()) for r in results]
     row.update(
         warm_s=round(warm_s, 2),
@@ -421,6 +443,11 @@ def print_row(r: dict, flush: bool = False) -> None:
         return
     b2b = (f", back to back {r['back_to_back_p50_ms']:.3f} / {r['back_to_back_p99_ms']:.3f}"
            if "back_to_back_p50_ms" in r else "")  # fmt: skip
+    if "tail" in r:
+        t = r["tail"]
+        b2b += (f", {len(t['their_batches'])} samples > P50 + 1 ms (batches "
+                f"{t['their_batches']}; per-batch P50 {min(t['per_batch_p50_ms']):.3f}.."
+                f"{max(t['per_batch_p50_ms']):.3f})")  # fmt: skip
     print(
         f"{r['label']:<34} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} {r['batches']:>5} "
         f"{r['gflops_per_request']:>8.1f} {100 * r['mfu']:>6.1f}%  graphs {r['graphs']}, "

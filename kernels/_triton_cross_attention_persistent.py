@@ -49,7 +49,9 @@ SM_REGS = 64 * 1024  # 32-bit registers of one H100/H200 SM
 REGS_PER_THREAD = 255
 # off CUDA, and on CUDA without autotuning (GPU tests): small tiles, so the interpreter's
 # shapes (M = 17) get a ragged tile and several tiles per (b, h)
-DEFAULT_CONFIG = {"BLOCK_M": 16, "OCCUPANCY": 1, "USE_TMA": False, "num_warps": 4, "num_stages": 2}
+DEFAULT_CONFIG = {
+    "BLOCK_M": 16, "OCCUPANCY": 1, "USE_TMA": False, "WS": False, "num_warps": 4, "num_stages": 2,
+}  # fmt: skip
 
 
 def _smem_bytes(block_m: int, stages: int, block_t: int, block_d: int, es: int) -> int:
@@ -84,7 +86,7 @@ def _keep(block_m: int, warps: int, occupancy: int) -> bool:
 def _gpu_configs() -> list[triton.Config]:
     return [
         triton.Config(
-            {"BLOCK_M": bm, "OCCUPANCY": occ, "USE_TMA": tma},
+            {"BLOCK_M": bm, "OCCUPANCY": occ, "USE_TMA": tma, "WS": False},
             num_warps=w,
             num_stages=s,
             pre_hook=_set_block_shape,
@@ -155,6 +157,7 @@ def _cross_attn_persistent_kernel(
     BLOCK_M: tl.constexpr,
     OCCUPANCY: tl.constexpr,  # programs per SM: sizes the grid, not read here
     USE_TMA: tl.constexpr,  # Q loads and O stores through q_desc / o_desc
+    WS: tl.constexpr,  # warp-specialised m-tile loop (Triton's automatic producer/consumers)
     TMA_OK: tl.constexpr,  # descriptors passed (an autotune key: prunes USE_TMA configs)
     PRECISION: tl.constexpr,
     WIDEN: tl.constexpr,
@@ -186,7 +189,9 @@ def _cross_attn_persistent_kernel(
         o_base = o_ptr + b.to(tl.int64) * M * stride_or + h * stride_oh
         # pipelined (num_stages): the Q tiles of the next iterations load during this one
         for mt in tl.range(
-            tl.maximum(first - bh * m_tiles, 0), tl.minimum(last - bh * m_tiles, m_tiles)
+            tl.maximum(first - bh * m_tiles, 0),
+            tl.minimum(last - bh * m_tiles, m_tiles),
+            warp_specialize=WS,
         ):
             if USE_TMA:
                 # one TMA box per tile: BLOCK_M rows of D elements, H·D apart, into SRAM
@@ -242,8 +247,8 @@ def triton_cross_attention_persistent(
     k: torch.Tensor,  # [B, H, T_ctx, d_h]
     v: torch.Tensor,  # [B, H, T_ctx, d_h]
     out: torch.Tensor | None = None,  # [B * M, H, d_h], contiguous; allocated if None
-    config: dict | None = None,  # fixed {"BLOCK_M", "OCCUPANCY", "USE_TMA", "num_warps",
-    # "num_stages"}; None: autotuned on CUDA, DEFAULT_CONFIG elsewhere
+    config: dict | None = None,  # fixed {"BLOCK_M", "OCCUPANCY", "USE_TMA", "WS",
+    # "num_warps", "num_stages"}; None: autotuned on CUDA, DEFAULT_CONFIG elsewhere
 ) -> torch.Tensor:  # [B * M, H, d_h], q's dtype, contiguous
     """Beam-as-query cross-attention in one persistent Triton launch."""
     assert q.dim() == 3 and k.dim() == 4 and k.shape == v.shape, (q.shape, k.shape, v.shape)
@@ -292,6 +297,6 @@ def triton_cross_attention_persistent(
         TMA_OK=q_desc is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WIDEN=_INTERPRET and q.dtype == torch.bfloat16,  # see the base kernel's launcher
-        **({} if tuned else config),
+        **({} if tuned else {"WS": False, **config}),  # WS off unless asked for
     )  # fmt: skip
     return out

@@ -186,14 +186,16 @@ def test_persistent_matches_reference(b: int, m: int, t_ctx: int, dtype: torch.d
 
 
 @needs_triton
-@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize(("tma", "ws"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("occupancy", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_persistent_configs_match_reference(tma: bool, occupancy: int, dtype: torch.dtype) -> None:
-    """TMA descriptors (emulated by the interpreter) and a wider grid give the same rows;
-    q strided like a slice of a fused QKV projection."""
+def test_persistent_configs_match_reference(
+    tma: bool, ws: bool, occupancy: int, dtype: torch.dtype
+) -> None:
+    """TMA descriptors (emulated by the interpreter), a warp-specialised tile loop and a
+    wider grid give the same rows; q strided like a slice of a fused QKV projection."""
     b, m, h, d = 3, 32, 3, 32
-    config = {"BLOCK_M": 16, "OCCUPANCY": occupancy, "USE_TMA": tma}
+    config = {"BLOCK_M": 16, "OCCUPANCY": occupancy, "USE_TMA": tma, "WS": ws}
     qkv = torch.randn(b * m, 3 * h * d).to(dtype)
     q = qkv[:, : h * d].view(b * m, h, d)  # [B * M, H, d_h], stride(0) = 3·H·d_h
     _, k, v = _inputs(b, m, h, 7, d, dtype)

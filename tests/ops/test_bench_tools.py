@@ -1,15 +1,20 @@
-"""The start-up and top-k capacity benchmark scripts run end to end on a small index and
-model, and the capacity they report is the largest any set of beams can need."""
+"""The start-up, top-k capacity and cross-attention benchmark scripts run end to end on
+small inputs, the capacity they report is the largest any set of beams can need, and the
+decode-loop bench's tail breakdown names the samples and batches that made the tail."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bench import bench_startup, bench_topk_capacity
+from bench.bench_decoder_loop import tail_spread
 from index_builder.catalog import read_catalog
 from index_builder.format import VOCAB_SIZE
 from index_builder.publish import current_path, publish
@@ -61,3 +66,31 @@ def test_capacity_is_the_most_any_beams_can_need(index_root: Path, tmp_path: Pat
     args = ["--index-root", str(index_root), "--beams", *map(str, beams), "--out", str(out)]
     assert bench_topk_capacity.main(args) == 0
     assert json.loads(out.read_text())["figures"]["indexes"][0]["steps"] == found["steps"]
+
+
+def test_cross_attention_bench_sweeps_warp_specialised_configs(tmp_path: Path) -> None:
+    """On the CPU (Triton's interpreter) the bench checks every variant against the
+    reference and runs its warp-specialised sweep's one small config through the same path
+    the GPU sweep takes; a refused or wrong config would show in its status."""
+    out = tmp_path / "cross.json"
+    root = Path(__file__).resolve().parents[2]
+    args = "--device cpu --small --beams 32 --iters 2 --warmup 1 --out".split()
+    cmd = [sys.executable, str(root / "bench" / "bench_cross_attention.py"), *args, str(out)]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=600)
+    f = json.loads(out.read_text())["figures"]
+    assert all(r["status"] != "mismatch" for r in f["variants"])
+    ws = f["warp_specialized"]
+    assert ws["status"] == "ok" and [r["status"] for r in ws["configs"]] == ["ok"]
+    assert ws["best"]["config"]["WS"] is True and ws["best"]["median_ms"] > 0
+
+
+def test_tail_spread_names_the_slow_samples_and_their_batches() -> None:
+    """Sample i ran batch i % 3; batch 1 is slow every time, one sample of batch 0 once."""
+    xs = [10.0, 12.5, 10.1, 10.0, 12.4, 10.2, 13.0, 12.6, 10.1]
+    t = tail_spread(xs, 3)
+    assert t["per_batch_p50_ms"] == [10.0, 12.5, 10.1]
+    assert t["per_batch_max_ms"] == [13.0, 12.6, 10.2]
+    # median 10.2: over 11.2 ms are samples 1, 4, 6, 7
+    assert t["samples_over_p50_plus_1_ms"] == [1, 4, 6, 7]
+    assert t["their_batches"] == [1, 1, 0, 1] and t["their_ms"] == [12.5, 12.4, 13.0, 12.6]
