@@ -23,6 +23,8 @@ with random bf16 weights. Each row adds one optimisation to the row above — al
     + one-pass tail  mask + log-softmax + score in the mask kernel (no cast, softmax,
                      add and fill passes over [R, V]); layer 0's QKV table read by the
                      self-attention kernel instead of gathered into a copy first
+    comparisons      the final row with one switch changed (not served): the Triton
+                     GELU-epilogue GEMM, no stream split, 4 parts on 4 streams
 
 Each row: P50/P99 over `--batches` batches (CUDA events around `engine.run`, inputs
 already on the device, the GPU idle before each call; `--naive-batches` for the slow
@@ -30,8 +32,11 @@ naive row), cycling through 8 distinct batches (2 with `--small`); the CUDA grap
 also report `back_to_back_p50_ms` / `back_to_back_p99_ms`, the same calls queued without
 a synchronisation in between (GPU time per batch, host jitter hidden); MFU = decoder
 FLOPs of the row's schedule (service/model/flops.py) × B / P50 / a bf16 matmul ceiling
-(8192³) measured in the same run. A last row times the full compute stage for one
-batch: features (embedding) + encoder + decode loop.
+(8192³) measured in the same run, as a short burst (`mfu`) and after `--sustain-s`
+seconds of load (`mfu_vs_sustained`: an H200 at its 700 W limit lowers its clock, as it
+does under the decode loop's timed batches); the graph rows' `tail` / `back_to_back_tail`
+say which samples made the tail and which batches they ran. A last row times the full
+compute stage for one batch: features (embedding) + encoder + decode loop.
 
 Requests: world users (`--world DIR`) or built from the index: each copies one ad's rules
 and carries exactly `--locations` locations of the index's vocabulary (bench_gtm_mask's
@@ -99,13 +104,20 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
         ("graph_fused", "+ fused layer ops", {"fused_layers": True}, GTM),
         ("graph_streams", "+ 2 parts on 2 streams", {"streams": 2}, GTM),
         ("graph_tail", "+ one-pass tail (final)", {"fused_tail": True}, GTM),
-        # a comparison, not served: cuBLASLt's GELU epilogue is faster (PERFORMANCE.md)
+    ]
+    # comparisons, not served: each changes one switch of the final row
+    comparisons = [
+        # cuBLASLt's GELU epilogue is faster (PERFORMANCE.md)
         ("graph_triton_ffn", "final, Triton GELU-epilogue GEMM", {"ffn_up": "triton"}, GTM),
+        ("graph_one_part", "final, 1 part (no stream split)", {"streams": 1}, GTM),
+        ("graph_four_parts", "final, 4 parts on 4 streams", {"streams": 4}, GTM),
     ]
     out, options = [], NAIVE
     for key, label, change, mode in steps:
         options = dataclasses.replace(options, **change)
         out.append((key, label, options, mode))
+    for key, label, change, mode in comparisons:
+        out.append((key, label, dataclasses.replace(options, **change), mode))
     return out
 
 
@@ -219,11 +231,19 @@ def tail_spread(xs: list[float], distinct: int, over_ms: float = 1.0) -> dict:
     }
 
 
-def matmul_ceiling(device: str, dtype: torch.dtype, n: int) -> float:
-    """FLOP/s of one n³ matmul (median of 20), the MFU denominator."""
+def matmul_ceiling(device: str, dtype: torch.dtype, n: int, sustain_s: float = 0.0) -> float:
+    """FLOP/s of one n³ matmul (median of 20), the MFU denominator. With `sustain_s`, the
+    20 timed products follow `sustain_s` seconds of back-to-back ones: the ceiling of a
+    GPU that has reached its power limit (an H200 lowers its clock there), as the decode
+    loop's timed batches do, instead of a short burst at the boost clock."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    ms = times_ms(lambda _: a @ b, 20, device.startswith("cuda"), warmup=5)
+    cuda = device.startswith("cuda")
+    warmup = 5
+    if sustain_s > 0:
+        per = statistics.median(times_ms(lambda _: a @ b, 5, cuda, warmup=2))
+        warmup = max(5, round(sustain_s * 1e3 / per))
+    ms = times_ms(lambda _: a @ b, 20, cuda, warmup=warmup, back_to_back=sustain_s > 0)
     return 2 * n**3 / (statistics.median(ms) / 1e3)
 
 
@@ -276,6 +296,9 @@ def main() -> None:
     ap.add_argument("--no-full", action="store_true", help="skip the full compute stage row")
     ap.add_argument("--small", action="store_true", help="smoke run: small index, few batches")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sustain-s", type=float, default=3.0,
+                    help="seconds of back-to-back matmuls before the second (sustained, "
+                    "power-limited) ceiling; 0: a burst like the first")  # fmt: skip
     ap.add_argument("--out", type=Path, help="result JSON (default: bench/results or /tmp)")
     ap.add_argument("--trace", action="store_true",
                     help="also profile the final configuration (eager) and print its top "
@@ -298,9 +321,11 @@ def main() -> None:
         model = GenerativeRetriever(config).to(dtype).eval()
     batches = make_batches(index, model, a, n=distinct)
     ceiling = matmul_ceiling(a.device, dtype, 8192 if cuda else 1024)
+    sustained = matmul_ceiling(a.device, dtype, 8192 if cuda else 1024, a.sustain_s)
     print(f"{a.profile} profile, B={a.batch}, beams {beams}, {dtype}; index "
           f"{len(arrays.ads.leaf_sids):,} SIDs ({index_s:.0f} s); matmul ceiling "
-          f"{ceiling / 1e12:.3f} TFLOP/s", flush=True)  # fmt: skip
+          f"{ceiling / 1e12:.3f} TFLOP/s, after {a.sustain_s:g} s of load "
+          f"{sustained / 1e12:.3f}", flush=True)  # fmt: skip
     wanted = set(a.rows.split(",")) if a.rows else {r[0] for r in ROWS}
     if wanted - {r[0] for r in ROWS}:
         ap.error(f"unknown rows {sorted(wanted - {r[0] for r in ROWS})}")
@@ -318,6 +343,7 @@ def main() -> None:
             timing, engine = run_row(model, index, batches, options, mode, beams, n, cuda)
             row.update(timing)
             row["mfu"] = round(flops * a.batch / (row["p50_ms"] / 1e3) / ceiling, 3)
+            row["mfu_vs_sustained"] = round(flops * a.batch / (row["p50_ms"] / 1e3) / sustained, 3)
             if key == "bloom":
                 eager_bloom = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == "graph_bloom":
@@ -344,6 +370,8 @@ def main() -> None:
         "index": str(a.index) if a.index else f"synthetic, {a.ads} ads (bench_gtm_mask)",
         "sids": len(arrays.ads.leaf_sids),
         "matmul_ceiling_tflops": round(ceiling / 1e12, 3),
+        "matmul_ceiling_sustained_tflops": round(sustained / 1e12, 3),
+        "sustain_s": a.sustain_s,
         "cuda_graph": cuda,
         "rows": rows,
     }
