@@ -24,7 +24,8 @@ with random bf16 weights. Each row adds one optimisation to the row above — al
                      add and fill passes over [R, V]); layer 0's QKV table read by the
                      self-attention kernel instead of gathered into a copy first
     comparisons      the final row with one switch changed (not served): the Triton
-                     GELU-epilogue GEMM, no stream split, 4 parts on 4 streams
+                     GELU-epilogue GEMM, no stream split, 4 parts on 4 streams, each
+                     step's bookkeeping after top-k compiled by torch.compile
 
 Each row: P50/P99 over `--batches` batches (CUDA events around `engine.run`, inputs
 already on the device, the GPU idle before each call; `--naive-batches` for the slow
@@ -111,6 +112,7 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
         ("graph_triton_ffn", "final, Triton GELU-epilogue GEMM", {"ffn_up": "triton"}, GTM),
         ("graph_one_part", "final, 1 part (no stream split)", {"streams": 1}, GTM),
         ("graph_four_parts", "final, 4 parts on 4 streams", {"streams": 4}, GTM),
+        ("graph_compiled", "final, torch.compile'd bookkeeping", {"compile_advance": True}, GTM),
     ]
     out, options = [], NAIVE
     for key, label, change, mode in steps:

@@ -57,9 +57,24 @@ def select(
     """Each request's best `keep` extensions, best first (with `ordered`), request-major:
     their scores float32 [B·keep], parent rows int64 [B·keep] (among the B·M rows) and
     tokens."""
-    top, flat = cand.topk(keep, dim=1, sorted=ordered)  # [B, keep]
-    base = torch.arange(cand.shape[0], device=cand.device)[:, None] * rows_per_request
-    return top.reshape(-1), (flat // vocab + base).view(-1), (flat % vocab).view(-1)
+    top, flat = top_k(cand, keep, ordered)
+    return (top.reshape(-1), *parents_and_tokens(flat, rows_per_request, vocab))
+
+
+def top_k(cand: torch.Tensor, keep: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's best `keep` candidates: scores float32 [B, keep] and their positions
+    in the request's row int64 [B, keep]; best first with `ordered`, else in any order."""
+    return cand.topk(keep, dim=1, sorted=ordered)
+
+
+def parents_and_tokens(
+    flat: torch.Tensor,  # int64 [B, keep]: winners' positions in their request's M·V row
+    rows_per_request: int,  # M
+    vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parent rows int64 [B·keep] (among the B·M rows) and tokens of top-k winners."""
+    base = torch.arange(flat.shape[0], device=flat.device)[:, None] * rows_per_request
+    return (flat // vocab + base).view(-1), (flat % vocab).view(-1)
 
 
 class BeamSearch:

@@ -41,7 +41,13 @@ from index_builder.targeting import MAX_REQUEST_LOCATIONS
 from kernels.cross_attention import cross_attention, cross_attention_per_beam
 from kernels.gtm_mask import candidates, masked_candidates, masked_logits
 from service.capture import bucket_of, capture, part_streams
-from service.decode.engine import NEG_INF, DecodeResult, check_schedule, select
+from service.decode.engine import (
+    NEG_INF,
+    DecodeResult,
+    check_schedule,
+    parents_and_tokens,
+    top_k,
+)
 from service.decode.fused_step import FusedDecoderStep
 from service.decode.kv_cache import ATTENTION_MODES, DenseKVCache, KVCache, PagedKVCache
 from service.model.decoder import SIDDecoder
@@ -66,6 +72,10 @@ class DecodeOptions:
     # the FFN up-projection's GEMM + GELU epilogue (kernels.gelu_linear): "cublaslt" or
     # "triton" (the persistent TMA kernel); fused_layers only
     ffn_up: str = "cublaslt"
+    # each step's bookkeeping after top-k (`advance`: parents, tokens, liveness, child
+    # nodes — ~10 small kernels) compiled by torch.compile, which fuses it into a few;
+    # off until measured on the GPU (docs/PERFORMANCE.md)
+    compile_advance: bool = False
 
     def __post_init__(self) -> None:
         for name, value, known in (
@@ -81,6 +91,29 @@ class DecodeOptions:
 
 
 SPLIT_MIN_BUCKET = 8  # smaller buckets are latency-bound: splitting them only adds work
+
+
+def advance(
+    top: torch.Tensor,  # float32 [B, keep]: each request's top-k scores
+    flat: torch.Tensor,  # int64 [B, keep]: their positions in the request's W·V candidates
+    child: torch.Tensor | None,  # int32 [B·W, V]: child node per (row, token); None: no mask
+    dead_slots: torch.Tensor | None,  # bool [B·keep]: slots past M_{t+1} (fixed_beams)
+    rows_per_request: int,  # W_t
+    vocab: int,
+    dead_node: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One step's bookkeeping after top-k: the kept rows' scores, parent rows, tokens,
+    liveness and trie nodes (dead rows parked on `dead_node`). Elementwise work and
+    gathers only, so torch.compile can fuse it (`DecodeOptions.compile_advance`)."""
+    parent, token = parents_and_tokens(flat, rows_per_request, vocab)
+    score = top.reshape(-1)
+    if dead_slots is not None:
+        score = score.masked_fill(dead_slots, NEG_INF)
+    live = torch.isfinite(score)
+    node = None
+    if child is not None:
+        node = child[parent, token].long().masked_fill(~live, dead_node)
+    return score, parent, token, live, node
 
 
 @dataclass
@@ -136,6 +169,11 @@ class StaticBeamSearch:
             )
             if self.options.fused_layers
             else decoder.step
+        )
+        # dynamic: one compiled function for every bucket and step (it is called only
+        # while plans warm up and capture; replays run the kernels it generated)
+        self._advance = (
+            torch.compile(advance, dynamic=True) if self.options.compile_advance else advance
         )
         self._plans: dict[tuple, _Plan] = {}
         self._inputs: dict[tuple, torch.Tensor] = {}  # shared static inputs, by shape
@@ -374,23 +412,23 @@ class StaticBeamSearch:
         for t in range(steps):
             w, last = plan.widths[t], t + 1 == steps
             logits = self._step(tokens, t, cross, plan.cache, self._cross)  # model dtype
+            child = None
             if self.options.mask:
                 cand, child = self._candidates(plan, logits, node, score, t)  # [R, V] each
             else:
                 cand = score[:, None] + torch.log_softmax(logits.float(), dim=-1)
             keep = plan.beams[-1] if last else plan.widths[t + 1]
+            past_m = not last and plan.widths[t + 1] > plan.beams[t + 1]  # slots >= M_{t+1}
             # the kept beams' order matters only after the last step (and where slots
-            # past M_{t+1} are killed below): elsewhere top-k skips its sort of the
-            # winners (one small block per request, ~22 µs per step on the H200)
-            ordered = last or plan.widths[t + 1] > plan.beams[t + 1]
-            score, parent, token = select(
-                cand.view(bsz, -1), keep, w, c.vocab_size, ordered=ordered
-            )
-            if not last and plan.widths[t + 1] > plan.beams[t + 1]:
-                score = score.masked_fill(plan.slot_dead[t + 1], NEG_INF)  # slots >= M_{t+1}
-            live = torch.isfinite(score)
-            if self.options.mask:
-                node = child[parent, token].long().masked_fill(~live, self.dead_node)
+            # past M_{t+1} are killed): elsewhere top-k skips its sort of the winners
+            # (one small block per request, ~22 µs per step on the H200)
+            top, flat = top_k(cand.view(bsz, -1), keep, ordered=last or past_m)
+            score, parent, token, live, next_node = self._advance(
+                top, flat, child, plan.slot_dead[t + 1] if past_m else None,
+                w, c.vocab_size, self.dead_node,
+            )  # fmt: skip
+            if next_node is not None:
+                node = next_node
             parents.append(parent)
             picked.append(token)
             tokens = token

@@ -12,7 +12,7 @@ from index_builder.build import build_arrays
 from index_builder.kway import KwaySpec
 from index_builder.lookup import FilterMode, GtmTables, RequestTensors
 from index_builder.targeting import Targeting, encode_requests
-from service.decode.engine import BeamSearch, DecodeResult, select
+from service.decode.engine import BeamSearch, DecodeResult, top_k
 from service.decode.static_engine import SPLIT_MIN_BUCKET, DecodeOptions, StaticBeamSearch
 from service.model.config import PROFILES
 from service.model.decoder import SIDDecoder
@@ -218,14 +218,19 @@ def random_index(n_ads: int, tokens: int, seed: int = 0):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_graph_equals_beam_search() -> None:
-    """fp32 on CUDA: the captured graph (padded bucket) returns the reference's result."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-advance", "compiled-advance"])
+def test_gpu_graph_equals_beam_search(compiled: bool) -> None:
+    """fp32 on CUDA: the captured graph (padded bucket) returns the reference's result,
+    also with the per-step bookkeeping compiled (its Inductor kernels inside the graph)."""
     index, decoder, _ = setup(make_ads(200, seed=3))
     decoder = decoder.cuda()
     tables = GtmTables.from_arrays(index.trie, device="cuda")
     offsets = torch.from_numpy(index.trie.level_offsets)
     search = BeamSearch(decoder, tables, offsets)
-    engine = StaticBeamSearch(decoder, tables, offsets, batch_buckets=GRAPH_BUCKETS)
+    options = DecodeOptions(compile_advance=compiled)
+    engine = StaticBeamSearch(
+        decoder, tables, offsets, options=options, batch_buckets=GRAPH_BUCKETS
+    )
     for b in (1, 5, 10, 13):  # the served buckets 2, 6 (one part), 10 and 14 (two parts)
         ctx = ctx_for(b).cuda()
         reqs = RequestTensors.from_encoded(encode_requests((TARGETING * 4)[:b]), "cuda")
@@ -287,6 +292,42 @@ def test_parts_on_their_own_streams_equal_beam_search(
     assert all(len(p.parts) == (streams if split else 0) for p in plans)
 
 
+@pytest.mark.parametrize("fixed_beams", [False, True])
+def test_compiled_advance_equals_beam_search(fixed_beams: bool) -> None:
+    """With `compile_advance` each step's bookkeeping after top-k runs as torch.compile'd
+    code — one dynamic-shape function for every bucket and step, here through Inductor's
+    CPU backend: the reference's SIDs, also where slots past M_{t+1} are killed (fixed
+    beams), for a full and a padded bucket."""
+    index, _, search = setup(make_ads(120, seed=5), seed=2)
+    options = DecodeOptions(compile_advance=True, fixed_beams=fixed_beams)
+    engine = engine_for(search, index, options=options, batch_buckets=(2, 4))
+    beams = (1, 6, 12, 9)
+    for batch in (4, 3, 2):
+        ctx, reqs = ctx_for(batch, seed=batch), requests((TARGETING * 2)[:batch])
+        for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
+            want = search.run(ctx, reqs, beams, mode)
+            got = engine.run(ctx, reqs, beams, mode)
+            if fixed_beams:
+                got = dataclasses.replace(got, rows_per_step=want.rows_per_step)
+            assert_same(got, want)
+            assert (want.leaves >= 0).any()
+
+
+def test_compiled_advance_without_a_mask_matches_the_uncompiled_one() -> None:
+    """The latency ablation without CD/GTM (no child nodes): compiled and uncompiled
+    bookkeeping pick the same tokens and scores."""
+    index, _, search = setup(make_ads(120, seed=5), seed=2)
+    ctx, reqs, beams = ctx_for(3, seed=1), requests(TARGETING[:3]), (1, 6, 12, 9)
+    runs = [
+        engine_for(search, index, options=DecodeOptions(mask=False, compile_advance=c),
+                   batch_buckets=(4,)).run(ctx, reqs, beams, FilterMode.CD_ONLY)
+        for c in (False, True)
+    ]  # fmt: skip
+    assert torch.equal(runs[0].sids, runs[1].sids)
+    assert torch.equal(runs[0].scores, runs[1].scores)
+    assert (runs[0].leaves == -1).all() and (runs[1].leaves == -1).all()
+
+
 def test_streams_below_one_are_refused() -> None:
     with pytest.raises(ValueError, match="streams"):
         DecodeOptions(streams=0)
@@ -302,17 +343,15 @@ def test_intermediate_beam_order_does_not_change_the_result(monkeypatch, fixed_b
     gen = torch.Generator().manual_seed(0)
     shuffled = []
 
-    def shuffling_select(cand, keep, rows, vocab, *, ordered=True):
-        score, parent, token = select(cand, keep, rows, vocab, ordered=ordered)
+    def shuffling_top_k(cand, keep, ordered=True):
+        top, flat = top_k(cand, keep, ordered)
         if ordered:
-            return score, parent, token
-        b = cand.shape[0]
-        perm = torch.stack([torch.randperm(keep, generator=gen) for _ in range(b)])
-        idx = (perm + torch.arange(b)[:, None] * keep).view(-1)
+            return top, flat
+        perm = torch.stack([torch.randperm(keep, generator=gen) for _ in range(cand.shape[0])])
         shuffled.append(True)
-        return score[idx], parent[idx], token[idx]
+        return top.gather(1, perm), flat.gather(1, perm)
 
-    monkeypatch.setattr(static_engine, "select", shuffling_select)
+    monkeypatch.setattr(static_engine, "top_k", shuffling_top_k)
     index, _, search = setup(make_ads(120, seed=4))
     options = DecodeOptions(fixed_beams=fixed_beams)
     engine = engine_for(search, index, options=options, batch_buckets=(4,))
