@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--eager", action="store_true", help="time eager calls, no CUDA graph")
     ap.add_argument("--no-per-beam", action="store_true", help="skip the 17 GB baseline")
+    ap.add_argument("--no-ws-sweep", dest="ws_sweep", action="store_false",
+                    help="skip the warp-specialised configs' sweep")  # fmt: skip
     ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="peak HBM (H200: 4.8 TB/s)")
     ap.add_argument(
         "--out",
@@ -137,7 +139,8 @@ def main() -> None:
         path = a.out or Path(tempfile.gettempdir()) / "cross_attention_smoke.json"
         path.write_text(json.dumps({**header(), "figures": figures}, indent=1) + "\n")
     print(path)
-    if any(r["status"] == "mismatch" for r in figures["variants"]):
+    ws = figures["warp_specialized"].get("configs", [])
+    if any(r["status"] == "mismatch" for r in [*figures["variants"], *ws]):
         sys.exit(1)
 
 
@@ -235,7 +238,9 @@ def measure(a: argparse.Namespace, shape: dict[str, int]) -> dict[str, Any]:
         "paper_ms": PAPER_MS,
         "variants": rows,
         "cudnn_without_copy": cudnn_copy_diagnostic(a, q, k, v, want, rows),
-        "warp_specialized": ws_sweep(a, q, k, v, want),
+        "warp_specialized": (
+            ws_sweep(a, q, k, v, want) if a.ws_sweep else {"status": "skipped (--no-ws-sweep)"}
+        ),
         "winner": winner and winner["backend"],
         "winner_meets_target": (
             bool(winner and winner["median_ms"] <= TARGET_MS) if a.device == "cuda" else None
@@ -292,7 +297,9 @@ def ws_sweep(
     want: torch.Tensor,  # the fp32 reference
 ) -> dict[str, Any]:
     """The persistent kernel's TMA configs with a warp-specialised tile loop, one by one
-    (its shape pruning applies): status, error and median per config, and the fastest."""
+    (its shape pruning applies). Per config a status — "ok" with its median, "mismatch"
+    with the first line of the comparison, or "refused" with the compiler's or launcher's
+    error — and the fastest that ran."""
     from kernels import _triton_cross_attention_persistent as pca
 
     b, _, t, d = k.shape
@@ -317,24 +324,28 @@ def ws_sweep(
 
         try:
             got = fn()
-            torch.testing.assert_close(got, want, **TOL[a.dtype])
-        except AssertionError as e:
-            row["status"] = f"mismatch: {str(e).splitlines()[0][:90]}"
-            continue
-        except Exception as e:  # a compiler refusal is a result here
-            row["status"] = f"refused: {type(e).__name__}: {str(e).splitlines()[0][:90]}"
+        except Exception as e:  # a compiler's or the launcher's refusal is a result here
+            row |= {"status": "refused", "error": f"{type(e).__name__}: {_first_line(e)}"}
             if a.device == "cuda":
                 torch.cuda.synchronize()
             continue
-        xs = (
-            cuda_times(fn, a.iters, a.warmup, graph=not a.eager)
-            if a.device == "cuda"
-            else (timed(fn, a.iters, a.warmup))
-        )
+        try:
+            torch.testing.assert_close(got, want, **TOL[a.dtype])
+        except AssertionError as e:
+            row |= {"status": "mismatch", "error": _first_line(e)}
+            continue
+        if a.device == "cuda":
+            xs = cuda_times(fn, a.iters, a.warmup, graph=not a.eager)
+        else:
+            xs = timed(fn, a.iters, a.warmup)
         row |= {"status": "ok", "median_ms": round(statistics.median(xs), 4)}
     ok = [r for r in out if r["status"] == "ok"]
     best = min(ok, key=lambda r: r["median_ms"]) if ok else None
     return {"status": "ok" if ok else "none ran", "configs": out, "best": best}
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [""])[0][:90]
 
 
 def _speedup(x: float | None) -> str:

@@ -215,7 +215,7 @@ def stats(xs: list[float]) -> dict[str, float]:
     return {**percentiles(xs), "mean_ms": round(statistics.fmean(xs), 3), "batches": len(xs)}
 
 
-def tail_spread(xs: list[float], distinct: int, over_ms: float = 1.0) -> dict:
+def tail_spread(xs: list[float], distinct: int, over_ms: float = 1.0) -> dict[str, list]:
     """Where a row's tail comes from: sample i ran batch i % `distinct`. Per batch its
     median and worst time, and the samples slower than the row's median + `over_ms` (their
     positions in the run: clustered in time, or always the same batch?). A tail made by
@@ -298,9 +298,10 @@ def main() -> None:
     ap.add_argument("--no-full", action="store_true", help="skip the full compute stage row")
     ap.add_argument("--small", action="store_true", help="smoke run: small index, few batches")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sustain-s", type=float, default=3.0,
+    ap.add_argument("--sustain-s", type=float, default=None,
                     help="seconds of back-to-back matmuls before the second (sustained, "
-                    "power-limited) ceiling; 0: a burst like the first")  # fmt: skip
+                    "power-limited) ceiling; default 3 on CUDA, 0 (a burst like the "
+                    "first) on the CPU")  # fmt: skip
     ap.add_argument("--out", type=Path, help="result JSON (default: bench/results or /tmp)")
     ap.add_argument("--trace", action="store_true",
                     help="also profile the final configuration (eager) and print its top "
@@ -323,6 +324,8 @@ def main() -> None:
         model = GenerativeRetriever(config).to(dtype).eval()
     batches = make_batches(index, model, a, n=distinct)
     ceiling = matmul_ceiling(a.device, dtype, 8192 if cuda else 1024)
+    if a.sustain_s is None:
+        a.sustain_s = 3.0 if cuda else 0.0
     sustained = matmul_ceiling(a.device, dtype, 8192 if cuda else 1024, a.sustain_s)
     print(f"{a.profile} profile, B={a.batch}, beams {beams}, {dtype}; index "
           f"{len(arrays.ads.leaf_sids):,} SIDs ({index_s:.0f} s); matmul ceiling "
@@ -332,7 +335,7 @@ def main() -> None:
     if wanted - {r[0] for r in ROWS}:
         ap.error(f"unknown rows {sorted(wanted - {r[0] for r in ROWS})}")
     rows: list[dict] = []
-    final = eager_bloom = unfused = triton_ffn = None
+    final = eager_bloom = unfused = triton_ffn = compiled = None
     for key, label, options, mode in ROWS:
         if key not in wanted:
             continue
@@ -352,6 +355,8 @@ def main() -> None:
                 unfused = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == "graph_triton_ffn":  # not served: compared with the final row below
                 triton_ffn = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
+            if key == "graph_compiled":  # the same arithmetic: must equal the final row
+                compiled = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == FINAL_ROW:
                 final = engine
             else:
@@ -398,6 +403,12 @@ def main() -> None:
                 figures[f"fused_vs_{name}_sid_overlap"] = sid_overlap(again, other)
         if triton_ffn is not None:  # bf16 rounding differs between the two GEMMs
             figures["triton_ffn_vs_final_sid_overlap"] = sid_overlap(triton_ffn, again)
+        if compiled is not None:
+            figures["compiled_equals_final"] = all(
+                torch.equal(x, y)
+                for x, y in ((compiled.sids, again.sids), (compiled.scores, again.scores),
+                             (compiled.leaves, again.leaves))
+            )  # fmt: skip
     if final is not None and not a.no_full:
         figures["full_compute"] = full_compute(model, final, batches, beams, a.batches, cuda)
     if a.trace and cuda:
@@ -495,6 +506,8 @@ def print_summary(f: dict) -> None:
             print(f"GTM cost ({name}: CD + bitmask + Bloom − CD): {f[f'gtm_cost_{name}_ms']}")
     if "graph_equals_eager" in f:
         print(f"graph result == eager result: {f['graph_equals_eager']}")
+    if "compiled_equals_final" in f:
+        print(f"compiled bookkeeping == final row: {f['compiled_equals_final']}")
     for key in sorted(k for k in f if k.endswith("_sid_overlap")):
         print(f"{key}: {f[key]}")
     if "full_compute" in f:

@@ -69,7 +69,7 @@ def top_k(cand: torch.Tensor, keep: int, ordered: bool = True) -> tuple[torch.Te
 
 def parents_and_tokens(
     flat: torch.Tensor,  # int64 [B, keep]: winners' positions in their request's M·V row
-    rows_per_request: int,  # M
+    rows_per_request: int,  # M (the static engine's W_t: rows per request at this step)
     vocab: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Parent rows int64 [B·keep] (among the B·M rows) and tokens of top-k winners."""

@@ -170,8 +170,9 @@ class StaticBeamSearch:
             if self.options.fused_layers
             else decoder.step
         )
-        # dynamic: one compiled function for every bucket and step (it is called only
-        # while plans warm up and capture; replays run the kernels it generated)
+        # dynamic shapes: a few compiled variants (with or without child nodes and dead
+        # slots) cover every bucket and step; on CUDA it runs while plans warm up and
+        # capture, and replays run the kernels it generated
         self._advance = (
             torch.compile(advance, dynamic=True) if self.options.compile_advance else advance
         )

@@ -12,6 +12,7 @@ from index_builder.build import build_arrays
 from index_builder.kway import KwaySpec
 from index_builder.lookup import FilterMode, GtmTables, RequestTensors
 from index_builder.targeting import Targeting, encode_requests
+from service.decode import static_engine
 from service.decode.engine import BeamSearch, DecodeResult, top_k
 from service.decode.static_engine import SPLIT_MIN_BUCKET, DecodeOptions, StaticBeamSearch
 from service.model.config import PROFILES
@@ -301,6 +302,7 @@ def test_compiled_advance_equals_beam_search(fixed_beams: bool) -> None:
     index, _, search = setup(make_ads(120, seed=5), seed=2)
     options = DecodeOptions(compile_advance=True, fixed_beams=fixed_beams)
     engine = engine_for(search, index, options=options, batch_buckets=(2, 4))
+    assert engine._advance is not static_engine.advance  # the compiled wrapper runs
     beams = (1, 6, 12, 9)
     for batch in (4, 3, 2):
         ctx, reqs = ctx_for(batch, seed=batch), requests((TARGETING * 2)[:batch])
@@ -318,11 +320,14 @@ def test_compiled_advance_without_a_mask_matches_the_uncompiled_one() -> None:
     bookkeeping pick the same tokens and scores."""
     index, _, search = setup(make_ads(120, seed=5), seed=2)
     ctx, reqs, beams = ctx_for(3, seed=1), requests(TARGETING[:3]), (1, 6, 12, 9)
-    runs = [
+    engines = [
         engine_for(search, index, options=DecodeOptions(mask=False, compile_advance=c),
-                   batch_buckets=(4,)).run(ctx, reqs, beams, FilterMode.CD_ONLY)
+                   batch_buckets=(4,))
         for c in (False, True)
     ]  # fmt: skip
+    assert engines[0]._advance is static_engine.advance
+    assert engines[1]._advance is not static_engine.advance
+    runs = [e.run(ctx, reqs, beams, FilterMode.CD_ONLY) for e in engines]
     assert torch.equal(runs[0].sids, runs[1].sids)
     assert torch.equal(runs[0].scores, runs[1].scores)
     assert (runs[0].leaves == -1).all() and (runs[1].leaves == -1).all()
@@ -338,8 +343,6 @@ def test_intermediate_beam_order_does_not_change_the_result(monkeypatch, fixed_b
     """Top-k may skip its sort before the last step: with the kept beams of every
     intermediate step shuffled within each request, the SIDs are still the reference's
     (with fixed beams the steps that kill slots past M_{t+1} keep their sort)."""
-    from service.decode import static_engine
-
     gen = torch.Generator().manual_seed(0)
     shuffled = []
 
