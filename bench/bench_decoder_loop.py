@@ -39,6 +39,12 @@ does under the decode loop's timed batches); the graph rows' `tail` / `back_to_b
 say which samples made the tail and which batches they ran. A last row times the full
 compute stage for one batch: features (embedding) + encoder + decode loop.
 
+`--ab ROW,ROW,...` times the given rows interleaved instead — round i runs each row once
+on batch i, in an order rotated every round — and reports each row's paired difference
+from the first (median, P10/P90, share of rounds faster) and whether its SIDs equal the
+first's: under a power-capped clock, rows timed one after the other differ by more than
+the ~0.1 ms changes worth measuring (`bench/results/decoder_loop_ab.json` on CUDA).
+
 Requests: world users (`--world DIR`) or built from the index: each copies one ad's rules
 and carries exactly `--locations` locations of the index's vocabulary (bench_gtm_mask's
 `requests_for`). Index: `--index ROOT` (a published root or version directory), else a
@@ -281,6 +287,81 @@ def run_row(model, index, batches, options, mode, beams, n, cuda) -> tuple[dict,
     return row, engine
 
 
+def times_interleaved(
+    calls: list[Callable[[int], object]], n: int, cuda: bool
+) -> list[list[float]]:
+    """Milliseconds of n rounds: in round i every call runs once on batch i, the GPU idle
+    before each (as `times_ms`), in an order rotated by one each round. Rows compared this
+    way share the GPU's clock and thermal state round by round; rows run one after the
+    other do not (an H200 at its power limit moves its clock by 15-30 %)."""
+    out: list[list[float]] = [[] for _ in calls]
+    k = len(calls)
+    for i in range(n + 2):  # two warm-up rounds
+        for j in range(k):
+            c = (i + j) % k
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                calls[c](i)
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                t = time.perf_counter()
+                calls[c](i)
+                ms = (time.perf_counter() - t) * 1e3
+            if i >= 2:
+                out[c].append(ms)
+    return out
+
+
+def paired(base: list[float], other: list[float]) -> dict[str, float]:
+    """`other` − `base` round by round: the median difference, its 10th and 90th
+    percentiles, and the share of rounds where `other` was faster."""
+    d = np.asarray(other) - np.asarray(base)
+    return {
+        "median_diff_ms": round(float(np.median(d)), 3),
+        "p10_diff_ms": round(float(np.percentile(d, 10)), 3),
+        "p90_diff_ms": round(float(np.percentile(d, 90)), 3),
+        "faster_share": round(float((d < 0).mean()), 3),
+    }
+
+
+def ab_compare(model, index, batches, keys: list[str], beams, n: int, cuda: bool) -> dict:
+    """The rows `keys` (the first is the baseline) timed interleaved, round by round, on
+    the same batches: per row P50/P99, and each other row's paired difference from the
+    baseline. Every row's result must equal the baseline's or overlap it (bf16 rows that
+    round differently report their SID overlap)."""
+    by_key = {r[0]: r for r in ROWS}
+    engines, results = [], []
+    for key in keys:
+        _, _, options, mode = by_key[key]
+        e = StaticBeamSearch(model.decoder, index.tables, index.level_offsets, options=options,
+                             batch_buckets=(len(batches[0].ctx),))  # fmt: skip
+        results.append([e.run(b.ctx, b.requests, beams, mode) for b in batches])  # warm
+        engines.append((e, mode))
+
+    def call_for(e: StaticBeamSearch, mode: FilterMode) -> Callable[[int], object]:
+        return lambda i: e.run(batches[i % len(batches)].ctx, batches[i % len(batches)].requests,
+                               beams, mode)  # fmt: skip
+
+    times = times_interleaved([call_for(e, m) for e, m in engines], n, cuda)
+    rows = []
+    for j, key in enumerate(keys):
+        row = {"row": key, "label": by_key[key][1], **stats(times[j])}
+        if j:
+            row["vs_baseline"] = paired(times[0], times[j])
+            pairs = zip(results[0], results[j], strict=True)
+            same = all(torch.equal(x.sids, y.sids) for x, y in pairs)
+            row["equals_baseline"] = same
+            if not same:
+                row["sid_overlap_with_baseline"] = sid_overlap(results[j][0], results[0][0])
+        rows.append(row)
+    return {"baseline": keys[0], "rounds": n, "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -295,6 +376,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=200, help="timed batches per row")
     ap.add_argument("--naive-batches", type=int, default=50, help="timed batches, naive row")
     ap.add_argument("--rows", help=f"comma list of rows to run, of {[r[0] for r in ROWS]}")
+    ap.add_argument("--ab", help="comma list of rows to time interleaved round by round "
+                    "instead (the first is the baseline of the paired differences)")  # fmt: skip
     ap.add_argument("--no-full", action="store_true", help="skip the full compute stage row")
     ap.add_argument("--small", action="store_true", help="smoke run: small index, few batches")
     ap.add_argument("--seed", type=int, default=0)
@@ -332,8 +415,19 @@ def main() -> None:
           f"{ceiling / 1e12:.3f} TFLOP/s, after {a.sustain_s:g} s of load "
           f"{sustained / 1e12:.3f}", flush=True)  # fmt: skip
     wanted = set(a.rows.split(",")) if a.rows else {r[0] for r in ROWS}
-    if wanted - {r[0] for r in ROWS}:
-        ap.error(f"unknown rows {sorted(wanted - {r[0] for r in ROWS})}")
+    ab = a.ab.split(",") if a.ab else []
+    figures_ab = None
+    if (wanted | set(ab)) - {r[0] for r in ROWS}:
+        ap.error(f"unknown rows {sorted((wanted | set(ab)) - {r[0] for r in ROWS})}")
+    if ab:
+        if len(ab) < 2 or len(set(ab)) < len(ab):
+            ap.error("--ab needs two or more distinct rows")
+        figures_ab = ab_compare(model, index, batches, ab, beams, a.batches, cuda)
+        for r in figures_ab["rows"]:
+            print(f"{r['label']:<40} P50 {r['p50_ms']:.3f}  P99 {r['p99_ms']:.3f}"
+                  + (f"  vs baseline {r['vs_baseline']}, same SIDs {r['equals_baseline']}"
+                     if "vs_baseline" in r else "  (baseline)"), flush=True)  # fmt: skip
+        wanted = set()  # the A/B run replaces the table's rows
     rows: list[dict] = []
     final = eager_bloom = unfused = triton_ffn = compiled = None
     for key, label, options, mode in ROWS:
@@ -382,6 +476,8 @@ def main() -> None:
         "cuda_graph": cuda,
         "rows": rows,
     }
+    if figures_ab is not None:
+        figures["ab"] = figures_ab
     by = {r["row"]: r for r in rows if "p50_ms" in r}
     for name, base, top in (("eager", "cd", "bloom"), ("graph", "graph_cd", "graph_bloom")):
         if base in by and top in by:
@@ -419,8 +515,8 @@ def main() -> None:
         out = a.out or Path(f"/tmp/decoder_loop_{a.profile}_smoke.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({**header(), "figures": figures}, indent=1) + "\n")
-    else:
-        out = write_result("decoder_loop", figures)
+    else:  # an A/B run never overwrites the table's figures
+        out = write_result("decoder_loop_ab" if ab else "decoder_loop", figures)
     print(out)
 
 
@@ -498,7 +594,8 @@ def print_row(r: dict, flush: bool = False) -> None:
 
 
 def print_summary(f: dict) -> None:
-    print(f"\n{'row':<34} {'P50 ms':>9} {'P99 ms':>9} {'n':>5} {'GF/req':>8} {'MFU':>7}")
+    if f["rows"]:
+        print(f"\n{'row':<34} {'P50 ms':>9} {'P99 ms':>9} {'n':>5} {'GF/req':>8} {'MFU':>7}")
     for r in f["rows"]:
         print_row(r)
     for name in ("eager", "graph"):

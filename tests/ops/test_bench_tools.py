@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bench import bench_startup, bench_topk_capacity
-from bench.bench_decoder_loop import tail_spread
+from bench.bench_decoder_loop import paired, tail_spread, times_interleaved
 from index_builder.catalog import read_catalog
 from index_builder.format import VOCAB_SIZE
 from index_builder.publish import current_path, publish
@@ -94,3 +94,18 @@ def test_tail_spread_names_the_slow_samples_and_their_batches() -> None:
     # median 10.2: over 11.2 ms are samples 1, 4, 6, 7
     assert t["samples_over_p50_plus_1_ms"] == [1, 4, 6, 7]
     assert t["their_batches"] == [1, 1, 0, 1] and t["their_ms"] == [12.5, 12.4, 13.0, 12.6]
+
+
+def test_interleaved_rounds_rotate_the_order_and_pair_the_samples() -> None:
+    """Each call runs once per round on that round's batch (2 warm-up rounds first), who
+    goes first rotates, and the paired difference is taken round by round."""
+    order: list[tuple[str, int]] = []
+    calls = [lambda i, n=n: order.append((n, i)) for n in "abc"]
+    times = times_interleaved(calls, 4, cuda=False)
+    assert [len(t) for t in times] == [4, 4, 4]
+    firsts = [order[3 * r][0] for r in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+    assert sorted(order) == sorted((n, i) for n in "abc" for i in range(6))
+    d = paired([10.0, 10.0, 12.0, 10.0], [9.0, 9.5, 13.0, 9.0])
+    assert d["median_diff_ms"] == -0.75 and d["faster_share"] == 0.75
+    assert d["p10_diff_ms"] < d["median_diff_ms"] < d["p90_diff_ms"]
