@@ -258,17 +258,24 @@ def matmul_ceiling(device: str, dtype: torch.dtype, n: int, sustain_s: float = 0
 # --------------------------------------------------------------------------- main
 
 
-def run_row(model, index, batches, options, mode, beams, n, cuda) -> tuple[dict, StaticBeamSearch]:
+def warm_engine(model, index, batches, options, mode, beams) -> tuple:
+    """One row's engine, run once on every batch (its plans and graphs made): the engine,
+    those results, and a call that runs it on batch i % len(batches)."""
     engine = StaticBeamSearch(model.decoder, index.tables, index.level_offsets, options=options,
                               batch_buckets=(len(batches[0].ctx),))  # fmt: skip
-    t0 = time.perf_counter()
-    results = [engine.run(b.ctx, b.requests, beams, mode) for b in batches]  # plans, graphs
-    warm_s = time.perf_counter() - t0
+    results = [engine.run(b.ctx, b.requests, beams, mode) for b in batches]
 
     def call(i: int) -> None:
         b = batches[i % len(batches)]
         engine.run(b.ctx, b.requests, beams, mode)
 
+    return engine, results, call
+
+
+def run_row(model, index, batches, options, mode, beams, n, cuda) -> tuple[dict, StaticBeamSearch]:
+    t0 = time.perf_counter()
+    engine, results, call = warm_engine(model, index, batches, options, mode, beams)
+    warm_s = time.perf_counter() - t0
     xs = times_ms(call, n, cuda, warmup=2)
     row = stats(xs)
     if cuda and options.cuda_graph:  # the same calls queued back to back: GPU time alone
@@ -332,22 +339,16 @@ def paired(base: list[float], other: list[float]) -> dict[str, float]:
 def ab_compare(model, index, batches, keys: list[str], beams, n: int, cuda: bool) -> dict:
     """The rows `keys` (the first is the baseline) timed interleaved, round by round, on
     the same batches: per row P50/P99, and each other row's paired difference from the
-    baseline. Every row's result must equal the baseline's or overlap it (bf16 rows that
-    round differently report their SID overlap)."""
+    baseline; and whether each row returned the baseline's SIDs (where not, as bf16 rows
+    that round differently may, the SID overlap of the first batch)."""
     by_key = {r[0]: r for r in ROWS}
-    engines, results = [], []
+    calls, results = [], []
     for key in keys:
         _, _, options, mode = by_key[key]
-        e = StaticBeamSearch(model.decoder, index.tables, index.level_offsets, options=options,
-                             batch_buckets=(len(batches[0].ctx),))  # fmt: skip
-        results.append([e.run(b.ctx, b.requests, beams, mode) for b in batches])  # warm
-        engines.append((e, mode))
-
-    def call_for(e: StaticBeamSearch, mode: FilterMode) -> Callable[[int], object]:
-        return lambda i: e.run(batches[i % len(batches)].ctx, batches[i % len(batches)].requests,
-                               beams, mode)  # fmt: skip
-
-    times = times_interleaved([call_for(e, m) for e, m in engines], n, cuda)
+        _, warm, call = warm_engine(model, index, batches, options, mode, beams)
+        calls.append(call)
+        results.append(warm)
+    times = times_interleaved(calls, n, cuda)
     rows = []
     for j, key in enumerate(keys):
         row = {"row": key, "label": by_key[key][1], **stats(times[j])}
