@@ -23,9 +23,11 @@ with random bf16 weights. Each row adds one optimisation to the row above — al
     + one-pass tail  mask + log-softmax + score in the mask kernel (no cast, softmax,
                      add and fill passes over [R, V]); layer 0's QKV table read by the
                      self-attention kernel instead of gathered into a copy first
+    + one launch     each step's bookkeeping after top-k (parents, tokens, liveness,
+                     child nodes) in one Triton kernel instead of ~10 torch launches
     comparisons      the final row with one switch changed (not served): the Triton
-                     GELU-epilogue GEMM, no stream split, 4 parts on 4 streams, each
-                     step's bookkeeping after top-k compiled by torch.compile
+                     GELU-epilogue GEMM, no stream split, 4 parts on 4 streams, the
+                     bookkeeping through torch.compile instead of the kernel
 
 Each row: P50/P99 over `--batches` batches (CUDA events around `engine.run`, inputs
 already on the device, the GPU idle before each call; `--naive-batches` for the slow
@@ -89,7 +91,7 @@ from service.model.retriever import GenerativeRetriever
 CD, GTM = FilterMode.CD_ONLY, FilterMode.CD_GTM
 NAIVE = DecodeOptions(
     cross="per_beam", self_attn="sdpa", kv="dense", fixed_beams=True, mask=False,
-    cuda_graph=False, fused_layers=False, streams=1, fused_tail=False,
+    cuda_graph=False, fused_layers=False, streams=1, fused_tail=False, advance="eager",
 )  # fmt: skip
 
 
@@ -110,7 +112,8 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
         ("graph_bloom", "CUDA graph, + Bloom GTM", {"bloom": True}, GTM),
         ("graph_fused", "+ fused layer ops", {"fused_layers": True}, GTM),
         ("graph_streams", "+ 2 parts on 2 streams", {"streams": 2}, GTM),
-        ("graph_tail", "+ one-pass tail (final)", {"fused_tail": True}, GTM),
+        ("graph_tail", "+ one-pass tail", {"fused_tail": True}, GTM),
+        ("graph_advance", "+ one-launch bookkeeping (final)", {"advance": "kernel"}, GTM),
     ]
     # comparisons, not served: each changes one switch of the final row
     comparisons = [
@@ -118,7 +121,7 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
         ("graph_triton_ffn", "final, Triton GELU-epilogue GEMM", {"ffn_up": "triton"}, GTM),
         ("graph_one_part", "final, 1 part (no stream split)", {"streams": 1}, GTM),
         ("graph_four_parts", "final, 4 parts on 4 streams", {"streams": 4}, GTM),
-        ("graph_compiled", "final, torch.compile'd bookkeeping", {"compile_advance": True}, GTM),
+        ("graph_compiled", "final, torch.compile'd bookkeeping", {"advance": "compiled"}, GTM),
     ]
     out, options = [], NAIVE
     for key, label, change, mode in steps:
@@ -130,7 +133,7 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
 
 
 ROWS = _rows()
-FINAL_ROW = "graph_tail"  # the served configuration; rows after it are comparisons
+FINAL_ROW = "graph_advance"  # the served configuration; rows after it are comparisons
 
 
 # --------------------------------------------------------------------------- inputs
@@ -342,16 +345,18 @@ def ab_compare(model, index, batches, keys: list[str], beams, n: int, cuda: bool
     baseline; and whether each row returned the baseline's SIDs (where not, as bf16 rows
     that round differently may, the SID overlap of the first batch)."""
     by_key = {r[0]: r for r in ROWS}
-    calls, results = [], []
+    calls, results, warm_s = [], [], []
     for key in keys:
         _, _, options, mode = by_key[key]
+        t0 = time.perf_counter()
         _, warm, call = warm_engine(model, index, batches, options, mode, beams)
+        warm_s.append(round(time.perf_counter() - t0, 2))  # plans, graphs, compiles
         calls.append(call)
         results.append(warm)
     times = times_interleaved(calls, n, cuda)
     rows = []
     for j, key in enumerate(keys):
-        row = {"row": key, "label": by_key[key][1], **stats(times[j])}
+        row = {"row": key, "label": by_key[key][1], **stats(times[j]), "warm_s": warm_s[j]}
         if j:
             row["vs_baseline"] = paired(times[0], times[j])
             pairs = zip(results[0], results[j], strict=True)
@@ -430,7 +435,8 @@ def main() -> None:
                      if "vs_baseline" in r else "  (baseline)"), flush=True)  # fmt: skip
         wanted = set()  # the A/B run replaces the table's rows
     rows: list[dict] = []
-    final = eager_bloom = unfused = triton_ffn = compiled = None
+    final = eager_bloom = unfused = triton_ffn = None
+    same_arithmetic = {}  # rows that must return exactly the final row's result
     for key, label, options, mode in ROWS:
         if key not in wanted:
             continue
@@ -450,8 +456,8 @@ def main() -> None:
                 unfused = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == "graph_triton_ffn":  # not served: compared with the final row below
                 triton_ffn = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
-            if key == "graph_compiled":  # the same arithmetic: must equal the final row
-                compiled = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
+            if key in ("graph_tail", "graph_compiled"):  # other bookkeeping, same arithmetic
+                same_arithmetic[key] = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == FINAL_ROW:
                 final = engine
             else:
@@ -500,11 +506,11 @@ def main() -> None:
                 figures[f"fused_vs_{name}_sid_overlap"] = sid_overlap(again, other)
         if triton_ffn is not None:  # bf16 rounding differs between the two GEMMs
             figures["triton_ffn_vs_final_sid_overlap"] = sid_overlap(triton_ffn, again)
-        if compiled is not None:
-            figures["compiled_equals_final"] = all(
+        for key, other in same_arithmetic.items():
+            figures[f"{key}_equals_final"] = all(
                 torch.equal(x, y)
-                for x, y in ((compiled.sids, again.sids), (compiled.scores, again.scores),
-                             (compiled.leaves, again.leaves))
+                for x, y in ((other.sids, again.sids), (other.scores, again.scores),
+                             (other.leaves, again.leaves))
             )  # fmt: skip
     if final is not None and not a.no_full:
         figures["full_compute"] = full_compute(model, final, batches, beams, a.batches, cuda)
@@ -604,8 +610,8 @@ def print_summary(f: dict) -> None:
             print(f"GTM cost ({name}: CD + bitmask + Bloom − CD): {f[f'gtm_cost_{name}_ms']}")
     if "graph_equals_eager" in f:
         print(f"graph result == eager result: {f['graph_equals_eager']}")
-    if "compiled_equals_final" in f:
-        print(f"compiled bookkeeping == final row: {f['compiled_equals_final']}")
+    for key in sorted(k for k in f if k.endswith("_equals_final")):
+        print(f"{key.removesuffix('_equals_final')} row's result == final row's: {f[key]}")
     for key in sorted(k for k in f if k.endswith("_sid_overlap")):
         print(f"{key}: {f[key]}")
     if "full_compute" in f:

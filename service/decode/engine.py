@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from index_builder.lookup import FilterMode, GtmTables, RequestTensors, lookup
+from kernels.beam_advance import parents_and_tokens
 from kernels.gtm_mask import NEG_INF, candidates
 from service.decode.kv_cache import DenseKVCache, PagedKVCache
 from service.model.decoder import SIDDecoder
@@ -65,16 +66,6 @@ def top_k(cand: torch.Tensor, keep: int, ordered: bool = True) -> tuple[torch.Te
     """Each request's best `keep` candidates: scores float32 [B, keep] and their positions
     in the request's row int64 [B, keep]; best first with `ordered`, else in any order."""
     return cand.topk(keep, dim=1, sorted=ordered)
-
-
-def parents_and_tokens(
-    flat: torch.Tensor,  # int64 [B, keep]: winners' positions in their request's M·V row
-    rows_per_request: int,  # M (the static engine's W_t: rows per request at this step)
-    vocab: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Parent rows int64 [B·keep] (among the B·M rows) and tokens of top-k winners."""
-    base = torch.arange(flat.shape[0], device=flat.device)[:, None] * rows_per_request
-    return (flat // vocab + base).view(-1), (flat % vocab).view(-1)
 
 
 class BeamSearch:

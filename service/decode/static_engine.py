@@ -38,16 +38,11 @@ import torch
 
 from index_builder.lookup import FilterMode, GtmTables, RequestTensors
 from index_builder.targeting import MAX_REQUEST_LOCATIONS
+from kernels.beam_advance import beam_advance, beam_advance_reference
 from kernels.cross_attention import cross_attention, cross_attention_per_beam
 from kernels.gtm_mask import candidates, masked_candidates, masked_logits
 from service.capture import bucket_of, capture, part_streams
-from service.decode.engine import (
-    NEG_INF,
-    DecodeResult,
-    check_schedule,
-    parents_and_tokens,
-    top_k,
-)
+from service.decode.engine import NEG_INF, DecodeResult, check_schedule, top_k
 from service.decode.fused_step import FusedDecoderStep
 from service.decode.kv_cache import ATTENTION_MODES, DenseKVCache, KVCache, PagedKVCache
 from service.model.decoder import SIDDecoder
@@ -72,10 +67,11 @@ class DecodeOptions:
     # the FFN up-projection's GEMM + GELU epilogue (kernels.gelu_linear): "cublaslt" or
     # "triton" (the persistent TMA kernel); fused_layers only
     ffn_up: str = "cublaslt"
-    # each step's bookkeeping after top-k (`advance`: parents, tokens, liveness, child
-    # nodes — ~10 small kernels) compiled by torch.compile, which fuses it into a few;
-    # off until measured on the GPU (docs/PERFORMANCE.md)
-    compile_advance: bool = False
+    # each step's bookkeeping after top-k (parents, tokens, liveness, child nodes):
+    # "kernel" — kernels.beam_advance, one Triton launch on CUDA (the reference on CPU);
+    # "eager" — the torch reference, ~10 small launches; "compiled" — the reference
+    # through torch.compile (a comparison: it adds Inductor's compile to start-up)
+    advance: str = "kernel"
 
     def __post_init__(self) -> None:
         for name, value, known in (
@@ -83,6 +79,7 @@ class DecodeOptions:
             ("self_attn", self.self_attn, ATTENTION_MODES),
             ("kv", self.kv, ("paged", "dense")),
             ("ffn_up", self.ffn_up, ("cublaslt", "triton")),
+            ("advance", self.advance, ("kernel", "eager", "compiled")),
         ):
             if value not in known:
                 raise ValueError(f"{name} must be one of {known}, got {value!r}")
@@ -91,29 +88,6 @@ class DecodeOptions:
 
 
 SPLIT_MIN_BUCKET = 8  # smaller buckets are latency-bound: splitting them only adds work
-
-
-def advance(
-    top: torch.Tensor,  # float32 [B, keep]: each request's top-k scores
-    flat: torch.Tensor,  # int64 [B, keep]: their positions in the request's W·V candidates
-    child: torch.Tensor | None,  # int32 [B·W, V]: child node per (row, token); None: no mask
-    dead_slots: torch.Tensor | None,  # bool [B·keep]: slots past M_{t+1} (fixed_beams)
-    rows_per_request: int,  # W_t
-    vocab: int,
-    dead_node: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One step's bookkeeping after top-k: the kept rows' scores, parent rows, tokens,
-    liveness and trie nodes (dead rows parked on `dead_node`). Elementwise work and
-    gathers only, so torch.compile can fuse it (`DecodeOptions.compile_advance`)."""
-    parent, token = parents_and_tokens(flat, rows_per_request, vocab)
-    score = top.reshape(-1)
-    if dead_slots is not None:
-        score = score.masked_fill(dead_slots, NEG_INF)
-    live = torch.isfinite(score)
-    node = None
-    if child is not None:
-        node = child[parent, token].long().masked_fill(~live, dead_node)
-    return score, parent, token, live, node
 
 
 @dataclass
@@ -170,12 +144,14 @@ class StaticBeamSearch:
             if self.options.fused_layers
             else decoder.step
         )
-        # dynamic shapes: a few compiled variants (with or without child nodes and dead
-        # slots) cover every bucket and step; on CUDA it runs while plans warm up and
-        # capture, and replays run the kernels it generated
-        self._advance = (
-            torch.compile(advance, dynamic=True) if self.options.compile_advance else advance
-        )
+        self._advance = beam_advance
+        if self.options.advance == "eager":
+            self._advance = beam_advance_reference
+        elif self.options.advance == "compiled":
+            # dynamic shapes: 3 compiled variants cover every served bucket and step (and
+            # later engines over the same shapes); they compile while plans warm up, and
+            # the graphs replay the kernels Inductor generated
+            self._advance = torch.compile(beam_advance_reference, dynamic=True)
         self._plans: dict[tuple, _Plan] = {}
         self._inputs: dict[tuple, torch.Tensor] = {}  # shared static inputs, by shape
         self._caches: dict[tuple, KVCache] = {}  # shared per (bucket, widths)

@@ -4,6 +4,7 @@ decode-loop bench's tail breakdown names the samples and batches that made the t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,10 +15,11 @@ import numpy as np
 import pytest
 
 from bench import bench_startup, bench_topk_capacity
-from bench.bench_decoder_loop import paired, tail_spread, times_interleaved
+from bench.bench_decoder_loop import FINAL_ROW, ROWS, paired, tail_spread, times_interleaved
 from index_builder.catalog import read_catalog
 from index_builder.format import VOCAB_SIZE
 from index_builder.publish import current_path, publish
+from service.decode.static_engine import DecodeOptions
 from tests.helpers.indexes import small_index, writer
 from tests.helpers.serving import make_serving_data
 
@@ -109,3 +111,14 @@ def test_interleaved_rounds_rotate_the_order_and_pair_the_samples() -> None:
     d = paired([10.0, 10.0, 12.0, 10.0], [9.0, 9.5, 13.0, 9.0])
     assert d["median_diff_ms"] == -0.75 and d["faster_share"] == 0.75
     assert d["p10_diff_ms"] < d["median_diff_ms"] < d["p90_diff_ms"]
+
+
+def test_decoder_loop_final_row_is_the_served_configuration() -> None:
+    """Table 6's final row runs the server's defaults (the one-launch bookkeeping), the
+    naive row the torch reference; the row before the final one differs from it only in
+    the bookkeeping, so the two must return the same result."""
+    rows = {key: options for key, _, options, _ in ROWS}
+    assert rows[FINAL_ROW] == DecodeOptions()
+    assert rows["naive"].advance == "eager"
+    assert rows["graph_tail"] == dataclasses.replace(DecodeOptions(), advance="eager")
+    assert rows["graph_compiled"] == dataclasses.replace(DecodeOptions(), advance="compiled")

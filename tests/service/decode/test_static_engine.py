@@ -12,6 +12,8 @@ from index_builder.build import build_arrays
 from index_builder.kway import KwaySpec
 from index_builder.lookup import FilterMode, GtmTables, RequestTensors
 from index_builder.targeting import Targeting, encode_requests
+from kernels._triton_beam_advance import triton_beam_advance
+from kernels.beam_advance import beam_advance, beam_advance_reference
 from service.decode import static_engine
 from service.decode.engine import BeamSearch, DecodeResult, top_k
 from service.decode.static_engine import SPLIT_MIN_BUCKET, DecodeOptions, StaticBeamSearch
@@ -219,16 +221,17 @@ def random_index(n_ads: int, tokens: int, seed: int = 0):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager-advance", "compiled-advance"])
-def test_gpu_graph_equals_beam_search(compiled: bool) -> None:
+@pytest.mark.parametrize("advance", ["eager", "kernel", "compiled"])
+def test_gpu_graph_equals_beam_search(advance: str) -> None:
     """fp32 on CUDA: the captured graph (padded bucket) returns the reference's result,
-    also with the per-step bookkeeping compiled (its Inductor kernels inside the graph)."""
+    with each step's bookkeeping as torch ops, as the Triton kernel (the default) or
+    torch.compile'd (its Inductor kernels inside the graph)."""
     index, decoder, _ = setup(make_ads(200, seed=3))
     decoder = decoder.cuda()
     tables = GtmTables.from_arrays(index.trie, device="cuda")
     offsets = torch.from_numpy(index.trie.level_offsets)
     search = BeamSearch(decoder, tables, offsets)
-    options = DecodeOptions(compile_advance=compiled)
+    options = DecodeOptions(advance=advance)
     engine = StaticBeamSearch(
         decoder, tables, offsets, options=options, batch_buckets=GRAPH_BUCKETS
     )
@@ -294,15 +297,20 @@ def test_parts_on_their_own_streams_equal_beam_search(
 
 
 @pytest.mark.parametrize("fixed_beams", [False, True])
-def test_compiled_advance_equals_beam_search(fixed_beams: bool) -> None:
-    """With `compile_advance` each step's bookkeeping after top-k runs as torch.compile'd
-    code — one dynamic-shape function for every bucket and step, here through Inductor's
-    CPU backend: the reference's SIDs, also where slots past M_{t+1} are killed (fixed
-    beams), for a full and a padded bucket."""
+@pytest.mark.parametrize("advance", ["kernel-interpreted", "compiled"])
+def test_bookkeeping_variants_equal_beam_search(
+    advance: str, fixed_beams: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step's bookkeeping after top-k as the Triton kernel (run by the interpreter in
+    place of the CPU dispatch) or through torch.compile (Inductor's CPU backend; one
+    dynamic-shape function for every bucket and step): the reference's SIDs, also where
+    slots past M_{t+1} are killed (fixed beams), for a full and a padded bucket."""
+    if advance == "kernel-interpreted":
+        monkeypatch.setattr(static_engine, "beam_advance", triton_beam_advance)
     index, _, search = setup(make_ads(120, seed=5), seed=2)
-    options = DecodeOptions(compile_advance=True, fixed_beams=fixed_beams)
+    options = DecodeOptions(advance=advance.removesuffix("-interpreted"), fixed_beams=fixed_beams)
     engine = engine_for(search, index, options=options, batch_buckets=(2, 4))
-    assert engine._advance is not static_engine.advance  # the compiled wrapper runs
+    assert engine._advance not in (beam_advance, beam_advance_reference)  # the variant runs
     beams = (1, 6, 12, 9)
     for batch in (4, 3, 2):
         ctx, reqs = ctx_for(batch, seed=batch), requests((TARGETING * 2)[:batch])
@@ -315,22 +323,25 @@ def test_compiled_advance_equals_beam_search(fixed_beams: bool) -> None:
             assert (want.leaves >= 0).any()
 
 
-def test_compiled_advance_without_a_mask_matches_the_uncompiled_one() -> None:
-    """The latency ablation without CD/GTM (no child nodes): compiled and uncompiled
-    bookkeeping pick the same tokens and scores."""
+def test_bookkeeping_without_a_mask_is_the_same_in_every_variant() -> None:
+    """The latency ablation without CD/GTM (no child nodes): every bookkeeping variant
+    picks the same tokens and scores."""
     index, _, search = setup(make_ads(120, seed=5), seed=2)
     ctx, reqs, beams = ctx_for(3, seed=1), requests(TARGETING[:3]), (1, 6, 12, 9)
     engines = [
-        engine_for(search, index, options=DecodeOptions(mask=False, compile_advance=c),
-                   batch_buckets=(4,))
-        for c in (False, True)
-    ]  # fmt: skip
-    assert engines[0]._advance is static_engine.advance
-    assert engines[1]._advance is not static_engine.advance
+        engine_for(search, index, options=DecodeOptions(mask=False, advance=a), batch_buckets=(4,))
+        for a in ("eager", "kernel", "compiled")
+    ]
     runs = [e.run(ctx, reqs, beams, FilterMode.CD_ONLY) for e in engines]
-    assert torch.equal(runs[0].sids, runs[1].sids)
-    assert torch.equal(runs[0].scores, runs[1].scores)
-    assert (runs[0].leaves == -1).all() and (runs[1].leaves == -1).all()
+    for run in runs[1:]:
+        assert torch.equal(runs[0].sids, run.sids)
+        assert torch.equal(runs[0].scores, run.scores)
+        assert (run.leaves == -1).all()
+
+
+def test_unknown_bookkeeping_is_refused() -> None:
+    with pytest.raises(ValueError, match="advance"):
+        DecodeOptions(advance="fast")
 
 
 def test_streams_below_one_are_refused() -> None:
