@@ -22,6 +22,7 @@ from index_builder.kway import KwaySpec, build_partitions
 from index_builder.publish import publish
 from index_builder.targeting import BLOOM_WORDS, Ragged, ad_blooms, location_blooms
 from index_builder.trie import build_trie, sid_keys, storage_stats
+from index_builder.validate import validate_index
 
 if TYPE_CHECKING:
     from index_builder.tokenizer import SIDTokenizer
@@ -206,7 +207,10 @@ def build_index(
     device: str = "cpu",
     workers: int | None = None,
 ) -> tuple[str, BuildReport]:
-    """Read, build and atomically publish one index version; returns (version, report).
+    """Read, build, validate and atomically publish one index version; returns (version,
+    report). The written version is validated in full (`validate_index`, for the SID
+    tokenizer it was built with and its version name) before CURRENT may name it; one
+    that fails raises IndexValidationError and publishes nothing.
 
     `device`: where SIDs are computed from embeddings (a torch device; "cuda" at paper
     scale); `workers`: CPU threads for SIDs and the build (None: every CPU).
@@ -228,6 +232,7 @@ def build_index(
     arrays = build_arrays(catalog, sids, kway, report, should_stop, workers)
     del catalog, sids
     t = time.perf_counter()
+    tokenizer_fingerprint = tokenizer.fingerprint if tokenizer else NO_TOKENIZER
 
     def write(directory: Path, version: str) -> None:
         if should_stop():
@@ -238,7 +243,7 @@ def build_index(
             {
                 "index_version": version,
                 "created": datetime.now(UTC).isoformat(),
-                "tokenizer_fingerprint": tokenizer.fingerprint if tokenizer else NO_TOKENIZER,
+                "tokenizer_fingerprint": tokenizer_fingerprint,
                 "catalog": {"source": str(catalog_path), "fingerprint": fingerprint},
                 "kway": kway.to_manifest() if kway else None,
                 "counts": report.counts,
@@ -251,7 +256,12 @@ def build_index(
             },
         )
 
-    version = publish(Path(out_root), write, keep=keep)
+    def check(directory: Path, version: str) -> None:
+        started = time.perf_counter()
+        validate_index(directory, expect_tokenizer=tokenizer_fingerprint, expect_version=version)
+        report.seconds["validate"] = round(time.perf_counter() - started, 3)
+
+    version = publish(Path(out_root), write, keep=keep, check=check)
     report.phase("write", t)
     report.seconds["total"] = round(time.perf_counter() - t0, 3)
     log.info(

@@ -2,9 +2,12 @@
 
 The index builder writes with `write_index_dir`, the server and `grace validate-index`
 read with `read_index_dir`; nothing else touches the files. A version directory holds
-`manifest.json` and one `.npy` per array (memory-mappable). The manifest carries the
-format version, index version, creation time, counts, the targeting schema, the SID
-tokenizer fingerprint, the partition (k-way) settings and a sha256 of every array file.
+`manifest.json` and one `.npy` per array. `grace validate-index` memory-maps them; the
+server (`mmap=False`) reads each file once into private memory and checksums exactly the
+bytes it serves (`load_npy_private`), so nothing done to the files afterwards reaches it.
+The manifest carries the format version, index version, creation time, counts, the
+targeting schema, the SID tokenizer fingerprint, the partition (k-way) settings and a
+sha256 of every array file; `read_manifest` checks the type of every key it hands on.
 
 Arrays (shapes with N ads, E child entries, V location strings, P partitions):
 
@@ -28,9 +31,12 @@ refuse newer ones with a clear message.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import math
 import os
 from dataclasses import dataclass, fields
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +220,11 @@ def write_index_dir(directory: Path, arrays: IndexArrays, manifest: dict[str, An
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of a version directory, its structure checked key by key.
+
+    Raises IndexFormatError (one line, naming the key) for a missing or unreadable file,
+    another format, a newer format version, or any key of the wrong type.
+    """
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise IndexFormatError(f"{directory}: no {MANIFEST} (not an index, or an unfinished build)")
@@ -224,24 +235,143 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise IndexFormatError(f"{path}: not a {FORMAT_NAME} manifest")
     version = manifest.get("format_version")
-    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+    if not _is_int(version) or not 1 <= version <= FORMAT_VERSION:
         raise IndexFormatError(
             f"{path}: format_version {version!r} is not readable by this build "
             f"(reads 1..{FORMAT_VERSION}); upgrade grace-serving"
         )
-    for key in ("index_version", "arrays", "targeting", "tokenizer_fingerprint"):
-        if key not in manifest:
-            raise IndexFormatError(f"{path}: manifest lacks {key!r}")
+    fault = _manifest_fault(manifest)
+    if fault is not None:
+        raise IndexFormatError(f"{path}: {fault}")
     return manifest
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# key -> (required, accepted types, what the message calls them)
+_MANIFEST_KEYS: dict[str, tuple[bool, tuple[type, ...], str]] = {
+    "index_version": (True, (str,), "a string"),
+    "tokenizer_fingerprint": (True, (str,), "a string"),
+    "targeting": (True, (dict,), "an object"),
+    "arrays": (True, (dict,), "an object of array entries"),
+    "created": (False, (str,), "an ISO-8601 string"),
+    "catalog": (False, (dict,), "an object"),
+    "counts": (False, (dict,), "an object"),
+    "kway": (False, (dict, type(None)), "an object or null"),
+}
+
+
+def _manifest_fault(manifest: dict[str, Any]) -> str | None:
+    """The first structural fault of a parsed manifest, as one line; None when sound."""
+    for key, (required, types, what) in _MANIFEST_KEYS.items():
+        if key not in manifest:
+            if required:
+                return f"manifest lacks {key!r}"
+            continue
+        if not isinstance(manifest[key], types):
+            return f"manifest key {key!r} must be {what}, got {type(manifest[key]).__name__}"
+    if not manifest["index_version"] or "/" in manifest["index_version"]:
+        return f"manifest key 'index_version' {manifest['index_version']!r} is not a version name"
+    if "created" in manifest:
+        try:
+            datetime.fromisoformat(manifest["created"])
+        except ValueError:
+            return f"manifest key 'created' {manifest['created']!r} is not an ISO-8601 time"
+    for name, entry in manifest["arrays"].items():
+        fault = _array_entry_fault(entry)
+        if fault is not None:
+            return f"manifest key 'arrays.{name}' {fault}"
+    return None
+
+
+def _array_entry_fault(entry: object) -> str | None:
+    if not isinstance(entry, dict):
+        return f"must be an object, got {type(entry).__name__}"
+    for key in ("file", "dtype", "sha256"):
+        if not isinstance(entry.get(key), str):
+            return f"needs a string {key!r}, got {entry.get(key)!r}"
+    name = entry["file"]
+    if name in ("", ".", "..") or os.sep in name or "/" in name:
+        return f"'file' {name!r} is not a file name inside the version directory"
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+        return f"needs 'shape' as a list of non-negative ints, got {shape!r}"
+    return None
+
+
+def load_npy_private(path: Path, sha256: str | None = None) -> np.ndarray:
+    """A `.npy` file read once into private memory, as a read-only array over that buffer.
+
+    The checksum (when given) is computed over exactly the bytes the array is built on, so
+    what was checked is what is served; no later change to the file (truncation, overwrite)
+    can reach the array. The header is parsed from the buffer; the data is not copied.
+    """
+    buf = _read_file(path)
+    if sha256 is not None and hashlib.sha256(buf).hexdigest() != sha256:
+        raise IndexFormatError(f"{path}: checksum mismatch (corrupted or truncated)")
+    try:
+        dtype, shape, fortran, offset = _npy_header(buf)
+    except ValueError as exc:
+        raise IndexFormatError(f"{path}: unreadable array: {exc}") from exc
+    if dtype.hasobject:
+        raise IndexFormatError(f"{path}: unreadable array: holds Python objects")
+    count = math.prod(shape)
+    if len(buf) - offset < count * dtype.itemsize:
+        raise IndexFormatError(
+            f"{path}: unreadable array: {len(buf) - offset} data bytes for {count} x {dtype}"
+        )
+    flat = np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+    arr = flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
+    arr.flags.writeable = False
+    return arr
+
+
+def _read_file(path: Path) -> bytearray:
+    """The whole file in one buffer of its size (no growing copies); short if it shrank."""
+    with open(path, "rb", buffering=0) as fh:
+        buf = bytearray(os.fstat(fh.fileno()).st_size)
+        done = 0
+        with memoryview(buf) as view:
+            while done < len(buf):
+                got = fh.readinto(view[done:])
+                if not got:
+                    break
+                done += got
+    del buf[done:]
+    return buf
+
+
+def _npy_header(buf: bytearray) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """(dtype, shape, fortran_order, data offset) of a .npy file held in `buf`."""
+    if len(buf) < 10 or bytes(buf[:6]) != np.lib.format.MAGIC_PREFIX:
+        raise ValueError("not a .npy file")
+    major = buf[6]
+    if major not in (1, 2):
+        raise ValueError(f".npy format version {major} is not supported")
+    size_bytes = 2 if major == 1 else 4
+    end = 8 + size_bytes + int.from_bytes(buf[8 : 8 + size_bytes], "little")
+    if end > len(buf):
+        raise ValueError("header runs past the end of the file")
+    fp = io.BytesIO(bytes(buf[:end]))
+    npy = np.lib.format
+    npy.read_magic(fp)
+    read = npy.read_array_header_1_0 if major == 1 else npy.read_array_header_2_0
+    shape, fortran, dtype = read(fp)
+    return dtype, tuple(shape), bool(fortran), end
 
 
 def read_index_dir(
     directory: Path, *, verify_checksums: bool = True, mmap: bool = True
 ) -> tuple[dict[str, Any], IndexArrays]:
-    """Open an index directory: manifest + arrays (memory-mapped by default).
+    """Open an index directory: manifest + arrays.
 
-    Checks presence, checksums (unless disabled), dtypes and shapes against the manifest;
-    structural invariants are `index_builder.validate`'s job.
+    `mmap=True` memory-maps the files (`grace validate-index`, benchmarks); `mmap=False`
+    reads each into private memory with its checksum taken over the same bytes
+    (`load_npy_private`: what the server serves). Checks presence, checksums (unless
+    disabled), dtypes and shapes against the manifest; structural invariants are
+    `index_builder.validate`'s job.
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -256,12 +386,7 @@ def read_index_dir(
         path = directory / entry["file"]
         if not path.is_file():
             raise IndexFormatError(f"{path}: missing array file")
-        if verify_checksums and file_sha256(path) != entry["sha256"]:
-            raise IndexFormatError(f"{path}: checksum mismatch (corrupted or truncated)")
-        try:
-            arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise IndexFormatError(f"{path}: unreadable array: {exc}") from exc
+        arr = _load_array(path, entry["sha256"] if verify_checksums else None, mmap=mmap)
         if list(arr.shape) != entry["shape"] or str(arr.dtype) != entry["dtype"]:
             raise IndexFormatError(
                 f"{path}: holds {arr.dtype} {list(arr.shape)}, manifest says "
@@ -281,3 +406,16 @@ def read_index_dir(
             raise IndexFormatError(f"{directory}: manifest lacks arrays {missing}")
         groups[group] = cls(**{n.split(".", 1)[1]: loaded[n] for n in names})
     return manifest, IndexArrays(**groups)
+
+
+def _load_array(path: Path, sha256: str | None, *, mmap: bool) -> np.ndarray:
+    try:
+        if not mmap:
+            return load_npy_private(path, sha256)
+        if sha256 is not None and file_sha256(path) != sha256:
+            raise IndexFormatError(f"{path}: checksum mismatch (corrupted or truncated)")
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except IndexFormatError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise IndexFormatError(f"{path}: unreadable array: {exc}") from exc

@@ -4,7 +4,8 @@ Runs beside each server (same pod, shared volume). Every `interval` seconds it
 fingerprints the catalog; when it differs from the one the CURRENT index was built from,
 it builds and publishes a new version (`build.build_index`, atomic). A failed build
 publishes nothing, is logged with its reason and is not retried until the catalog
-changes again; a tokenizer that does not exist yet is waited for (no failure).
+changes again — a build whose written version fails validation (`IndexValidationError`)
+is such a failure; a tokenizer that does not exist yet is waited for (no failure).
 SIGTERM/SIGINT stop the loop cleanly: a build in progress is abandoned
 at its next phase boundary, its temp dir removed, CURRENT untouched.
 """
@@ -23,8 +24,13 @@ from index_builder.format import IndexFormatError, read_manifest
 from index_builder.kway import KwaySpec
 from index_builder.publish import PublishError, current_path
 from index_builder.tokenizer import SIDTokenizer
+from index_builder.validate import IndexValidationError
 
 log = logging.getLogger("grace.builder")
+
+# what a build can fail with and the sidecar survives (IndexValidationError: the written
+# version failed the publisher's validation; it is a ValueError, named for the reader)
+_BUILD_FAULTS = (CatalogError, BuildError, PublishError, IndexValidationError, OSError, ValueError)
 
 
 @dataclass(frozen=True)
@@ -96,10 +102,11 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
             except BuildCancelled as exc:
                 log.info("build abandoned: %s", exc)
                 break
-            except (CatalogError, BuildError, PublishError, OSError, ValueError) as exc:
+            except _BUILD_FAULTS as exc:
                 failed = fingerprint
                 stats.failures += 1
-                log.error("build failed, nothing published (CURRENT unchanged): %s", exc)
+                reason = exc.summary if isinstance(exc, IndexValidationError) else exc
+                log.error("build failed, nothing published (CURRENT unchanged): %s", reason)
         if cfg.max_builds is not None and stats.builds >= cfg.max_builds:
             break
         stop.wait(cfg.interval)

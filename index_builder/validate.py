@@ -41,7 +41,12 @@ class IndexValidationError(ValueError):
 
     def __init__(self, path: Path, faults: list[str]) -> None:
         super().__init__(f"{path}: invalid index:\n  - " + "\n  - ".join(faults))
-        self.faults = faults
+        self.path, self.faults = path, faults
+
+    @property
+    def summary(self) -> str:
+        """The faults on one line, for logs."""
+        return f"{self.path}: invalid index: " + "; ".join(self.faults)
 
 
 @dataclass(frozen=True)
@@ -52,15 +57,30 @@ class ValidatedIndex:
 
 
 def validate_index(
-    path: Path | str, *, expect_tokenizer: str | None = None, mmap: bool = True
+    path: Path | str,
+    *,
+    expect_tokenizer: str | None = None,
+    expect_version: str | None = None,
+    mmap: bool = True,
 ) -> ValidatedIndex:
-    """Open and check an index directory; raise IndexValidationError listing all faults."""
+    """Open and check an index directory; raise IndexValidationError listing all faults.
+
+    `expect_tokenizer`: the SID tokenizer fingerprint the index must be built for;
+    `expect_version`: the version name it is published (or about to be published) under,
+    which its manifest's `index_version` must equal; `mmap`: see `read_index_dir` (the
+    server passes False and serves the arrays returned).
+    """
     path = Path(path)
     try:
         manifest, arrays = read_index_dir(path, mmap=mmap)
     except IndexFormatError as exc:
         raise IndexValidationError(path, [str(exc)]) from exc
     faults: list[str] = []
+    if expect_version is not None and manifest["index_version"] != expect_version:
+        faults.append(
+            f"manifest index_version {manifest['index_version']!r} differs from the "
+            f"version name {expect_version!r}"
+        )
     if expect_tokenizer is not None and manifest["tokenizer_fingerprint"] != expect_tokenizer:
         faults.append(
             f"built for SID tokenizer {manifest['tokenizer_fingerprint']}, "

@@ -35,10 +35,26 @@ class ServingIndex:
 
 
 def load_serving_index(
-    path: Path, *, tokenizer_fingerprint: str | None, device: str = "cpu"
+    path: Path,
+    *,
+    tokenizer_fingerprint: str | None,
+    device: str = "cpu",
+    expect_version: str | None = None,
 ) -> ServingIndex:
-    """Validate everything (raises IndexValidationError), then prepare the tables."""
-    index = validate_index(Path(path), expect_tokenizer=tokenizer_fingerprint)
+    """Validate everything (raises IndexValidationError), then prepare the tables.
+
+    The arrays are read into private memory, each file once with its checksum over the
+    same bytes (`format.load_npy_private`), not memory-mapped: the files on disk may be
+    truncated, overwritten or removed while the version serves without reaching it.
+    `expect_version`: the version name the manifest must carry (the watcher passes the
+    directory's name).
+    """
+    index = validate_index(
+        Path(path),
+        expect_tokenizer=tokenizer_fingerprint,
+        expect_version=expect_version,
+        mmap=False,
+    )
     return ServingIndex(
         version=index.manifest["index_version"],
         path=index.path,

@@ -1,13 +1,15 @@
-"""Small published indexes for tests."""
+"""Small published indexes for tests, and writers / checks that make `publish` fail."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from index_builder.build import build_arrays
 from index_builder.format import IndexArrays, write_index_dir
+from index_builder.validate import validate_index
 from tests.helpers.catalogs import catalog_from_ads
 from tests.helpers.oracle import Ad
 
@@ -35,3 +37,32 @@ def writer(arrays: IndexArrays, tokenizer: str = "test"):
         )
 
     return write
+
+
+Writer = Callable[[Path, str], None]
+
+
+def validator(tokenizer: str = "test") -> Writer:
+    """The `publish` check the builder uses: full validation for `tokenizer`, version name."""
+
+    def check(directory: Path, version: str) -> None:
+        validate_index(directory, expect_tokenizer=tokenizer, expect_version=version)
+
+    return check
+
+
+def flip_byte(path: Path, at: int = -1) -> None:
+    """Flip one bit of one byte of a file in place (its checksum no longer matches)."""
+    data = bytearray(path.read_bytes())
+    data[at] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def corrupting(write: Writer, array: str = "trie.bloom_table") -> Writer:
+    """`write`, then one byte of `array`'s file flipped: a version that must not serve."""
+
+    def corrupt(directory: Path, version: str) -> None:
+        write(directory, version)
+        flip_byte(directory / f"{array}.npy")
+
+    return corrupt

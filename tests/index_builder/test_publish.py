@@ -1,9 +1,11 @@
-"""Publishing and validation: atomic CURRENT, crash safety, pruning, corruption caught."""
+"""Publishing and validation: atomic CURRENT, crash safety, validation before publishing,
+pruning that keeps the last valid versions, corruption and malformed manifests caught."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,17 +16,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import index_builder.build as build_module
+import index_builder.publish as publish_module
+from index_builder.build import build_index
 from index_builder.format import file_sha256
 from index_builder.publish import (
+    CURRENT,
+    VALID_MARKER,
     PublishError,
     current_path,
     current_version,
+    is_marked_valid,
     list_versions,
+    new_version_name,
+    prune,
     publish,
     writer_lock,
 )
 from index_builder.validate import IndexValidationError, validate_index
-from tests.helpers.indexes import small_index, writer
+from tests.helpers.indexes import corrupting, flip_byte, small_index, validator, writer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,6 +66,125 @@ def test_failed_build_publishes_nothing(tmp_path: Path) -> None:
 def test_second_writer_is_refused(tmp_path: Path) -> None:
     with writer_lock(tmp_path), pytest.raises(PublishError, match="another index builder"):
         publish(tmp_path, writer(small_index()))
+
+
+def test_publish_refuses_a_version_that_fails_its_check(tmp_path: Path) -> None:
+    """A corrupt version, or one built for another SID tokenizer, is removed before it is
+    renamed into place: CURRENT and the versions on disk stay as they were."""
+    first = publish(tmp_path, writer(small_index()), check=validator())
+    assert is_marked_valid(tmp_path / first)
+    with pytest.raises(IndexValidationError, match="checksum mismatch"):
+        publish(tmp_path, corrupting(writer(small_index(40))), check=validator())
+    with pytest.raises(IndexValidationError, match="SID tokenizer"):
+        publish(tmp_path, writer(small_index(40), tokenizer="another"), check=validator())
+    assert current_version(tmp_path) == first
+    assert list_versions(tmp_path) == [first]
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert validate_index(current_path(tmp_path)).arrays.ads.num_ads == 50
+
+
+def test_publish_refuses_a_manifest_naming_another_version(tmp_path: Path) -> None:
+    def misnamed(directory: Path, version: str) -> None:
+        writer(small_index())(directory, "20200101T000000000000Z")
+
+    with pytest.raises(IndexValidationError, match="differs from the version name"):
+        publish(tmp_path, misnamed, check=validator())
+    assert current_version(tmp_path) is None and list_versions(tmp_path) == []
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def _catalog(path: Path, n: int = 20) -> Path:
+    rows = [{"ad_id": 10 + i, "sid": [i % 3, i % 5, i, 0], "countries": ["US"]} for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_build_index_validates_before_publishing_and_keeps_the_good_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three builds whose written files are corrupt (with the default keep=3, publishing
+    them unchecked would have pruned the good version) publish nothing."""
+    catalog, root = _catalog(tmp_path / "catalog.jsonl"), tmp_path / "index"
+    good, report = build_index(catalog, root, progress=False)
+    assert is_marked_valid(root / good) and "validate" in report.seconds
+    real_write = build_module.write_index_dir
+
+    def corrupt_write(directory: Path, arrays, manifest: dict) -> dict:
+        full = real_write(directory, arrays, manifest)
+        flip_byte(directory / "ads.ad_ids.npy")
+        return full
+
+    monkeypatch.setattr(build_module, "write_index_dir", corrupt_write)
+    for _ in range(3):
+        with pytest.raises(IndexValidationError, match=r"ads\.ad_ids\.npy: checksum mismatch"):
+            build_index(catalog, root, progress=False)
+    assert current_version(root) == good and list_versions(root) == [good]
+    validate_index(root / good)
+
+
+def _hand_copy(root: Path, source: str, *, corrupt: bool) -> str:
+    """`source` copied by hand under a newer name: no validity marker, its manifest
+    renamed, one array byte flipped if `corrupt`."""
+    name = new_version_name()
+    while name <= max(list_versions(root)):
+        name = new_version_name()
+    shutil.copytree(root / source, root / name)
+    (root / name / VALID_MARKER).unlink(missing_ok=True)
+    manifest = json.loads((root / name / "manifest.json").read_text())
+    (root / name / "manifest.json").write_text(json.dumps(manifest | {"index_version": name}))
+    if corrupt:
+        flip_byte(root / name / "trie.bloom_table.npy")
+    return name
+
+
+def _point_current(root: Path, version: str) -> None:
+    (root / CURRENT).write_text(version + "\n")
+
+
+def test_prune_keeps_the_newest_valid_versions_and_current(tmp_path: Path) -> None:
+    """Invalid versions newer than the valid ones never push those out; CURRENT's version
+    is never removed, even when it is invalid."""
+    valid = [publish(tmp_path, writer(small_index()), check=validator()) for _ in range(2)]
+    bad = [_hand_copy(tmp_path, valid[-1], corrupt=True) for _ in range(3)]
+    _point_current(tmp_path, bad[-1])
+    assert sorted(prune(tmp_path, keep=2)) == bad[:2]
+    assert list_versions(tmp_path) == [*valid, bad[-1]]
+    assert prune(tmp_path, keep=1) == [valid[0]]
+    assert list_versions(tmp_path) == [valid[1], bad[-1]]
+    assert prune(tmp_path, keep=1) == []  # the last valid version stays
+
+
+def test_prune_validates_an_unmarked_version_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A version without a marker (an older build, a copy) is validated when prune needs
+    to know, and marked; a marked one is not validated again unless its manifest changed."""
+    calls: list[str] = []
+    real = publish_module.validate_index
+
+    def counting(path: Path, **kw: object):
+        calls.append(Path(path).name)
+        return real(path, **kw)
+
+    monkeypatch.setattr(publish_module, "validate_index", counting)
+    old = publish(tmp_path, writer(small_index()))  # unchecked: published without a marker
+    assert calls == [old] and is_marked_valid(tmp_path / old)  # its prune needed to know
+    newer = publish(tmp_path, writer(small_index()), check=validator())
+    copy = _hand_copy(tmp_path, newer, corrupt=False)
+    assert prune(tmp_path, keep=3) == [] and calls == [old, copy]
+    assert prune(tmp_path, keep=3) == [] and calls == [old, copy]  # all marked now
+    manifest = json.loads((tmp_path / old / "manifest.json").read_text())
+    manifest["index_version"] = "20200101T000000000000Z"  # tampered: the marker is stale
+    (tmp_path / old / "manifest.json").write_text(json.dumps(manifest))
+    assert prune(tmp_path, keep=3) == [old] and calls == [old, copy, old]
+    assert list_versions(tmp_path) == [newer, copy]
+
+
+def test_expect_version_refuses_a_manifest_of_another_name(tmp_path: Path) -> None:
+    version = publish(tmp_path, writer(small_index()))
+    validate_index(tmp_path / version, expect_version=version)
+    with pytest.raises(IndexValidationError, match="differs from the version name 'other'"):
+        validate_index(tmp_path / version, expect_version="other")
 
 
 CHILD = textwrap.dedent(

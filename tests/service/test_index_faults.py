@@ -1,0 +1,201 @@
+"""Index faults under a real `grace serve` process: rejected publishes never cost the last
+good version (a restart still serves), a hand-corrupted CURRENT falls back to the newest
+valid version at start-up, and damaging the served files does not reach the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import index_builder.build as build_module
+from index_builder.build import build_index
+from index_builder.publish import (
+    CURRENT,
+    VALID_MARKER,
+    current_version,
+    list_versions,
+    new_version_name,
+)
+from index_builder.validate import IndexValidationError
+from service.client import request_for_user
+from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from tests.helpers.indexes import flip_byte
+from tests.helpers.serving import make_serving_data
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 180.0  # a cold start imports torch, loads the model and the index
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_serving_data(tmp_path_factory.mktemp("faults"))
+
+
+@pytest.fixture
+def root(data: Path, tmp_path: Path) -> Path:
+    """A private copy of the served index root (one valid version, CURRENT on it)."""
+    shutil.copytree(data / "index", tmp_path / "index")
+    return tmp_path / "index"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build(data: Path, root: Path) -> str:
+    """`grace build-index` of the served world's catalog into `root`; the new version."""
+    catalog, tokenizer = data / "world" / "catalog.parquet", data / "model" / "tokenizer"
+    version, _ = build_index(catalog, root, tokenizer_path=tokenizer, progress=False)
+    return version
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_serving(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            while True:
+                assert self.proc.poll() is None, f"server exited at start-up:\n{self.log}"
+                assert time.monotonic() < deadline, f"server not SERVING:\n{self.log}"
+                try:
+                    r = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+
+    def retrieve(self, data: Path, user: int = 0) -> retrieval_pb2.RetrieveResponse:
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            req = request_for_user(data / "world", user, 20, retrieval_pb2.CD_GTM)
+            return stub.Retrieve(req, timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@contextmanager
+def serving(data: Path, root: Path, log_path: Path) -> Iterator[Server]:
+    """A `grace serve` process on `root`, SERVING; stopped (SIGTERM) on exit."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data),
+             "--index-root", str(root), "--port", str(port), "--metrics-port",
+             str(free_port()), "--device", "cpu", "--no-progress"],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    server = Server(proc, port, log_path)
+    try:
+        server.wait_serving()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_rejected_publishes_keep_the_last_good_version_across_a_restart(
+    data: Path, root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three builds whose written index is corrupt, with the default keep=3: none is
+    published, the good version stays on disk and CURRENT, and a restart serves it."""
+    good = current_version(root)
+    with serving(data, root, tmp_path / "first.log") as server:
+        assert server.retrieve(data).index_version == good
+        real_write = build_module.write_index_dir
+
+        def corrupt_write(directory: Path, arrays, manifest: dict) -> dict:
+            full = real_write(directory, arrays, manifest)
+            flip_byte(directory / "trie.bloom_table.npy")
+            return full
+
+        monkeypatch.setattr(build_module, "write_index_dir", corrupt_write)
+        for _ in range(3):
+            with pytest.raises(IndexValidationError, match="checksum mismatch"):
+                build(data, root)
+        assert current_version(root) == good and list_versions(root) == [good]
+        assert server.retrieve(data).index_version == good
+    with serving(data, root, tmp_path / "restart.log") as server:
+        reply = server.retrieve(data)
+        assert reply.index_version == good and len(reply.ads) > 0
+
+
+def test_a_hand_corrupted_current_restarts_on_the_newest_valid_version(
+    data: Path, root: Path, tmp_path: Path
+) -> None:
+    """CURRENT pointed by hand at a corrupt copy: the server still starts, serves the
+    newest valid version and says so in its log."""
+    oldest = current_version(root)
+    newest = build(data, root)
+    corrupt = new_version_name()  # a newer name, as a hand copy would get
+    shutil.copytree(root / newest, root / corrupt)
+    (root / corrupt / VALID_MARKER).unlink()
+    manifest = json.loads((root / corrupt / "manifest.json").read_text())
+    (root / corrupt / "manifest.json").write_text(json.dumps(manifest | {"index_version": corrupt}))
+    flip_byte(root / corrupt / "ads.ad_ids.npy")
+    (root / CURRENT).write_text(corrupt + "\n")
+    assert list_versions(root) == [oldest, newest, corrupt]
+    with serving(data, root, tmp_path / "server.log") as server:
+        reply = server.retrieve(data)
+        assert reply.index_version == newest and len(reply.ads) > 0
+        log = server.log
+    said = [line for line in log.splitlines() if f"CURRENT names {corrupt}" in line]
+    assert len(said) == 1, log
+    assert "checksum mismatch" in said[0] and f"serving {newest}" in said[0]
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, 0)
+
+
+def _garbage(path: Path) -> None:
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:  # in place: the same inode a memory map would share
+        fh.write(os.urandom(size))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garbage], ids=["truncated", "overwritten"])
+def test_damaging_the_served_files_does_not_reach_the_server(
+    data: Path, root: Path, tmp_path: Path, damage
+) -> None:
+    version = current_version(root)
+    with serving(data, root, tmp_path / "server.log") as server:
+        before = [server.retrieve(data, u) for u in range(4)]
+        for path in (root / version).glob("*.npy"):
+            damage(path)
+        after = [server.retrieve(data, u) for u in range(4)]
+        assert server.proc.poll() is None, server.log
+    for b, a in zip(before, after, strict=True):
+        assert a.index_version == version and len(a.ads) > 0
+        assert [x.ad_id for x in a.ads] == [x.ad_id for x in b.ads]
