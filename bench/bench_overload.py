@@ -1,0 +1,613 @@
+"""Reliability under overload on the CPU demo: goodput past capacity, index hot swaps
+under load, and the server's memory over hundreds of swaps.
+
+One served world (tiny synthetic world, untrained tiny model, published index: the
+steps of tests/helpers/serving.py) and one real server process (`python -m service.cli
+serve --device cpu`, index polled every 0.1 s), then:
+
+  1. capacity: closed loop, --concurrency callers back to back (after a warm-up);
+  2. sweep: open-loop offered load at each --multiples of capacity, for each client
+     deadline in --deadlines-ms (loadtest/overload.py): goodput (OK within the deadline
+     per second, steady state after a 20 % warm-up; absolute and as a fraction of
+     capacity), outcome counts, OK latency P50/P99, refusal P99, generator lag;
+  3. hot swaps under load: --swaps new index versions published (`index_builder.publish`,
+     the current arrays rewritten under a new version name) one after another as fast
+     as the server swaps them, while open-loop load at --swap-load x capacity runs;
+     RPCs sent and failed, swaps counted by the server (grace_index_swaps_total);
+  4. memory: the server's RSS before and every --rss-every swaps over --memory-swaps
+     more swaps (under --memory-load x capacity), to show it stays flat.
+
+Writes bench/results/overload_cpu.json (command, commit, device, date, figures) and the
+plot docs/figures/goodput_cpu.svg (goodput / capacity against offered load / capacity, one
+line per deadline, and the ideal min(offered, capacity)); --out DIR writes both there
+instead. Prints a markdown table of the sweep. --quick: a short smoke run of every part.
+
+    .venv/bin/python bench/bench_overload.py               # ~8 minutes
+    .venv/bin/python bench/bench_overload.py --quick --out /tmp/overload
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.common import ROOT, write_result
+from bench.svg_plot import Series, write_line_chart
+from index_builder.format import read_index_dir, write_index_dir
+from index_builder.publish import current_path, publish
+from loadtest.overload import (
+    OK,
+    CapacityResult,
+    OverloadResult,
+    probe_capacity,
+    run_open_loop,
+    world_requests,
+)
+
+FIGURES = ROOT / "docs" / "figures"
+# manifest keys write_index_dir fills in itself
+_FORMAT_KEYS = {"format", "format_version", "targeting", "sid_length", "vocab_size", "arrays"}
+_start = time.perf_counter()
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.perf_counter() - _start:6.1f} s] {msg}", flush=True)
+
+
+def metric_value(text: str, name: str) -> float | None:
+    """Sum of the samples of metric `name` (any labels) in Prometheus text format."""
+    total: float | None = None
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            metric, rest = line[: line.index("{")], line[line.rindex("}") + 1 :].split()
+        else:
+            metric, *rest = line.split()
+        if metric == name and rest:
+            total = (total or 0.0) + float(rest[0])
+    return total
+
+
+def republisher(index_root: Path) -> Callable[[Path, str], None]:
+    """A `publish` writer that rewrites the current version's arrays (read once, into
+    memory) with a manifest naming the new version: a valid index, quickly."""
+    current = current_path(index_root)
+    if current is None:
+        raise FileNotFoundError(f"{index_root}: nothing published (no CURRENT)")
+    manifest, arrays = read_index_dir(current, verify_checksums=False, mmap=False)
+    base = {k: v for k, v in manifest.items() if k not in _FORMAT_KEYS}
+
+    def write(directory: Path, version: str) -> None:
+        created = datetime.now(UTC).isoformat()
+        write_index_dir(directory, arrays, {**base, "index_version": version, "created": created})
+
+    return write
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    """`python -m service.cli serve` in a subprocess, its output in `log`."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    metrics_port: int
+    log: Path
+
+    @classmethod
+    def start(cls, data: Path, log: Path, device: str, poll_seconds: float) -> ServerProcess:
+        port, metrics_port = _free_port(), _free_port()
+        env = os.environ | {"GRACE_INDEX_POLL_SECONDS": str(poll_seconds)}
+        cmd = [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "serve",
+            "--data-dir",
+            str(data),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--device",
+            device,
+            "--no-progress",
+        ]
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        return cls(proc, port, metrics_port, log)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_tail()}")
+
+    def wait_serving(self, timeout_s: float = 300.0) -> None:
+        end = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.target) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < end:
+                self.check_alive()
+                with contextlib.suppress(grpc.RpcError):
+                    r = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                time.sleep(0.2)
+        raise TimeoutError(f"server not SERVING after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def metrics_text(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.read().decode()
+
+    def metric(self, name: str) -> float:
+        return metric_value(self.metrics_text(), name) or 0.0
+
+    def rss_mb(self) -> float:
+        return round(psutil.Process(self.proc.pid).memory_info().rss / 2**20, 1)
+
+    def wait_idle(self, timeout_s: float = 120.0) -> None:
+        """Until nothing is queued or in flight (an overload point's backlog is gone)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            self.check_alive()
+            text = self.metrics_text()
+            busy = (metric_value(text, "grace_inflight_requests") or 0) + (
+                metric_value(text, "grace_queue_depth") or 0
+            )
+            if busy == 0:
+                return
+            time.sleep(0.2)
+        progress(f"warning: server still busy after {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class Generator:
+    """How load is offered at every point."""
+
+    processes: int
+    channels: int
+    poisson: bool
+    warmup: float
+
+    def run(
+        self,
+        server: ServerProcess,
+        requests: list[bytes],
+        rate: float,
+        seconds: float,
+        deadline_s: float,
+    ) -> OverloadResult:
+        return asyncio.run(self.offer(server, requests, rate, seconds, deadline_s))
+
+    async def offer(
+        self,
+        server: ServerProcess,
+        requests: list[bytes],
+        rate: float,
+        seconds: float,
+        deadline_s: float,
+        stop: asyncio.Event | None = None,
+    ) -> OverloadResult:
+        return await run_open_loop(
+            server.target,
+            requests,
+            rate,
+            seconds,
+            deadline_s,
+            channels=self.channels,
+            warmup=self.warmup,
+            stop=stop,
+            processes=1 if stop is not None else self.processes,
+            poisson=self.poisson,
+        )
+
+
+def measure_capacity(
+    server: ServerProcess, requests: list[bytes], a: argparse.Namespace
+) -> CapacityResult:
+    return asyncio.run(
+        probe_capacity(
+            server.target,
+            requests,
+            concurrency=a.concurrency,
+            seconds=a.capacity_seconds,
+            warmup_s=a.warmup_seconds,
+            channels=a.channels,
+        )
+    )
+
+
+def sweep(
+    server: ServerProcess,
+    requests: list[bytes],
+    capacity: float,
+    gen: Generator,
+    a: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    rows = []
+    for deadline_ms in a.deadlines_ms:
+        for multiple in a.multiples:
+            server.wait_idle()
+            rate = multiple * capacity
+            r = gen.run(server, requests, rate, a.point_seconds, deadline_ms / 1e3)
+            row = {
+                "multiple": multiple,
+                "deadline_ms": deadline_ms,
+                "goodput_fraction": round(r.steady_goodput_rps / capacity, 4),
+                "goodput_fraction_whole_run": round(r.goodput_rps / capacity, 4),
+                **r.to_dict(),
+            }
+            rows.append(row)
+            counts = ", ".join(f"{k} {v.count}" for k, v in r.outcomes.items())
+            progress(
+                f"{multiple:g}x capacity ({rate:.0f} req/s), deadline {deadline_ms:g} ms: "
+                f"goodput {r.steady_goodput_rps:.1f} req/s ({row['goodput_fraction']:.2f}x)"
+                f"; {counts}; lag P99 {r.lag_p99_ms} ms"
+                + ("  GENERATOR BEHIND" if r.generator_behind else "")
+            )
+    return rows
+
+
+async def swaps_under_load(
+    server: ServerProcess,
+    index_root: Path,
+    requests: list[bytes],
+    *,
+    swaps: int,
+    rate: float,
+    deadline_s: float,
+    gen: Generator,
+    rss_every: int = 0,
+    swap_timeout_s: float = 60.0,
+) -> dict[str, Any]:
+    """Publish `swaps` versions one after another, each as soon as the server has swapped
+    (or rejected) the previous one, while open-loop load at `rate` runs."""
+    write = republisher(index_root)
+
+    def counted() -> tuple[float, float]:
+        text = server.metrics_text()
+        return (
+            metric_value(text, "grace_index_swaps_total") or 0.0,
+            metric_value(text, "grace_index_swap_failures_total") or 0.0,
+        )
+
+    swaps0, failures0 = await asyncio.to_thread(counted)
+    rss = [{"swaps": 0, "rss_mb": server.rss_mb()}]
+    stop = asyncio.Event()
+    load = None
+    if rate > 0:
+        load = asyncio.create_task(
+            gen.offer(server, requests, rate, 24 * 3600.0, deadline_s, stop=stop)
+        )
+        await asyncio.sleep(0.5)  # the load is running before the first swap
+    t0 = time.perf_counter()
+    try:
+        for i in range(1, swaps + 1):
+            await asyncio.to_thread(publish, index_root, write)
+            end = time.monotonic() + swap_timeout_s
+            while True:
+                s, f = await asyncio.to_thread(counted)
+                if s + f >= swaps0 + failures0 + i:
+                    break
+                server.check_alive()
+                if time.monotonic() > end:
+                    raise TimeoutError(f"swap {i} not seen in {swap_timeout_s:.0f} s")
+                await asyncio.sleep(0.02)
+            if rss_every and (i % rss_every == 0 or i == swaps):
+                rss.append({"swaps": i, "rss_mb": server.rss_mb()})
+                progress(f"{i} swaps: server RSS {rss[-1]['rss_mb']:.1f} MiB")
+            elif i % 25 == 0:
+                progress(f"{i} swaps")
+        seconds = time.perf_counter() - t0
+    finally:
+        stop.set()
+        result = await load if load is not None else None
+    s, f = await asyncio.to_thread(counted)
+    out: dict[str, Any] = {
+        "published": swaps,
+        "swaps_counted": int(s - swaps0),
+        "swap_failures_counted": int(f - failures0),
+        "seconds": round(seconds, 2),
+        "swaps_per_s": round(swaps / seconds, 2) if seconds > 0 else None,
+        "load_rate": round(rate, 2),
+        "load_deadline_ms": deadline_s * 1e3,
+    }
+    if result is not None:
+        out |= {
+            "rpcs_sent": result.arrivals,
+            "rpcs_ok": result.count(OK),
+            "rpcs_failed": result.arrivals - result.count(OK),
+            "outcomes": {k: v.count for k, v in result.outcomes.items()},
+            "ok_p50_ms": result.ok_p50_ms,
+            "ok_p99_ms": result.ok_p99_ms,
+            "lag_p99_ms": result.lag_p99_ms,
+        }
+    if rss_every:
+        out["rss_mb"] = rss
+        out["rss_growth_mb"] = round(rss[-1]["rss_mb"] - rss[0]["rss_mb"], 1)
+    return out
+
+
+def markdown_table(rows: list[dict[str, Any]], capacity: float) -> str:
+    def v(x: float | None, fmt: str = ".1f") -> str:
+        return "—" if x is None else format(x, fmt)
+
+    head = (
+        "| offered (x cap) | deadline | offered req/s | goodput req/s | goodput (x cap) "
+        "| OK | RESOURCE_EXHAUSTED | DEADLINE_EXCEEDED | other | OK P50 ms | OK P99 ms "
+        "| refusal P99 ms | lag P99 ms |"
+    )
+    sep = "|" + "---|" * (head.count("|") - 1)
+    lines = [f"capacity {capacity:.1f} req/s (closed loop)", "", head, sep]
+    for r in rows:
+        counts = {k: o["count"] for k, o in r["outcomes"].items()}
+        ok = counts.pop(OK, 0)
+        re = counts.pop("RESOURCE_EXHAUSTED", 0)
+        de = counts.pop("DEADLINE_EXCEEDED", 0)
+        other = sum(counts.values())
+        d = r["deadline_ms"]
+        deadline = f"{d / 1e3:g} s" if d >= 1000 else f"{d:g} ms"
+        lag = v(r["lag_p99_ms"]) + (" (behind)" if r["generator_behind"] else "")
+        lines.append(
+            f"| {r['multiple']:g} | {deadline} | {r['offered_rps']:.1f} "
+            f"| {r['steady_goodput_rps']:.1f} | {r['goodput_fraction']:.2f} | {ok} | {re} "
+            f"| {de} | {other} | {v(r['ok_p50_ms'])} | {v(r['ok_p99_ms'])} "
+            f"| {v(r['refusal_p99_ms'], '.2f')} | {lag} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(path: Path, rows: list[dict[str, Any]], capacity: float, device: str) -> Path:
+    multiples = sorted({r["multiple"] for r in rows})
+    top = max(multiples)
+    series = [
+        Series(
+            "ideal: min(offered, capacity)",
+            [(0.0, 0.0), (1.0, 1.0), (top, 1.0)],
+            color="#888888",
+            dashed=True,
+            markers=False,
+        )
+    ]
+    for d in sorted({r["deadline_ms"] for r in rows}):
+        pts = sorted((r["multiple"], r["goodput_fraction"]) for r in rows if r["deadline_ms"] == d)
+        name = f"deadline {d / 1e3:g} s" if d >= 1000 else f"deadline {d:g} ms"
+        series.append(Series(name, pts))
+    best = max([1.0, *(r["goodput_fraction"] for r in rows)])
+    return write_line_chart(
+        path,
+        series,
+        x_range=(0.0, top),
+        y_range=(0.0, max(1.2, round(best + 0.15, 1))),
+        title=f"Goodput under overload ({device}, capacity {capacity:.0f} req/s)",
+        x_label="offered load (× capacity)",
+        y_label="goodput: OK within the deadline (× capacity)",
+    )
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+QUICK = {"point_seconds": 4.0, "capacity_seconds": 3.0, "warmup_seconds": 1.0,
+         "swaps": 20, "memory_swaps": 100, "rss_every": 25}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    add = p.add_argument
+    add(
+        "--data",
+        type=Path,
+        help="served world to use (world/, model/, index/); built here "
+        "when missing (default: a temporary directory). Its index gets new versions",
+    )
+    add(
+        "--out",
+        type=Path,
+        help="write overload_DEVICE.json and goodput_DEVICE.svg here "
+        "(default bench/results/ and docs/figures/)",
+    )
+    add("--device", default="cpu", help="server device (%(default)s)")
+    add(
+        "--quick",
+        action="store_true",
+        help="short smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()),
+    )
+    add("--concurrency", type=int, default=16, help="closed-loop callers for capacity (16)")
+    add("--capacity-seconds", type=float, default=10.0, help="capacity measurement (10)")
+    add("--warmup-seconds", type=float, default=3.0, help="closed-loop warm-up before it (3)")
+    add(
+        "--multiples",
+        type=_floats,
+        default=[0.5, 1, 1.5, 2, 3, 4],
+        help="offered loads as multiples of capacity (0.5,1,1.5,2,3,4)",
+    )
+    add(
+        "--deadlines-ms",
+        type=_floats,
+        default=[250, 1000, 10000],
+        help="client deadlines, ms (250,1000,10000)",
+    )
+    add("--point-seconds", type=float, default=12.0, help="offered time per sweep point (12)")
+    add("--swaps", type=int, default=95, help="versions published under load (95)")
+    add("--swap-load", type=float, default=0.5, help="load during them, x capacity (0.5)")
+    add("--memory-swaps", type=int, default=250, help="swaps of the memory check (250)")
+    add("--rss-every", type=int, default=50, help="RSS sampled every N of them (50)")
+    add(
+        "--memory-load",
+        type=float,
+        default=0.25,
+        help="load during the memory check, x capacity; 0 = none (0.25)",
+    )
+    add("--processes", type=int, default=1, help="generator processes (1)")
+    add("--channels", type=int, default=8, help="gRPC channels per generator process (8)")
+    add("--poisson", action="store_true", help="Poisson arrivals instead of even spacing")
+    add("--users", type=int, default=64, help="world users whose requests are sent (64)")
+    known, _ = p.parse_known_args(argv)
+    if known.quick:
+        p.set_defaults(**QUICK)
+    a = p.parse_args(argv)
+    if min(a.concurrency, a.rss_every, a.processes, a.channels, a.users) < 1:
+        p.error("--concurrency, --rss-every, --processes, --channels, --users must be >= 1")
+    if not a.multiples or not a.deadlines_ms or min(*a.multiples, *a.deadlines_ms) <= 0:
+        p.error("--multiples and --deadlines-ms need positive values")
+    return a
+
+
+@contextlib.contextmanager
+def served_data(data: Path | None) -> Iterator[tuple[Path, Path]]:
+    """(data dir, scratch dir): `data` (built there when incomplete) or a temporary one."""
+    with tempfile.TemporaryDirectory(prefix="bench-overload-") as tmp:
+        root = data or Path(tmp) / "data"
+        if not all((root / d).exists() for d in ("world", "model", "index")):
+            from tests.helpers.serving import make_serving_data
+
+            progress(f"building the served world in {root}")
+            make_serving_data(root)
+        yield root, Path(tmp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    dev = a.device.split(":")[0]
+    gen = Generator(a.processes, a.channels, a.poisson, warmup=0.2)
+    with served_data(a.data) as (data, scratch):
+        requests = world_requests(data / "world", a.users)
+        server = ServerProcess.start(data, scratch / "server.log", a.device, poll_seconds=0.1)
+        try:
+            server.wait_serving()
+            rss_serving = server.rss_mb()
+            progress(f"server SERVING on {server.target} (RSS {rss_serving} MiB)")
+            cap = measure_capacity(server, requests, a)
+            if cap.ok_rps <= 0:
+                raise RuntimeError(f"no capacity measured: {cap}\n{server.log_tail()}")
+            progress(
+                f"capacity {cap.ok_rps:.1f} req/s at concurrency {cap.concurrency} "
+                f"(P50 {cap.p50_ms} ms, P99 {cap.p99_ms} ms, errors {cap.errors})"
+            )
+            rows = sweep(server, requests, cap.ok_rps, gen, a)
+            server.wait_idle()
+            progress(f"publishing {a.swaps} versions under {a.swap_load:g}x capacity")
+            hot = asyncio.run(
+                swaps_under_load(
+                    server,
+                    data / "index",
+                    requests,
+                    swaps=a.swaps,
+                    rate=a.swap_load * cap.ok_rps,
+                    deadline_s=1.0,
+                    gen=gen,
+                )
+            )
+            progress(
+                f"hot swaps: {hot['swaps_counted']} counted by the server in "
+                f"{hot['seconds']} s; RPCs sent {hot.get('rpcs_sent')}, failed "
+                f"{hot.get('rpcs_failed')}"
+            )
+            server.wait_idle()
+            progress(f"memory: {a.memory_swaps} more swaps, RSS every {a.rss_every}")
+            mem = asyncio.run(
+                swaps_under_load(
+                    server,
+                    data / "index",
+                    requests,
+                    swaps=a.memory_swaps,
+                    rate=a.memory_load * cap.ok_rps,
+                    deadline_s=1.0,
+                    gen=gen,
+                    rss_every=a.rss_every,
+                )
+            )
+        finally:
+            server.stop()
+    figures = {
+        "quick": a.quick,
+        "server": {
+            "device": a.device,
+            "profile": "tiny",
+            "index_poll_seconds": 0.1,
+            "rss_mb_at_serving": rss_serving,
+        },
+        "generator": {
+            "processes": a.processes,
+            "channels": a.channels,
+            "poisson": a.poisson,
+            "users": a.users,
+            "max_ads": 100,
+            "filter_mode": "CD_GTM",
+            "steady_state_warmup": gen.warmup,
+        },
+        "capacity": cap.to_dict(),
+        "sweep": rows,
+        "hot_swaps": hot,
+        "memory": mem,
+    }
+    json_path = a.out / f"overload_{dev}.json" if a.out else None
+    path = write_result(f"overload_{dev}", figures, json_path)
+    svg = plot((a.out or FIGURES) / f"goodput_{dev}.svg", rows, cap.ok_rps, a.device)
+    print()
+    print(markdown_table(rows, cap.ok_rps))
+    print()
+    print(
+        f"hot swaps under {a.swap_load:g}x load: {hot['published']} published, "
+        f"{hot['swaps_counted']} swapped, {hot['swap_failures_counted']} rejected, "
+        f"RPCs sent {hot.get('rpcs_sent')}, failed {hot.get('rpcs_failed')} "
+        f"{hot.get('outcomes')}"
+    )
+    rss = ", ".join(f"{r['swaps']}: {r['rss_mb']}" for r in mem["rss_mb"])
+    print(f"server RSS (MiB) by swaps: {rss} (growth {mem['rss_growth_mb']} MiB)")
+    print(f"wrote {path} and {svg}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
