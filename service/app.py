@@ -6,8 +6,11 @@
     NOT_SERVING, drain, exit
 
 One event loop per process (uvloop when installed); model, GPU and C++ work run on the
-pipeline threads, never on the loop. With `workers > 1` a supervisor runs that many such
-processes on one port (`service/workers.py`).
+pipeline threads, never on the loop, and nothing that can block shares the loop's
+executor with gRPC (health and reflection are asyncio servicers). SIGTERM always ends the
+process: a drain that has not finished `drain_seconds` + `DRAIN_SLACK_SECONDS` after the
+notice exits 1 anyway. With `workers > 1` a supervisor runs that many such processes on
+one port (`service/workers.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -22,7 +26,6 @@ from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health
 
 from index_builder.lookup import FilterMode
 from index_builder.targeting import Targeting
@@ -30,7 +33,9 @@ from service.batcher import Batcher
 from service.grpc_server import (
     DRAIN_NOTICE_SECONDS,
     SERVICE,
+    HealthServicer,
     add_health_and_reflection,
+    add_retrieval,
     server_options,
     set_health,
 )
@@ -40,7 +45,6 @@ from service.mps import mps_client
 from service.pipeline.runner import Pipeline
 from service.pipeline.stages import Stages
 from service.request_log import RequestLog
-from service.rpc.grace.v1 import retrieval_pb2_grpc
 from service.server import RetrievalServicer
 from service.serving_index import IndexHolder, ServingIndex
 from service.settings import ServerSettings
@@ -48,6 +52,7 @@ from service.validation import Limits, ValidatedRequest
 from service.watcher import IndexWatcher
 
 log = logging.getLogger("grace.serve")
+DRAIN_SLACK_SECONDS = 5.0  # beyond drain_seconds for the threads and the metrics port
 
 
 @dataclass
@@ -57,7 +62,7 @@ class App:
     server: grpc.aio.Server
     port: int
     metrics_port: int
-    health: health.HealthServicer
+    health: HealthServicer
     servicer: RetrievalServicer
     batcher: Batcher
     pipeline: Pipeline
@@ -66,15 +71,16 @@ class App:
     settings: ServerSettings
 
     async def drain(self) -> None:
-        """Stop accepting, finish what is in flight, stop the threads."""
-        set_health(self.health, serving=False)
+        """Stop accepting, finish what is in flight, stop the threads. Watch streams end
+        with the server's grace period (they are cancelled like any call)."""
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING for good
         await asyncio.sleep(DRAIN_NOTICE_SECONDS)  # let health checkers and balancers see it
         self.servicer.draining = True
         await self.server.stop(self.settings.drain_seconds)
         await self.batcher.stop()
         self.watcher.stop()
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.pipeline.stop)
+        await loop.run_in_executor(None, self.pipeline.stop, DRAIN_SLACK_SECONDS)
         if self.servicer.request_log is not None:
             await loop.run_in_executor(None, self.servicer.request_log.close)
         self.metrics.close()
@@ -89,8 +95,8 @@ async def start(
     t0 = time.perf_counter()
     device = settings.resolve_device()
     metrics = Metrics()
-    health_servicer = health.HealthServicer()
-    set_health(health_servicer, serving=False)
+    health_servicer = HealthServicer()
+    await set_health(health_servicer, serving=False)
     loaded = load_checkpoint(Path(settings.model_dir), device)
     loaded.model.to(getattr(torch, settings.resolve_dtype(device)))
     log.info("model %s loaded on %s in %.1f s", loaded.model_version, device,
@@ -129,7 +135,16 @@ async def start(
     def observe(stage: str, seconds: float) -> None:
         metrics.stage.labels(stage).observe(seconds)
 
-    pipeline = Pipeline(stages, indexes, lambda: batcher.batch_done(), observe)
+    def dropped(stage: str, reason: str, n: int) -> None:
+        metrics.dropped.labels(stage, reason).inc(n)
+
+    pipeline = Pipeline(
+        stages,
+        indexes,
+        lambda size, dispatched, service: batcher.batch_done(size, dispatched, service),
+        observe,
+        dropped,
+    )
 
     def dispatch(batch: list) -> None:
         metrics.batch_size.observe(len(batch))
@@ -143,9 +158,16 @@ async def start(
         max_wait_busy=max(settings.max_wait_ms, settings.max_wait_busy_ms) / 1e3,
         capacity=settings.queue_capacity,
         busy_batches=settings.resolve_busy_batches(device),
+        max_groups=settings.max_decode_groups,
+        group_key=lambda req: (req.beams, req.filter_mode),
+        on_expired=metrics.queue_expired.inc,
     )
     batcher.start()
     metrics.queue_depth.set_function(lambda: batcher.depth)
+    metrics.predicted_wait.set_function(
+        lambda: batcher.admission.predicted_ms(batcher.depth, batcher.inflight_requests) / 1e3
+    )
+    metrics.index_behind.set_function(lambda: int(watcher.behind))
     if device.startswith("cuda"):
         metrics.gpu_memory.set_function(lambda: torch.cuda.memory_allocated())
     metrics.mps_client.set(int(mps_client(device)))
@@ -155,11 +177,13 @@ async def start(
     )
     # connection ageing rebalances clients over replicas; the front's private hop to a
     # worker has nothing to rebalance
-    options = server_options(settings) if address is None else []
+    options = server_options(settings, servicer.max_request_bytes)
+    if address is not None:
+        options = [o for o in options if not o[0].startswith("grpc.max_connection_age")]
     if bind_when_ready and address is None:
         options.append(("grpc.so_reuseport", 1))  # workers share the port
     server = grpc.aio.server(options=options)
-    retrieval_pb2_grpc.add_AdRetrievalServicer_to_server(servicer, server)
+    add_retrieval(server, servicer.Retrieve)
     add_health_and_reflection(server, health_servicer)
     address = address or f"{settings.host}:{settings.port}"
     port = 0 if bind_when_ready else server.add_insecure_port(address)
@@ -168,7 +192,7 @@ async def start(
     metrics_port = metrics.serve(settings.metrics_port, settings.host)
     watcher.start()
     await _warm_up(batcher, settings)  # first batch pays one-time costs, not a client
-    set_health(health_servicer, serving=True)
+    await set_health(health_servicer, serving=True)
     if bind_when_ready:
         port = server.add_insecure_port(address)
         await server.start()
@@ -213,7 +237,13 @@ async def serve_forever(
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("draining")
-    await app.drain()
+    limit = DRAIN_NOTICE_SECONDS + settings.drain_seconds + DRAIN_SLACK_SECONDS
+    try:
+        await asyncio.wait_for(app.drain(), limit)
+    except TimeoutError:
+        log.error("drain did not finish in %.1f s: exiting without it", limit)
+        logging.shutdown()
+        os._exit(1)  # a thread that will not stop must not keep the process alive
     log.info("stopped")
 
 

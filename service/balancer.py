@@ -33,11 +33,12 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.grpc_server import (
     DRAIN_NOTICE_SECONDS,
     SERVICE,
+    HealthServicer,
     add_health_and_reflection,
     server_options,
     set_health,
@@ -72,7 +73,7 @@ class Front(grpc.GenericRpcHandler):
         self._handlers = {
             m: grpc.unary_unary_rpc_method_handler(self._forwarder(m)) for m in FORWARDED
         }
-        self.health = health.HealthServicer()
+        self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
@@ -123,7 +124,7 @@ class Front(grpc.GenericRpcHandler):
         self._channels = [
             grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.workers
         ]
-        set_health(self.health, serving=False)
+        await set_health(self.health, serving=False)
         while not await self._all_serving():
             try:
                 await asyncio.wait_for(stopping.wait(), READY_POLL_SECONDS)
@@ -140,7 +141,7 @@ class Front(grpc.GenericRpcHandler):
         except RuntimeError as exc:  # taken (SO_REUSEPORT is off) or not ours to bind
             raise OSError(f"the request front cannot bind {address}: {exc}") from exc
         await self.server.start()
-        set_health(self.health, serving=True)
+        await set_health(self.health, serving=True)
         log.info("balancing requests over %d workers on port %d", len(self.workers), self.port)
         return True
 
@@ -157,7 +158,7 @@ class Front(grpc.GenericRpcHandler):
 
     async def stop(self) -> None:
         """NOT_SERVING, the drain notice, then let calls in flight finish (drain_seconds)."""
-        set_health(self.health, serving=False)
+        await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await asyncio.sleep(DRAIN_NOTICE_SECONDS)
             await self.server.stop(self.settings.drain_seconds)

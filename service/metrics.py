@@ -65,6 +65,35 @@ class Metrics:
             registry=r,
         )
         self.queue_depth = Gauge("grace_queue_depth", "Requests waiting for a batch.", registry=r)
+        self.refused = Counter(
+            "grace_admission_refused_total",
+            "Retrieve calls refused at the door, before parsing, by reason: 'overloaded' "
+            "(the deadline does not leave room for the predicted wait: RESOURCE_EXHAUSTED), "
+            "'queue_full' (RESOURCE_EXHAUSTED), 'hopeless' (the deadline is shorter than "
+            "the service itself: DEADLINE_EXCEEDED).",
+            ("reason",),
+            registry=r,
+        )
+        self.queue_expired = Counter(
+            "grace_queue_expired_total",
+            "Requests dropped from the queue before batching: their deadline had passed "
+            "or could no longer be met (answered DEADLINE_EXCEEDED).",
+            registry=r,
+        )
+        self.dropped = Counter(
+            "grace_stage_dropped_total",
+            "Requests dropped at a pipeline stage hand-off, before that stage's work: "
+            "reason 'deadline' (answered DEADLINE_EXCEEDED) or 'cancelled' (the client "
+            "went away).",
+            ("stage", "reason"),
+            registry=r,
+        )
+        self.predicted_wait = Gauge(
+            "grace_admission_predicted_seconds",
+            "Predicted time to answer a request arriving now, behind the work queued and "
+            "in flight (what admission compares each deadline with).",
+            registry=r,
+        )
         self.inflight = Gauge(
             "grace_inflight_requests", "Requests accepted and not yet answered.", registry=r
         )
@@ -83,7 +112,15 @@ class Metrics:
         self.index_age.set_function(self._index_age)
         self.swaps = Counter("grace_index_swaps_total", "Index hot swaps.", registry=r)
         self.swap_failures = Counter(
-            "grace_index_swap_failures_total", "Index versions rejected.", registry=r
+            "grace_index_swap_failures_total",
+            "Attempts to load an index version that failed (each retried with backoff).",
+            registry=r,
+        )
+        self.index_behind = Gauge(
+            "grace_index_behind_current",
+            "1 while the served index is not the version CURRENT names (that one was "
+            "rejected, or its directory has not appeared yet), else 0.",
+            registry=r,
         )
         self.sids = Counter("grace_sids_generated_total", "SIDs the decoder emitted.", registry=r)
         self.expanded = Counter(

@@ -32,7 +32,7 @@ from pydantic_settings import (
 )
 
 from index_builder.format import SID_LENGTH
-from service.batcher import default_busy_batches
+from service.batcher import MAX_GROUPS, default_busy_batches
 from service.model.config import PROFILES
 
 _FILE_SOURCES = {
@@ -130,7 +130,16 @@ class ServerSettings(BaseSettings):
         "(default_busy_batches in service/batcher.py).",
     )
     queue_capacity: int = Field(
-        256, description="Requests waiting for a batch; beyond it new ones get RESOURCE_EXHAUSTED."
+        256,
+        description="Requests waiting for a batch; beyond it new ones get RESOURCE_EXHAUSTED. "
+        "Requests with a deadline are refused earlier when it leaves no room for the "
+        "predicted wait (service/admission.py).",
+    )
+    max_decode_groups: int = Field(
+        MAX_GROUPS,
+        description="Most decode groups in one batch: requests sharing a beam schedule and "
+        "filter mode are one decode run, so a batch mixing many schedules costs many runs. "
+        "A request of another group waits for a later batch, keeping its place.",
     )
     default_max_ads: int = Field(1000, description="Ads returned when a request's max_ads is 0.")
     max_ads_limit: int = Field(10_000, description="Largest max_ads a request may ask for.")
@@ -208,7 +217,12 @@ class ServerSettings(BaseSettings):
         raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {v!r}")
 
     @field_validator(
-        "max_batch", "queue_capacity", "default_max_ads", "max_ads_limit", "busy_batches"
+        "max_batch",
+        "queue_capacity",
+        "max_decode_groups",
+        "default_max_ads",
+        "max_ads_limit",
+        "busy_batches",
     )
     @classmethod
     def _at_least_one(cls, v: int | None) -> int | None:

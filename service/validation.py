@@ -21,6 +21,10 @@ Decisions on values the proto allows but the contract leaves open:
 - history: at most `Limits.max_history` events; type VIEW, CLICK or CONVERSION;
   timestamp_ms >= 0; any ad_id (ads unknown to the index are dropped in stage 2).
 - user_id: any int64 (it is hashed). request_id: at most 128 UTF-8 bytes, may be empty.
+
+`Limits.max_request_bytes` is the size of the largest valid request, serialised, plus room
+for fields this server does not know yet (a newer client): the server refuses longer
+messages before parsing them (service/server.py).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from service.settings import ServerSettings
 MAX_AGE = 150
 MAX_LOCATION_BYTES = 256
 MAX_REQUEST_ID_BYTES = 128
+UNKNOWN_FIELDS_BYTES = 64 * 1024  # room for fields a newer client may add (DESIGN.md §5)
 _EVENT_TYPES = np.array([pb.VIEW, pb.CLICK, pb.CONVERSION])
 _FILTER_MODES = {
     pb.FILTER_MODE_UNSPECIFIED: FilterMode.CD_GTM,
@@ -66,6 +71,28 @@ class Limits:
     default_beams: tuple[int, ...]  # (M_1..M_4) used when options.beam_widths is empty
     beam_max: tuple[int, ...]  # per-step maxima of options.beam_widths
     max_history: int = 10_000  # most user.history events
+
+    def max_request_bytes(self) -> int:
+        """Serialised size of the largest request these limits accept, plus
+        `UNKNOWN_FIELDS_BYTES`: every field at its longest encoding."""
+        event = pb.Event(ad_id=-1, type=pb.CONVERSION, timestamp_ms=2**63 - 1)
+        largest = pb.RetrieveRequest(
+            request_id="x" * MAX_REQUEST_ID_BYTES,
+            user=pb.User(user_id=-1, history=[event] * self.max_history),
+            targeting=pb.Targeting(
+                country="US",
+                age=MAX_AGE,
+                gender=max(GENDERS, key=len),
+                locations=["x" * MAX_LOCATION_BYTES] * MAX_REQUEST_LOCATIONS,
+            ),
+            options=pb.Options(
+                max_ads=self.max_ads_limit,
+                beam_widths=list(self.beam_max),
+                filter_mode=pb.CD_GTM,
+                include_sids=True,
+            ),
+        )
+        return largest.ByteSize() + UNKNOWN_FIELDS_BYTES
 
     @classmethod
     def from_settings(cls, s: ServerSettings) -> Limits:

@@ -5,7 +5,10 @@
 
 One `BatchState` travels through all four stages; each stage fills its own fields and
 adds its wall time to `stage_ms`. On GPU each stage records `event` on its stream and
-the next stage's stream waits on it, so hand-offs are ordered without host syncs.
+the next stage's stream waits on it, so hand-offs are ordered without host syncs. At
+every hand-off the runner calls `drop`: requests whose deadline has passed are answered
+DEADLINE_EXCEEDED there and then, those whose client went away are forgotten, and the
+later stages work on the `live` rows only (no decode run and no post work for the rest).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from index_builder.exact import PostResult
 from index_builder.lookup import FilterMode, RequestTensors
 from index_builder.targeting import Targeting
-from service.batcher import Pending
+from service.batcher import DeadlineExpired, Pending
 from service.decode.engine import DecodeResult
 from service.model.embeddings import EmbeddedFeatures
 from service.model.features import FeatureBatch
@@ -66,6 +69,8 @@ class DecodeGroup:
 class BatchState:
     pending: list[Pending]
     index: ServingIndex  # taken once at stage 1 and used by every stage
+    dispatched: float  # time.monotonic() when the batcher handed it over
+    live: list[bool] = field(init=False)  # per request: still to be answered
     stage_ms: dict[str, float] = field(default_factory=dict)
     features: FeatureBatch | None = None  # stage 1 -> 2, on the compute device
     groups: list[DecodeGroup] = field(default_factory=list)  # stage 1 -> 3
@@ -73,6 +78,30 @@ class BatchState:
     decoded: list[tuple[list[int], DecodeResult]] = field(default_factory=list)  # 3 -> 4
     event: torch.cuda.Event | None = None  # recorded by the stage that produced the data
 
+    def __post_init__(self) -> None:
+        self.live = [True] * len(self.pending)
+
     @property
     def requests(self) -> list[RetrievalRequest]:
         return [p.payload for p in self.pending]
+
+    @property
+    def live_rows(self) -> list[int]:
+        return [i for i, alive in enumerate(self.live) if alive]
+
+    def drop(self, now: float) -> tuple[int, int]:
+        """Stop working for requests whose deadline passed (answered DEADLINE_EXCEEDED)
+        or whose client went away; returns how many of each were dropped now."""
+        expired = abandoned = 0
+        for i, p in enumerate(self.pending):
+            if not self.live[i]:
+                continue
+            if p.abandoned:
+                abandoned += 1
+            elif p.expired(now):
+                expired += 1
+                p.fail(DeadlineExpired("deadline passed during processing"))
+            else:
+                continue
+            self.live[i] = False
+        return expired, abandoned

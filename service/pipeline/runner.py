@@ -5,6 +5,13 @@ and queues it for stage 1; it never blocks (the batcher bounds batches in flight
 thread runs one stage for one batch at a time and passes the batch on; stage 4 resolves
 every request and frees the batcher's slot. An exception in any stage fails that batch's
 requests (the server answers INTERNAL) and the pipeline carries on with the next batch.
+
+Before each stage the batch drops the requests whose deadline has passed or whose client
+went away (`BatchState.drop`, counted through `on_dropped(stage, reason, n)`); a batch with
+none left skips its remaining stages, so no GPU or C++ work is spent on answers nobody
+reads. `on_batch_done(size, dispatched, service)` tells the batcher a batch has left and,
+when it ran every stage, what they cost (the admission estimate learns from it; None for
+a batch that failed or was dropped part-way).
 """
 
 from __future__ import annotations
@@ -30,12 +37,14 @@ class Pipeline:
         self,
         stages: Stages,
         indexes: IndexHolder,
-        on_batch_done: Callable[[], None],
+        on_batch_done: Callable[[int, float, float | None], None],
         observe: Callable[[str, float], None] = lambda stage, seconds: None,
+        on_dropped: Callable[[str, str, int], None] = lambda stage, reason, n: None,
     ) -> None:
         self.stages, self.indexes = stages, indexes
         self._done = on_batch_done
         self._observe = observe
+        self._on_dropped = on_dropped
         self._queues: list[queue.Queue[object]] = [queue.Queue() for _ in STAGES]
         self._threads = [
             threading.Thread(target=self._loop, args=(i,), name=f"grace-{name}", daemon=True)
@@ -49,13 +58,15 @@ class Pipeline:
     def dispatch(self, pending: list[Pending]) -> None:
         with self._lock:
             self.in_flight += 1
-        self._queues[0].put(BatchState(pending, self.indexes.current))
+        self._queues[0].put(BatchState(pending, self.indexes.current, time.monotonic()))
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Finish the batches already dispatched, then end the threads."""
+        """Finish the batches already dispatched, then end the threads (waiting at most
+        `timeout` seconds in all: they are daemon threads)."""
         self._queues[0].put(_STOP)
+        end = time.monotonic() + timeout
         for t in self._threads:
-            t.join(timeout)
+            t.join(max(end - time.monotonic(), 0.0))
 
     def _loop(self, i: int) -> None:
         name = STAGES[i]
@@ -67,6 +78,9 @@ class Pipeline:
                     self._queues[i + 1].put(_STOP)
                 return
             batch: BatchState = item  # type: ignore[assignment]
+            if not self._keep(name, batch):
+                self._finish(batch)  # nobody waits for any of it: skip the other stages
+                continue
             t = time.perf_counter()
             try:
                 out = body(batch)
@@ -74,7 +88,7 @@ class Pipeline:
                 log.exception("stage %s failed for a batch of %d", name, len(batch.pending))
                 for p in batch.pending:
                     p.fail(exc)
-                self._finish()
+                self._finish(batch)
                 continue
             seconds = time.perf_counter() - t
             batch.stage_ms[name] = seconds * 1e3
@@ -82,12 +96,24 @@ class Pipeline:
             if i + 1 < len(STAGES):
                 self._queues[i + 1].put(batch)
                 continue
-            for p, result in zip(batch.pending, out, strict=True):
+            for row, result in zip(batch.live_rows, out, strict=True):
                 result.stage_ms[name] = batch.stage_ms[name]
-                p.resolve(result)
-            self._finish()
+                batch.pending[row].resolve(result)
+            self._finish(batch, sum(batch.stage_ms.values()) / 1e3)
 
-    def _finish(self) -> None:
+    def _keep(self, stage: str, batch: BatchState) -> bool:
+        """Drop the batch's dead requests at this hand-off; False when none is left."""
+        expired, abandoned = batch.drop(time.monotonic())
+        if expired:
+            self._on_dropped(stage, "deadline", expired)
+        if abandoned:
+            self._on_dropped(stage, "cancelled", abandoned)
+        return any(batch.live)
+
+    def _finish(self, batch: BatchState, service: float | None = None) -> None:
         with self._lock:
             self.in_flight -= 1
-        self._done()
+        try:
+            self._done(len(batch.pending), batch.dispatched, service)
+        except Exception:  # the stage thread must outlive a faulty callback
+            log.exception("reporting a finished batch failed")

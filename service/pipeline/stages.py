@@ -85,7 +85,10 @@ def decode_groups(
     return rows_of
 
 
-PostFn = Callable[[BatchState, Sequence[tuple[np.ndarray, np.ndarray]]], list[PostResult]]
+# (batch, its rows still live, their generated (leaves, scores)) -> one result per row
+PostFn = Callable[
+    [BatchState, Sequence[int], Sequence[tuple[np.ndarray, np.ndarray]]], list[PostResult]
+]
 
 
 class Stages:
@@ -228,20 +231,41 @@ class Stages:
                 self.model.decoder, retrieval.tables, retrieval.level_offsets
             )
             for g in batch.groups:
+                g = self._live(g, batch.live)
+                if g is None:  # every request of the group was dropped: no decode run
+                    continue
                 sub = ctx if g.index is None else ctx[g.index]
                 batch.decoded.append((g.rows, search.run(sub, g.requests, g.beams, g.mode)))
         self._done(2, batch)
 
+    def _live(self, g: DecodeGroup, live: list[bool]) -> DecodeGroup | None:
+        """The group narrowed to its live rows (requests dropped at the hand-off before
+        this stage); None when none is left. On the current stage's stream."""
+        keep = [j for j, row in enumerate(g.rows) if live[row]]
+        if len(keep) == len(g.rows):
+            return g
+        if not keep:
+            return None
+        rows = [g.rows[j] for j in keep]
+        at = self._to_device(torch.tensor(keep))
+        reqs = g.requests
+        if reqs is not None:
+            reqs = RequestTensors(reqs.bitmask[at], reqs.blooms[at])
+        index = self._to_device(torch.tensor(rows))
+        return DecodeGroup(g.beams, g.mode, rows, index, reqs)
+
     def post(self, batch: BatchState) -> list[RetrievalResult]:
         if batch.event is not None:
             batch.event.synchronize()  # the decode results must be on the device
-        generated: list[tuple[np.ndarray, np.ndarray]] = [None] * len(batch.pending)  # type: ignore[list-item]
+        decoded: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for rows, res in batch.decoded:
             leaves, scores = res.leaves.cpu().numpy(), res.scores.cpu().numpy()
             for j, i in enumerate(rows):
                 live = leaves[j] >= 0
-                generated[i] = (leaves[j][live], scores[j][live])
-        posts = self.post_fn(batch, generated)
+                decoded[i] = (leaves[j][live], scores[j][live])
+        rows = [i for i in batch.live_rows if i in decoded]  # not those dropped since
+        generated = [decoded[i] for i in rows]
+        posts = self.post_fn(batch, rows, generated)
         return [
             RetrievalResult(
                 post=p,
@@ -266,24 +290,26 @@ def _warmed(static: StaticFeatures | StaticEncoder, name: str) -> bool:
     return True
 
 
-def default_post(batch: BatchState, generated) -> list[PostResult]:
-    """The C++ post stage of the batch's index (GIL released, requests in parallel); the
-    Python reference when the index has none (e.g. one assembled in memory by tests)."""
+def default_post(batch: BatchState, rows: Sequence[int], generated) -> list[PostResult]:
+    """The C++ post stage of the batch's index (GIL released, requests in parallel) for
+    the batch's `rows`; the Python reference when the index has none (e.g. one assembled
+    in memory by tests)."""
     post = batch.index.post
     if post is None:
-        return python_post(batch, generated)
+        return python_post(batch, rows, generated)
     vocabulary = batch.index.retrieval.vocabulary
+    reqs = [batch.requests[i] for i in rows]
     return post.run(
         [
             PostRequest.from_targeting(leaves, scores, req.targeting, vocabulary, req.max_ads)
-            for req, (leaves, scores) in zip(batch.requests, generated, strict=True)
+            for req, (leaves, scores) in zip(reqs, generated, strict=True)
         ]
     )
 
 
-def python_post(batch: BatchState, generated) -> list[PostResult]:
+def python_post(batch: BatchState, rows: Sequence[int], generated) -> list[PostResult]:
     """The Python reference post stage, request by request."""
-    reqs = batch.requests
+    reqs = [batch.requests[i] for i in rows]
     return reference_post(
         batch.index.retrieval, generated, [r.targeting for r in reqs], [r.max_ads for r in reqs]
     )

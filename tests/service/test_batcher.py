@@ -21,6 +21,7 @@ class FakePipeline:
         self.gate.set()
         self.inbox: queue.Queue[list[Pending] | None] = queue.Queue()
         self.batcher: Batcher | None = None
+        self.service: float | None = None  # stage time reported per batch (None: none)
         self.thread = threading.Thread(target=self._work, daemon=True)
         self.thread.start()
 
@@ -29,12 +30,13 @@ class FakePipeline:
 
     def _work(self) -> None:
         while (batch := self.inbox.get()) is not None:
+            dispatched = time.monotonic()
             self.gate.wait()
             self.batches.append([p.payload for p in batch])
             for p in batch:
                 p.resolve(p.payload * 2)
             assert self.batcher is not None
-            self.batcher.batch_done()
+            self.batcher.batch_done(len(batch), dispatched, self.service)
 
     def close(self) -> None:
         self.gate.set()

@@ -107,7 +107,7 @@ async def serve(
 
         setattr(stages, fail_stage, broken)
     batcher: Batcher
-    pipeline = Pipeline(stages, holder, lambda: batcher.batch_done())
+    pipeline = Pipeline(stages, holder, lambda *done: batcher.batch_done(*done))
     batcher = Batcher(pipeline.dispatch, max_batch=4, max_wait=0.002)
     batcher.start()
     tasks = []

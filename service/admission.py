@@ -1,0 +1,108 @@
+"""Deadline-aware admission: will this request finish before its deadline? (DESIGN.md §5)
+
+    Retrieve ─► Admission.decide(remaining, queued, in_flight) ─► admit / refuse at once
+    pipeline: every finished batch ─► ServiceEstimate.observe(...) (learns online)
+
+A bounded queue alone does not protect goodput: under overload with client deadlines a
+request can wait in a queue that never fills, expire, and still be computed — the server
+then spends all of its capacity on answers nobody reads (docs/RELIABILITY.md). So each
+request is admitted only if the predicted time to answer it fits its deadline:
+
+    predicted = (queued + in_flight) × per_request + service
+
+- `per_request`: seconds of pipeline throughput per request — the gap between two batch
+  completions divided by the later batch's size, counted only when the pipeline was busy
+  for the whole gap (the later batch was dispatched before the earlier one finished);
+- `service`: a batch's own time in the four stages (the sum of their wall times), what a
+  request costs after the work ahead of it is done.
+
+Both are EWMAs over recent batches, so the prediction follows the machine (a busy CPU, a
+GPU at its power cap) without configuration. A request whose deadline is shorter than
+the fastest recent service time is hopeless (DEADLINE_EXCEEDED at once); one that does
+not fit behind the work ahead is refused with RESOURCE_EXHAUSTED at once, so the client
+can retry elsewhere while it still has time. The queue itself is FIFO; the batcher drops
+a queued request whose remaining time has fallen below the service time before it is
+batched (service/batcher.py), and the pipeline drops expired requests at every stage
+hand-off (service/pipeline/runner.py).
+
+Pure Python, no locks: every method runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+ALPHA = 0.2  # EWMA weight of the newest batch: ~5 batches of memory
+FLOOR_WINDOW = 64  # batches over which the fastest service time is taken
+
+
+class Verdict(enum.Enum):
+    ADMIT = "admit"
+    OVERLOADED = "overloaded"  # cannot finish behind the work ahead: RESOURCE_EXHAUSTED
+    HOPELESS = "hopeless"  # shorter than the service itself: DEADLINE_EXCEEDED
+
+
+@dataclass
+class ServiceEstimate:
+    """What recent batches say one request costs; fed by every finished batch."""
+
+    per_request: float | None = None  # seconds of throughput per request (EWMA)
+    service: float | None = None  # seconds of a batch's own stage time (EWMA)
+    _fastest: deque[float] = field(default_factory=lambda: deque(maxlen=FLOOR_WINDOW))
+    _last_done: float | None = None
+
+    def observe(self, size: int, dispatched: float, done: float, service: float) -> None:
+        """A batch of `size` requests dispatched at `dispatched` finished at `done`
+        (time.monotonic) after `service` seconds of stage time."""
+        if size < 1:
+            return
+        self.service = _ewma(self.service, service)
+        self._fastest.append(service)
+        busy = self._last_done is not None and dispatched <= self._last_done
+        if busy:
+            assert self._last_done is not None
+            self.per_request = _ewma(self.per_request, max(done - self._last_done, 0.0) / size)
+        elif self.per_request is None:  # nothing overlapped yet: as if run one by one
+            self.per_request = service / size
+        self._last_done = done if self._last_done is None else max(self._last_done, done)
+
+    @property
+    def fastest(self) -> float:
+        """The shortest recent service time (0 before any batch)."""
+        return min(self._fastest, default=0.0)
+
+    def predict(self, ahead: int) -> float:
+        """Seconds until a request with `ahead` requests before it is answered (0 before
+        any batch: the first requests are admitted and teach the estimate)."""
+        if self.service is None or self.per_request is None:
+            return 0.0
+        return ahead * self.per_request + self.service
+
+
+@dataclass
+class Admission:
+    """The admission rule over a `ServiceEstimate`; `wait` is added for batch forming."""
+
+    estimate: ServiceEstimate = field(default_factory=ServiceEstimate)
+    wait: float = 0.0  # longest a request waits now for its batch to close, seconds
+
+    def decide(self, remaining: float | None, queued: int, in_flight: int) -> Verdict:
+        """`remaining`: seconds left of the request's deadline (None: no deadline, always
+        admitted here — the queue's capacity still bounds it)."""
+        if remaining is None:
+            return Verdict.ADMIT
+        if remaining <= self.estimate.fastest:
+            return Verdict.HOPELESS
+        if remaining < self.wait + self.estimate.predict(queued + in_flight):
+            return Verdict.OVERLOADED
+        return Verdict.ADMIT
+
+    def predicted_ms(self, queued: int, in_flight: int) -> float:
+        """The prediction a refusal message quotes, in milliseconds."""
+        return 1e3 * (self.wait + self.estimate.predict(queued + in_flight))
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else old + ALPHA * (new - old)
