@@ -31,14 +31,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -47,9 +42,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc
-import psutil
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.common import ROOT, write_result
 from bench.svg_plot import Series, write_line_chart
@@ -63,6 +55,7 @@ from loadtest.overload import (
     run_open_loop,
     world_requests,
 )
+from tests.helpers.server_process import ServerProcess, metric_value
 
 FIGURES = ROOT / "docs" / "figures"
 # manifest keys write_index_dir fills in itself
@@ -74,19 +67,10 @@ def progress(msg: str) -> None:
     print(f"[{time.perf_counter() - _start:6.1f} s] {msg}", flush=True)
 
 
-def metric_value(text: str, name: str) -> float | None:
-    """Sum of the samples of metric `name` (any labels) in Prometheus text format."""
-    total: float | None = None
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            metric, rest = line[: line.index("{")], line[line.rindex("}") + 1 :].split()
-        else:
-            metric, *rest = line.split()
-        if metric == name and rest:
-            total = (total or 0.0) + float(rest[0])
-    return total
+def settle(server: ServerProcess) -> None:
+    """Wait until the last point's backlog is gone (say so if it is not)."""
+    if not server.wait_idle():
+        progress("warning: server still busy after 120 s")
 
 
 def republisher(index_root: Path) -> Callable[[Path, str], None]:
@@ -103,105 +87,6 @@ def republisher(index_root: Path) -> Callable[[Path, str], None]:
         write_index_dir(directory, arrays, {**base, "index_version": version, "created": created})
 
     return write
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class ServerProcess:
-    """`python -m service.cli serve` in a subprocess, its output in `log`."""
-
-    proc: subprocess.Popen[bytes]
-    port: int
-    metrics_port: int
-    log: Path
-
-    @classmethod
-    def start(cls, data: Path, log: Path, device: str, poll_seconds: float) -> ServerProcess:
-        port, metrics_port = _free_port(), _free_port()
-        env = os.environ | {"GRACE_INDEX_POLL_SECONDS": str(poll_seconds)}
-        cmd = [
-            sys.executable,
-            "-m",
-            "service.cli",
-            "serve",
-            "--data-dir",
-            str(data),
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(metrics_port),
-            "--device",
-            device,
-            "--no-progress",
-        ]
-        with open(log, "wb") as fh:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
-        return cls(proc, port, metrics_port, log)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log_tail(self, lines: int = 30) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_tail()}")
-
-    def wait_serving(self, timeout_s: float = 300.0) -> None:
-        end = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.target) as ch:
-            health = health_pb2_grpc.HealthStub(ch)
-            while time.monotonic() < end:
-                self.check_alive()
-                with contextlib.suppress(grpc.RpcError):
-                    r = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                time.sleep(0.2)
-        raise TimeoutError(f"server not SERVING after {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def metrics_text(self) -> str:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.read().decode()
-
-    def metric(self, name: str) -> float:
-        return metric_value(self.metrics_text(), name) or 0.0
-
-    def rss_mb(self) -> float:
-        return round(psutil.Process(self.proc.pid).memory_info().rss / 2**20, 1)
-
-    def wait_idle(self, timeout_s: float = 120.0) -> None:
-        """Until nothing is queued or in flight (an overload point's backlog is gone)."""
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            self.check_alive()
-            text = self.metrics_text()
-            busy = (metric_value(text, "grace_inflight_requests") or 0) + (
-                metric_value(text, "grace_queue_depth") or 0
-            )
-            if busy == 0:
-                return
-            time.sleep(0.2)
-        progress(f"warning: server still busy after {timeout_s:.0f} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @dataclass
@@ -271,7 +156,7 @@ def sweep(
     rows = []
     for deadline_ms in a.deadlines_ms:
         for multiple in a.multiples:
-            server.wait_idle()
+            settle(server)
             rate = multiple * capacity
             r = gen.run(server, requests, rate, a.point_seconds, deadline_ms / 1e3)
             row = {
@@ -522,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = Generator(a.processes, a.channels, a.poisson, warmup=0.2)
     with served_data(a.data) as (data, scratch):
         requests = world_requests(data / "world", a.users)
-        server = ServerProcess.start(data, scratch / "server.log", a.device, poll_seconds=0.1)
+        server = ServerProcess.start(
+            data, scratch / "server.log", device=a.device, env={"GRACE_INDEX_POLL_SECONDS": "0.1"}
+        )
         try:
             server.wait_serving()
             rss_serving = server.rss_mb()
@@ -535,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"(P50 {cap.p50_ms} ms, P99 {cap.p99_ms} ms, errors {cap.errors})"
             )
             rows = sweep(server, requests, cap.ok_rps, gen, a)
-            server.wait_idle()
+            settle(server)
             progress(f"publishing {a.swaps} versions under {a.swap_load:g}x capacity")
             hot = asyncio.run(
                 swaps_under_load(
@@ -553,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{hot['seconds']} s; RPCs sent {hot.get('rpcs_sent')}, failed "
                 f"{hot.get('rpcs_failed')}"
             )
-            server.wait_idle()
+            settle(server)
             progress(f"memory: {a.memory_swaps} more swaps, RSS every {a.rss_every}")
             mem = asyncio.run(
                 swaps_under_load(

@@ -8,19 +8,26 @@ request can wait in a queue that never fills, expire, and still be computed — 
 then spends all of its capacity on answers nobody reads (docs/RELIABILITY.md). So each
 request is admitted only if the predicted time to answer it fits its deadline:
 
-    predicted = (queued + in_flight) × per_request + service
+    predicted = wait + (queued + in_flight) × per_request + service
+    admitted  iff  predicted <= HEADROOM × remaining deadline
 
-- `per_request`: seconds of pipeline throughput per request — the gap between two batch
-  completions divided by the later batch's size, counted only when the pipeline was busy
-  for the whole gap (the later batch was dispatched before the earlier one finished);
-- `service`: a batch's own time in the four stages (the sum of their wall times), what a
-  request costs after the work ahead of it is done.
+- `per_request`: seconds of pipeline throughput per request — over the last
+  `RATE_WINDOW` batches that finished back to back (each dispatched before the one
+  ahead of it finished, so the pipeline was busy all along), their span divided by the
+  requests they carried;
+- `service`: a batch's own time in the four stages (the sum of their wall times, EWMA),
+  what a request costs after the work ahead of it is done;
+- `wait`: how long its batch may still wait for more requests (the batcher's max_wait or
+  max_wait_busy, 0 when the queue already fills a batch).
 
-Both are EWMAs over recent batches, so the prediction follows the machine (a busy CPU, a
-GPU at its power cap) without configuration. A request whose deadline is shorter than
-the fastest recent service time is hopeless (DEADLINE_EXCEEDED at once); one that does
-not fit behind the work ahead is refused with RESOURCE_EXHAUSTED at once, so the client
-can retry elsewhere while it still has time. The queue itself is FIFO; the batcher drops
+Both follow recent batches, so the prediction follows the machine (a busy CPU, a GPU at
+its power cap) without configuration. Under overload the queue settles where the newest
+admitted request is predicted to finish just in time, so `HEADROOM` keeps a margin for
+the prediction's error: without it, about half of those marginal requests would miss
+their deadline after being computed. A request whose deadline is shorter than the
+fastest recent service time is hopeless (DEADLINE_EXCEEDED at once); one that does not
+fit behind the work ahead is refused with RESOURCE_EXHAUSTED at once, so the client can
+retry elsewhere while it still has time. The queue itself is FIFO; the batcher drops
 a queued request whose remaining time has fallen below the service time before it is
 batched (service/batcher.py), and the pipeline drops expired requests at every stage
 hand-off (service/pipeline/runner.py).
@@ -36,6 +43,8 @@ from dataclasses import dataclass, field
 
 ALPHA = 0.2  # EWMA weight of the newest batch: ~5 batches of memory
 FLOOR_WINDOW = 64  # batches over which the fastest service time is taken
+RATE_WINDOW = 16  # back-to-back batches the throughput is measured over
+HEADROOM = 0.8  # admit when the prediction is at most this share of the time left
 
 
 class Verdict(enum.Enum):
@@ -48,10 +57,11 @@ class Verdict(enum.Enum):
 class ServiceEstimate:
     """What recent batches say one request costs; fed by every finished batch."""
 
-    per_request: float | None = None  # seconds of throughput per request (EWMA)
+    per_request: float | None = None  # seconds of throughput per request
     service: float | None = None  # seconds of a batch's own stage time (EWMA)
     _fastest: deque[float] = field(default_factory=lambda: deque(maxlen=FLOOR_WINDOW))
-    _last_done: float | None = None
+    # (done, size) of the latest batches that finished back to back
+    _run: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
 
     def observe(self, size: int, dispatched: float, done: float, service: float) -> None:
         """A batch of `size` requests dispatched at `dispatched` finished at `done`
@@ -60,13 +70,14 @@ class ServiceEstimate:
             return
         self.service = _ewma(self.service, service)
         self._fastest.append(service)
-        busy = self._last_done is not None and dispatched <= self._last_done
-        if busy:
-            assert self._last_done is not None
-            self.per_request = _ewma(self.per_request, max(done - self._last_done, 0.0) / size)
+        if self._run and dispatched > self._run[-1][0]:  # the pipeline idled: a new run
+            self._run.clear()
+        self._run.append((max(done, self._run[-1][0]) if self._run else done, size))
+        if len(self._run) >= 2:
+            span = self._run[-1][0] - self._run[0][0]
+            self.per_request = span / sum(n for _, n in list(self._run)[1:])
         elif self.per_request is None:  # nothing overlapped yet: as if run one by one
             self.per_request = service / size
-        self._last_done = done if self._last_done is None else max(self._last_done, done)
 
     @property
     def fastest(self) -> float:
@@ -95,7 +106,7 @@ class Admission:
             return Verdict.ADMIT
         if remaining <= self.estimate.fastest:
             return Verdict.HOPELESS
-        if remaining < self.wait + self.estimate.predict(queued + in_flight):
+        if HEADROOM * remaining < self.wait + self.estimate.predict(queued + in_flight):
             return Verdict.OVERLOADED
         return Verdict.ADMIT
 

@@ -5,11 +5,25 @@ Retrieve registration and the server options. It imports no torch, nor anything 
 Health is the asyncio servicer (`grpc_health.v1.health.aio`): its Check and Watch run on
 the event loop, so open Watch streams hold no thread — the synchronous servicer parks one
 executor thread per Watch for ever, and six of them wedge every later Check and the
-shutdown (docs/RELIABILITY.md). Reflection on an aio server is asyncio too.
+shutdown (docs/RELIABILITY.md). Its cost is bounded: Checks are paced by a token bucket
+(`HEALTH_CHECKS_PER_SECOND`, bursts of `HEALTH_CHECK_BURST`) — a Check beyond it waits for
+its turn, and one that would wait longer than `HEALTH_CHECK_MAX_WAIT_SECONDS` is answered
+RESOURCE_EXHAUSTED after that long (not at once: a caller in a loop would just ask again)
+— so probes in tight loops cannot take the event loop from Retrieve; at most
+`MAX_HEALTH_WATCHES` Watch streams are open at once. Reflection on an aio
+server is asyncio too.
+
+Each connection may hold `MAX_CONCURRENT_STREAMS` streams; gRPC's overload protection
+counts a stream until the server has released it, so a client that opens and resets
+streams in a loop (HTTP/2 "rapid reset") is pushed back on its own connection instead of
+filling the server's queue of calls not yet handed to the application — which gRPC
+sheds at random across all connections (other clients saw CANCELLED).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -26,8 +40,61 @@ DRAIN_NOTICE_SECONDS = 0.5  # NOT_SERVING is visible this long before the port c
 # that are still too long are refused, counted and logged by the Retrieve handler
 TRANSPORT_LIMIT_FACTOR = 2
 
-HealthServicer = health.aio.HealthServicer
+MAX_CONCURRENT_STREAMS = 256  # per connection; more than the queue holds is no use
+HEALTH_CHECKS_PER_SECOND = 200.0
+HEALTH_CHECK_BURST = 50
+HEALTH_CHECK_MAX_WAIT_SECONDS = 1.0
+MAX_HEALTH_WATCHES = 1024
+
 RawHandler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
+
+
+class HealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1 on the event loop, its Checks paced and its Watches capped."""
+
+    def __init__(
+        self,
+        checks_per_second: float = HEALTH_CHECKS_PER_SECOND,
+        burst: int = HEALTH_CHECK_BURST,
+        max_watches: int = MAX_HEALTH_WATCHES,
+    ) -> None:
+        super().__init__()
+        self.rate, self.burst, self.max_watches = checks_per_second, burst, max_watches
+        self._tokens, self._at = float(burst), time.monotonic()
+        self.watches = 0  # Watch streams open now
+        self.refused = 0  # Checks and Watches answered RESOURCE_EXHAUSTED
+
+    def _reserve(self) -> float | None:
+        """Take a token; the seconds to wait for it, or None (and no token) when that is
+        more than HEALTH_CHECK_MAX_WAIT_SECONDS."""
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        wait = (1.0 - self._tokens) / self.rate
+        if wait > HEALTH_CHECK_MAX_WAIT_SECONDS:
+            return None
+        self._tokens -= 1.0
+        return max(wait, 0.0)
+
+    async def Check(self, request, context):
+        wait = self._reserve()
+        if wait is None:
+            self.refused += 1
+            await asyncio.sleep(HEALTH_CHECK_MAX_WAIT_SECONDS)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many health checks")
+        if wait:
+            await asyncio.sleep(wait)
+        return await super().Check(request, context)
+
+    async def Watch(self, request, context):
+        if self.watches >= self.max_watches:
+            self.refused += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many health watches")
+        self.watches += 1
+        try:
+            return await super().Watch(request, context)
+        finally:
+            self.watches -= 1
 
 
 async def set_health(servicer: HealthServicer, serving: bool) -> None:
@@ -63,7 +130,7 @@ def server_options(
 ) -> list[tuple[str, int]]:
     """gRPC core options of a server: connection ageing lets clients rebalance across
     replicas; the receive limit follows the largest valid request."""
-    options = []
+    options = [("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)]
     if max_request_bytes is not None:
         limit = TRANSPORT_LIMIT_FACTOR * max_request_bytes
         options.append(("grpc.max_receive_message_length", limit))

@@ -88,6 +88,11 @@ class Metrics:
             ("stage", "reason"),
             registry=r,
         )
+        for reason in ("overloaded", "queue_full", "hopeless"):  # series exist from the start
+            self.refused.labels(reason)
+        for stage in ("input", "features", "compute", "post"):
+            for reason in ("deadline", "cancelled"):
+                self.dropped.labels(stage, reason)
         self.predicted_wait = Gauge(
             "grace_admission_predicted_seconds",
             "Predicted time to answer a request arriving now, behind the work queued and "

@@ -286,6 +286,10 @@ def test_dashboard_shows_what_the_issue_asks_for() -> None:
         "grace_index_age_seconds",
         "grace_index_swaps_total",
         "grace_index_swap_failures_total",
+        "grace_admission_refused_total",  # shedding (docs/RELIABILITY.md)
+        "grace_queue_expired_total",
+        "grace_stage_dropped_total",
+        "grace_admission_predicted_seconds",
         "grace_gpu_memory_bytes",
         "job:grace_retrieve_slow:ratio_rate1h",  # the SLOs
         "job:grace_retrieve_errors:ratio_rate1h",

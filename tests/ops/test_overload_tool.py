@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
-from bench.bench_overload import markdown_table, metric_value, republisher
+from bench.bench_overload import markdown_table, republisher
 from bench.svg_plot import Series, line_chart, nice_ticks
 from index_builder.format import read_index_dir
 from index_builder.publish import current_path, current_version, list_versions, publish
@@ -33,6 +33,7 @@ from loadtest.overload import (
     summarise,
 )
 from tests.helpers.indexes import small_index, writer
+from tests.helpers.server_process import metric_value
 
 Handler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
 REQUESTS = [b"\x0a\x03abc", b"\x0a\x03def"]  # opaque bytes: the fakes never parse them

@@ -8,6 +8,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from service.batcher import Batcher, DeadlineExpired, Overloaded, Pending
 
@@ -232,6 +234,113 @@ def test_queued_requests_join_a_batch_even_with_no_wait() -> None:
         sizes = [len(b) for b in pipe.batches[2:]]
         assert sum(sizes) == 40 and max(sizes) == 16 and len(sizes) <= 4, sizes
         await asyncio.gather(*held)
+        await batcher.stop()
+        pipe.close()
+
+    run(main())
+
+
+def test_a_batch_holds_at_most_max_groups_decode_groups() -> None:
+    """Requests of a third schedule wait for a later batch, keeping their place: no batch
+    mixes more than two, nothing is lost, each schedule is served in arrival order."""
+
+    async def main() -> None:
+        batcher, pipe = make(max_batch=8, max_wait=0.0, max_inflight=1, max_groups=2,
+                             group_key=lambda x: x % 3)  # fmt: skip
+        pipe.gate.clear()
+        blocker = asyncio.ensure_future(batcher.submit(99))
+        while batcher.inflight < 1:
+            await asyncio.sleep(0.001)
+        queued = [asyncio.ensure_future(batcher.submit(i)) for i in range(30)]
+        await asyncio.sleep(0.01)
+        pipe.gate.set()
+        assert await asyncio.gather(*queued) == [2 * i for i in range(30)]
+        await blocker
+        batches = pipe.batches[1:]
+        assert all(len({x % 3 for x in b}) <= 2 for b in batches), batches
+        assert sorted(x for b in batches for x in b) == list(range(30))
+        for key in range(3):
+            order = [x for b in batches for x in b if x % 3 == key]
+            assert order == sorted(order)
+        await batcher.stop()
+        pipe.close()
+
+    run(main())
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    max_groups=st.integers(1, 3),
+    max_batch=st.integers(1, 8),
+)
+def test_grouped_batching_serves_every_request_once(keys, max_groups, max_batch) -> None:
+    async def main() -> list[list[int]]:
+        batcher, pipe = make(max_batch=max_batch, max_wait=0.0, max_inflight=1,
+                             max_groups=max_groups, group_key=lambda i: keys[i])  # fmt: skip
+        pipe.gate.clear()
+        futures = [asyncio.ensure_future(batcher.submit(i)) for i in range(len(keys))]
+        await asyncio.sleep(0)
+        pipe.gate.set()
+        assert await asyncio.gather(*futures) == [2 * i for i in range(len(keys))]
+        await batcher.stop()
+        pipe.close()
+        return pipe.batches
+
+    batches = run(main())
+    assert sorted(i for b in batches for i in b) == list(range(len(keys)))
+    assert all(1 <= len(b) <= max_batch and len({keys[i] for i in b}) <= max_groups
+               for b in batches)  # fmt: skip
+
+
+def test_deadlines_that_do_not_fit_are_refused_at_once() -> None:
+    """Once batches have shown what a request costs, a deadline shorter than the service
+    is hopeless and one that does not fit behind the work ahead is overloaded — both
+    refused before queueing; a request without a deadline is still queued."""
+
+    async def main() -> None:
+        batcher, pipe = make(max_batch=4, max_wait=0.0, max_inflight=1)
+        pipe.service = 0.2  # every batch reports 200 ms of stage time
+        assert await batcher.submit(1) == 2
+        while batcher.admission.estimate.service is None:
+            await asyncio.sleep(0.001)
+        with pytest.raises(DeadlineExpired, match="shorter than the service"):
+            await batcher.submit(2, timeout=0.1)
+        pipe.gate.clear()
+        held = [asyncio.ensure_future(batcher.submit(i)) for i in range(8)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded, match="predicted") as refused:
+            await batcher.submit(3, timeout=0.3)
+        assert refused.value.reason == "overloaded" and batcher.depth == 4
+        pipe.gate.set()
+        assert await asyncio.gather(*held) == [2 * i for i in range(8)]
+        await batcher.stop()
+        pipe.close()
+
+    run(main())
+
+
+def test_a_queued_request_that_can_no_longer_finish_is_dropped() -> None:
+    """Admitted, then held in the queue until less time is left than the fastest service:
+    it is answered DeadlineExpired at once and counted, never dispatched."""
+
+    async def main() -> None:
+        dropped: list[int] = []
+        batcher, pipe = make(max_batch=4, max_wait=0.0, max_inflight=1, on_expired=dropped.append)
+        pipe.service = 0.05
+        assert await batcher.submit(1) == 2  # the estimate: 50 ms of service
+        pipe.gate.clear()
+        blocker = asyncio.ensure_future(batcher.submit(100))
+        while batcher.inflight < 1:
+            await asyncio.sleep(0.001)
+        late = asyncio.ensure_future(batcher.submit(7, timeout=0.3))
+        await asyncio.sleep(0.28)  # less than 50 ms left, still queued behind the blocker
+        pipe.gate.set()
+        with pytest.raises(DeadlineExpired, match="can no longer be met"):
+            await late
+        assert await blocker == 200
+        assert dropped == [1] and batcher.expired == 1
+        assert all(7 not in b for b in pipe.batches)
         await batcher.stop()
         pipe.close()
 

@@ -7,19 +7,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import index_builder.build as build_module
 from index_builder.build import build_index
@@ -34,10 +27,9 @@ from index_builder.validate import IndexValidationError
 from service.client import request_for_user
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from tests.helpers.indexes import flip_byte
+from tests.helpers.server_process import ServerProcess
+from tests.helpers.server_process import serving as serve_process
 from tests.helpers.serving import make_serving_data
-
-REPO = Path(__file__).resolve().parents[2]
-START_TIMEOUT = 180.0  # a cold start imports torch, loads the model and the index
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +44,6 @@ def root(data: Path, tmp_path: Path) -> Path:
     return tmp_path / "index"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build(data: Path, root: Path) -> str:
     """`grace build-index` of the served world's catalog into `root`; the new version."""
     catalog, tokenizer = data / "world" / "catalog.parquet", data / "model" / "tokenizer"
@@ -65,64 +51,18 @@ def build(data: Path, root: Path) -> str:
     return version
 
 
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def wait_serving(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as ch:
-            health = health_pb2_grpc.HealthStub(ch)
-            while True:
-                assert self.proc.poll() is None, f"server exited at start-up:\n{self.log}"
-                assert time.monotonic() < deadline, f"server not SERVING:\n{self.log}"
-                try:
-                    r = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.1)
-
-    def retrieve(self, data: Path, user: int = 0) -> retrieval_pb2.RetrieveResponse:
-        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as ch:
-            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
-            req = request_for_user(data / "world", user, 20, retrieval_pb2.CD_GTM)
-            return stub.Retrieve(req, timeout=30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def retrieve(server: ServerProcess, data: Path, user: int = 0) -> retrieval_pb2.RetrieveResponse:
+    with grpc.insecure_channel(server.target) as ch:
+        stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+        req = request_for_user(data / "world", user, 20, retrieval_pb2.CD_GTM)
+        return stub.Retrieve(req, timeout=30)
 
 
 @contextmanager
-def serving(data: Path, root: Path, log_path: Path) -> Iterator[Server]:
+def serving(data: Path, root: Path, log_path: Path) -> Iterator[ServerProcess]:
     """A `grace serve` process on `root`, SERVING; stopped (SIGTERM) on exit."""
-    port = free_port()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data),
-             "--index-root", str(root), "--port", str(port), "--metrics-port",
-             str(free_port()), "--device", "cpu", "--no-progress"],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-    server = Server(proc, port, log_path)
-    try:
-        server.wait_serving()
+    with serve_process(data, log_path, index_root=root) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_rejected_publishes_keep_the_last_good_version_across_a_restart(
@@ -132,7 +72,7 @@ def test_rejected_publishes_keep_the_last_good_version_across_a_restart(
     published, the good version stays on disk and CURRENT, and a restart serves it."""
     good = current_version(root)
     with serving(data, root, tmp_path / "first.log") as server:
-        assert server.retrieve(data).index_version == good
+        assert retrieve(server, data).index_version == good
         real_write = build_module.write_index_dir
 
         def corrupt_write(directory: Path, arrays, manifest: dict) -> dict:
@@ -145,9 +85,9 @@ def test_rejected_publishes_keep_the_last_good_version_across_a_restart(
             with pytest.raises(IndexValidationError, match="checksum mismatch"):
                 build(data, root)
         assert current_version(root) == good and list_versions(root) == [good]
-        assert server.retrieve(data).index_version == good
+        assert retrieve(server, data).index_version == good
     with serving(data, root, tmp_path / "restart.log") as server:
-        reply = server.retrieve(data)
+        reply = retrieve(server, data)
         assert reply.index_version == good and len(reply.ads) > 0
 
 
@@ -167,9 +107,9 @@ def test_a_hand_corrupted_current_restarts_on_the_newest_valid_version(
     (root / CURRENT).write_text(corrupt + "\n")
     assert list_versions(root) == [oldest, newest, corrupt]
     with serving(data, root, tmp_path / "server.log") as server:
-        reply = server.retrieve(data)
+        reply = retrieve(server, data)
         assert reply.index_version == newest and len(reply.ads) > 0
-        log = server.log
+        log = server.log_text()
     said = [line for line in log.splitlines() if f"CURRENT names {corrupt}" in line]
     assert len(said) == 1, log
     assert "checksum mismatch" in said[0] and f"serving {newest}" in said[0]
@@ -191,11 +131,11 @@ def test_damaging_the_served_files_does_not_reach_the_server(
 ) -> None:
     version = current_version(root)
     with serving(data, root, tmp_path / "server.log") as server:
-        before = [server.retrieve(data, u) for u in range(4)]
+        before = [retrieve(server, data, u) for u in range(4)]
         for path in (root / version).glob("*.npy"):
             damage(path)
-        after = [server.retrieve(data, u) for u in range(4)]
-        assert server.proc.poll() is None, server.log
+        after = [retrieve(server, data, u) for u in range(4)]
+        assert server.proc.poll() is None, server.log_text()
     for b, a in zip(before, after, strict=True):
         assert a.index_version == version and len(a.ads) > 0
         assert [x.ad_id for x in a.ads] == [x.ad_id for x in b.ads]

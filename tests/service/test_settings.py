@@ -144,7 +144,10 @@ def test_connection_ageing_becomes_grpc_options_and_zero_turns_it_off() -> None:
     opts = dict(server_options(load_settings({"max_connection_age_seconds": 90})))
     assert opts["grpc.max_connection_age_ms"] == 90_000
     assert opts["grpc.max_connection_age_grace_ms"] == 30_000  # the default grace
-    assert server_options(load_settings({"max_connection_age_seconds": 0})) == []
+    ageless = dict(server_options(load_settings({"max_connection_age_seconds": 0}), 1000))
+    assert not any(k.startswith("grpc.max_connection_age") for k in ageless)
+    assert ageless["grpc.max_receive_message_length"] == 2000  # the transport's backstop
+    assert ageless["grpc.max_concurrent_streams"] == 256  # rapid-reset pushback
     with pytest.raises(ValueError, match="max_connection_age_seconds"):
         load_settings({"max_connection_age_seconds": -1})
 

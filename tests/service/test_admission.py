@@ -1,0 +1,68 @@
+"""Admission: what recent batches teach the estimate, and which deadlines it refuses."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from service.admission import HEADROOM, Admission, ServiceEstimate, Verdict
+
+
+def busy_run(estimate: ServiceEstimate, batches: int, size: int, gap: float, service: float):
+    """Batches of `size` finishing every `gap` seconds, each dispatched before the one
+    ahead of it finished (the pipeline never idles)."""
+    for i in range(batches):
+        done = 10.0 + i * gap
+        estimate.observe(size, dispatched=done - 2.5 * gap, done=done, service=service)
+
+
+def test_throughput_is_learned_from_back_to_back_batches() -> None:
+    estimate = ServiceEstimate()
+    busy_run(estimate, batches=20, size=16, gap=0.08, service=0.15)
+    assert estimate.per_request == pytest.approx(0.08 / 16)
+    assert estimate.service == pytest.approx(0.15)
+    assert estimate.predict(32) == pytest.approx(32 * 0.005 + 0.15)
+
+
+def test_an_idle_gap_does_not_count_as_service_time() -> None:
+    """After the pipeline idled (a batch dispatched after the last one finished) the long
+    gap is not read as slow throughput."""
+    estimate = ServiceEstimate()
+    busy_run(estimate, batches=10, size=16, gap=0.08, service=0.15)
+    estimate.observe(16, dispatched=100.0, done=100.15, service=0.15)  # alone, much later
+    estimate.observe(16, dispatched=100.1, done=100.23, service=0.13)  # back to back again
+    assert estimate.per_request == pytest.approx(0.08 / 16)
+
+
+def test_deadlines_are_admitted_refused_or_hopeless() -> None:
+    admission = Admission()
+    assert admission.decide(0.001, queued=500, in_flight=64) is Verdict.ADMIT  # knows nothing
+    busy_run(admission.estimate, batches=20, size=16, gap=0.08, service=0.15)
+    assert admission.decide(None, queued=10_000, in_flight=64) is Verdict.ADMIT  # no deadline
+    assert admission.decide(0.1, queued=0, in_flight=0) is Verdict.HOPELESS  # < service
+    fits = (0.15 + 100 * 0.005) / HEADROOM
+    assert admission.decide(fits * 1.01, queued=90, in_flight=10) is Verdict.ADMIT
+    assert admission.decide(fits * 0.99, queued=90, in_flight=10) is Verdict.OVERLOADED
+    admission.wait = 0.02  # its batch may wait this long to fill
+    assert admission.decide(fits * 1.01, queued=90, in_flight=10) is Verdict.OVERLOADED
+
+
+@given(
+    sizes=st.lists(st.integers(1, 16), min_size=2, max_size=40),
+    gap=st.floats(1e-4, 1.0),
+    service=st.floats(1e-4, 1.0),
+    ahead=st.integers(0, 1000),
+)
+def test_more_work_ahead_never_predicts_a_shorter_wait(sizes, gap, service, ahead) -> None:
+    estimate = ServiceEstimate()
+    for i, n in enumerate(sizes):
+        estimate.observe(n, dispatched=i * gap - gap / 2, done=i * gap, service=service)
+    assert estimate.per_request is not None and estimate.per_request >= 0
+    assert estimate.predict(ahead + 1) >= estimate.predict(ahead) >= estimate.service
+    admission = Admission(estimate)
+    fits = estimate.predict(ahead) / HEADROOM
+    assert admission.decide(fits * 0.99, ahead, 0) is not Verdict.ADMIT
+    if fits * 1.01 > estimate.fastest:  # not shorter than the service itself
+        assert admission.decide(fits * 1.01, ahead, 0) is Verdict.ADMIT
+        assert admission.decide(fits * 2, ahead // 2, 0) is Verdict.ADMIT  # less ahead
