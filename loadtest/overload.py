@@ -580,6 +580,12 @@ def main(argv: list[str] | None = None) -> int:
         help="synthetic world whose users become the requests (%(default)s)",
     )
     p.add_argument("--users", type=int, default=64, help="how many of its users, the first N")
+    p.add_argument(
+        "--replay",
+        type=Path,
+        help="send the requests of this replay file instead (JSON Lines: `grace record` "
+        "or the server's request log); quicker than building them from a large world",
+    )
     p.add_argument("--max-ads", type=int, default=100, help="options.max_ads (%(default)s)")
     p.add_argument(
         "--filter-mode",
@@ -629,7 +635,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.processes < 1 or a.channels < 1 or a.users < 1:
         p.error("--processes, --channels and --users must be >= 1")
-    requests = world_requests(a.world, a.users, a.max_ads, a.filter_mode)
+    if a.replay is not None:
+        from loadtest.sources import from_replay
+
+        requests = [r.SerializeToString() for r in from_replay(a.replay)]
+    else:
+        requests = world_requests(a.world, a.users, a.max_ads, a.filter_mode)
     result: OverloadResult | CapacityResult
     try:
         if a.closed_loop:

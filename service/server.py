@@ -29,6 +29,7 @@ import time
 
 import grpc
 from google.protobuf.message import DecodeError
+from prometheus_client import Counter
 
 from service.batcher import Batcher, DeadlineExpired, Overloaded
 from service.grpc_server import SERVICE
@@ -88,12 +89,16 @@ class RetrievalServicer:
         self.request_log = request_log
         self.max_request_bytes = limits.max_request_bytes()
         self.draining = False
-        self._labels = ("unary", SERVICE, "Retrieve")
+        labels = self._labels = ("unary", SERVICE, "Retrieve")
+        # the labelled series, looked up once: every refusal under overload pays for each
+        self._started = metrics.started.labels(*labels)
+        self._handling = metrics.handling.labels(*labels)
+        self._handled: dict[grpc.StatusCode, Counter] = {}
         self._log = RateLimitedLog(log)
 
     async def Retrieve(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         m, t0 = self.metrics, time.perf_counter()
-        m.started.labels(*self._labels).inc()
+        self._started.inc()
         m.inflight.inc()
         timeout = context.time_remaining()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -117,8 +122,11 @@ class RetrievalServicer:
             raise
         finally:
             m.inflight.dec()
-            m.handled.labels(*self._labels, code.name).inc()
-            m.handling.labels(*self._labels).observe(time.perf_counter() - t0)
+            handled = self._handled.get(code)
+            if handled is None:
+                handled = self._handled[code] = m.handled.labels(*self._labels, code.name)
+            handled.inc()
+            self._handling.observe(time.perf_counter() - t0)
 
     async def _retrieve(self, raw: bytes, deadline: float | None) -> bytes:
         if self.draining:

@@ -370,7 +370,7 @@ def test_deadline_misses_and_cancellations_are_not_counted_as_ok(data: Path) -> 
         )
 
     async def main() -> None:
-        app = await start(settings(data, max_batch=2, max_wait_ms=200.0))
+        app = await start(settings(data, max_batch=8, max_wait_ms=200.0))
         gate = threading.Event()
         stages = app.pipeline.stages
         encoder = stages.encoder
@@ -378,18 +378,18 @@ def test_deadline_misses_and_cancellations_are_not_counted_as_ok(data: Path) -> 
         request = request_for_user(data / "world", 0, 10, retrieval_pb2.CD_GTM)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
             stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
-            late = asyncio.ensure_future(stub.Retrieve(request, timeout=2.0))
             call = stub.Retrieve(request)
-            for _ in range(500):  # both in one batch, stalled in stage 3
-                if app.batcher.inflight_requests == 2:
+            late = [asyncio.ensure_future(stub.Retrieve(request, timeout=2.0)) for _ in range(7)]
+            for _ in range(500):  # all eight in one batch, stalled in stage 3
+                if app.batcher.inflight_requests == 8:
                     break
                 await asyncio.sleep(0.01)
             call.cancel()
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await late
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for err in await asyncio.gather(*late, return_exceptions=True):
+                assert isinstance(err, grpc.aio.AioRpcError)
+                assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             for _ in range(500):  # the server-side handlers finish asynchronously
-                if handled(app, "DEADLINE_EXCEEDED") and handled(app, "CANCELLED"):
+                if handled(app, "DEADLINE_EXCEEDED") == 7 and handled(app, "CANCELLED"):
                     break
                 await asyncio.sleep(0.01)
             gate.set()
@@ -400,10 +400,10 @@ def test_deadline_misses_and_cancellations_are_not_counted_as_ok(data: Path) -> 
         ok = handled(app, "OK")
         gone = dropped(app)
         await app.drain()
-        assert handled(app, "DEADLINE_EXCEEDED") == 1
+        assert handled(app, "DEADLINE_EXCEEDED") == 7  # every one the client saw expire
         assert handled(app, "CANCELLED") == 1
-        assert ok == 0  # neither was answered (the warm-up bypasses gRPC)
-        assert gone == 2  # both dropped before post: no C++ work for them
+        assert ok == 0  # none was answered (the warm-up bypasses gRPC)
+        assert gone == 8  # dropped before post: no C++ work for them
 
     asyncio.run(main())
 
@@ -450,3 +450,31 @@ def test_an_overloaded_server_sheds_before_parsing_the_request() -> None:
         with pytest.raises(Abort) as invalid:
             asyncio.run(servicer._retrieve(raw, None))
         assert invalid.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_deadline_shorter_than_the_service_is_refused_without_computing(data: Path) -> None:
+    """At low load a 5 ms deadline cannot be met by a server whose batches take longer:
+    each is answered DEADLINE_EXCEEDED at the door and none is computed (before, most
+    were computed anyway)."""
+
+    async def main() -> tuple[list, float | None, float | None]:
+        app = await start(settings(data))
+        req = request_for_user(data / "world", 0, 10, retrieval_pb2.CD_GTM)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            await stub.Retrieve(req)  # one batch more teaches the estimate
+            batches = app.metrics.registry.get_sample_value("grace_batch_size_count")
+            replies = []
+            for _ in range(20):
+                try:
+                    replies.append(await stub.Retrieve(req, timeout=0.005))
+                except grpc.aio.AioRpcError as exc:
+                    replies.append(exc)
+        after = app.metrics.registry.get_sample_value("grace_batch_size_count")
+        await app.drain()
+        return replies, batches, after
+
+    replies, batches, after = asyncio.run(main())
+    assert all(isinstance(r, grpc.aio.AioRpcError) for r in replies)
+    assert {r.code() for r in replies} == {grpc.StatusCode.DEADLINE_EXCEEDED}
+    assert after == batches  # nothing reached the pipeline

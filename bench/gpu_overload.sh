@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Goodput past capacity on the GPU (docs/RELIABILITY.md): the paper profile served as in
+# bench/gpu_loadtest.sh (3 workers sharing the GPU through MPS, the 30 M-ad index built on
+# the machine, an untrained `paper` model: serving speed does not depend on the weights),
+# then open-loop load from loadtest/overload.py with a client DEADLINE_MS on every call at
+# each of RATES req/s for DURATION seconds: goodput (OK within the deadline per second),
+# outcomes, refusal latency. One JSON per rate in OUT, the server's metrics after each, its
+# log. On the lent H200 machine: `. bench/gpu_env.sh` first (wheels from
+# bench/fetch_gpu_wheels.sh).
+# Usage: bash bench/gpu_overload.sh OUT [RATES] [DURATION] [DEADLINE_MS]
+#   DATA=/tmp/paper bash bench/gpu_overload.sh $OUT/overload "1000 2000" 20 100
+# Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu WORKERS=1 \
+#   bash bench/gpu_overload.sh /tmp/ovl "40 80" 5 1000
+set -uo pipefail
+OUT=${1:?output directory}; RATES=${2:-"1000 2000"}; DURATION=${3:-20}; DEADLINE_MS=${4:-100}
+ADS=${ADS:-30000000}; PROFILE=${PROFILE:-paper}; DEVICE=${DEVICE:-cuda}; WORKERS=${WORKERS:-3}
+PROCS=${GEN_PROCESSES:-4}; CHANNELS=${GEN_CHANNELS:-16}  # 64 client connections
+DATA=${DATA:-$OUT}
+export GRACE_PROFILE=$PROFILE
+GRACE=(python3 -m service.cli)
+mkdir -p "$OUT" "$DATA"
+if [ ! -f "$DATA/index/CURRENT" ]; then
+    python3 bench/bench_paper_index.py --ads "$ADS" --users 1000 --out "$DATA" \
+        --workers "$(nproc)" --device "$DEVICE" --quiet --json "$OUT/paper_index.json" || exit 1
+fi
+[ -f "$DATA/model/config.json" ] || "${GRACE[@]}" init-model --profile "$PROFILE" \
+    --tokenizer "$DATA/tokenizer" --out "$DATA/model" || exit 1
+[ -f "$DATA/requests.jsonl" ] || "${GRACE[@]}" record --world "$DATA/world" --users 1000 \
+    --out "$DATA/requests.jsonl" || exit 1
+"${GRACE[@]}" serve --data-dir "$DATA" --model "$DATA/model" --index-root "$DATA/index" \
+    --device "$DEVICE" --no-progress --workers "$WORKERS" > "$OUT/server.log" 2>&1 &
+SERVER=$!
+trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
+start=$(date +%s)
+until "${GRACE[@]}" health --target localhost:50051 --timeout 2 >/dev/null 2>&1; do
+    kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -20 "$OUT/server.log"; exit 1; }
+    sleep 1
+done
+echo "SERVING after $(( $(date +%s) - start )) s ($WORKERS worker(s))"
+metrics() {  # every worker's Prometheus text (worker i serves metrics on 9464 + i)
+    for ((i = 0; i < WORKERS; i++)); do
+        python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:$((9464 + i))/metrics').read().decode())" \
+            > "$OUT/metrics_$1_w$i.prom" 2>/dev/null
+    done
+}
+load() {  # rate seconds deadline_ms name
+    python3 -m loadtest.overload --target localhost:50051 --replay "$DATA/requests.jsonl" \
+        --rate "$1" --seconds "$2" --deadline-ms "$3" --processes "$PROCS" \
+        --channels "$CHANNELS" --json "$OUT/$4.json"
+}
+# unjudged warm-up: cold allocator pools and library plans meet the first traffic
+load "${WARMUP_RATE:-300}" 10 1000 warmup > "$OUT/warmup.log" 2>&1
+metrics start
+for rate in $RATES; do
+    echo "== $rate req/s offered, deadline $DEADLINE_MS ms"
+    load "$rate" "$DURATION" "$DEADLINE_MS" "rate_$rate" || echo "rate $rate: generator failed"
+    sleep 2  # the last calls' answers (at most one deadline) and the scrape see them
+    metrics "$rate"
+done
