@@ -8,13 +8,19 @@ request can wait in a queue that never fills, expire, and still be computed — 
 then spends all of its capacity on answers nobody reads (docs/RELIABILITY.md). So each
 request is admitted only if the predicted time to answer it fits its deadline:
 
-    predicted = wait + (queued + in_flight) × per_request + service
+    predicted = wait + ceil(ahead / max_batch) × per_batch + ahead × per_request + service
+    (ahead = queued + in flight)
     admitted  iff  predicted <= HEADROOM × remaining deadline
 
-- `per_request`: seconds of pipeline throughput per request — over the last
-  `RATE_WINDOW` batches that finished back to back (each dispatched before the one
-  ahead of it finished, so the pipeline was busy all along), their span divided by the
-  requests they carried;
+- `per_batch`, `per_request`: what a batch costs the pipeline's throughput, as
+  per_batch + size × per_request — a least-squares line through the last `RATE_WINDOW`
+  batches' sizes and busy times. A batch's busy time is from when it was dispatched, or
+  when the batch before it finished if that was later, to when it finished: the union of
+  the batches' time in the pipeline, so batches that overlap (CPU: two in flight) and
+  batches that run one after another (GPU) are both measured right. Small batches cost
+  more per request than full ones (on the H200 a decode step costs ~1 ms plus ~0.7 ms per
+  request), so the line, not a ratio, says what a longer queue — which fills batches —
+  will cost;
 - `service`: a batch's own time in the four stages (the sum of their wall times, EWMA),
   what a request costs after the work ahead of it is done;
 - `wait`: how long its batch may still wait for more requests (the batcher's max_wait or
@@ -43,7 +49,8 @@ from dataclasses import dataclass, field
 
 ALPHA = 0.2  # EWMA weight of the newest batch: ~5 batches of memory
 FLOOR_WINDOW = 64  # batches over which the fastest service time is taken
-RATE_WINDOW = 16  # back-to-back batches the throughput is measured over
+RATE_WINDOW = 32  # batches the cost line is fitted over
+MIN_SIZE_VARIANCE = 0.5  # per batch: below it the sizes are too alike to fit a line
 HEADROOM = 0.8  # admit when the prediction is at most this share of the time left
 
 
@@ -55,13 +62,16 @@ class Verdict(enum.Enum):
 
 @dataclass
 class ServiceEstimate:
-    """What recent batches say one request costs; fed by every finished batch."""
+    """What recent batches say requests cost; fed by every finished batch."""
 
-    per_request: float | None = None  # seconds of throughput per request
+    max_batch: int = 16  # the batcher's: how many requests one batch of the queue takes
+    per_batch: float = 0.0  # seconds of pipeline time per batch ...
+    per_request: float | None = None  # ... plus these per request in it
     service: float | None = None  # seconds of a batch's own stage time (EWMA)
     _fastest: deque[float] = field(default_factory=lambda: deque(maxlen=FLOOR_WINDOW))
-    # (done, size) of the latest batches that finished back to back
-    _run: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    # (size, busy seconds) of the latest batches
+    _busy: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    _last_done: float | None = None
 
     def observe(self, size: int, dispatched: float, done: float, service: float) -> None:
         """A batch of `size` requests dispatched at `dispatched` finished at `done`
@@ -70,14 +80,10 @@ class ServiceEstimate:
             return
         self.service = _ewma(self.service, service)
         self._fastest.append(service)
-        if self._run and dispatched > self._run[-1][0]:  # the pipeline idled: a new run
-            self._run.clear()
-        self._run.append((max(done, self._run[-1][0]) if self._run else done, size))
-        if len(self._run) >= 2:
-            span = self._run[-1][0] - self._run[0][0]
-            self.per_request = span / sum(n for _, n in list(self._run)[1:])
-        elif self.per_request is None:  # nothing overlapped yet: as if run one by one
-            self.per_request = service / size
+        start = dispatched if self._last_done is None else max(dispatched, self._last_done)
+        self._busy.append((size, max(done - start, 0.0)))
+        self._last_done = done if self._last_done is None else max(self._last_done, done)
+        self.per_batch, self.per_request = _line(self._busy)
 
     @property
     def fastest(self) -> float:
@@ -89,7 +95,8 @@ class ServiceEstimate:
         any batch: the first requests are admitted and teach the estimate)."""
         if self.service is None or self.per_request is None:
             return 0.0
-        return ahead * self.per_request + self.service
+        batches = -(-ahead // self.max_batch)
+        return batches * self.per_batch + ahead * self.per_request + self.service
 
 
 @dataclass
@@ -117,3 +124,21 @@ class Admission:
 
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else old + ALPHA * (new - old)
+
+
+def _line(points: deque[tuple[int, float]]) -> tuple[float, float]:
+    """(per_batch, per_request) >= 0 of busy ≈ per_batch + size × per_request, by least
+    squares; a plain ratio (per_batch 0) while the sizes hardly vary."""
+    n = len(points)
+    total_size = sum(x for x, _ in points)
+    total_busy = sum(y for _, y in points)
+    ratio = (0.0, total_busy / total_size)
+    mean_x, mean_y = total_size / n, total_busy / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    if var < MIN_SIZE_VARIANCE * n:
+        return ratio
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var
+    intercept = mean_y - slope * mean_x
+    if slope <= 0 or intercept < 0:  # noise, or no fixed cost to see: the ratio is safer
+        return ratio
+    return intercept, slope

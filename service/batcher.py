@@ -43,7 +43,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.admission import Admission, Verdict
+from service.admission import Admission, ServiceEstimate, Verdict
 
 # Batches in flight that make the pipeline busy, by default: on a GPU 1 — a batch keeps
 # filling while anything computes and goes when the pipeline drains, so batches stop
@@ -145,7 +145,7 @@ class Batcher:
         self.max_batch, self.max_wait, self.max_wait_busy = max_batch, max_wait, max_wait_busy
         self.capacity, self.busy_batches, self.max_groups = capacity, busy_batches, max_groups
         self._key, self._on_expired = group_key, on_expired
-        self.admission = Admission()
+        self.admission = Admission(ServiceEstimate(max_batch=max_batch))
         self.inflight = 0  # dispatched batches not yet done (event loop only)
         self.inflight_requests = 0  # the requests in them
         self._queue: deque[Pending] = deque()

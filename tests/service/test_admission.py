@@ -17,28 +17,47 @@ def busy_run(estimate: ServiceEstimate, batches: int, size: int, gap: float, ser
         estimate.observe(size, dispatched=done - 2.5 * gap, done=done, service=service)
 
 
-def test_throughput_is_learned_from_back_to_back_batches() -> None:
+def test_throughput_is_learned_from_overlapping_batches() -> None:
+    """Batches two or three at a time in the pipeline (CPU): each costs the gap since the
+    one before it finished, not its whole time in the pipeline."""
     estimate = ServiceEstimate()
-    busy_run(estimate, batches=20, size=16, gap=0.08, service=0.15)
+    busy_run(estimate, batches=40, size=16, gap=0.08, service=0.15)
     assert estimate.per_request == pytest.approx(0.08 / 16)
+    assert estimate.per_batch == 0.0  # every batch full: no line to fit, the plain ratio
     assert estimate.service == pytest.approx(0.15)
     assert estimate.predict(32) == pytest.approx(32 * 0.005 + 0.15)
 
 
+def test_a_fixed_cost_per_batch_is_learned_from_batches_of_several_sizes() -> None:
+    """Batches one after another (GPU), each costing 4 ms plus 0.7 ms per request: small
+    batches cost more per request, and a queue that fills batches is predicted so."""
+    estimate = ServiceEstimate(max_batch=16)
+    t = 0.0
+    for i in range(64):
+        size = 1 + i % 16
+        busy = 0.004 + 0.0007 * size
+        estimate.observe(size, dispatched=t + 0.001, done=t + 0.001 + busy, service=busy)
+        t += 0.001 + busy + 0.002  # the next is dispatched after this one finished
+    assert estimate.per_batch == pytest.approx(0.004)
+    assert estimate.per_request == pytest.approx(0.0007)
+    service = estimate.service
+    assert service is not None
+    assert estimate.predict(32) == pytest.approx(2 * 0.004 + 32 * 0.0007 + service)
+
+
 def test_an_idle_gap_does_not_count_as_service_time() -> None:
-    """After the pipeline idled (a batch dispatched after the last one finished) the long
-    gap is not read as slow throughput."""
+    """A batch dispatched long after the last one finished costs its own time in the
+    pipeline, not the idle time before it."""
     estimate = ServiceEstimate()
-    busy_run(estimate, batches=10, size=16, gap=0.08, service=0.15)
-    estimate.observe(16, dispatched=100.0, done=100.15, service=0.15)  # alone, much later
-    estimate.observe(16, dispatched=100.1, done=100.23, service=0.13)  # back to back again
+    busy_run(estimate, batches=40, size=16, gap=0.08, service=0.15)
+    estimate.observe(16, dispatched=100.0, done=100.08, service=0.08)  # alone, much later
     assert estimate.per_request == pytest.approx(0.08 / 16)
 
 
 def test_deadlines_are_admitted_refused_or_hopeless() -> None:
     admission = Admission()
     assert admission.decide(0.001, queued=500, in_flight=64) is Verdict.ADMIT  # knows nothing
-    busy_run(admission.estimate, batches=20, size=16, gap=0.08, service=0.15)
+    busy_run(admission.estimate, batches=40, size=16, gap=0.08, service=0.15)
     assert admission.decide(None, queued=10_000, in_flight=64) is Verdict.ADMIT  # no deadline
     assert admission.decide(0.1, queued=0, in_flight=0) is Verdict.HOPELESS  # < service
     fits = (0.15 + 100 * 0.005) / HEADROOM

@@ -294,16 +294,14 @@ def test_grouped_batching_serves_every_request_once(keys, max_groups, max_batch)
 
 
 def test_deadlines_that_do_not_fit_are_refused_at_once() -> None:
-    """Once batches have shown what a request costs, a deadline shorter than the service
+    """Once batches have shown what requests cost, a deadline shorter than the service
     is hopeless and one that does not fit behind the work ahead is overloaded — both
     refused before queueing; a request without a deadline is still queued."""
 
     async def main() -> None:
         batcher, pipe = make(max_batch=4, max_wait=0.0, max_inflight=1)
-        pipe.service = 0.2  # every batch reports 200 ms of stage time
-        assert await batcher.submit(1) == 2
-        while batcher.admission.estimate.service is None:
-            await asyncio.sleep(0.001)
+        for t in (0.0, 0.2):  # two batches of 4, 200 ms each, one after the other
+            batcher.admission.estimate.observe(4, dispatched=t, done=t + 0.2, service=0.2)
         with pytest.raises(DeadlineExpired, match="shorter than the service"):
             await batcher.submit(2, timeout=0.1)
         pipe.gate.clear()
