@@ -5,7 +5,8 @@
 # then open-loop load from loadtest/overload.py with a client DEADLINE_MS on every call at
 # each of RATES req/s for DURATION seconds: goodput (OK within the deadline per second),
 # outcomes, refusal latency. One JSON per rate in OUT, the server's metrics after each, its
-# log. On the lent H200 machine: `. bench/gpu_env.sh` first (wheels from
+# log, and OUT/summary.json with a table (bench/summarize_overload.py: goodput against the
+# run's own BASELINE_RATE point, default 1000 req/s, about the served capacity). On the lent H200 machine: `. bench/gpu_env.sh` first (wheels from
 # bench/fetch_gpu_wheels.sh).
 # Usage: bash bench/gpu_overload.sh OUT [RATES] [DURATION] [DEADLINE_MS]
 #   DATA=/tmp/paper bash bench/gpu_overload.sh $OUT/overload "1000 2000" 20 100
@@ -57,3 +58,4 @@ for rate in $RATES; do
     sleep 2  # the last calls' answers (at most one deadline) and the scrape see them
     metrics "$rate"
 done
+python3 bench/summarize_overload.py "$OUT" --baseline "${BASELINE_RATE:-1000}"
