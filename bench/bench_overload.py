@@ -47,14 +47,8 @@ from bench.common import ROOT, write_result
 from bench.svg_plot import Series, write_line_chart
 from index_builder.format import read_index_dir, write_index_dir
 from index_builder.publish import current_path, publish
-from loadtest.overload import (
-    OK,
-    CapacityResult,
-    OverloadResult,
-    probe_capacity,
-    run_open_loop,
-    world_requests,
-)
+from loadtest.overload import probe_capacity, run_open_loop, world_requests
+from loadtest.overload_results import OK, CapacityResult, OverloadResult
 from tests.helpers.server_process import ServerProcess, metric_value
 
 FIGURES = ROOT / "docs" / "figures"

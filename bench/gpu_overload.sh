@@ -58,4 +58,4 @@ for rate in $RATES; do
     sleep 2  # the last calls' answers (at most one deadline) and the scrape see them
     metrics "$rate"
 done
-python3 bench/summarize_overload.py "$OUT" --baseline "${BASELINE_RATE:-1000}"
+python3 bench/summarize_overload.py "$OUT" --baseline "${BASELINE_RATE:-1000}" --svg "$OUT/goodput_gpu.svg"

@@ -18,6 +18,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import header
+from bench.svg_plot import Series, write_line_chart
 from tests.helpers.server_process import metric_value
 
 COUNTERS = {
@@ -96,6 +97,40 @@ def table(figures: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(path: Path, figures: dict[str, Any], device: str) -> Path:
+    """Goodput against offered load, with the ideal min(offered, baseline goodput)."""
+    rows = figures["rates"]
+    top = max(r["offered_rps"] for r in rows)
+    base = figures["baseline_goodput_rps"]
+    deadline = rows[0]["deadline_ms"]
+    refused = [
+        (r["offered_rps"], r["outcomes"].get("RESOURCE_EXHAUSTED", 0) / figures["seconds_per_rate"])
+        for r in rows
+    ]
+    series = [
+        Series(
+            "ideal: min(offered, baseline)",
+            [(0.0, 0.0), (base, base), (top, base)],
+            color="#888888",
+            dashed=True,
+            markers=False,
+        ),
+        Series(
+            f"goodput, deadline {deadline:g} ms",
+            [(r["offered_rps"], r["goodput_rps"]) for r in rows],
+        ),
+        Series("refused per second", refused),
+    ]
+    return write_line_chart(
+        path,
+        series,
+        x_range=(0.0, top),
+        title=f"Goodput under overload ({device})",
+        x_label="offered load (req/s)",
+        y_label="req/s",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="the run's output directory (bench/gpu_overload.sh OUT)")
@@ -106,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--command", help="the command that ran (default: this one)")
     p.add_argument("--commit", help="the code's git commit (default: this checkout's)")
     p.add_argument("--device", help="the machine it ran on (default: this one)")
+    p.add_argument("--svg", type=Path, help="also plot goodput here (docs/figures/*.svg)")
     a = p.parse_args(argv)
     figures = summarise(a.out, a.baseline)
     given = {"command": a.command, "git_commit": a.commit, "device": a.device, "note": a.note}
@@ -115,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(table(figures))
     print(f"wrote {path}")
+    if a.svg:
+        gpu = result["device"].rsplit("GPU ", 1)[-1].split(" (")[0]
+        print(f"wrote {plot(a.svg, figures, gpu)}")
     return 0
 
 

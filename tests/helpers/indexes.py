@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from index_builder.build import build_arrays
 from index_builder.format import IndexArrays, write_index_dir
@@ -66,3 +67,19 @@ def corrupting(write: Writer, array: str = "trie.bloom_table") -> Writer:
         flip_byte(directory / f"{array}.npy")
 
     return corrupt
+
+
+def corrupt_builds(monkeypatch: pytest.MonkeyPatch, array_file: str) -> None:
+    """From now on every `build_index` writes its version, then flips a byte of
+    `array_file` in it (as a failing disk or a buggy writer would): the publisher's
+    validation must catch it."""
+    import index_builder.build as build_module
+
+    real_write = build_module.write_index_dir
+
+    def corrupt_write(directory: Path, arrays: IndexArrays, manifest: dict) -> dict:
+        full = real_write(directory, arrays, manifest)
+        flip_byte(directory / array_file)
+        return full
+
+    monkeypatch.setattr(build_module, "write_index_dir", corrupt_write)

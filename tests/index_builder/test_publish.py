@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import index_builder.build as build_module
 import index_builder.publish as publish_module
 from index_builder.build import build_index
 from index_builder.format import file_sha256
@@ -34,7 +33,14 @@ from index_builder.publish import (
     writer_lock,
 )
 from index_builder.validate import IndexValidationError, validate_index
-from tests.helpers.indexes import corrupting, flip_byte, small_index, validator, writer
+from tests.helpers.indexes import (
+    corrupt_builds,
+    corrupting,
+    flip_byte,
+    small_index,
+    validator,
+    writer,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,14 +113,7 @@ def test_build_index_validates_before_publishing_and_keeps_the_good_version(
     catalog, root = _catalog(tmp_path / "catalog.jsonl"), tmp_path / "index"
     good, report = build_index(catalog, root, progress=False)
     assert is_marked_valid(root / good) and "validate" in report.seconds
-    real_write = build_module.write_index_dir
-
-    def corrupt_write(directory: Path, arrays, manifest: dict) -> dict:
-        full = real_write(directory, arrays, manifest)
-        flip_byte(directory / "ads.ad_ids.npy")
-        return full
-
-    monkeypatch.setattr(build_module, "write_index_dir", corrupt_write)
+    corrupt_builds(monkeypatch, "ads.ad_ids.npy")
     for _ in range(3):
         with pytest.raises(IndexValidationError, match=r"ads\.ad_ids\.npy: checksum mismatch"):
             build_index(catalog, root, progress=False)

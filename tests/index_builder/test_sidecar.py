@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-import index_builder.build as build_module
 from index_builder.catalog import read_catalog
 from index_builder.publish import current_version
 from index_builder.sidecar import BuilderConfig, run_builder
 from index_builder.synth import generate_world
 from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
-from tests.helpers.indexes import flip_byte
+from tests.helpers.indexes import corrupt_builds
 
 
 def test_builder_waits_for_the_tokenizer_then_builds(tmp_path: Path) -> None:
@@ -69,14 +68,7 @@ def test_a_build_refused_by_validation_is_logged_and_the_builder_carries_on(
     caplog.set_level(logging.INFO, logger="grace.builder")
     catalog, root = tmp_path / "catalog.jsonl", tmp_path / "index"
     _write_catalog(catalog, 20)
-    real_write = build_module.write_index_dir
-
-    def corrupt_write(directory: Path, arrays, manifest: dict) -> dict:
-        full = real_write(directory, arrays, manifest)
-        flip_byte(directory / "trie.node_offsets.npy")
-        return full
-
-    monkeypatch.setattr(build_module, "write_index_dir", corrupt_write)
+    corrupt_builds(monkeypatch, "trie.node_offsets.npy")
     cfg = BuilderConfig(catalog=catalog, out=root, interval=0.05, max_builds=1)
     stop = threading.Event()
     result = {}

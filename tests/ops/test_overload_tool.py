@@ -24,14 +24,8 @@ from bench.bench_overload import markdown_table, republisher
 from bench.svg_plot import Series, line_chart, nice_ticks
 from index_builder.format import read_index_dir
 from index_builder.publish import current_path, current_version, list_versions, publish
-from loadtest.overload import (
-    OK,
-    Samples,
-    main,
-    probe_capacity,
-    run_open_loop,
-    summarise,
-)
+from loadtest.overload import main, probe_capacity, run_open_loop
+from loadtest.overload_results import OK, Samples, summarise
 from tests.helpers.indexes import small_index, writer
 from tests.helpers.server_process import metric_value
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-import index_builder.build as build_module
 from index_builder.build import build_index
 from index_builder.publish import (
     CURRENT,
@@ -26,7 +25,7 @@ from index_builder.publish import (
 from index_builder.validate import IndexValidationError
 from service.client import request_for_user
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
-from tests.helpers.indexes import flip_byte
+from tests.helpers.indexes import corrupt_builds, flip_byte
 from tests.helpers.server_process import ServerProcess
 from tests.helpers.server_process import serving as serve_process
 from tests.helpers.serving import make_serving_data
@@ -73,14 +72,7 @@ def test_rejected_publishes_keep_the_last_good_version_across_a_restart(
     good = current_version(root)
     with serving(data, root, tmp_path / "first.log") as server:
         assert retrieve(server, data).index_version == good
-        real_write = build_module.write_index_dir
-
-        def corrupt_write(directory: Path, arrays, manifest: dict) -> dict:
-            full = real_write(directory, arrays, manifest)
-            flip_byte(directory / "trie.bloom_table.npy")
-            return full
-
-        monkeypatch.setattr(build_module, "write_index_dir", corrupt_write)
+        corrupt_builds(monkeypatch, "trie.bloom_table.npy")
         for _ in range(3):
             with pytest.raises(IndexValidationError, match="checksum mismatch"):
                 build(data, root)
