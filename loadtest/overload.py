@@ -31,6 +31,10 @@ the overload sweeps are scaled to.
     python -m loadtest.overload --target 127.0.0.1:50051 --world data/world \\
         --rate 400 --deadline-ms 1000 --seconds 15 --json build/overload.json
     python -m loadtest.overload --target 127.0.0.1:50051 --world data/world --closed-loop 16
+
+The records and summaries are `overload_results.py`'s; this module is the generator
+(open loop, its processes, the closed-loop probe) and its command line, kept together
+because they share the channel set-up and the per-call loop.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def load_serving_index(
     """Validate everything (raises IndexValidationError), then prepare the tables.
 
     The arrays are read into private memory, each file once with its checksum over the
-    same bytes (`format.load_npy_private`), not memory-mapped: the files on disk may be
+    same bytes (`index_builder/npy_private.py`), not memory-mapped: the files on disk may be
     truncated, overwritten or removed while the version serves without reaching it.
     `expect_version`: the version name the manifest must carry (the watcher passes the
     directory's name).

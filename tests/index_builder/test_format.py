@@ -12,13 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index_builder.format import (
-    IndexFormatError,
-    file_sha256,
-    load_npy_private,
-    read_index_dir,
-    read_manifest,
-)
+from index_builder.format import IndexFormatError, file_sha256, read_index_dir, read_manifest
+from index_builder.npy_private import NpyError, load_npy_private
 from index_builder.publish import current_path, publish
 from index_builder.validate import IndexValidationError, validate_index
 from tests.helpers.indexes import small_index, writer
@@ -111,7 +106,7 @@ def test_private_load_checks_the_bytes_it_serves(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 1
     path.write_bytes(bytes(data))
-    with pytest.raises(IndexFormatError, match="checksum mismatch"):
+    with pytest.raises(NpyError, match="checksum mismatch"):
         load_npy_private(path, good)
 
 
@@ -136,7 +131,7 @@ def test_private_load_parses_the_npy_header(tmp_path: Path, content, fault) -> N
     if fault is None:
         np.testing.assert_array_equal(load_npy_private(path), value)
     else:
-        with pytest.raises(IndexFormatError, match=re.escape(fault)):
+        with pytest.raises(NpyError, match=re.escape(fault)):
             load_npy_private(path)
 
 
@@ -144,5 +139,5 @@ def test_private_load_of_a_truncated_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "a.npy"
     np.save(path, np.arange(100, dtype=np.int64))
     os.truncate(path, path.stat().st_size - 8)
-    with pytest.raises(IndexFormatError, match="792 data bytes for 100 x int64"):
+    with pytest.raises(NpyError, match="792 data bytes for 100 x int64"):
         load_npy_private(path)
