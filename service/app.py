@@ -74,6 +74,7 @@ class App:
         """Stop accepting, finish what is in flight, stop the threads. Watch streams end
         with the server's grace period (they are cancelled like any call)."""
         await self.health.enter_graceful_shutdown()  # NOT_SERVING for good
+        self.metrics.serving.set(0)
         await asyncio.sleep(DRAIN_NOTICE_SECONDS)  # let health checkers and balancers see it
         self.servicer.draining = True
         await self.server.stop(self.settings.drain_seconds)
@@ -196,6 +197,7 @@ async def start(
     if bind_when_ready:
         port = server.add_insecure_port(address)
         await server.start()
+    metrics.serving.set(1)  # SERVING and listening
     log.info(
         "serving %s on %s (index %s, model %s, %s), ready in %.1f s",
         SERVICE, address if address.startswith("unix:") else f"port {port}",

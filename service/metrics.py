@@ -99,6 +99,13 @@ class Metrics:
             "in flight (what admission compares each deadline with).",
             registry=r,
         )
+        self.serving = Gauge(
+            "grace_serving",
+            "1 from the moment this process says SERVING with its gRPC port open until it "
+            "starts to drain, else 0: with several workers on one port a health probe "
+            "reaches any one of them, this says it of each.",
+            registry=r,
+        )
         self.inflight = Gauge(
             "grace_inflight_requests", "Requests accepted and not yet answered.", registry=r
         )

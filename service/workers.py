@@ -17,7 +17,8 @@ one exits on its own, it stops the others and exits non-zero, so the orchestrato
 restarts the whole pod; a worker whose supervisor dies gets SIGTERM (PR_SET_PDEATHSIG)
 instead of living on. On the shared port a gRPC health or liveness probe reaches
 whichever worker the kernel picks: one wedged worker out of N fails a probe only 1/N of
-the time, so do not rely on probes alone to catch it. Behind the front the probe asks the
+the time, so do not rely on probes alone to catch it: each worker's `grace_serving` gauge
+(on its own metrics port) says whether that one is SERVING. Behind the front the probe asks the
 front, which says SERVING from the moment every worker did until it drains.
 """
 

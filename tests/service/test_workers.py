@@ -119,16 +119,17 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
         cwd=ROOT, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        # each worker has warmed up (its first batch) before it opens the port; on a GPU
-        # after capturing its CUDA graphs
+        # each worker warms up (its first batch; on a GPU after capturing its CUDA graphs),
+        # says SERVING and opens the port — both must have, or one worker could take every
+        # connection (a busy machine showed it: [24.0, 0])
         deadline = time.monotonic() + (180 if device == "cpu" else 600)
         while time.monotonic() < deadline:
             texts = [scrape(metrics + i) for i in range(2)]
-            if all(t and counter(t, "grace_batch_size_count") >= 1 for t in texts):
+            if all(t and counter(t, "grace_serving ") == 1 for t in texts):
                 break
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.2)
-        while not serving(port):  # SERVING, then the port opens (behind the front too)
+        while not serving(port):  # behind the front: its own port opens after the workers'
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.2)
 
