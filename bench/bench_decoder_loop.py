@@ -1,4 +1,4 @@
-"""Decoder loop, the paper's Table 6 in one run (DESIGN.md §9: P50 ≤ 12 ms, P99 ≤ 13 ms on
+"""Decoder loop, the paper's Table 6 in one run (ARCHITECTURE.md §9: P50 ≤ 12 ms, P99 ≤ 13 ms on
 an H200; the GTM rows together ≤ 0.5 ms).
 
 B = 16 requests, beams (1, 512, 1024, 1024), 64 locations per request, the paper profile

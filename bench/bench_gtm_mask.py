@@ -1,4 +1,4 @@
-"""CD+GTM mask benchmark (DESIGN.md §7, §9 "GTM cost ≤ 0.5 ms"): the Triton kernel
+"""CD+GTM mask benchmark (docs/ARCHITECTURE.md §7, §9 "GTM cost ≤ 0.5 ms"): the Triton kernel
 (`kernels.gtm_mask`) against the torch reference (`index_builder.lookup`) on the rows of
 one decode loop — 16 requests × 64 locations, beams (1, 512, 1024, 1024), so
 (1, 512, 1024, 1024)·16 rows per step — for CD_ONLY, CD + bitmask and CD + bitmask +

@@ -2,7 +2,7 @@
 
 One command makes what the paper-scale serving benchmarks (#5) load, through the same
 library calls as `grace synth --no-jsonl`, `grace train-tokenizer` and `grace
-build-index`, and reports DESIGN.md §9's index-build figure (30 M SIDs <= 5 min on 16
+build-index`, and reports docs/ARCHITECTURE.md §9's index-build figure (30 M SIDs <= 5 min on 16
 cores; GPU matcher tables <= 390 MB after dedup):
 
   1. world: `generate_world("paper", n_ads, n_users)` on `--workers` processes, Parquet
@@ -248,7 +248,7 @@ def main() -> None:
         "eligibility": world["eligibility"],
     }
     build_s = next(r["seconds"] for r in phases.rows if r["phase"] == "build index")
-    figures["design_targets"] = {  # DESIGN.md §9, for 30 M SIDs on 16 cores
+    figures["design_targets"] = {  # docs/ARCHITECTURE.md §9, for 30 M SIDs on 16 cores
         "index_build_seconds": {"measured": build_s, "target": 300},
         "gpu_matcher_bytes_held": {"measured": gpu["held_matcher_bytes"], "target": 390e6},
         "gpu_matcher_bytes_native_dtypes": {

@@ -1,4 +1,4 @@
-"""Self-attention micro-benchmark, the paper's Table 5 analogue (§4.2–4.3, DESIGN.md §9).
+"""Self-attention micro-benchmark, the paper's Table 5 analogue (§4.2–4.3, docs/ARCHITECTURE.md §9).
 
 One decode step of the SID self-attention at t = 0..3 for R = B·M rows (paper shape: 16 ×
 1024 rows, H = 16, d_h = 128, bf16), five ways, each checked against the torch reference

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Served throughput of one GPU at P99 <= 100 ms (DESIGN.md §9, docs/OPERATIONS.md): on the
+# Served throughput of one GPU at P99 <= 100 ms (docs/ARCHITECTURE.md §9, docs/OPERATIONS.md): on the
 # lent H200 machine (wheels from bench/fetch_gpu_wheels.sh, `. bench/gpu_env.sh` first).
 #   1. the paper-scale world and index (bench/bench_paper_index.py), an untrained `paper`
 #      model (`grace init-model`: serving speed does not depend on the weights);

@@ -1,4 +1,4 @@
-"""Everything that turns an ads catalog into the indexes the server reads (DESIGN.md §3).
+"""Everything that turns an ads catalog into the indexes the server reads (docs/ARCHITECTURE.md §3).
 
 catalog.py   read + validate a catalog (JSON Lines / Parquet)
 tokenizer.py RQ-KMeans SID tokenizer (ads without a sid)

@@ -1,5 +1,5 @@
 """Index build: catalog -> SIDs -> trie, matchers, SID -> ad and targeting indexes -> a
-published version (DESIGN.md §3–4). `grace build-index` and the builder sidecar call
+published version (docs/ARCHITECTURE.md §3–4). `grace build-index` and the builder sidecar call
 `build_index`; tests and benchmarks may call `build_arrays` on an in-memory catalog.
 """
 

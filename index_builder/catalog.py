@@ -1,4 +1,4 @@
-"""Catalog input: read and validate an ad catalog into columns (DESIGN.md §4).
+"""Catalog input: read and validate an ad catalog into columns (docs/ARCHITECTURE.md §4).
 
 Flow: **catalog file → `read_catalog` → `Catalog`** → index_builder build (sorts ads by
 SID with `Catalog.take`, builds the trie and the per-ad indexes) → index on disk.

@@ -1,4 +1,4 @@
-"""On-disk index format: the one writer/reader pair for `<root>/<version>/` (DESIGN.md §3).
+"""On-disk index format: the one writer/reader pair for `<root>/<version>/` (ARCHITECTURE.md §3).
 
 The index builder writes with `write_index_dir`, the server and `grace validate-index`
 read with `read_index_dir`; nothing else touches the files. A version directory holds

@@ -43,7 +43,7 @@ class GtmTables:
 
     Per-entry arrays keep the index's own 32-bit widths (tokens widened from int16, which
     torch cannot index with): at 30 M SIDs that is 315 MB of matcher indexes + tables on
-    the GPU instead of 620 MB as int64 (DESIGN.md §9: ≤ 390 MB)."""
+    the GPU instead of 620 MB as int64 (docs/ARCHITECTURE.md §9: ≤ 390 MB)."""
 
     node_offsets: torch.Tensor  # int32 [num_nodes + 1]
     child_nodes: torch.Tensor  # int32 [E]

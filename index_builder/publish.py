@@ -1,4 +1,4 @@
-"""Atomic publishing of index versions under one root (DESIGN.md §3).
+"""Atomic publishing of index versions under one root (docs/ARCHITECTURE.md §3).
 
     <root>/<version>/      complete versions (manifest.json written last inside)
     <root>/<version>/validated.json   marker: this version passed validation

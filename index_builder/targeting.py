@@ -1,4 +1,4 @@
-"""Targeting encoding: the one home of the eligibility contract (DESIGN.md §3).
+"""Targeting encoding: the one home of the eligibility contract (docs/ARCHITECTURE.md §3).
 
 Everything that turns targeting rules and request attributes into bits lives here: the
 schema (which values exist), the bitmask bit layout, the Bloom hashing, ad encoding,
@@ -300,7 +300,7 @@ def exact_eligible(
     req_bitmask: np.ndarray,  # uint64 [BITMASK_WORDS]
     req_loc_ids: np.ndarray,  # int32 [n]: the request's locations as ids of the same vocabulary
 ) -> np.ndarray:
-    """Exact eligibility of N ads for one request (DESIGN.md §3): bool [N].
+    """Exact eligibility of N ads for one request (docs/ARCHITECTURE.md §3): bool [N].
 
     Low-cardinality rules are exact in the bitmask; locations compare actual ids, never
     Bloom bits. Request strings absent from the vocabulary cannot match any rule, so the

@@ -1,4 +1,4 @@
-"""SID tokenizer: content embeddings → Semantic IDs (DESIGN.md §1, §3, §4).
+"""SID tokenizer: content embeddings → Semantic IDs (docs/ARCHITECTURE.md §1, §3, §4).
 
 The index builder calls `SIDTokenizer.assign` for catalog rows that carry an `embedding` but
 no `sid`; the trained tokenizer is stored beside the model, and every index records its

@@ -1,5 +1,5 @@
 """GTM SID trie construction: sorted SIDs + per-ad matchers -> CSR trie with deduplicated
-matcher tables (paper §3.5 and Appendix A; DESIGN.md §3).
+matcher tables (paper §3.5 and Appendix A; docs/ARCHITECTURE.md §3).
 
 Sits between the catalog (ads already sorted by SID) and `format.write_index_dir`. Nodes
 are numbered breadth-first and lexicographically within a depth: the root is 0, then

@@ -1,5 +1,5 @@
 """Full validation of one index version: what `grace validate-index` and the server's
-hot-swap run before an index may serve (DESIGN.md §3).
+hot-swap run before an index may serve (docs/ARCHITECTURE.md §3).
 
 Beyond `format.read_index_dir` (manifest, checksums, dtypes, shapes, schema) it checks
 the CSR trie invariants, the SID -> ad index, the exact targeting index, and the GTM

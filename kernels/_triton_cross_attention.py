@@ -1,4 +1,4 @@
-"""Triton beam-as-query cross-attention (paper §4.1; DESIGN.md §7): the GPU fast path
+"""Triton beam-as-query cross-attention (paper §4.1; docs/ARCHITECTURE.md §7): the GPU fast path
 behind `kernels.cross_attention.cross_attention`.
 
 One program owns one (request b, head h) pair and a run of `TILES` tiles of `BLOCK_M`

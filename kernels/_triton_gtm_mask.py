@@ -1,4 +1,4 @@
-"""Triton body and launcher of the CD+GTM mask (DESIGN.md §7); `kernels.gtm_mask` dispatches.
+"""Triton body and launcher of the CD+GTM mask (ARCHITECTURE.md §7); `kernels.gtm_mask` dispatches.
 
 One program per beam row. It walks the row's trie node's child range (CSR
 `node_offsets`) in chunks of BLOCK_C children; per chunk: CD (the children exist), then

@@ -1,4 +1,4 @@
-"""Triton kernels of the short-sequence self-attention (paper §4.2–4.3, DESIGN.md §7).
+"""Triton kernels of the short-sequence self-attention (paper §4.2–4.3, docs/ARCHITECTURE.md §7).
 
 Private to `kernels/self_attention.py`, which dispatches here for CUDA tensors. One jit
 body, three variants by `tl.constexpr` flags:

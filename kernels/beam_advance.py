@@ -1,4 +1,4 @@
-"""One decode step's bookkeeping after top-k (pipeline stage 3; DESIGN.md §2): from each
+"""One decode step's bookkeeping after top-k (pipeline stage 3; docs/ARCHITECTURE.md §2): from each
 request's kept candidates to the next step's rows — scores, parent rows, tokens,
 liveness and trie nodes.
 

@@ -1,4 +1,4 @@
-"""The CD+GTM mask of one decode step (paper §3.5, DESIGN.md §7).
+"""The CD+GTM mask of one decode step (paper §3.5, docs/ARCHITECTURE.md §7).
 
 For every beam row: which next tokens keep the prefix in the catalog (CD) and may still
 hold an ad eligible for the row's request (GTM: bitmask, then Bloom, ANY-of-many over the

@@ -1,4 +1,4 @@
-"""Deadline-aware admission: will this request finish before its deadline? (DESIGN.md §5)
+"""Deadline-aware admission: will this request finish before its deadline? (docs/ARCHITECTURE.md §5)
 
     Retrieve ─► Admission.decide(remaining, queued, in_flight) ─► admit / refuse at once
     pipeline: every finished batch ─► ServiceEstimate.observe(...) (learns online)

@@ -1,4 +1,4 @@
-"""Request batching on the event loop: the first stop of every Retrieve (DESIGN.md §2, §5).
+"""Request batching on the event loop: the first stop of every Retrieve (ARCHITECTURE.md §2, §5).
 
     Retrieve handler ──admit──submit──► FIFO queue ──Batcher._run──► [≤ max_batch Pending]
     ──dispatch (stage 1 thread)──► pipeline ──Pending.resolve──► handler's await returns
@@ -15,7 +15,7 @@ when it is full.
 pipeline is nearly idle (fewer than `busy_batches` batches in flight: the server's
 default, `default_busy_batches`, is 1 on a GPU and 2 on a CPU). When the pipeline is busy
 a small batch would only queue behind the others, and the GPU runs a padded bucket for it
-at almost the cost of a full one (DESIGN.md §2: batches of 16), so the batch keeps filling
+at almost the cost of a full one (ARCHITECTURE.md §2: batches of 16), so the batch keeps filling
 for up to `max_wait_busy`: at moderate load batches are full, not three requests every
 `max_wait` — the difference between saturating near half the GPU's throughput and
 reaching it (docs/SERVICE.md). A batch holds at most `max_groups` decode groups (requests

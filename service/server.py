@@ -1,4 +1,4 @@
-"""The gRPC servicer: admit -> parse -> validate -> batcher -> pipeline -> reply (DESIGN.md §5).
+"""The gRPC servicer: admit -> parse -> validate -> batcher -> reply (ARCHITECTURE.md §5).
 
 Runs on the event loop and only awaits. Retrieve is registered without (de)serialisers
 (`grpc_server.add_retrieval`): the handler gets the request's bytes and returns the

@@ -13,7 +13,7 @@ Decisions on values the proto allows but the contract leaves open:
 - country: empty = unknown; otherwise two ASCII letters, either case, stored upper-case.
   A well-formed code that is not an assigned ISO 3166-1 alpha-2 code (`"XX"`) is accepted
   as *unknown*, like an empty one: upstream country tables drift, and an unknown country
-  only makes targeting stricter (DESIGN.md §3), never wrong.
+  only makes targeting stricter (docs/ARCHITECTURE.md §3), never wrong.
 - age: 0..150; 0 and ages below 13 are unknown (`targeting.age_bucket_index`).
 - gender: exactly "", "female" or "male".
 - locations: at most 64, each non-empty and at most 256 UTF-8 bytes; order and
@@ -44,7 +44,7 @@ from service.settings import ServerSettings
 MAX_AGE = 150
 MAX_LOCATION_BYTES = 256
 MAX_REQUEST_ID_BYTES = 128
-UNKNOWN_FIELDS_BYTES = 64 * 1024  # room for fields a newer client may add (DESIGN.md §5)
+UNKNOWN_FIELDS_BYTES = 64 * 1024  # room for fields a newer client may add (docs/ARCHITECTURE.md §5)
 _EVENT_TYPES = np.array([pb.VIEW, pb.CLICK, pb.CONVERSION])
 _FILTER_MODES = {
     pb.FILTER_MODE_UNSPECIFIED: FilterMode.CD_GTM,

@@ -1,5 +1,5 @@
 """Index hot-swap: follow `<root>/CURRENT`, load and validate new versions in the
-background, swap them in between batches (DESIGN.md §3).
+background, swap them in between batches (docs/ARCHITECTURE.md §3).
 
 Sits between the publisher (`index_builder/publish.py`) and the request path: the app
 calls `check_once` once at start-up for the first load, then `start` polls CURRENT every

@@ -1,4 +1,4 @@
-"""Synthetic ads world generator (DESIGN.md §8): seeded, realistic, vectorised.
+"""Synthetic ads world generator (docs/ARCHITECTURE.md §8): seeded, realistic, vectorised.
 
 Flow: `profiles` (knobs) → `geography` → `advertisers` → `ads` (streamed chunks) →
 `users` → `histories` → `calibration` → `writer`; `world` ties them together and reads

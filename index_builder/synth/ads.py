@@ -1,4 +1,4 @@
-"""Ads: compact per-ad state, streamed in fixed-size chunks (DESIGN.md §8).
+"""Ads: compact per-ad state, streamed in fixed-size chunks (docs/ARCHITECTURE.md §8).
 
 Fourth stage of the synth flow (… advertisers → **ads** → users → histories). An ad is
 its advertiser plus a few bytes of per-ad variation, so 30 M ads cost ~30 bytes each in

@@ -1,4 +1,4 @@
-"""Advertisers: Zipf sizes, topics, home places and targeting styles (DESIGN.md §8).
+"""Advertisers: Zipf sizes, topics, home places and targeting styles (docs/ARCHITECTURE.md §8).
 
 Third stage of the synth flow (profile → geography → **advertisers** → ads → users →
 histories). An advertiser owns everything its ads share: a topic vector (ads are noisy

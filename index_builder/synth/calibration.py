@@ -1,4 +1,4 @@
-"""How much of the catalog targeting lets through, measured on a sample (DESIGN.md §8).
+"""How much of the catalog targeting lets through, measured on a sample (docs/ARCHITECTURE.md §8).
 
 Runs after histories, before the summary is written. Two figures go into `world.json`:
 

@@ -1,4 +1,4 @@
-"""Synthetic geography: countries → regions → cities → neighbourhoods (DESIGN.md §8).
+"""Synthetic geography: countries → regions → cities → neighbourhoods (docs/ARCHITECTURE.md §8).
 
 Second stage of the synth flow, right after the profile: advertisers pick home places and
 targeted places here, users pick where they live and travel. Every place has a

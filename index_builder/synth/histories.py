@@ -1,4 +1,4 @@
-"""Interaction histories drawn only from eligible ads (DESIGN.md §8).
+"""Interaction histories drawn only from eligible ads (docs/ARCHITECTURE.md §8).
 
 Sixth stage of the synth flow (… users → **histories** → writer). Per user:
 

@@ -1,6 +1,6 @@
 """World profiles: every knob of the synthetic ads world, as named frozen dataclasses.
 
-First stop of the synth flow (DESIGN.md §8): `generate_world(profile, seed, out)` looks a
+First stop of the synth flow (docs/ARCHITECTURE.md §8): `generate_world(profile, seed, out)` looks a
 `WorldProfile` up in `PROFILES`, derives its random streams with `stream(...)`, and then
 runs geography → advertisers → ads → users → histories → writer. Nothing downstream
 reads a profile in a hot loop; each stage pulls the few numbers it needs once.

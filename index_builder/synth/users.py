@@ -1,4 +1,4 @@
-"""Users: country, age, gender, clustered locations and latent interests (DESIGN.md §8).
+"""Users: country, age, gender, clustered locations and latent interests (docs/ARCHITECTURE.md §8).
 
 Fifth stage of the synth flow (… ads → **users** → histories). A user lives in a city
 drawn by population; its location list is clustered around it, in this order:

@@ -1,7 +1,7 @@
 """World files: catalog (Parquet, and JSONL unless turned off), users, held-out events,
 atomic publish.
 
-Last stage of the synth flow. The catalog is exactly the DESIGN.md §4 contract
+Last stage of the synth flow. The catalog is exactly the docs/ARCHITECTURE.md §4 contract
 (`ad_id`, `embedding`, `countries`, `age_buckets`, `genders`, `locations`; empty list =
 no rule) plus an `advertiser_id` column, streamed one chunk at a time into both files.
 JSONL costs ~4 s and ~512 bytes per 1 k ads; paper-scale worlds skip it (`jsonl=False`):

@@ -1,4 +1,4 @@
-"""Constrained beam search over SIDs: pipeline stage 3's decode loop (DESIGN.md §2).
+"""Constrained beam search over SIDs: pipeline stage 3's decode loop (docs/ARCHITECTURE.md §2).
 
 For t = 1..4: the decoder step on M_t beam rows per request gives logits; the CD+GTM mask
 (`index_builder.lookup`: trie children ∧ bitmask ∧ Bloom) sets disallowed tokens to −inf;

@@ -2,7 +2,7 @@
 decode loop (`static_engine.StaticBeamSearch`, pipeline stage 3) runs by default.
 
 Same weights and the same function as `SIDDecoder.step`, computed with fewer passes over
-the `[R, d_model]` activations (DESIGN.md §7, "fewer kernels per step"):
+the `[R, d_model]` activations (docs/ARCHITECTURE.md §7, "fewer kernels per step"):
 
 1. Layer 0's QKV is a table. Layer 0 sees only the token embedding, and its QKV
    projection `qkv(LN(tok_emb[t, token]))` depends on (t, token) alone, so it is computed

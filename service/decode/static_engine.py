@@ -1,5 +1,5 @@
 """Fixed-shape constrained beam search: pipeline stage 3's decode loop as one CUDA graph
-per plan (DESIGN.md §2, §7).
+per plan (docs/ARCHITECTURE.md §2, §7).
 
 The same search as `engine.BeamSearch` (its oracle: the same `DecodeResult`), run on
 buffers whose shapes are fixed by a plan key — (batch-size bucket B, beam schedule, filter

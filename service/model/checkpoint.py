@@ -1,4 +1,4 @@
-"""Model checkpoints: the one writer/reader pair for a trained retriever (DESIGN.md §6).
+"""Model checkpoints: the one writer/reader pair for a trained retriever (docs/ARCHITECTURE.md §6).
 
 Training writes with `save_checkpoint`; the server, evaluation and `grace` commands read
 with `load_checkpoint`. A checkpoint is a directory:

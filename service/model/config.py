@@ -1,4 +1,4 @@
-"""Model profiles (DESIGN.md §6): one frozen config per named size, as in gpt-fast's
+"""Model profiles (docs/ARCHITECTURE.md §6): one frozen config per named size, as in gpt-fast's
 `ModelArgs.from_name`. The encoder, decoder, FLOP counter, training and the decode engine
 all read their shapes from a `ModelConfig`; nothing threads a config through hot loops.
 """

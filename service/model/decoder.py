@@ -1,4 +1,4 @@
-"""The SID decoder (DESIGN.md §6): pre-norm layers of self-attention over the SID prefix,
+"""The SID decoder (docs/ARCHITECTURE.md §6): pre-norm layers of self-attention over the SID prefix,
 cross-attention to the encoder's context, and an FFN; position-specific token embeddings;
 a 512-way head. Pipeline stage 3 runs it inside the decode loop, one step per SID token.
 

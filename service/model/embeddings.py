@@ -1,4 +1,4 @@
-"""Feature embeddings: the embedding-heavy half of pipeline stage 2 (DESIGN.md §2, §6).
+"""Feature embeddings: the embedding-heavy half of pipeline stage 2 (docs/ARCHITECTURE.md §2, §6).
 
     FeatureBatch (features.py) ──FeatureEmbedder──► EmbeddedFeatures ──► ContextEncoder
 

@@ -1,4 +1,4 @@
-"""Context encoder: the first half of pipeline stage 3 (DESIGN.md §2, §6).
+"""Context encoder: the first half of pipeline stage 3 (docs/ARCHITECTURE.md §2, §6).
 
     EmbeddedFeatures (stage 2, embeddings.py) ──ContextEncoder──► ctx [B, t_ctx, d_model]
     ──► SID decoder

@@ -1,4 +1,4 @@
-"""Feature preparation: pipeline stage 2 (DESIGN.md §2), between the batcher and the encoder.
+"""Feature preparation: pipeline stage 2 (ARCHITECTURE.md §2), between the batcher and the encoder.
 
     [UserFeatures] x B  ──prepare_features──►  FeatureBatch (CPU tensors)  ──.to(device)──►
     FeatureEmbedder (embeddings.py, rest of stage 2)  ──►  ContextEncoder (stage 3)

@@ -1,4 +1,4 @@
-"""FLOP counter for the model (DESIGN.md §6, §9): decoder FLOPs per request, by step and term.
+"""FLOP counter for the model (ARCHITECTURE.md §6, §9): decoder FLOPs per request, by step and term.
 
 Used by the `paper` profile's sizing (its `d_ff` is chosen so the count lands on the
 paper's 446 GFLOPs), by the decoder benchmark's FLOP floor, and by `FlopReport.table()`
@@ -17,7 +17,7 @@ Conventions (`decoder_flops`):
   self-attn scores 2·(2·t·H·d_h); cross-attn Q d_model -> H·d_h and output; cross
   scores 2·(2·T_ctx·H·d_h); FFN d_model -> d_ff -> d_model. Per row: head d_model -> 512.
 - cross K/V: the context's K and V projections, d_model -> 2·H·d_h for T_ctx tokens,
-  once per request per layer (beam-as-query keeps K/V per request, DESIGN.md §7) and
+  once per request per layer (beam-as-query keeps K/V per request, docs/ARCHITECTURE.md §7) and
   reused by all four steps; reported apart from the steps (`once`) and in the total.
 """
 

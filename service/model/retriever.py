@@ -1,4 +1,4 @@
-"""The generative retriever: encoder + SID decoder as one module (DESIGN.md §6).
+"""The generative retriever: encoder + SID decoder as one module (docs/ARCHITECTURE.md §6).
 
     FeatureBatch ──embed (stage 2)──► EmbeddedFeatures ──encoder (stage 3)──►
     ctx [B, t_ctx, d_model] ──► decode engine (service/decode), which drives `decoder`

@@ -1,5 +1,5 @@
 """The context encoder at fixed shapes, one CUDA graph per batch bucket: the first half of
-pipeline stage 3 on GPU (DESIGN.md §2, §7), next to the decode loop's graphs.
+pipeline stage 3 on GPU (docs/ARCHITECTURE.md §2, §7), next to the decode loop's graphs.
 
 Eager, the encoder launches ~150 small kernels per batch from the compute thread, and
 under load that Python dispatch competes for the GIL with the gRPC event loop and the

@@ -1,5 +1,5 @@
 """The feature embedder at fixed shapes, one CUDA graph per batch bucket: the rest of
-pipeline stage 2 on GPU (DESIGN.md §2), ahead of the encoder's graphs (static_encoder.py).
+pipeline stage 2 on GPU (ARCHITECTURE.md §2), ahead of the encoder's graphs (static_encoder.py).
 
     stage 1: FeatureBatch ──pack_features──► int64 [B, K]: one pinned buffer, one copy
     stage 2: PackedFeatureBatch ──StaticFeatures──► EmbeddedFeatures at width max_history

@@ -1,4 +1,4 @@
-"""The bodies of the four pipeline stages (DESIGN.md §2). Each takes the `BatchState`,
+"""The bodies of the four pipeline stages (docs/ARCHITECTURE.md §2). Each takes the `BatchState`,
 does its part on the compute device (on its own CUDA stream on GPU), and returns.
 
 1. input: pack requests into a `FeatureBatch` (history -> SID tokens via the batch's

@@ -3,7 +3,7 @@
 Stage 3 (`service/decode`) hands over each request's generated leaves and beam scores
 (`DecodeResult.valid`); `PostStage.run` expands every leaf to its ads through the
 SID -> ad index, keeps only the exactly eligible ones (bitmask rules and actual location
-ids, DESIGN.md §3 — never Bloom bits), ranks them by beam score, cuts each request to its
+ids, docs/ARCHITECTURE.md §3 — never Bloom bits), ranks them by beam score, cuts each request to its
 `max_ads` and returns `index_builder.exact.PostResult`s for the reply.
 
 The work runs in the private C++ extension `_post` (built by `pip install -e .`, see

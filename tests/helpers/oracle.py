@@ -1,4 +1,4 @@
-"""Brute-force oracles written straight from DESIGN.md §3's eligibility rules, on the
+"""Brute-force oracles written straight from docs/ARCHITECTURE.md §3's eligibility rules, on the
 raw strings — independent of the bit encoding they are used to test."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def bucket_of(age: int) -> str | None:
 
 
 def eligible(ad: Ad, req: Targeting) -> bool:
-    """DESIGN.md §3, literally."""
+    """docs/ARCHITECTURE.md §3, literally."""
     if ad.countries and req.country.upper() not in {c.upper() for c in ad.countries}:
         return False
     if ad.age_buckets and bucket_of(req.age) not in ad.age_buckets:

@@ -1,4 +1,4 @@
-"""Catalog reading and validation (index_builder/catalog.py, DESIGN.md §4)."""
+"""Catalog reading and validation (index_builder/catalog.py, docs/ARCHITECTURE.md §4)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Synthetic ads world (index_builder/synth): determinism, eligibility, realism, files.
 
-Eligibility is re-checked here by brute force on the strings, written from the DESIGN.md
+Eligibility is re-checked here by brute force on the strings, written from the docs/ARCHITECTURE.md
 §3 rules directly rather than through `targeting.exact_eligible`, so a shared bug in the
 encoding cannot hide a world that violates the contract.
 """
@@ -22,7 +22,7 @@ from index_builder.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Targeting
 
 SEED = 7
 FILES = ("catalog.jsonl", "catalog.parquet", "users.parquet", "heldout.parquet")
-# DESIGN.md §3 buckets as (lowest age, name); age 0 / under 13 = unknown.
+# docs/ARCHITECTURE.md §3 buckets as (lowest age, name); age 0 / under 13 = unknown.
 BUCKET_LOWER = ((65, "65+"), (55, "55-64"), (45, "45-54"), (35, "35-44"), (25, "25-34"),
                 (18, "18-24"), (13, "13-17"))  # fmt: skip
 
@@ -32,7 +32,7 @@ def bucket_of(age: int) -> str | None:
 
 
 def eligible(ad: dict[str, Any], t: Targeting) -> bool:
-    """DESIGN.md §3, on the strings: every rule empty or satisfied."""
+    """docs/ARCHITECTURE.md §3, on the strings: every rule empty or satisfied."""
     if ad["countries"] and t.country not in ad["countries"]:
         return False
     if ad["age_buckets"] and bucket_of(t.age) not in ad["age_buckets"]:

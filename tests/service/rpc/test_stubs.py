@@ -32,7 +32,7 @@ def test_stubs_import_as_a_package() -> None:
     grpc_source = Path(retrieval_pb2_grpc.__file__).read_text()
     assert "from grace.v1 import" not in grpc_source
     assert retrieval_pb2_grpc.AdRetrievalStub is not None
-    # the names clients are written against (DESIGN.md §5)
+    # the names clients are written against (docs/ARCHITECTURE.md §5)
     service = retrieval_pb2.DESCRIPTOR.services_by_name["AdRetrieval"]
     assert service.full_name == "grace.v1.AdRetrieval"
     assert service.methods_by_name["Retrieve"].input_type.name == "RetrieveRequest"
