@@ -40,6 +40,7 @@ from index_builder.targeting import (
     AGE_BUCKETS,
     BITMASK_WORDS,
     GENDERS,
+    MAX_LOCATION_BYTES,
     Ragged,
     ad_bitmasks,
     age_bucket_value_index,
@@ -256,12 +257,29 @@ _RULES: dict[str, tuple[Callable[[str], int | None], str]] = {
 }
 
 
-def _locations(lists: _Lists | None, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(loc_offsets int64 [N+1], loc_ids int32 [nnz], vocabulary object [V])."""
+def _locations(
+    lists: _Lists | None, n: int, src: Source
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(loc_offsets int64 [N+1], loc_ids int32 [nnz], vocabulary object [V]). A string no
+    request may carry (empty, or over MAX_LOCATION_BYTES) is refused: its ad could never
+    be served."""
     if lists is None or len(lists.values) == 0:
         return np.zeros(n + 1, dtype=np.int64), np.zeros(0, np.int32), np.array([], dtype=object)
     enc = pc.dictionary_encode(lists.values.cast(pa.large_string()))
     words = np.array(enc.dictionary.to_pylist(), dtype=object)
+    size = np.array([len(w.encode("utf-8")) for w in words])  # once per distinct string
+    unservable = (size == 0) | (size > MAX_LOCATION_BYTES)
+    if unservable.any():
+        flat = _first(unservable[enc.indices.to_numpy()])
+        assert flat is not None
+        word = lists.values[flat].as_py()
+        why = "is empty" if not word else f"is {len(word.encode())} bytes long"
+        shown = word[:40] + ("…" if len(word) > 40 else "")
+        msg = (
+            f"location {shown!r} {why}: requests carry locations of 1 to "
+            f"{MAX_LOCATION_BYTES} bytes, so no request could match it"
+        )
+        raise src.error(lists.row_of(flat), "locations", msg)
     order = np.argsort(words)
     rank = np.empty(len(words), dtype=np.int64)
     rank[order] = np.arange(len(words))
@@ -287,7 +305,7 @@ def _build(cols: dict[str, pa.Array], src: Source) -> Catalog:
     if (row := _first((sid[:, 0] < 0) & ~has_emb)) is not None:
         raise src.error(row, "sid", "absent and no embedding to compute it from")
     rules = [_ragged(lists[f], n, f, src) for f in _RULES]
-    loc_offsets, loc_ids, vocabulary = _locations(lists["locations"], n)
+    loc_offsets, loc_ids, vocabulary = _locations(lists["locations"], n, src)
     return Catalog(
         ad_id=ad_id,
         sid=sid,

@@ -39,6 +39,9 @@ import numpy as np
 
 SCHEMA_VERSION = 1
 MAX_REQUEST_LOCATIONS = 64
+# A request's location strings are non-empty and at most this many UTF-8 bytes
+# (service/validation.py); the catalog refuses a location rule no request could match.
+MAX_LOCATION_BYTES = 256
 
 # ISO 3166-1 alpha-2, officially assigned codes (249).
 COUNTRIES: tuple[str, ...] = tuple(

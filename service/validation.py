@@ -36,13 +36,12 @@ import numpy as np
 
 from index_builder.format import SID_LENGTH, VOCAB_SIZE
 from index_builder.lookup import FilterMode
-from index_builder.targeting import GENDERS, MAX_REQUEST_LOCATIONS, Targeting
+from index_builder.targeting import GENDERS, MAX_LOCATION_BYTES, MAX_REQUEST_LOCATIONS, Targeting
 from service.decode.engine import check_schedule
 from service.rpc.grace.v1 import retrieval_pb2 as pb
 from service.settings import ServerSettings
 
 MAX_AGE = 150
-MAX_LOCATION_BYTES = 256
 MAX_REQUEST_ID_BYTES = 128
 UNKNOWN_FIELDS_BYTES = 64 * 1024  # room for fields a newer client may add (docs/ARCHITECTURE.md §5)
 _EVENT_TYPES = np.array([pb.VIEW, pb.CLICK, pb.CONVERSION])

@@ -363,3 +363,23 @@ def test_bad_files(tmp_path: Path, name: str, content: bytes | None, fragment: s
     with pytest.raises(CatalogError) as e:
         read_catalog(path, progress=False)
     assert fragment in str(e.value) and e.value.location is None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    ("location", "why"),
+    [("", "is empty"), ("é" * 129, "is 258 bytes long")],
+    ids=["empty", "over-256-bytes"],
+)
+def test_a_location_no_request_could_carry_is_refused(
+    tmp_path: Path, fmt: str, location: str, why: str
+) -> None:
+    """Requests carry locations of 1 to 256 UTF-8 bytes (service/validation.py): an ad
+    targeting any other string could never be served, so the catalog names it."""
+    ok = "x" * targeting.MAX_LOCATION_BYTES  # the longest a request may carry: accepted
+    rows = [ad(1, locations=[ok]), ad(2, locations=["paris", location]), ad(3)]
+    with pytest.raises(CatalogError, match=f"{where(fmt, 1)}: field 'locations'") as e:
+        read_catalog(write(tmp_path, rows, fmt), progress=False)
+    assert why in str(e.value) and "no request could match it" in str(e.value)
+    cat = read_catalog(write(tmp_path, [rows[0], rows[2]], fmt), progress=False)
+    assert list(cat.locations) == [ok]
