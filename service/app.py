@@ -165,6 +165,7 @@ async def start(
     )
     batcher.start()
     metrics.queue_depth.set_function(lambda: batcher.depth)
+    metrics.pipeline_batches.set_function(lambda: pipeline.in_flight)
     metrics.predicted_wait.set_function(
         lambda: batcher.admission.predicted_ms(batcher.depth, batcher.inflight_requests) / 1e3
     )

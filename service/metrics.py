@@ -106,6 +106,11 @@ class Metrics:
             "reaches any one of them, this says it of each.",
             registry=r,
         )
+        self.pipeline_batches = Gauge(
+            "grace_pipeline_batches",
+            "Batches in the four-stage pipeline (dispatched, not yet through post).",
+            registry=r,
+        )
         self.inflight = Gauge(
             "grace_inflight_requests", "Requests accepted and not yet answered.", registry=r
         )
