@@ -142,7 +142,7 @@ async def start(
     pipeline = Pipeline(
         stages,
         indexes,
-        lambda size, dispatched, service: batcher.batch_done(size, dispatched, service),
+        lambda *done: batcher.batch_done(*done),  # the batcher is made below
         observe,
         dropped,
     )

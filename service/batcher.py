@@ -40,7 +40,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from service.admission import Admission, ServiceEstimate, Verdict
@@ -86,7 +86,6 @@ class Pending:
     deadline: float | None  # time.monotonic() by which it must be answered; None = none
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
-    enqueued: float = field(default_factory=time.monotonic)
 
     def expired(self, now: float, margin: float = 0.0) -> bool:
         """Its deadline has passed, or passes within `margin` seconds."""

@@ -263,7 +263,7 @@ class Stages:
             for j, i in enumerate(rows):
                 live = leaves[j] >= 0
                 decoded[i] = (leaves[j][live], scores[j][live])
-        rows = [i for i in batch.live_rows if i in decoded]  # not those dropped since
+        rows = batch.live_rows  # every live row was decoded: dead ones were dropped before
         generated = [decoded[i] for i in rows]
         posts = self.post_fn(batch, rows, generated)
         return [

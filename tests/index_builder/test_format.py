@@ -14,17 +14,7 @@ import pytest
 
 from index_builder.format import IndexFormatError, file_sha256, read_index_dir, read_manifest
 from index_builder.npy_private import NpyError, load_npy_private
-from index_builder.publish import current_path, publish
 from index_builder.validate import IndexValidationError, validate_index
-from tests.helpers.indexes import small_index, writer
-
-
-@pytest.fixture
-def published(tmp_path: Path) -> Path:
-    publish(tmp_path, writer(small_index()))
-    path = current_path(tmp_path)
-    assert path is not None
-    return path
 
 
 def _edit_manifest(directory: Path, edit: Callable[[dict], None]) -> None:

@@ -224,14 +224,6 @@ def test_build_killed_mid_write_leaves_current_on_the_previous_version(
     assert not list(tmp_path.glob(".tmp-*"))
 
 
-@pytest.fixture
-def published(tmp_path: Path) -> Path:
-    publish(tmp_path, writer(small_index()))
-    path = current_path(tmp_path)
-    assert path is not None
-    return path
-
-
 def test_flipped_byte_is_caught(published: Path) -> None:
     target = published / "trie.bloom_table.npy"
     data = bytearray(target.read_bytes())
