@@ -67,9 +67,12 @@ COPY pyproject.toml setup.py README.md ./
 RUN python -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb')); \
 print('\n'.join(d['project']['dependencies']))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
-COPY service ./service
+COPY cli ./cli
+COPY contracts ./contracts
 COPY index_builder ./index_builder
 COPY kernels ./kernels
+COPY service ./service
+COPY training ./training
 # Compiles the C++ post stage (service/post/_post.cpp) into the venv. The gRPC stubs are
 # the committed ones (CI checks them byte for byte against `make proto`, so the image does
 # not regenerate them); importing them from the venv (-P: not from /src) checks that they

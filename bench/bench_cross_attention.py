@@ -7,7 +7,7 @@ In one run, on the same inputs:
 - beam-as-query (eq. 11–12) through SDPA flash / cuDNN / memory-efficient;
 - beam-as-query through our Triton kernels: one program per (b, h, run of tiles)
   (`kernels/_triton_cross_attention.py`) and persistent
-  (`kernels/_triton_cross_attention_persistent.py`).
+  (`bench/baselines/_triton_cross_attention_persistent.py`).
 Each variant is checked against the fp32 reference before it is timed; a backend this
 build or shape lacks is reported, not fatal. A diagnostic times cuDNN SDPA alone, without
 the `.contiguous()` that `_sdpa_beam_as_query` ends with, and reports whether cuDNN's
@@ -71,7 +71,7 @@ VARIANTS = [  # (layout, backend); the first is the baseline of the speed-ups
 TUNED = {  # backend -> (module, autotuned kernel) whose best config the JSON records
     "triton": ("kernels._triton_cross_attention", "_cross_attn_kernel"),
     "triton_persistent": (
-        "kernels._triton_cross_attention_persistent",
+        "bench.baselines._triton_cross_attention_persistent",
         "_cross_attn_persistent_tuned",
     ),
 }
@@ -145,7 +145,8 @@ def main() -> None:
 
 
 def measure(a: argparse.Namespace, shape: dict[str, int]) -> dict[str, Any]:
-    from kernels import cross_attention as ca  # after TRITON_INTERPRET is settled
+    from bench.baselines import cross_attention as ca  # after TRITON_INTERPRET is settled
+    from kernels.cross_attention import cross_attention_reference
 
     b, m, h, d, t = (shape[k] for k in ("batch", "beams", "heads", "head_dim", "ctx"))
     dtype = getattr(torch, a.dtype)
@@ -153,7 +154,7 @@ def measure(a: argparse.Namespace, shape: dict[str, int]) -> dict[str, Any]:
     q = torch.randn(b * m, h, d, generator=g).to(a.device, dtype)  # [B·M, H, d_h]
     k = torch.randn(b, h, t, d, generator=g).to(a.device, dtype)  # [B, H, T_ctx, d_h]
     v = torch.randn(b, h, t, d, generator=g).to(a.device, dtype)
-    want = ca.cross_attention_reference(q, k, v)  # fp32 math
+    want = cross_attention_reference(q, k, v)  # fp32 math
 
     # the least the op must move: read Q, K, V once, write O once
     floor_bytes = (2 * q.numel() + k.numel() + v.numel()) * q.element_size()
@@ -167,7 +168,7 @@ def measure(a: argparse.Namespace, shape: dict[str, int]) -> dict[str, Any]:
 
     def call(layout: str, backend: str) -> Callable[[], torch.Tensor]:
         if layout == "beam_as_query":
-            return lambda: ca.cross_attention(q, k, v, backend=backend)
+            return lambda: ca.cross_attention_variant(q, k, v, backend)
 
         def per_beam() -> torch.Tensor:
             with sdpa_kernel(ca.SDPA_BACKENDS[backend]):
@@ -300,7 +301,7 @@ def ws_sweep(
     (its shape pruning applies). Per config a status — "ok" with its median, "mismatch"
     with the first line of the comparison, or "refused" with the compiler's or launcher's
     error — and the fastest that ran."""
-    from kernels import _triton_cross_attention_persistent as pca
+    from bench.baselines import _triton_cross_attention_persistent as pca
 
     b, _, t, d = k.shape
     m = q.shape[0] // b
@@ -397,7 +398,7 @@ def print_table(f: dict[str, Any]) -> None:
     print(
         f"  target {f['target_ms']} ms (paper {f['paper_ms']} ms); fastest beam-as-query: "
         f"{f['winner']} ({verdict[f['winner_meets_target']]} the target)"
-        f" -> kernels/cross_attention.py GPU_BACKEND = {f['winner']!r}"
+        f" -> kernels/cross_attention.py default_backend should pick {f['winner']!r}"
     )
 
 

@@ -1,5 +1,5 @@
-"""Reference decode path on CPU (issue #3 benchmarks): decoder FLOPs per profile, the
-tiny profile's per-batch latency by stage, and the two layout ablations on CPU —
+"""The decode path on CPU: decoder FLOPs per profile, the tiny profile's per-batch latency
+by stage (the served engine and C++ post stage), and the two layout ablations on CPU —
 per-beam vs beam-as-query cross-attention, dense vs paged KV cache. Medians (and P99 for
 the batch latency) of repeated runs measured in this one process.
 Results: bench/results/decode_cpu.json.
@@ -21,21 +21,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.baselines.cross_attention import cross_attention_per_beam
+from bench.baselines.decode_variants import DecodeOptions, VariantEngine
 from bench.common import percentiles, timed, write_result
+from contracts.request import FilterMode
+from contracts.targeting import encode_requests
+from contracts.tensors import RequestTensors
 from index_builder.build import assign_sids, build_arrays
 from index_builder.catalog import read_catalog
-from index_builder.exact import expand_and_filter
-from index_builder.lookup import FilterMode, RequestTensors
 from index_builder.synth import generate_world, load_world
-from index_builder.targeting import encode_requests
 from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
-from kernels.cross_attention import cross_attention, cross_attention_per_beam
-from service.decode.engine import BeamSearch
-from service.decode.retrieve import RetrievalIndex
+from kernels.cross_attention import cross_attention
+from service.decode.engine import DecodeEngine
+from service.index.loaded import LoadedIndex
 from service.model.config import PROFILES
 from service.model.flops import decoder_flops
 from service.model.retriever import GenerativeRetriever
-from service.training.data import Examples
+from service.post import PostRequest
+from training.data import Examples
 
 
 def flops_table() -> dict[str, float]:
@@ -51,11 +54,12 @@ def tiny_latency(batches: int) -> dict[str, object]:
         world = load_world(Path(tmp) / "w")
         catalog = read_catalog(world.catalog_parquet, progress=False)
     tok = SIDTokenizer.train(catalog.embedding, TokenizerConfig(), progress=False)
-    index = RetrievalIndex.from_arrays(build_arrays(catalog, assign_sids(catalog, tok)[0]))
+    index = LoadedIndex.from_arrays(build_arrays(catalog, assign_sids(catalog, tok)[0]))
     examples = Examples(world, index.lookup, config)
     torch.manual_seed(0)
     model = GenerativeRetriever(config).eval()
-    search = BeamSearch(model.decoder, index.tables, index.level_offsets)
+    engine = DecodeEngine(model.decoder, batch_buckets=(16,))
+    plans = engine.plan(index.tables, index.level_offsets)
     rng = np.random.default_rng(0)
     stages: dict[str, list[float]] = {k: [] for k in ("features", "encoder", "decode", "post")}
     total = []
@@ -68,13 +72,14 @@ def tiny_latency(batches: int) -> dict[str, object]:
         with torch.no_grad():
             ctx = model.encode(batch.features)
         t2 = time.perf_counter()
-        res = search.run(ctx, RequestTensors.from_encoded(encode_requests(targeting)), config.beams)
+        reqs = RequestTensors.from_encoded(encode_requests(targeting))
+        res = engine.run(plans, ctx, reqs, config.beams)
         t3 = time.perf_counter()
-        for b, t in enumerate(targeting):
-            leaves, scores = res.valid(b)
-            expand_and_filter(
-                index.arrays.ads, index.vocabulary, leaves.numpy(), scores.numpy(), t, 1000
-            )
+        vocab = index.vocabulary
+        index.post.run([
+            PostRequest.from_targeting(*(x.numpy() for x in res.valid(b)), t, vocab, 1000)
+            for b, t in enumerate(targeting)
+        ])  # fmt: skip
         t4 = time.perf_counter()
         for k, v in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             stages[k].append(v * 1e3)
@@ -122,16 +127,18 @@ def kv_cache_ablation(repeat: int) -> dict[str, object]:
     rng = np.random.default_rng(0)
     ads = [Ad(i, tuple(int(x) for x in rng.integers(0, 8, 4))) for i in range(3000)]  # type: ignore[misc]
     cat = catalog_from_ads(ads)
-    index = RetrievalIndex.from_arrays(build_arrays(cat, cat.sid.astype(np.int64)))
+    index = LoadedIndex.from_arrays(build_arrays(cat, cat.sid.astype(np.int64)))
     config = PROFILES["tiny"]
     torch.manual_seed(0)
     model = GenerativeRetriever(config).eval()
     ctx = torch.randn(16, config.t_ctx, config.d_model)
     out = {}
     for paged in (False, True):
-        search = BeamSearch(model.decoder, index.tables, index.level_offsets, paged=paged)
-        xs = timed(lambda s=search: s.run(ctx, None, config.beams, FilterMode.CD_ONLY), repeat)
-        out["paged_ms" if paged else "dense_ms"] = round(statistics.median(xs), 3)
+        engine = VariantEngine(model.decoder, DecodeOptions(kv="paged" if paged else "dense"),
+                               batch_buckets=(16,))  # fmt: skip
+        plans = engine.plan(index.tables, index.level_offsets)
+        run = lambda e=engine, p=plans: e.run(p, ctx, None, config.beams, FilterMode.CD_ONLY)  # noqa: E731
+        out["paged_ms" if paged else "dense_ms"] = round(statistics.median(timed(run, repeat)), 3)
     out["speedup"] = round(out["dense_ms"] / out["paged_ms"], 2)
     return out
 

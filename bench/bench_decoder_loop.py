@@ -3,7 +3,8 @@ an H200; the GTM rows together ≤ 0.5 ms).
 
 B = 16 requests, beams (1, 512, 1024, 1024), 64 locations per request, the paper profile
 with random bf16 weights. Each row adds one optimisation to the row above — all of them
-`DecodeOptions` switches of the one engine (`service/decode/static_engine.py`):
+`DecodeOptions` switches (`bench/baselines/decode_variants.py`) of the one engine
+(`service/decode/engine.py`; the final row runs the served `DecodeEngine` itself):
 
     naive eager      per-beam cross K/V, torch SDPA self-attention, dense KV (reorder
                      copies bytes), fixed beams (1024 rows every step), no mask
@@ -77,12 +78,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "cpu" in sys.argv or not torch.cuda.is_available():  # before any kernel module loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from bench.baselines.decode_variants import DecodeOptions, VariantEngine
 from bench.bench_gtm_mask import load_index, requests_for, synthetic_index
 from bench.common import header, percentiles, write_result
-from index_builder.lookup import FilterMode, RequestTensors
-from index_builder.targeting import Targeting, encode_requests
-from service.decode.retrieve import RetrievalIndex
-from service.decode.static_engine import DecodeOptions, StaticBeamSearch
+from contracts.request import FilterMode
+from contracts.targeting import Targeting, encode_requests
+from contracts.tensors import RequestTensors
+from service.decode.engine import DecodeEngine
+from service.index.loaded import LoadedIndex
 from service.model.config import PROFILES, ModelConfig
 from service.model.features import FeatureBatch, UserFeatures, prepare_features
 from service.model.flops import decoder_flops
@@ -147,7 +150,7 @@ class Batch:
 
 
 def make_batches(
-    index: RetrievalIndex, model: GenerativeRetriever, a: argparse.Namespace, n: int
+    index: LoadedIndex, model: GenerativeRetriever, a: argparse.Namespace, n: int
 ) -> list[Batch]:
     config, rng = model.config, np.random.default_rng(a.seed)
     world = None
@@ -177,7 +180,7 @@ def make_batches(
 
 
 def synthetic_user(
-    index: RetrievalIndex, t: Targeting, config: ModelConfig, rng: np.random.Generator
+    index: LoadedIndex, t: Targeting, config: ModelConfig, rng: np.random.Generator
 ) -> UserFeatures:
     """A full history (max_history events) of random ads of the index."""
     n = config.max_history
@@ -261,11 +264,30 @@ def matmul_ceiling(device: str, dtype: torch.dtype, n: int, sustain_s: float = 0
 # --------------------------------------------------------------------------- main
 
 
+class Bound:
+    """One row's engine bound to the index's plans: the served `DecodeEngine` for the
+    served options, else `VariantEngine` with the row's switches."""
+
+    def __init__(self, model, index, options: DecodeOptions, bucket: int) -> None:
+        self.options = options
+        if options == DecodeOptions():
+            self.engine = DecodeEngine(model.decoder, batch_buckets=(bucket,))
+        else:
+            self.engine = VariantEngine(model.decoder, options, batch_buckets=(bucket,))
+        self.plans = self.engine.plan(index.tables, index.level_offsets)
+
+    @property
+    def graphs(self) -> int:
+        return self.plans.graphs
+
+    def run(self, ctx, requests, beams, mode):
+        return self.engine.run(self.plans, ctx, requests, beams, mode)
+
+
 def warm_engine(model, index, batches, options, mode, beams) -> tuple:
     """One row's engine, run once on every batch (its plans and graphs made): the engine,
     those results, and a call that runs it on batch i % len(batches)."""
-    engine = StaticBeamSearch(model.decoder, index.tables, index.level_offsets, options=options,
-                              batch_buckets=(len(batches[0].ctx),))  # fmt: skip
+    engine = Bound(model, index, options, len(batches[0].ctx))
     results = [engine.run(b.ctx, b.requests, beams, mode) for b in batches]
 
     def call(i: int) -> None:
@@ -275,7 +297,7 @@ def warm_engine(model, index, batches, options, mode, beams) -> tuple:
     return engine, results, call
 
 
-def run_row(model, index, batches, options, mode, beams, n, cuda) -> tuple[dict, StaticBeamSearch]:
+def run_row(model, index, batches, options, mode, beams, n, cuda) -> tuple[dict, Bound]:
     t0 = time.perf_counter()
     engine, results, call = warm_engine(model, index, batches, options, mode, beams)
     warm_s = time.perf_counter() - t0
@@ -406,7 +428,7 @@ def main() -> None:
     dtype = getattr(torch, a.dtype or ("bfloat16" if cuda else "float32"))
     t0 = time.perf_counter()
     arrays = load_index(a.index) if a.index else synthetic_index(a.ads, seed=a.seed)
-    index = RetrievalIndex.from_arrays(arrays, a.device)
+    index = LoadedIndex.from_arrays(arrays, a.device)
     index_s = time.perf_counter() - t0
     torch.manual_seed(a.seed)
     with torch.device(a.device):  # initialise on the device: the paper tables are GBs
@@ -494,11 +516,8 @@ def main() -> None:
     if final is not None:
         b0 = batches[0]
         again = final.run(b0.ctx, b0.requests, beams, GTM)
-        eager = StaticBeamSearch(
-            model.decoder, index.tables, index.level_offsets,
-            options=dataclasses.replace(final.options, cuda_graph=False),
-            batch_buckets=(len(b0.ctx),),
-        ).run(b0.ctx, b0.requests, beams, GTM)  # fmt: skip
+        eager_options = dataclasses.replace(final.options, cuda_graph=False)
+        eager = Bound(model, index, eager_options, len(b0.ctx)).run(b0.ctx, b0.requests, beams, GTM)
         figures["graph_equals_eager"] = bool(torch.equal(again.leaves, eager.leaves))
         others = [("unfused_graph", unfused), ("unfused_eager", eager_bloom)]
         for name, other in others:
@@ -531,9 +550,7 @@ def kernel_profile(model, index, batches, beams, top: int = 25) -> list[dict]:
     """CUDA time per kernel over 5 eager batches of the serving configuration."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = StaticBeamSearch(model.decoder, index.tables, index.level_offsets,
-                              options=DecodeOptions(cuda_graph=False),
-                              batch_buckets=(len(batches[0].ctx),))  # fmt: skip
+    engine = Bound(model, index, DecodeOptions(cuda_graph=False), len(batches[0].ctx))
     for b in batches[:2]:
         engine.run(b.ctx, b.requests, beams, GTM)
     torch.cuda.synchronize()

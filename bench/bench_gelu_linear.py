@@ -29,8 +29,8 @@ if not torch.cuda.is_available():  # Triton's interpreter must be chosen before 
 
 import torch.nn.functional as F
 
+from bench.baselines._triton_gelu_linear import triton_gelu_linear
 from bench.common import header, timed, write_result
-from kernels._triton_gelu_linear import triton_gelu_linear
 from kernels.gelu_linear import gelu_linear_reference
 
 SHAPES = [(4096, 1024, 7680), (8192, 1024, 7680), (16384, 1024, 7680), (2048, 1024, 4096)]

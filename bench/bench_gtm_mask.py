@@ -1,5 +1,5 @@
 """CD+GTM mask benchmark (docs/ARCHITECTURE.md §7, §9 "GTM cost ≤ 0.5 ms"): the Triton kernel
-(`kernels.gtm_mask`) against the torch reference (`index_builder.lookup`) on the rows of
+(`kernels.gtm_mask`) against the torch reference (`kernels.gtm_mask.lookup`) on the rows of
 one decode loop — 16 requests × 64 locations, beams (1, 512, 1024, 1024), so
 (1, 512, 1024, 1024)·16 rows per step — for CD_ONLY, CD + bitmask and CD + bitmask +
 Bloom. The GTM cost is (CD + GTM) − CD_ONLY summed over the 4 steps (paper: +8.4 ms).
@@ -49,12 +49,9 @@ if _wants_cpu(sys.argv):  # Triton's interpreter must be chosen before kernels i
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench.common import RESULTS, header, percentiles, timed  # noqa: E402
-from index_builder.build import build_arrays  # noqa: E402
-from index_builder.catalog import Catalog  # noqa: E402
-from index_builder.format import VOCAB_SIZE, IndexArrays, read_index_dir  # noqa: E402
-from index_builder.lookup import FilterMode, GtmTables, RequestTensors  # noqa: E402
-from index_builder.publish import resolve  # noqa: E402
-from index_builder.targeting import (  # noqa: E402
+from contracts.index_format import VOCAB_SIZE, IndexArrays, read_index_dir  # noqa: E402
+from contracts.request import FilterMode  # noqa: E402
+from contracts.targeting import (  # noqa: E402
     AGE,
     AGE_BUCKETS,
     COUNTRY,
@@ -66,6 +63,10 @@ from index_builder.targeting import (  # noqa: E402
     country_index,
     encode_requests,
 )
+from contracts.tensors import GtmTables, RequestTensors  # noqa: E402
+from index_builder.build import build_arrays  # noqa: E402
+from index_builder.catalog import Catalog  # noqa: E402
+from index_builder.publish import resolve  # noqa: E402
 from kernels._triton_gtm_mask import _gtm_mask_autotuned, gtm_mask_triton  # noqa: E402
 from kernels.gtm_mask import masked_logits_reference  # noqa: E402
 

@@ -51,7 +51,7 @@ def prepare(work: Path, n_ads: int, seed: int) -> tuple[Path, Path, float]:
     if not tok.exists():
         t = time.perf_counter()
         catalog = str(world / "catalog.parquet")
-        cli = [sys.executable, "-m", "service.cli", "train-tokenizer", "--no-progress"]
+        cli = [sys.executable, "-m", "cli", "train-tokenizer", "--no-progress"]
         _run([*cli, "--catalog", catalog, "--out", str(tok)])
         timing.write_text(f"{time.perf_counter() - t:.2f}\n")
     return world / "catalog.parquet", tok, float(timing.read_text())

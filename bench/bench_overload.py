@@ -2,7 +2,7 @@
 under load, and the server's memory over hundreds of swaps.
 
 One served world (tiny synthetic world, untrained tiny model, published index: the
-steps of tests/helpers/serving.py) and one real server process (`python -m service.cli
+steps of tests/helpers/serving.py) and one real server process (`python -m cli
 serve --device cpu`, index polled every 0.1 s), then:
 
   1. capacity: closed loop, --concurrency callers back to back (after a warm-up);
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ROOT, write_result
 from bench.svg_plot import Series, write_line_chart
-from index_builder.format import read_index_dir, write_index_dir
+from contracts.index_format import read_index_dir, write_index_dir
 from index_builder.publish import current_path, publish
 from loadtest.overload import probe_capacity, run_open_loop, world_requests
 from loadtest.overload_results import OK, CapacityResult, OverloadResult

@@ -119,8 +119,8 @@ def gpu_tables(version_dir: Path, device: str) -> dict[str, Any]:
     and of the same arrays in their on-disk dtypes."""
     import torch
 
-    from index_builder.format import read_index_dir
-    from index_builder.lookup import GtmTables
+    from contracts.index_format import read_index_dir
+    from contracts.tensors import GtmTables
 
     trie = read_index_dir(version_dir, verify_checksums=False)[1].trie
     t = time.perf_counter()
@@ -200,8 +200,8 @@ def main() -> None:
 
     import numpy as np
 
+    from contracts.index_format import read_manifest
     from index_builder.build import build_index
-    from index_builder.format import read_manifest
 
     version, report = phases.run(
         "build index",

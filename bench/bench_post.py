@@ -1,5 +1,5 @@
 """Post stage benchmark (pipeline stage 4): the C++ extension (`service.post`) against the
-Python reference (`index_builder.exact.expand_and_filter`) on one batch of 16 requests
+Python reference (`tests/helpers/reference_post.py`) on one batch of 16 requests
 with ~10,000 expanded ads each. Medians of repeated runs in this one process; the
 results are checked identical before timing. Results: bench/results/post_stage.json.
 
@@ -28,13 +28,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import timed, write_result
+from contracts.index_format import AdArrays
+from contracts.targeting import Targeting
 from index_builder.build import build_arrays
 from index_builder.catalog import read_catalog
-from index_builder.exact import LocationVocabulary, PostResult, expand_and_filter
-from index_builder.format import AdArrays
 from index_builder.synth import generate_world, load_world
-from index_builder.targeting import Targeting
-from service.post import PostRequest, PostStage
+from service.post import LocationVocabulary, PostRequest, PostResult, PostStage
+from tests.helpers.reference_post import expand_and_filter
 
 BATCH = 16
 BEAMS = 1024  # leaves per request (M_4)

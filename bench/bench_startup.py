@@ -1,6 +1,6 @@
 """Server start-up before any CUDA graph: the two loads every worker pays at start and
 (the index) on every hot swap — the model checkpoint (`load_checkpoint`, then the cast to
-the serving dtype) and one index version (`load_serving_index`: checksums, the full
+the serving dtype) and one index version (`load_index`: checksums, the full
 validation of `index_builder.validate`, the device tables and the post stage). Medians
 over repeated loads in this one process (the files stay in the page cache after the
 first). Results: bench/results/startup_<device>.json.
@@ -10,7 +10,7 @@ and an untrained paper model (docs/OPERATIONS.md, "Start-up"):
 
     .venv/bin/python bench/bench_paper_index.py --ads 8000000 --users 100 --out /tmp/p8m \\
         --device cpu --quiet
-    .venv/bin/python -m service.cli init-model --profile paper \\
+    .venv/bin/python -m cli init-model --profile paper \\
         --tokenizer /tmp/p8m/tokenizer --out /tmp/p8m/model
     .venv/bin/python bench/bench_startup.py --index-root /tmp/p8m/index --model /tmp/p8m/model
 """
@@ -31,8 +31,8 @@ import torch
 
 from bench.common import write_result
 from index_builder.publish import current_version
+from service.index.loaded import LoadedIndex, load_index
 from service.model.checkpoint import load_checkpoint
-from service.serving_index import ServingIndex, load_serving_index
 
 T = TypeVar("T")
 
@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     def model() -> object:
         return load_checkpoint(args.model, args.device).model.to(dtype)
 
-    def index() -> ServingIndex:
-        return load_serving_index(args.index_root / version, tokenizer_fingerprint=None,
+    def index() -> LoadedIndex:
+        return load_index(args.index_root / version, tokenizer_fingerprint=None,
                                   device=args.device)  # fmt: skip
 
     model_s, _ = _seconds(model, args.repeat)

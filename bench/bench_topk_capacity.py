@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
-from index_builder.format import VOCAB_SIZE, read_index_dir
+from contracts.index_format import VOCAB_SIZE, read_index_dir
 from index_builder.publish import current_version
 from service.model.config import PROFILES
 

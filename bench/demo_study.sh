@@ -8,7 +8,7 @@ out=${1:?output directory}; device=${2:-cpu}; epochs=${3:-2}
 py=${PYTHON:-python3}
 work=${WORK:-/tmp/grace-demo-study}
 mkdir -p "$out" "$work"
-grace() { "$py" -m service.cli "$@"; }
+grace() { "$py" -m cli "$@"; }
 [ -f "$work/world/world.json" ] || grace synth --profile demo --seed 0 --out "$work/world" --no-progress
 grace train --world "$work/world" --out "$work/model" --profile demo --device "$device" \
   --epochs "$epochs" --batch-size 256 --lr 1e-3 --eval-users 1000 --no-progress | tee "$out/train.json"

@@ -33,7 +33,7 @@ for v in GRACE_PROFILE GRACE_DEVICE GRACE_WORKERS GRACE_PORT GRACE_METRICS_PORT 
     [ -z "${!v:-}" ] || { echo "$v is set by this script; unset it (see the header)"; exit 2; }
 done
 export GRACE_QUEUE_CAPACITY=${GRACE_QUEUE_CAPACITY:-128} GRACE_PROFILE=$PROFILE
-GRACE=(python3 -m service.cli)
+GRACE=(python3 -m cli)
 mkdir -p "$OUT" "$DATA"
 # what this run ran with, for the summary (the server reads every GRACE_* variable)
 { env | grep -E '^GRACE_'; echo "WORKERS=$WORKERS"; echo "USERS=$USERS"; echo "DEVICE=$DEVICE"

@@ -18,7 +18,7 @@ ADS=${ADS:-30000000}; PROFILE=${PROFILE:-paper}; DEVICE=${DEVICE:-cuda}; WORKERS
 PROCS=${GEN_PROCESSES:-4}; CHANNELS=${GEN_CHANNELS:-16}  # 64 client connections
 DATA=${DATA:-$OUT}
 export GRACE_PROFILE=$PROFILE
-GRACE=(python3 -m service.cli)
+GRACE=(python3 -m cli)
 mkdir -p "$OUT" "$DATA"
 if [ ! -f "$DATA/index/CURRENT" ]; then
     python3 bench/bench_paper_index.py --ads "$ADS" --users 1000 --out "$DATA" \

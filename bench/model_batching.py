@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from service.batcher import BUSY_BATCHES_GPU
 from service.capture import bucket_of
 from service.pipeline.stages import graph_buckets
+from service.settings import BUSY_BATCHES_GPU
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -5,47 +5,43 @@ SID with `Catalog.take`, builds the trie and the per-ad indexes) → index on di
 
 A catalog is JSON Lines (`.jsonl`, `.ndjson`, `.json`; one ad object per line) or Parquet
 (`.parquet`). Both readers (`catalog_files.py`) produce the same Arrow columns, and one
-shared, vectorised pass here validates them and encodes targeting with `targeting.py`, so
-the two formats accept and reject the same catalogs and give identical arrays. Any bad
-input raises `CatalogError` naming the file, the line (JSONL, 1-based) or row (Parquet,
-0-based) and the field; nothing partial is returned. Unknown fields and columns are ignored.
+shared, vectorised pass (the field checks of `catalog_columns.py`, run in order here)
+validates them and encodes targeting with `targeting.py`, so the two formats accept and
+reject the same catalogs and give identical arrays. Any bad input raises `CatalogError`
+naming the file, the line (JSONL, 1-based) or row (Parquet, 0-based) and the field;
+nothing partial is returned. Unknown fields and columns are ignored.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from contracts.targeting import BITMASK_WORDS, ad_bitmasks
+from index_builder.catalog_columns import (
+    RULES,
+    ad_ids,
+    embeddings,
+    first_true,
+    list_column,
+    locations,
+    rule_ids,
+    sids,
+)
 from index_builder.catalog_files import (
-    EXPECT,
-    I64_MAX,
     JSONL_SUFFIXES,
     LIST_FIELDS,
     PARQUET_SUFFIXES,
     SID_LEVELS,
-    SID_VOCAB,
     CatalogError,
     Source,
     read_jsonl,
     read_parquet,
-)
-from index_builder.targeting import (
-    AGE_BUCKETS,
-    BITMASK_WORDS,
-    GENDERS,
-    MAX_LOCATION_BYTES,
-    Ragged,
-    ad_bitmasks,
-    age_bucket_value_index,
-    country_index,
-    gender_value_index,
 )
 
 
@@ -135,177 +131,19 @@ def catalog_fingerprint(path: Path | str) -> str:
     return f"sha256:{h.hexdigest()}"
 
 
-# --------------------------------------------------------------------------- validation
-
-
-@dataclass(frozen=True)
-class _Lists:
-    """A list column, flattened: row i's values are values[offsets[i]:offsets[i+1]]."""
-
-    valid: np.ndarray  # bool [N]: the row carries the field (null = absent)
-    offsets: np.ndarray  # int64 [N + 1]; null rows are empty
-    values: pa.Array  # [nnz], no nulls
-
-    @property
-    def lengths(self) -> np.ndarray:  # int64 [N]
-        return np.diff(self.offsets)
-
-    def row_of(self, flat: int) -> int:
-        return int(np.searchsorted(self.offsets, flat, side="right") - 1)
-
-
-def _lists(arr: pa.Array | None, n: int, field: str, src: Source) -> _Lists | None:
-    if arr is None or pa.types.is_null(arr.type):
-        return None
-    if isinstance(arr, pa.ChunkedArray):  # pa.array() chunks columns beyond 2 GiB
-        arr = arr.combine_chunks()
-    lengths = pc.list_value_length(arr).fill_null(0).to_numpy().astype(np.int64)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    out = _Lists(arr.is_valid().to_numpy(zero_copy_only=False), offsets, arr.flatten())
-    if out.values.null_count:
-        flat = int(np.flatnonzero(out.values.is_null().to_numpy(zero_copy_only=False))[0])
-        raise src.error(out.row_of(flat), field, f"null element; expected {EXPECT[field][1]}")
-    return out
-
-
-def _first(mask: np.ndarray) -> int | None:
-    hits = np.flatnonzero(mask)
-    return int(hits[0]) if len(hits) else None
-
-
-def _ad_ids(arr: pa.Array | None, src: Source) -> np.ndarray:
-    if arr is None or arr.null_count or pa.types.is_null(arr.type):
-        raise src.error(
-            None if arr is None else _first(arr.is_null().to_numpy(zero_copy_only=False)),
-            "ad_id",
-            "missing",
-        )
-    if pa.types.is_uint64(arr.type) and (row := _first(arr.to_numpy() > I64_MAX)) is not None:
-        raise src.error(row, "ad_id", f"{arr[row].as_py()} is not {EXPECT['ad_id'][1]}")
-    ids = arr.cast(pa.int64()).to_numpy()
-    order = np.argsort(ids, kind="stable")
-    dup = np.flatnonzero(ids[order[1:]] == ids[order[:-1]])
-    if len(dup):
-        # the earliest second occurrence; with a stable sort its predecessor is the first
-        k = dup[np.argmin(order[dup + 1])]
-        later, first = int(order[k + 1]), int(order[k])
-        msg = f"duplicate ad_id {ids[later]} (first seen on {src.where(first)})"
-        raise src.error(later, "ad_id", msg)
-    return ids
-
-
-def _sids(lists: _Lists | None, n: int, src: Source) -> np.ndarray:
-    sid = np.full((n, SID_LEVELS), -1, dtype=np.int32)
-    if lists is None:
-        return sid
-    expect = EXPECT["sid"][1]
-    if (row := _first(lists.valid & (lists.lengths != SID_LEVELS))) is not None:
-        raise src.error(row, "sid", f"has {lists.lengths[row]} values; expected {expect}")
-    values = lists.values.to_numpy()
-    if (flat := _first((values < 0) | (values >= SID_VOCAB))) is not None:
-        raise src.error(lists.row_of(flat), "sid", f"value {values[flat]} is out of range [0, 512)")
-    sid[lists.valid] = values.reshape(-1, SID_LEVELS)
-    return sid
-
-
-def _embeddings(lists: _Lists | None, n: int, src: Source) -> np.ndarray | None:
-    if lists is None or not lists.valid.any():
-        return None
-    first = int(np.argmax(lists.valid))
-    dim = int(lists.lengths[first])
-    if dim == 0:
-        raise src.error(first, "embedding", "is empty")
-    if (row := _first(lists.valid & (lists.lengths != dim))) is not None:
-        msg = f"dimension {lists.lengths[row]} differs from {dim} of the first embedding"
-        raise src.error(row, "embedding", f"{msg} ({src.where(first)})")
-    with np.errstate(over="ignore"):  # beyond float32 range becomes inf, rejected below
-        values = lists.values.to_numpy().astype(np.float32, copy=False)
-    if (flat := _first(~np.isfinite(values))) is not None:
-        msg = f"value {lists.values[flat].as_py()} is not a finite float32"
-        raise src.error(lists.row_of(flat), "embedding", msg)
-    if lists.valid.all():
-        return values.reshape(n, dim)
-    out = np.full((n, dim), np.nan, dtype=np.float32)
-    out[lists.valid] = values.reshape(-1, dim)
-    return out
-
-
-def _ragged(lists: _Lists | None, n: int, field: str, src: Source) -> Ragged:
-    """A low-cardinality rule as value indices (int32 [nnz]); looked up once per distinct
-    string, so a million rows cost one dictionary encode."""
-    if lists is None or len(lists.values) == 0:
-        offsets = np.zeros(n + 1, dtype=np.int64) if lists is None else lists.offsets
-        return Ragged(offsets, np.zeros(0, dtype=np.int32))
-    lookup, allowed = _RULES[field]
-    values = lists.values
-    if not pa.types.is_dictionary(values.type):
-        values = pc.dictionary_encode(values)
-    table = [-1 if (i := lookup(v)) is None else i for v in values.dictionary.to_pylist()]
-    ids = np.array(table, dtype=np.int32)[values.indices.to_numpy()]
-    if (flat := _first(ids < 0)) is not None:
-        msg = f"unknown value {lists.values[flat].as_py()!r}; expected {allowed}"
-        raise src.error(lists.row_of(flat), field, msg)
-    return Ragged(lists.offsets, ids)
-
-
-# rule field -> (value index lookup, what is allowed); the order `ad_bitmasks` takes
-_RULES: dict[str, tuple[Callable[[str], int | None], str]] = {
-    "countries": (country_index, "an ISO 3166-1 alpha-2 code (any case)"),
-    "age_buckets": (age_bucket_value_index, f"one of {', '.join(AGE_BUCKETS)}"),
-    "genders": (gender_value_index, f"one of {', '.join(GENDERS)}"),
-}
-
-
-def _locations(
-    lists: _Lists | None, n: int, src: Source
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(loc_offsets int64 [N+1], loc_ids int32 [nnz], vocabulary object [V]). A string no
-    request may carry (empty, or over MAX_LOCATION_BYTES) is refused: its ad could never
-    be served."""
-    if lists is None or len(lists.values) == 0:
-        return np.zeros(n + 1, dtype=np.int64), np.zeros(0, np.int32), np.array([], dtype=object)
-    enc = pc.dictionary_encode(lists.values.cast(pa.large_string()))
-    words = np.array(enc.dictionary.to_pylist(), dtype=object)
-    size = np.array([len(w.encode("utf-8")) for w in words])  # once per distinct string
-    unservable = (size == 0) | (size > MAX_LOCATION_BYTES)
-    if unservable.any():
-        flat = _first(unservable[enc.indices.to_numpy()])
-        assert flat is not None
-        word = lists.values[flat].as_py()
-        why = "is empty" if not word else f"is {len(word.encode())} bytes long"
-        shown = word[:40] + ("…" if len(word) > 40 else "")
-        msg = (
-            f"location {shown!r} {why}: requests carry locations of 1 to "
-            f"{MAX_LOCATION_BYTES} bytes, so no request could match it"
-        )
-        raise src.error(lists.row_of(flat), "locations", msg)
-    order = np.argsort(words)
-    rank = np.empty(len(words), dtype=np.int64)
-    rank[order] = np.arange(len(words))
-    # one sort of (row, id) keys both sorts each ad's ids and drops its duplicates
-    rows = np.repeat(np.arange(n, dtype=np.int64), lists.lengths)
-    keys = rows * len(words) + rank[enc.indices.to_numpy()]
-    keys.sort(kind="stable")  # already ordered by row: timsort only sorts within each ad
-    keys = keys[np.r_[True, keys[1:] != keys[:-1]]]
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(keys // len(words), minlength=n), out=offsets[1:])
-    return offsets, (keys % len(words)).astype(np.int32), words[order]
-
-
 def _build(cols: dict[str, pa.Array], src: Source) -> Catalog:
     n = len(cols["ad_id"])
     if n == 0:
         raise src.error(None, None, "empty catalog")
-    lists = {f: _lists(cols.get(f), n, f, src) for f in LIST_FIELDS}
-    ad_id = _ad_ids(cols["ad_id"], src)
-    sid = _sids(lists["sid"], n, src)
-    embedding = _embeddings(lists["embedding"], n, src)
+    lists = {f: list_column(cols.get(f), n, f, src) for f in LIST_FIELDS}
+    ad_id = ad_ids(cols["ad_id"], src)
+    sid = sids(lists["sid"], n, src)
+    embedding = embeddings(lists["embedding"], n, src)
     has_emb = np.zeros(n, bool) if embedding is None else ~np.isnan(embedding[:, 0])
-    if (row := _first((sid[:, 0] < 0) & ~has_emb)) is not None:
+    if (row := first_true((sid[:, 0] < 0) & ~has_emb)) is not None:
         raise src.error(row, "sid", "absent and no embedding to compute it from")
-    rules = [_ragged(lists[f], n, f, src) for f in _RULES]
-    loc_offsets, loc_ids, vocabulary = _locations(lists["locations"], n, src)
+    rules = [rule_ids(lists[f], n, f, src) for f in RULES]
+    loc_offsets, loc_ids, vocabulary = locations(lists["locations"], n, src)
     return Catalog(
         ad_id=ad_id,
         sid=sid,

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from index_builder.format import SID_LENGTH, PartitionArrays
-from index_builder.targeting import BITMASK_BITS, BLOOM_BITS
+from contracts.index_format import SID_LENGTH, PartitionArrays
+from contracts.targeting import BITMASK_BITS, BLOOM_BITS
 from index_builder.trie import TrieBuild, dedup_rows, matcher_fill
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-from index_builder.format import MANIFEST, fsync_path
+from contracts.index_format import MANIFEST, fsync_path
 from index_builder.validate import IndexValidationError, validate_index
 
 log = logging.getLogger("grace.index_builder")

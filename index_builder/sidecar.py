@@ -18,9 +18,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.index_format import IndexFormatError, read_manifest
 from index_builder.build import BuildCancelled, BuildError, build_index
 from index_builder.catalog import CatalogError, catalog_fingerprint
-from index_builder.format import IndexFormatError, read_manifest
 from index_builder.kway import KwaySpec
 from index_builder.publish import PublishError, current_path
 from index_builder.tokenizer import SIDTokenizer

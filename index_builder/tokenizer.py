@@ -9,12 +9,12 @@ A SID has `levels + 1` tokens in [0, codebook_size) (4 tokens of 512 by default)
 - tokens 0 … levels-1 come from residual k-means (RQ-KMeans): level l's codebook clusters
   the residual that the levels before it left, and an embedding takes its nearest code
   (squared L2; ties go to the lowest code);
-- the last token tells apart the ads that share a prefix (TIGER): they are ranked by the
-  norm of their final residual, then by input order, and the rank picks the token. Tokens
-  held by `reserved` SIDs (catalog rows with explicit SIDs) are skipped while the prefix
-  has room. A prefix with more ads than codes wraps (rank mod codebook_size), so several
-  ads share a full SID; the SID → ad index maps a SID to a range of ads, so that is legal,
-  and `CollisionReport` counts it.
+- the last token tells apart the ads that share a prefix (TIGER; `last_token.py`): they are
+  ranked by the norm of their final residual, then by input order, and the rank picks the
+  token. Tokens held by `reserved` SIDs (catalog rows with explicit SIDs) are skipped while
+  the prefix has room. A prefix with more ads than codes wraps (rank mod codebook_size), so
+  several ads share a full SID; the SID → ad index maps a SID to a range of ads, so that is
+  legal, and `CollisionReport` counts it.
 
 On disk a tokenizer is a directory holding `tokenizer.json` (format version, config, dim,
 fingerprint) and `codebooks.safetensors` (float32 [levels, codebook_size, dim]).
@@ -34,7 +34,8 @@ from safetensors.numpy import load_file, save_file
 from tqdm import tqdm
 
 from index_builder.kmeans import check_finite, kmeans, nearest, rq_encode
-from index_builder.parallel import default_workers, float_sort_bits, stable_argsort
+from index_builder.last_token import CollisionReport, complete_sids
+from index_builder.parallel import default_workers
 
 FORMAT_VERSION = 1
 _KIND = "grace.sid_tokenizer"
@@ -61,22 +62,6 @@ class TokenizerConfig:
 
 
 _DEFAULT_CONFIG = TokenizerConfig()
-
-
-@dataclass(frozen=True)
-class CollisionReport:
-    """Collisions of the full catalog: the assigned ads plus the `reserved` rows."""
-
-    prefixes: int  # distinct `levels`-token prefixes
-    overflow_prefixes: int  # prefixes holding > codebook_size ads (their last token wraps)
-    ads_sharing_sid: int  # ads whose full SID is shared with another ad
-    max_group: int  # most ads in one prefix
-
-    def summary(self) -> str:
-        return (
-            f"{self.prefixes} prefixes, largest holds {self.max_group} ads; "
-            f"{self.overflow_prefixes} prefixes overflow, {self.ads_sharing_sid} ads share a SID"
-        )
 
 
 class SIDTokenizer:
@@ -167,30 +152,9 @@ class SIDTokenizer:
         workers: every CPU); the SIDs do not depend on `workers`, and on a GPU differ from
         the CPU's only where a code is a near-tie.
         """
-        k, levels = self.config.codebook_size, self.config.levels
         prefix, residual_norm = self._encode(embeddings, device, workers)
         taken = self._check_reserved(reserved)
-        key = _prefix_key(prefix, k)  # [N] int64
-        taken_key = _prefix_key(taken[:, :levels], k)  # [M] int64
-        taken_token = taken[:, levels]
-        # Group by prefix; inside a group by residual norm, then input order.
-        order = _rank_order(key, residual_norm, (k**levels - 1).bit_length())
-        sorted_key = key[order]
-        first = np.r_[True, sorted_key[1:] != sorted_key[:-1]]
-        rank = np.arange(len(key)) - np.maximum.accumulate(np.where(first, np.arange(len(key)), 0))
-        token = rank % k
-        if len(taken):
-            token = _skip_taken(sorted_key, rank, taken_key, taken_token, k, token)
-        sids = np.empty((len(key), levels + 1), np.int32)
-        sids[:, :levels] = prefix
-        sids[order, levels] = token
-        if len(taken):
-            report = _collisions(
-                np.concatenate([key, taken_key]), np.concatenate([sids[:, levels], taken_token]), k
-            )
-        else:
-            report = _collisions_unreserved(first[: len(key)], k)  # first: [1] when N = 0
-        return sids, report
+        return complete_sids(prefix, residual_norm, taken, self.config.codebook_size)
 
     def save(self, path: Path) -> None:
         """Write the tokenizer into directory `path` (created if missing)."""
@@ -291,89 +255,3 @@ def _check_matrix(x: np.ndarray, dim: int | None = None) -> np.ndarray:
     if dim is not None and x.shape[1] != dim:
         raise ValueError(f"embeddings have dim {x.shape[1]}, this tokenizer expects {dim}")
     return x
-
-
-def _prefix_key(prefix: np.ndarray, k: int) -> np.ndarray:
-    """int64 [N]: prefix [N, l] read as a base-k number (sorts like the tuple)."""
-    key = np.zeros(len(prefix), np.int64)
-    for level in range(prefix.shape[1]):
-        key = key * k + prefix[:, level]
-    return key
-
-
-def _skip_taken(
-    sorted_key: np.ndarray,  # [N] int64 prefix keys of the new ads, sorted
-    rank: np.ndarray,  # [N] rank of each ad inside its prefix
-    taken_key: np.ndarray,  # [M] prefix keys of the reserved SIDs
-    taken_token: np.ndarray,  # [M] last tokens of the reserved SIDs
-    k: int,
-    token: np.ndarray,  # [N] last tokens without reservations (rank mod k), updated
-) -> np.ndarray:
-    """Last tokens of new ads in prefixes that hold reserved SIDs: free tokens first."""
-    hit = np.isin(sorted_key, taken_key)
-    if not hit.any():
-        return token
-    hit_key, row = np.unique(sorted_key[hit], return_inverse=True)  # row: nondecreasing
-    sel = np.isin(taken_key, hit_key)
-    taken_row = np.searchsorted(hit_key, taken_key[sel])
-    by_row = np.argsort(taken_row, kind="stable")
-    taken_row, tok = taken_row[by_row], taken_token[sel][by_row]
-    slot = rank[hit] % k
-    out = np.empty(len(row), np.int64)
-    block = 4096  # prefixes per [block, k] table
-    for g0 in range(0, len(hit_key), block):
-        g1 = g0 + block
-        t0, t1 = np.searchsorted(taken_row, [g0, g1])
-        a0, a1 = np.searchsorted(row, [g0, g1])
-        used = np.zeros((min(block, len(hit_key) - g0), k), bool)
-        used[taken_row[t0:t1] - g0, tok[t0:t1]] = True
-        # Each prefix's token order: free tokens ascending, then reserved ones; a new ad
-        # shares a reserved SID only once its prefix is full.
-        sequence = np.argsort(used, axis=1, kind="stable")
-        out[a0:a1] = sequence[row[a0:a1] - g0, slot[a0:a1]]
-    token = token.copy()
-    token[hit] = out
-    return token
-
-
-def _rank_order(key: np.ndarray, residual_norm: np.ndarray, key_bits: int) -> np.ndarray:
-    """np.lexsort((residual_norm, key)): by prefix key, then residual norm, then input order.
-
-    Two stable passes of packed-key sorts (norm, then key): 0.8 s instead of lexsort's
-    2.2 s for 8 M ads. NaN norms (never from finite input) fall back to lexsort.
-    """
-    if np.isnan(residual_norm).any():
-        return np.lexsort((residual_norm, key))
-    by_norm = stable_argsort(float_sort_bits(residual_norm), 32)
-    return by_norm[stable_argsort(key[by_norm], key_bits)]
-
-
-def _collisions_unreserved(first: np.ndarray, k: int) -> CollisionReport:
-    """`_collisions` without reserved SIDs, from the group starts of the sorted prefix keys
-    (bool [N]): a group of g ads takes tokens rank mod k, so with q, r = divmod(g, k) every
-    ad shares its SID once q >= 2, and 2r ads do when q == 1 (tokens < r appear twice)."""
-    if not len(first):
-        return CollisionReport(prefixes=0, overflow_prefixes=0, ads_sharing_sid=0, max_group=0)
-    starts = np.flatnonzero(first)
-    size = np.diff(np.append(starts, len(first)))  # ads per prefix
-    q, r = np.divmod(size, k)
-    sharing = np.where(q >= 2, size, np.where(q == 1, 2 * r, 0))
-    return CollisionReport(
-        prefixes=len(size),
-        overflow_prefixes=int((size > k).sum()),
-        ads_sharing_sid=int(sharing.sum()),
-        max_group=int(size.max()),
-    )
-
-
-def _collisions(prefix_key: np.ndarray, last_token: np.ndarray, k: int) -> CollisionReport:
-    if not len(prefix_key):
-        return CollisionReport(prefixes=0, overflow_prefixes=0, ads_sharing_sid=0, max_group=0)
-    per_prefix = np.unique(prefix_key, return_counts=True)[1]
-    per_sid = np.unique(prefix_key * k + last_token, return_counts=True)[1]
-    return CollisionReport(
-        prefixes=len(per_prefix),
-        overflow_prefixes=int((per_prefix > k).sum()),
-        ads_sharing_sid=int(per_sid[per_sid > 1].sum()),
-        max_group=int(per_prefix.max()),
-    )

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from contracts.index_format import SID_LENGTH, VOCAB_SIZE, TrieArrays
+from contracts.targeting import BITMASK_BITS, BLOOM_BITS
 from index_builder import parallel
-from index_builder.format import SID_LENGTH, VOCAB_SIZE, TrieArrays
-from index_builder.targeting import BITMASK_BITS, BLOOM_BITS
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

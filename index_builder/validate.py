@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from index_builder.format import (
+from contracts.index_format import (
     SID_LENGTH,
     VOCAB_SIZE,
     AdArrays,
@@ -27,7 +27,7 @@ from index_builder.format import (
     TrieArrays,
     read_index_dir,
 )
-from index_builder.targeting import (
+from contracts.targeting import (
     BITMASK_BITS,
     FULL_BITMASK,
     Ragged,

@@ -1,6 +1,6 @@
 """Triton beam advance: one step's bookkeeping after top-k in one launch, the GPU fast
 path behind `kernels.beam_advance.beam_advance` (pipeline stage 3, the fixed-shape
-engine `service/decode/static_engine.py`).
+engine `service/decode/engine.py`).
 
 One program handles BLOCK of the B·keep kept slots: from each slot's position in its
 request's W·V candidates it derives the parent row and token, kills the slot where the

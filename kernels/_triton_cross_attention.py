@@ -7,7 +7,7 @@ one block) and reuses it for every beam row it owns, so K/V bytes are read from 
 about once per request and head, not once per beam. With the whole context in one
 block, the softmax is a plain single pass (row max, exp, sum), with no online rescaling.
 The tile maths (`_load_kv`, `_attend`) is shared with the persistent variant,
-`kernels/_triton_cross_attention_persistent.py`.
+`bench/baselines/_triton_cross_attention_persistent.py`.
 
 Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before
 this module is imported, and then the autotuner holds a single small config.

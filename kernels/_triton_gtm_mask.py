@@ -15,7 +15,7 @@ model) becomes a −inf candidate here, where the unfused reference would carry 
 Fixed shapes, no host syncs: the launch can sit inside a CUDA graph
 (after one eager warm-up call, which autotunes).
 
-Tables are int64 views of the uint64 words (`index_builder.lookup.GtmTables`); Triton's
+Tables are int64 views of the uint64 words (`kernels.gtm_mask.GtmTables`); Triton's
 bitwise ops and equality on int64 give the same bits.
 """
 
@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from index_builder.format import VOCAB_SIZE
-from index_builder.lookup import GtmTables, RequestTensors
-from index_builder.targeting import MAX_REQUEST_LOCATIONS
+from contracts.index_format import VOCAB_SIZE
+from contracts.targeting import MAX_REQUEST_LOCATIONS
+from contracts.tensors import GtmTables, RequestTensors
 from kernels._tuning import AUTOTUNE
 
 

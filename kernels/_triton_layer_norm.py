@@ -3,7 +3,7 @@
 
 One program normalises `ROWS` rows of width D (the whole row in one block), in fp32,
 and writes them in x's dtype. The fp32 `shift` vector is the bias the fused decoder step
-has not yet added to its residual stream (`service/decode/fused_step.py`): adding it
+has not yet added to its residual stream (`service/decode/step.py`): adding it
 here, on the way in, costs no extra pass over the bytes.
 
 Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before

@@ -1,19 +1,21 @@
-"""Cross-attention of beam rows to their request's context (paper §4.1, eq. 11–12).
+"""Cross-attention of beam rows to their request's context (paper §4.1, eq. 11–12), for the
+decoder step of pipeline stage 3.
 
 Beam-as-query keeps K/V per request `[B, H, T_ctx, d_h]` and views the beam rows of one
 request as its query sequence, so every K/V tile load serves all M beams of the request.
-`cross_attention_per_beam` is the naive layout (K/V materialised per beam row), kept as
-the equivalence oracle and the ablation baseline.
 
-`cross_attention` is the dispatcher the decoder calls. Backends (`BACKENDS`):
+`cross_attention` is the dispatcher the decoder step calls. Backends (`BACKENDS`):
+- "sdpa_cudnn": PyTorch SDPA pinned to cuDNN on the `[B, H, M, d_h]` view — the CUDA
+  path for bf16/fp16, the fastest by measurement (bench/results/cross_attention.json,
+  H200, B 16, M 1024, H 16, d_h 128, T_ctx 128, bf16: cuDNN 0.052 ms, our Triton kernel
+  0.071 ms, flash 0.093 ms);
 - "triton": our kernel (`kernels/_triton_cross_attention.py`), one program per (b, h, run
-  of beam tiles), T_ctx ≤ 256 (less for fp32 at large d_h: `supports`);
-- "triton_persistent": the same tile maths on a persistent grid (about one program per
-  SM) with pipelined Q loads and, on sm90, TMA for Q and O
-  (`kernels/_triton_cross_attention_persistent.py`); same limits, its own `supports`;
-- "sdpa_flash" / "sdpa_cudnn" / "sdpa_efficient": PyTorch SDPA pinned to one backend on
-  the `[B, H, M, d_h]` view;
+  of beam tiles), T_ctx ≤ 256 — the CUDA path for fp32 (cuDNN has none);
+- "sdpa_efficient": SDPA's memory-efficient kernel, for fp32 contexts the Triton kernel
+  cannot hold;
 - "reference": SDPA in fp32 on the same view — the CPU path and the tests' oracle.
+The per-beam layout and the other backends the benchmark compares live in
+`bench/baselines/cross_attention.py`.
 """
 
 from __future__ import annotations
@@ -23,60 +25,46 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 try:
-    from kernels import _triton_cross_attention as _tca
-    from kernels import _triton_cross_attention_persistent as _tcap
-
-    # backend -> (supports(T_ctx, d_h, dtype), launcher(q, k, v))
-    TRITON_KERNELS = {
-        "triton": (_tca.supports, _tca.triton_cross_attention),
-        "triton_persistent": (_tcap.supports, _tcap.triton_cross_attention_persistent),
-    }
+    from kernels._triton_cross_attention import supports, triton_cross_attention
 except ImportError:  # no triton on this machine: SDPA and the reference still work
-    TRITON_KERNELS = {}
+    supports = triton_cross_attention = None  # type: ignore[assignment]
 
-SDPA_BACKENDS = {
-    "sdpa_flash": SDPBackend.FLASH_ATTENTION,
-    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
-}
-TRITON_BACKENDS = ("triton", "triton_persistent")
-BACKENDS = (*TRITON_BACKENDS, *SDPA_BACKENDS, "reference")
-
-# The backend for CUDA tensors, by measurement (bench/results/cross_attention.json, H200,
-# B 16, M 1024, H 16, d_h 128, T_ctx 128, bf16): cuDNN 0.052 ms, our Triton kernel
-# 0.071 ms, flash 0.093 ms ("triton_persistent" not measured yet). cuDNN has no fp32:
-# those calls take the Triton kernel. Read at call time, so the bench may switch it.
-GPU_BACKEND = "sdpa_cudnn"
+BACKENDS = ("sdpa_cudnn", "triton", "sdpa_efficient", "reference")
+_SDPA = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 _HALF = (torch.bfloat16, torch.float16)
+
+
+def default_backend(q: torch.Tensor, k: torch.Tensor) -> str:
+    """The backend `cross_attention` takes for these tensors when none is given."""
+    if not q.is_cuda:
+        return "reference"
+    if k.dtype in _HALF:
+        return "sdpa_cudnn"
+    if triton_cross_attention is not None and supports(*k.shape[2:], k.dtype):
+        return "triton"
+    return "sdpa_efficient"  # the Triton kernel holds the whole context in one block
 
 
 def cross_attention(
     q: torch.Tensor,  # [B * M, H, d_h], request-major rows: row b * M + m
     k: torch.Tensor,  # [B, H, T_ctx, d_h]
     v: torch.Tensor,  # [B, H, T_ctx, d_h]
-    backend: str | None = None,  # one of BACKENDS; None: GPU_BACKEND on CUDA, else reference
+    backend: str | None = None,  # one of BACKENDS; None: `default_backend`
 ) -> torch.Tensor:  # [B * M, H, d_h], q's dtype, contiguous
     """Beam-as-query: one attention call of M queries per request against shared K/V."""
-    if backend is None:
-        backend = GPU_BACKEND if q.is_cuda else "reference"
-        if backend in ("sdpa_cudnn", "sdpa_flash") and k.dtype not in _HALF:
-            backend = "triton"
-        if backend in TRITON_BACKENDS and (
-            backend not in TRITON_KERNELS or not TRITON_KERNELS[backend][0](*k.shape[2:], k.dtype)
-        ):
-            # the kernels hold the whole context in one block; flash has no fp32
-            backend = "sdpa_efficient" if k.dtype == torch.float32 else "sdpa_flash"
-    if backend in TRITON_BACKENDS:
-        assert backend in TRITON_KERNELS, "triton is not installed"
-        return TRITON_KERNELS[backend][1](q, k, v)
+    backend = backend or default_backend(q, k)
+    if backend == "triton":
+        assert triton_cross_attention is not None, "triton is not installed"
+        return triton_cross_attention(q, k, v)
     if backend == "reference":
         return cross_attention_reference(q, k, v)
-    assert backend in SDPA_BACKENDS, f"unknown backend {backend!r}; one of {BACKENDS}"
-    with sdpa_kernel(SDPA_BACKENDS[backend]):
-        return _sdpa_beam_as_query(q, k, v)
+    assert backend in _SDPA, f"unknown backend {backend!r}; one of {BACKENDS}"
+    with sdpa_kernel(_SDPA[backend]):
+        return sdpa_beam_as_query(q, k, v)
 
 
-def _sdpa_beam_as_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def sdpa_beam_as_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Beam-as-query through `F.scaled_dot_product_attention` with its own backend choice."""
     b, h, _, d = k.shape
     m = q.shape[0] // b
     qb = q.view(b, m, h, d).transpose(1, 2)  # [B, H, M, d_h]: a view, no copy (eq. 11)
@@ -92,17 +80,7 @@ def cross_attention_reference(
 ) -> torch.Tensor:  # [B * M, H, d_h], q's dtype
     """Beam-as-query through SDPA, computed in fp32 whatever the input dtype."""
     if not q.is_cuda:  # CPU: SDPA's own choice is fp32-exact and the fastest here
-        return _sdpa_beam_as_query(q.float(), k.float(), v.float()).to(q.dtype)
+        return sdpa_beam_as_query(q.float(), k.float(), v.float()).to(q.dtype)
     # CUDA: the math backend (plain fp32 matmuls), not a fused kernel's tf32 tricks
     with sdpa_kernel(SDPBackend.MATH):
-        return _sdpa_beam_as_query(q.float(), k.float(), v.float()).to(q.dtype)
-
-
-def cross_attention_per_beam(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Naive layout: every beam row gets its own copy of its request's K/V (eq. 10)."""
-    b = k.shape[0]
-    m = q.shape[0] // b
-    k_rows = k.repeat_interleave(m, dim=0)  # [B * M, H, T_ctx, d_h]: M copies per request
-    v_rows = v.repeat_interleave(m, dim=0)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k_rows, v_rows)  # [B*M, H, 1, d_h]
-    return out.squeeze(2)
+        return sdpa_beam_as_query(q.float(), k.float(), v.float()).to(q.dtype)

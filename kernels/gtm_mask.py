@@ -7,18 +7,21 @@ and the child trie node of every allowed token (−1 elsewhere) — fixed shapes
 the decode loop around it can be captured in a CUDA graph.
 
 `masked_logits` dispatches: the Triton kernel (`kernels._triton_gtm_mask`) on CUDA
-tensors for CD_ONLY and CD_GTM, the reference (`index_builder.lookup`) otherwise; k-way
-always takes the reference. `bloom=False` drops the Bloom test (CD + bitmask only), the
-decode-loop ablation. `masked_candidates` goes one step further, as the fixed-shape
-decode loop needs it: each allowed token's candidate score — the row's accumulated score
-plus the token's log-softmax over the allowed tokens (`candidates`) — in the same kernel.
+tensors for CD_ONLY and CD_GTM, the reference otherwise (`lookup`, below: paper §3.5
+`Lookup` in torch, the kernel's oracle and the CPU path); k-way always takes the
+reference. `bloom=False` drops the Bloom test (CD + bitmask only), the decode-loop
+ablation. `masked_candidates` goes one step further, as the fixed-shape decode loop
+needs it: each allowed token's candidate score — the row's accumulated score plus the
+token's log-softmax over the allowed tokens (`candidates`) — in the same kernel.
 """
 
 from __future__ import annotations
 
 import torch
 
-from index_builder.lookup import FilterMode, GtmTables, RequestTensors, lookup
+from contracts.index_format import VOCAB_SIZE
+from contracts.request import FilterMode
+from contracts.tensors import GtmTables, RequestTensors
 
 try:  # the GPU path; CPU-only installs may lack triton
     from kernels._triton_gtm_mask import gtm_mask_triton
@@ -113,3 +116,77 @@ def masked_candidates(
         logits.float(), tables, node_ids, row_request, requests, mode, bloom=bloom
     )
     return candidates(score, masked, child >= 0), child
+
+
+# ------------------------------------------------- the reference lookup (any device)
+
+
+def _contains(matchers: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """(matcher & query) == query over the last dim."""
+    return ((matchers & query) == query).all(dim=-1)
+
+
+def _passes(bm: torch.Tensor, bl: torch.Tensor, req: torch.Tensor, r: RequestTensors):
+    """bm [T, W_bm], bl [T, W_bl] matchers of T candidates for requests req [T] -> bool [T]."""
+    ok = _contains(bm, r.bitmask[req])
+    idx = ok.nonzero().squeeze(1)  # Bloom only where the bitmask passed
+    if len(idx):
+        blooms = r.blooms[req[idx]]  # [t, L, W_bl]
+        ok[idx] = _contains(bl[idx].unsqueeze(1), blooms).any(dim=1)
+    return ok
+
+
+def lookup(
+    tables: GtmTables,
+    node_ids: torch.Tensor,  # int64 [R]: the trie node of each beam row
+    row_request: torch.Tensor,  # int64 [R]: the request (batch index) of each beam row
+    requests: RequestTensors | None,
+    mode: FilterMode = FilterMode.CD_GTM,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allowed next tokens and their child nodes for every beam row.
+
+    Returns (allowed bool [R, VOCAB_SIZE], child int32 [R, VOCAB_SIZE], -1 where not allowed).
+    """
+    dev = node_ids.device
+    rows = node_ids.shape[0]
+    start = tables.node_offsets[node_ids].long()
+    count = tables.node_offsets[node_ids + 1].long() - start
+    row_of = torch.repeat_interleave(torch.arange(rows, device=dev), count)
+    first = torch.cumsum(count, 0) - count
+    entry = start[row_of] + torch.arange(row_of.shape[0], device=dev) - first[row_of]
+    ok = torch.ones(entry.shape[0], dtype=torch.bool, device=dev)
+    if mode != FilterMode.CD_ONLY:
+        if requests is None:
+            raise ValueError(f"{mode.name} needs encoded requests")
+        req = row_request[row_of]
+        if mode == FilterMode.CD_GTM:
+            ok = _passes(
+                tables.bitmask_table[tables.bitmask_index[entry]],
+                tables.bloom_table[tables.bloom_index[entry]],
+                req,
+                requests,
+            )
+        else:
+            ok = _any_partition(tables, entry, req, requests)
+    allowed = torch.zeros(rows, VOCAB_SIZE, dtype=torch.bool, device=dev)
+    child = torch.full((rows, VOCAB_SIZE), -1, dtype=torch.int32, device=dev)
+    keep_row, keep_tok = row_of[ok], tables.tokens[entry[ok]].long()
+    allowed[keep_row, keep_tok] = True
+    child[keep_row, keep_tok] = tables.child_nodes[entry[ok]]
+    return allowed, child
+
+
+def _any_partition(
+    tables: GtmTables, entry: torch.Tensor, req: torch.Tensor, r: RequestTensors
+) -> torch.Tensor:
+    if tables.kway_offsets is None or tables.kway_bitmask is None or tables.kway_bloom is None:
+        raise ValueError("this index has no k-way partitions (build it with --kway)")
+    start = tables.kway_offsets[entry]
+    count = tables.kway_offsets[entry + 1] - start
+    owner = torch.repeat_interleave(torch.arange(entry.shape[0], device=entry.device), count)
+    first = torch.cumsum(count, 0) - count
+    part = start[owner] + torch.arange(owner.shape[0], device=entry.device) - first[owner]
+    passed = _passes(tables.kway_bitmask[part], tables.kway_bloom[part], req[owner], r)
+    ok = torch.zeros(entry.shape[0], dtype=torch.bool, device=entry.device)
+    ok[owner[passed]] = True
+    return ok

@@ -1,5 +1,5 @@
 """LayerNorm of a shifted input, `LN(x + shift)`, for the fused decoder step
-(`service/decode/fused_step.py`, pipeline stage 3).
+(`service/decode/step.py`, pipeline stage 3).
 
 The fused step adds each linear layer's output to the residual stream inside the matmul
 (cuBLAS `beta = 1`) but leaves the bias out; the biases not yet added are one constant

@@ -10,7 +10,7 @@ pipeline threads, never on the loop, and nothing that can block shares the loop'
 executor with gRPC (health and reflection are asyncio servicers). SIGTERM always ends the
 process: a drain that has not finished `drain_seconds` + `DRAIN_SLACK_SECONDS` after the
 notice exits 1 anyway. With `workers > 1` a supervisor runs that many such processes on
-one port (`service/workers.py`).
+one port (`service/workers.py`); `grace serve` (cli/serving.py) chooses.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 import grpc
 import torch
 
-from index_builder.lookup import FilterMode
-from index_builder.targeting import Targeting
+from contracts.request import FilterMode
+from contracts.targeting import Targeting
 from service.batcher import Batcher
 from service.grpc_server import (
     DRAIN_NOTICE_SECONDS,
@@ -39,17 +39,18 @@ from service.grpc_server import (
     server_options,
     set_health,
 )
+from service.index.loaded import IndexHolder, LoadedIndex
+from service.index.watcher import IndexWatcher
 from service.metrics import Metrics
 from service.model.checkpoint import load_checkpoint
 from service.mps import mps_client
+from service.pipeline.records import Batch, group_key
 from service.pipeline.runner import Pipeline
 from service.pipeline.stages import Stages
 from service.request_log import RequestLog
 from service.server import RetrievalServicer
-from service.serving_index import IndexHolder, ServingIndex
 from service.settings import ServerSettings
 from service.validation import Limits, ValidatedRequest
-from service.watcher import IndexWatcher
 
 log = logging.getLogger("grace.serve")
 DRAIN_SLACK_SECONDS = 5.0  # beyond drain_seconds for the threads and the metrics port
@@ -104,17 +105,12 @@ async def start(
              time.perf_counter() - t0)  # fmt: skip
     indexes = IndexHolder()
 
-    def swapped(index: ServingIndex) -> None:
+    def swapped(index: LoadedIndex) -> None:
         metrics.swaps.inc()
         metrics.set_index(index.version, index.manifest.get("created"), index.loaded_at)
 
     stages = Stages(
-        loaded.model,
-        loaded.model_version,
-        device,
-        None,
-        settings.max_batch,
-        settings.graph_buckets,
+        loaded.model, loaded.model_version, device, settings.max_batch, settings.graph_buckets
     )
     watcher = IndexWatcher(
         Path(settings.index_root),
@@ -139,28 +135,28 @@ async def start(
     def dropped(stage: str, reason: str, n: int) -> None:
         metrics.dropped.labels(stage, reason).inc(n)
 
+    def dispatched(batch: Batch) -> None:
+        metrics.batch_size.observe(len(batch.pending))
+        metrics.padding.inc(stages.padding(batch.groups))
+
     pipeline = Pipeline(
         stages,
         indexes,
         lambda *done: batcher.batch_done(*done),  # the batcher is made below
         observe,
         dropped,
+        dispatched,
     )
 
-    def dispatch(batch: list) -> None:
-        metrics.batch_size.observe(len(batch))
-        metrics.padding.inc(stages.padding([p.payload for p in batch]))
-        pipeline.dispatch(batch)
-
     batcher = Batcher(
-        dispatch,
+        pipeline.dispatch,
         max_batch=settings.max_batch,
         max_wait=settings.max_wait_ms / 1e3,
         max_wait_busy=max(settings.max_wait_ms, settings.max_wait_busy_ms) / 1e3,
         capacity=settings.queue_capacity,
         busy_batches=settings.resolve_busy_batches(device),
         max_groups=settings.max_decode_groups,
-        group_key=lambda req: (req.beams, req.filter_mode),
+        group_key=group_key,
         on_expired=metrics.queue_expired.inc,
     )
     batcher.start()
@@ -253,13 +249,8 @@ async def serve_forever(
 def run(
     settings: ServerSettings, *, bind_when_ready: bool = False, address: str | None = None
 ) -> int:
-    """Serve until stopped; returns the exit status. One event loop per process (uvloop
-    when available); `settings.workers > 1` runs that many worker processes instead
-    (`service/workers.py`)."""
-    if settings.workers > 1:
-        from service.workers import supervise
-
-        return supervise(settings)
+    """Serve one process until stopped; returns the exit status. One event loop per
+    process (uvloop when available)."""
     main = serve_forever(settings, bind_when_ready=bind_when_ready, address=address)
     try:
         import uvloop

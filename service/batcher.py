@@ -11,18 +11,17 @@ raises at once — `Overloaded` (RESOURCE_EXHAUSTED) when it does not fit,
 itself. The queue is bounded too (`capacity`): requests without a deadline are refused
 when it is full.
 
-**Batches** close at `max_batch` requests, or `max_wait` after the first request while the
-pipeline is nearly idle (fewer than `busy_batches` batches in flight: the server's
-default, `default_busy_batches`, is 1 on a GPU and 2 on a CPU). When the pipeline is busy
-a small batch would only queue behind the others, and the GPU runs a padded bucket for it
-at almost the cost of a full one (ARCHITECTURE.md §2: batches of 16), so the batch keeps filling
-for up to `max_wait_busy`: at moderate load batches are full, not three requests every
-`max_wait` — the difference between saturating near half the GPU's throughput and
-reaching it (docs/SERVICE.md). A batch holds at most `max_groups` decode groups (requests
-sharing a `group_key`: beam schedule and filter mode, each one decode run): the batch
-takes the queue's requests in order whose group it already has, or a new group while
-there is room; others wait for a later batch, keeping their place. At most
-`max_inflight` batches are in the pipeline at once.
+**Batches** close at `max_batch` requests, or `max_wait` after the first request while
+the pipeline is nearly idle (fewer than `busy_batches` batches in flight: the server's
+default, `service.settings.default_busy_batches`, is 1 on a GPU and 2 on a CPU). When
+the pipeline is busy a small batch would only queue behind the others, and the GPU runs
+a padded bucket for it at almost the cost of a full one (ARCHITECTURE.md §2: batches of
+16), so the batch keeps filling for up to `max_wait_busy`: at moderate load batches are
+full, not three requests every `max_wait` (docs/SERVICE.md). A batch holds at most
+`max_groups` decode groups (requests sharing a `group_key`: beam schedule and filter
+mode, each one decode run): the batch takes the queue's requests in order whose group it
+already has, or a new group while there is room; others wait for a later batch, keeping
+their place. At most `max_inflight` batches are in the pipeline at once.
 
 **Dropped in the queue**: a request the client gave up on (its future is done), or whose
 remaining time is below the fastest recent service time — it cannot finish, so it is
@@ -41,27 +40,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from service.admission import Admission, ServiceEstimate, Verdict
+from service.settings import BUSY_BATCHES, MAX_GROUPS
 
-# Batches in flight that make the pipeline busy, by default: on a GPU 1 — a batch keeps
-# filling while anything computes and goes when the pipeline drains, so batches stop
-# queueing on the shared GPU (H200, 2 workers: P99 56–63 ms at 800–850 req/s where 2 read
-# 270–280 ms at 800–900); on a CPU 2 — the stage threads share the cores, and a second
-# batch in flight keeps them busy (CPU demo at 120 req/s: P99 220 ms with 2, 410–450 with
-# 1). docs/OPERATIONS.md has both runs.
-BUSY_BATCHES = 2
-BUSY_BATCHES_GPU = 1
-MAX_GROUPS = 2  # decode groups per batch (docs/RELIABILITY.md: the cost of a mixed batch)
 LOOKAHEAD = 256  # queued requests a forming batch looks through for its groups
-
-
-def default_busy_batches(device: str) -> int:
-    """The busy threshold for a server on `device` ("cpu", "cuda", "cuda:N")."""
-    return BUSY_BATCHES_GPU if device.startswith("cuda") else BUSY_BATCHES
-
-
 BUSY_POLL = 0.001  # seconds between looks at a busy pipeline when max_wait is 0
 
 
@@ -78,11 +62,14 @@ class DeadlineExpired(RuntimeError):
     """The request's deadline passed, or cannot be met, before it was processed."""
 
 
+P = TypeVar("P")  # what a request carries: the server's ValidatedRequest
+
+
 @dataclass(eq=False)
-class Pending:
+class Pending(Generic[P]):
     """One request waiting for its result; created on the event loop."""
 
-    payload: Any  # the validated request
+    payload: P  # the validated request
     deadline: float | None  # time.monotonic() by which it must be answered; None = none
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
@@ -152,7 +139,6 @@ class Batcher:
         self._slots = asyncio.Semaphore(max_inflight)
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.expired = 0  # requests dropped in the queue for their deadline
 
     @property
     def full(self) -> bool:
@@ -286,6 +272,5 @@ class Batcher:
             taken += 1
         self._queue.extendleft(reversed(skipped))
         if expired:
-            self.expired += expired
             self._on_expired(expired)
         return taken > 0

@@ -33,12 +33,12 @@ from prometheus_client import Counter
 
 from service.batcher import Batcher, DeadlineExpired, Overloaded
 from service.grpc_server import SERVICE
+from service.index.loaded import IndexHolder
 from service.metrics import Metrics
 from service.pipeline.records import RetrievalResult
 from service.post import encode_ads
 from service.request_log import RequestLog
 from service.rpc.grace.v1 import retrieval_pb2
-from service.serving_index import IndexHolder
 from service.validation import InvalidRequest, Limits, validate_request
 
 log = logging.getLogger("grace.server")

@@ -11,7 +11,9 @@ Sources, highest precedence first:
 Relative paths are relative to the working directory, not to the config file. Beam
 schedules from the environment may be JSON (`[1,64,128,128]`) or comma-separated
 (`1,64,128,128`). `Limits.from_settings` (service/validation.py) derives the request
-limits; nothing downstream reads a setting per request.
+limits; nothing downstream reads a setting per request. This module is longer than the
+house's ~300 lines because it is the settings reference: one field per setting, each with
+the description `grace serve --help` prints, and its check.
 """
 
 from __future__ import annotations
@@ -31,9 +33,23 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from index_builder.format import SID_LENGTH
-from service.batcher import MAX_GROUPS, default_busy_batches
+from contracts.index_format import SID_LENGTH, VOCAB_SIZE
+from contracts.request import check_schedule
 from service.model.config import PROFILES
+
+# Batches in flight that make the pipeline busy (the batcher keeps a forming batch filling
+# while at least this many compute): on a GPU 1 — batches go when the pipeline drains, so
+# they never queue on the shared GPU; on a CPU 2 — the stage threads share the cores, and
+# a second batch in flight keeps them busy. docs/OPERATIONS.md gives the measurements.
+BUSY_BATCHES = 2
+BUSY_BATCHES_GPU = 1
+MAX_GROUPS = 2  # decode groups per batch (docs/RELIABILITY.md: the cost of a mixed batch)
+
+
+def default_busy_batches(device: str) -> int:
+    """The busy threshold for a server on `device` ("cpu", "cuda", "cuda:N")."""
+    return BUSY_BATCHES_GPU if device.startswith("cuda") else BUSY_BATCHES
+
 
 _FILE_SOURCES = {
     ".toml": TomlConfigSettingsSource,
@@ -127,7 +143,7 @@ class ServerSettings(BaseSettings):
         "batch keeps filling for up to max_wait_busy_ms instead of max_wait_ms: 1 fills "
         "batches as soon as anything is in flight (fewer, fuller GPU batches), 2 as soon as "
         "one batch waits behind a computing one. Default: 1 on CUDA, 2 on CPU "
-        "(default_busy_batches in service/batcher.py).",
+        "(default_busy_batches, above).",
     )
     queue_capacity: int = Field(
         256,
@@ -331,10 +347,6 @@ class ServerSettings(BaseSettings):
 
 
 def _check_schedule(beams: tuple[int, ...]) -> None:
-    # The decode engine owns the rule; imported here so `grace --help` stays torch-free.
-    from index_builder.format import VOCAB_SIZE
-    from service.decode.engine import check_schedule
-
     check_schedule(tuple(beams), SID_LENGTH, VOCAB_SIZE)
 
 

@@ -34,10 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from index_builder.format import SID_LENGTH, VOCAB_SIZE
-from index_builder.lookup import FilterMode
-from index_builder.targeting import GENDERS, MAX_LOCATION_BYTES, MAX_REQUEST_LOCATIONS, Targeting
-from service.decode.engine import check_schedule
+from contracts.index_format import SID_LENGTH, VOCAB_SIZE
+from contracts.request import FilterMode, check_schedule
+from contracts.targeting import GENDERS, MAX_LOCATION_BYTES, MAX_REQUEST_LOCATIONS, Targeting
 from service.rpc.grace.v1 import retrieval_pb2 as pb
 from service.settings import ServerSettings
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from contracts.targeting import AGE_BUCKETS, BITMASK_WORDS, COUNTRIES, Ragged, ad_bitmasks
 from index_builder.synth.advertisers import SLOTS, Advertisers
 from index_builder.synth.profiles import NATIONAL, WorldProfile
-from index_builder.targeting import AGE_BUCKETS, BITMASK_WORDS, COUNTRIES, Ragged, ad_bitmasks
 
 _MASK48 = np.uint64((1 << 48) - 1)
 

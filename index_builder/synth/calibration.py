@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from contracts.targeting import exact_eligible
 from index_builder.synth.ads import AdState, EncodedAds
 from index_builder.synth.geography import Geography
 from index_builder.synth.histories import request_of
 from index_builder.synth.profiles import WorldProfile
 from index_builder.synth.users import Users
-from index_builder.targeting import exact_eligible
 
 
 def estimate_eligibility(

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from contracts.targeting import country_index
 from index_builder.synth.profiles import WorldProfile
-from index_builder.targeting import country_index
 
 # Real ad markets, roughly largest first, with a coarse world region used to pick
 # "neighbour" countries for national campaigns.

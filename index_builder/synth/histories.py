@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from contracts.targeting import GENDERS, Targeting, exact_eligible, request_bitmask
 from index_builder.parallel import stable_argsort
 from index_builder.synth.ads import GLOBAL_KEY, AdState, EncodedAds
 from index_builder.synth.geography import Geography
 from index_builder.synth.profiles import WorldProfile
 from index_builder.synth.users import Users
-from index_builder.targeting import GENDERS, Targeting, exact_eligible, request_bitmask
 
 VIEW, CLICK, CONVERSION = 1, 2, 3
 BASE_TIME_MS = 1_735_689_600_000  # 2025-01-01T00:00:00Z

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from index_builder.targeting import AGE_BUCKETS
+from contracts.targeting import AGE_BUCKETS
 
 # Targeting styles, in the order of `WorldProfile.style_mix`.
 STYLES: tuple[str, ...] = ("global", "national", "regional", "local")

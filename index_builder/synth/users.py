@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from contracts.targeting import AGE_BUCKETS, GENDERS, MAX_REQUEST_LOCATIONS, Targeting
 from index_builder.synth.ads import mix_ids
 from index_builder.synth.advertisers import Topics
 from index_builder.synth.geography import Geography, cumulative, sample_within
 from index_builder.synth.profiles import WorldProfile
-from index_builder.targeting import AGE_BUCKETS, GENDERS, MAX_REQUEST_LOCATIONS, Targeting
 
 # Ages drawn inside each AGE_BUCKETS range; 65+ is spread over 65..84.
 _AGE_RANGES = ((13, 17), (18, 24), (25, 34), (35, 44), (45, 54), (55, 64), (65, 84))

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from contracts.targeting import GENDERS, Targeting
 from index_builder.synth import writer
 from index_builder.synth.ads import AdState, EncodedAds, allocate_ads
 from index_builder.synth.advertisers import build_advertisers, build_topics
@@ -31,7 +32,6 @@ from index_builder.synth.geography import Geography, build_geography
 from index_builder.synth.histories import CandidateIndex, Histories, sample_histories
 from index_builder.synth.profiles import PROFILES, STYLES, stream
 from index_builder.synth.users import Users, build_users
-from index_builder.targeting import GENDERS, Targeting
 
 WORLD_FORMAT = 1
 

@@ -23,8 +23,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from contracts.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Ragged
 from index_builder.synth.ads import AdRules
-from index_builder.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Ragged
 
 CATALOG_JSONL = "catalog.jsonl"
 CATALOG_PARQUET = "catalog.parquet"

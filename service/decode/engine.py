@@ -1,127 +1,308 @@
-"""Constrained beam search over SIDs: pipeline stage 3's decode loop (docs/ARCHITECTURE.md §2).
+"""The decode engine: pipeline stage 3's constrained beam search over SIDs, on CPU and GPU
+(docs/ARCHITECTURE.md §2, §7).
 
-For t = 1..4: the decoder step on M_t beam rows per request gives logits; the CD+GTM mask
-(`index_builder.lookup`: trie children ∧ bitmask ∧ Bloom) sets disallowed tokens to −inf;
-log-softmax; each request keeps its top M_{t+1} (after the last step: its top M_4
-complete SIDs) by accumulated log-probability; the KV cache is reordered by parent row.
+For t = 1..4: the decoder step (`DecoderStep`) on W_t beam rows per request gives logits;
+the CD+GTM mask (`kernels.gtm_mask`: trie children ∧ bitmask ∧ Bloom) bars disallowed
+tokens, the log-softmax over the allowed ones adds to each row's score, each request keeps
+its top M_{t+1} (after the last step its top M_4 complete SIDs), the step's bookkeeping
+(`kernels.beam_advance`) finds parents, tokens and child nodes, and the paged KV cache is
+reordered by parent row. SIDs come from backtracking the parent pointers.
 
-Shapes stay fixed — every request has exactly M_t rows at step t, request-major — so the
-loop can later be captured in a CUDA graph and cross-attention can use the beam-as-query
-layout. A row with no allowed continuation, or one that top-k could not fill, is dead:
-score −inf, parked on a leaf node (no children), never emitted. Requests never interact.
+Plan/run split: `plan(tables, level_offsets)` makes one index version's `IndexPlans`;
+`run(plans, ctx, requests, beams, mode)` decodes a batch on the buffers of its plan key —
+(batch bucket B, beam schedule, filter mode, request-location bucket L) — whose shapes are
+fixed, so on CUDA the whole 4-step loop is captured once as one CUDA graph per key and a
+batch is: copy inputs into the static buffers, `replay()`, clone the outputs. On CPU the
+same body runs eagerly with the kernels' torch references. `warm` makes every plan a
+server may hit before the version serves (a key first seen in `run` is made there).
+Captures go through `service/capture.py`; a plan of a bucket ≥ `SPLIT_MIN_BUCKET` runs as
+`streams` parts, parallel branches of its graph: one half's memory-bound kernels run
+beside the other's matmuls.
+
+Rows are request-major (row b·W_t + j). A row is dead — score −inf, parked on a leaf node
+with no children, never emitted — when it has no allowed continuation, when top-k could
+not fill it, or when its request is padding (a batch smaller than its bucket). Requests
+never interact, so padding rows cannot change real ones. `widths`, `new_cache`,
+`candidates`, `advance`, `load`, `location_key` and `step` are the seams that
+`bench/baselines/decode_variants.py` replaces to time the unserved baselines.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 
-from index_builder.lookup import FilterMode, GtmTables, RequestTensors, lookup
-from kernels.beam_advance import parents_and_tokens
-from kernels.gtm_mask import NEG_INF, candidates
-from service.decode.kv_cache import DenseKVCache, PagedKVCache
+from contracts.request import FilterMode, check_schedule
+from contracts.targeting import MAX_REQUEST_LOCATIONS
+from contracts.tensors import GtmTables, RequestTensors
+from kernels.beam_advance import beam_advance
+from kernels.gtm_mask import NEG_INF, masked_candidates
+from service.capture import bucket_of, capture, part_streams
+from service.decode.kv_cache import PagedKVCache
+from service.decode.plans import DecodeResult, IndexPlans, Plan
+from service.decode.step import DecoderStep
 from service.model.decoder import SIDDecoder
 
-
-@dataclass(frozen=True)
-class DecodeResult:
-    """Per request, the top M_4 complete SIDs (best first); dead slots have score −inf."""
-
-    leaves: torch.Tensor  # int64 [B, M_4]: leaf position (node − first leaf node), −1 dead
-    scores: torch.Tensor  # float32 [B, M_4]: accumulated log-probability
-    sids: torch.Tensor  # int64 [B, M_4, sid_length]
-    rows_per_step: tuple[int, ...]  # beam rows that entered each decoder step (B · M_t)
-
-    def valid(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(leaves, scores) of request b's live SIDs."""
-        keep = self.leaves[b] >= 0
-        return self.leaves[b][keep], self.scores[b][keep]
+SPLIT_MIN_BUCKET = 8  # smaller buckets are latency-bound: splitting them only adds work
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # leaves, scores, sids
 
 
-def check_schedule(beams: tuple[int, ...], sid_length: int, vocab: int) -> None:
-    if len(beams) != sid_length or beams[0] != 1 or min(beams) < 1:
-        raise ValueError(f"beam schedule needs {sid_length} positive widths starting at 1: {beams}")
-    for t in range(1, sid_length):
-        if beams[t] > beams[t - 1] * vocab:
-            raise ValueError(f"M_{t + 1}={beams[t]} exceeds M_{t}·{vocab} candidates")
-
-
-def select(
-    cand: torch.Tensor,  # float32 [B, M·V]: request b's candidates, row-major by beam row
-    keep: int,
-    rows_per_request: int,  # M
-    vocab: int,
-    *,
-    ordered: bool = True,  # False: any order within a request (no sort after the select)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each request's best `keep` extensions, best first (with `ordered`), request-major:
-    their scores float32 [B·keep], parent rows int64 [B·keep] (among the B·M rows) and
-    tokens."""
-    top, flat = top_k(cand, keep, ordered)
-    return (top.reshape(-1), *parents_and_tokens(flat, rows_per_request, vocab))
-
-
-def top_k(cand: torch.Tensor, keep: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's best `keep` candidates: scores float32 [B, keep] and their positions
-    in the request's row int64 [B, keep]; best first with `ordered`, else in any order."""
-    return cand.topk(keep, dim=1, sorted=ordered)
-
-
-class BeamSearch:
-    """Runs the decode loop for one batch against one index (tables stay fixed)."""
+class DecodeEngine:
+    """Fixed-shape beam search with one decoder; plans per index version."""
 
     def __init__(
         self,
         decoder: SIDDecoder,
-        tables: GtmTables,
-        level_offsets: torch.Tensor,  # int64 [sid_length + 2] from the index
         *,
-        paged: bool = True,
+        batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16),
+        location_buckets: tuple[int, ...] = (1, 4, 16, MAX_REQUEST_LOCATIONS),
+        streams: int = 2,  # parts of a split plan (graph branches)
+        warmup_runs: int = 2,
     ) -> None:
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
         self.decoder = decoder
-        self.tables = tables
-        self.first_leaf = int(level_offsets[-2])
-        self.dead_node = int(level_offsets[-1]) - 1  # a leaf: nothing is ever allowed below it
-        self.paged = paged
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        self.location_buckets = tuple(sorted(location_buckets))
+        self.streams = streams
+        self.warmup_runs = warmup_runs
+        param = next(decoder.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.cuda_graphs = self.device.type == "cuda"
+        self.step = DecoderStep(decoder)
+
+    def bucket(self, batch: int) -> int:
+        return bucket_of(self.batch_buckets, batch)
+
+    def plan(self, tables: GtmTables, level_offsets: torch.Tensor) -> IndexPlans:
+        """An index version's plans (none made yet: `warm` or `run` make them)."""
+        return IndexPlans(tables, level_offsets, self.device)
+
+    def location_key(self, mode: FilterMode, n: int) -> int:
+        """L of the plan: 0 without GTM, else the bucket holding n locations."""
+        if mode == FilterMode.CD_ONLY:
+            return 0
+        for b in self.location_buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} request locations exceed the largest bucket")
+
+    @torch.no_grad()
+    def warm(
+        self,
+        plans: IndexPlans,
+        beams: tuple[int, ...],
+        modes: tuple[FilterMode, ...] = (FilterMode.CD_GTM, FilterMode.CD_ONLY),
+        batch_sizes: tuple[int, ...] | None = None,
+        locations: tuple[int, ...] | None = None,
+    ) -> int:
+        """Build every plan a server may hit (on CUDA: capture its graph); returns how many
+        plans exist. Report SERVING only after this returns."""
+        keys = {
+            (b, mode, self.location_key(mode, n))
+            for b in batch_sizes or self.batch_buckets
+            for mode in modes
+            for n in locations or self.location_buckets
+        }
+        with plans.lock:
+            # largest batches first: the kernels tune on their rows rounded up to a power of
+            # two (a shared key), so the busiest bucket's own shapes pick the configs
+            for b, mode, n_loc in sorted(keys, key=lambda k: (-k[0], k[1:])):
+                plan = self._plan(plans, b, tuple(beams), mode, n_loc)
+                if plan.graph is None and self.device.type == "cuda":
+                    plan.live.fill_(True)
+                    self._decode(plans, plan)  # eager plans: autotune now, not in a request
+            return len(plans.plans)
 
     @torch.no_grad()
     def run(
         self,
-        ctx: torch.Tensor,  # [B, T_ctx, d_model] from the encoder
-        requests: RequestTensors | None,
+        plans: IndexPlans,
+        ctx: torch.Tensor,  # [b, T_ctx, d_model] from the encoder, b <= the largest bucket
+        requests: RequestTensors | None,  # None only for CD_ONLY
         beams: tuple[int, ...],
         mode: FilterMode = FilterMode.CD_GTM,
     ) -> DecodeResult:
+        b = ctx.shape[0]
+        gtm = mode != FilterMode.CD_ONLY
+        if gtm and requests is None:
+            raise ValueError(f"{mode.name} needs encoded requests")
+        n_loc = requests.blooms.shape[1] if gtm and requests is not None else 0
+        with plans.lock:
+            plan = self._plan(plans, b, tuple(beams), mode, self.location_key(mode, n_loc))
+            self.load(plan, ctx, requests if gtm else None)
+            if plan.graph is not None:
+                plan.graph.replay()
+                out = plan.out
+            else:
+                out = self._decode(plans, plan)
+            # clone before the next replay overwrites the graph's outputs
+            leaves, scores, sids = (x[:b].clone() for x in out)
+        return DecodeResult(leaves, scores, sids, tuple(b * w for w in plan.widths))
+
+    # ------------------------------------------------------------- seams (see docstring)
+
+    def widths(self, beams: tuple[int, ...]) -> tuple[int, ...]:
+        """W_t, the rows per request the decoder computes at step t."""
+        return beams
+
+    def new_cache(self, rows_per_step: list[int]) -> PagedKVCache:
+        c = self.decoder.config
+        return PagedKVCache(c.decoder_layers, c.n_heads, c.d_head, rows_per_step,
+                            dtype=self.dtype, device=self.device)  # fmt: skip
+
+    def candidates(
+        self, plans: IndexPlans, plan: Plan, logits: torch.Tensor, node: torch.Tensor,
+        score: torch.Tensor, t: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """CD+GTM mask, log-softmax and accumulated score (one kernel on CUDA): candidate
+        scores float32 [R, V] and child nodes int32 [R, V] (None: nodes are not tracked)."""
+        args = (logits, plans.tables, node, plan.row_request[t], plan.requests, score)
+        return masked_candidates(*args, plan.mode)
+
+    advance = staticmethod(beam_advance)
+
+    def load(self, plan: Plan, ctx: torch.Tensor, requests: RequestTensors | None) -> None:
+        """Copy a batch into the plan's static inputs; padding requests are marked dead."""
+        b = ctx.shape[0]
+        plan.ctx[:b].copy_(ctx, non_blocking=True)
+        torch.lt(torch.arange(plan.bucket, device=self.device), b, out=plan.live)
+        if requests is None or plan.requests is None:
+            return
+        plan.requests.bitmask[:b].copy_(requests.bitmask, non_blocking=True)
+        blooms, n = plan.requests.blooms, requests.blooms.shape[1]
+        blooms[:b, :n].copy_(requests.blooms, non_blocking=True)
+        # padding locations repeat location 0: ANY-of-many is unchanged
+        blooms[:b, n:].copy_(requests.blooms[:, :1].expand(-1, blooms.shape[1] - n, -1))
+
+    # ----------------------------------------------------------------------- plans
+
+    def _plan(
+        self, plans: IndexPlans, batch: int, beams: tuple[int, ...], mode: FilterMode, n_loc: int
+    ) -> Plan:
+        bucket = self.bucket(batch)
+        key = (bucket, beams, mode, n_loc)
+        if key in plans.plans:
+            return plans.plans[key]
         c = self.decoder.config
         check_schedule(beams, c.sid_length, c.vocab_size)
-        b, dev = ctx.shape[0], ctx.device
-        rows = [b * m for m in beams]
-        cache_cls = PagedKVCache if self.paged else DenseKVCache
-        cache = cache_cls(c.decoder_layers, c.n_heads, c.d_head, rows, dtype=ctx.dtype, device=dev)
-        cross = self.decoder.cross_kv(ctx)
-        node = torch.zeros(rows[0], dtype=torch.int64, device=dev)  # every row at the root
+        widths = self.widths(beams)
+        reqs = None
+        if n_loc:
+            bm, bl = plans.tables.bitmask_table.shape[1], plans.tables.bloom_table.shape[1]
+            reqs = RequestTensors(
+                plans.static(("bitmask", bucket), (bucket, bm), torch.int64),
+                plans.static(("blooms", bucket, n_loc), (bucket, n_loc, bl), torch.int64),
+            )
+        ctx = plans.static(("ctx", bucket), (bucket, c.t_ctx, c.d_model), self.dtype)
+        live = plans.static(("live", bucket), (bucket,), torch.bool)
+        n = self.streams if bucket >= SPLIT_MIN_BUCKET and bucket % self.streams == 0 else 1
+        size = bucket // n
+        parts = []
+        for i in range(n):
+            at = slice(i * size, (i + 1) * size)
+            part_reqs = None if reqs is None else RequestTensors(reqs.bitmask[at], reqs.blooms[at])
+            cache_key = (size, widths, i if n > 1 else -1)
+            if cache_key not in plans.caches:
+                plans.caches[cache_key] = self.new_cache([size * w for w in widths])
+            parts.append(self._part(size, beams, widths, mode, ctx[at], live[at], part_reqs,
+                                    plans.caches[cache_key]))  # fmt: skip
+        plan = parts[0] if n == 1 else dataclasses.replace(
+            parts[0], bucket=bucket, ctx=ctx, live=live, requests=reqs, parts=parts
+        )  # fmt: skip
+        if self.cuda_graphs and mode != FilterMode.CD_GTM_KWAY:  # k-way: the reference
+            self._capture(plans, plan)
+        plans.plans[key] = plan
+        return plan
+
+    def _part(self, bucket, beams, widths, mode, ctx, live, reqs, cache) -> Plan:
+        """A plan (or one part of a split plan) over the given input views."""
+        slots = [torch.arange(bucket * w, device=self.device) % w for w in widths]
+        requests_of = torch.arange(bucket, device=self.device)
+        return Plan(
+            bucket=bucket, beams=beams, widths=widths, mode=mode, ctx=ctx, live=live,
+            requests=reqs, cache=cache,
+            row_request=[requests_of.repeat_interleave(w) for w in widths],
+            slot_dead=[s >= m for s, m in zip(slots, beams, strict=True)],
+        )  # fmt: skip
+
+    def _capture(self, plans: IndexPlans, plan: Plan) -> None:
+        """Warm up, then capture the whole loop (`service/capture.py`: reserved streams, one
+        capture at a time); intermediates live in the graph pool shared by all plans."""
+        plan.live.fill_(True)  # warm up on live rows, so autotuning sees real work
+        if plans.pool is None:
+            plans.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        plan.out = capture(graph, lambda: self._decode(plans, plan, parallel=True),
+                           device=self.device, pool=plans.pool,
+                           warmup_runs=self.warmup_runs)  # fmt: skip
+        plan.graph = graph
+
+    # ----------------------------------------------------------------------- the loop
+
+    def _decode(self, plans: IndexPlans, plan: Plan, parallel: bool = False) -> Outputs:
+        """The whole plan. A split plan's parts run one after the other, or with
+        `parallel` (only inside `capture`, which owns the reserved streams) each on its
+        own stream, forked from and joined back to the current one, so the graph records
+        them as parallel branches."""
+        if not plan.parts:
+            return self._body(plans, plan)
+        if not parallel:
+            outs = [self._body(plans, part) for part in plan.parts]
+        else:
+            current = torch.cuda.current_stream(self.device)
+            streams = part_streams(self.device, len(plan.parts))
+            outs = []
+            for part, stream in zip(plan.parts, streams, strict=True):
+                stream.wait_stream(current)
+                with torch.cuda.stream(stream):
+                    outs.append(self._body(plans, part))
+            for stream in streams:
+                current.wait_stream(stream)
+        return tuple(torch.cat(xs) for xs in zip(*outs, strict=True))  # type: ignore[return-value]
+
+    def _body(self, plans: IndexPlans, plan: Plan) -> Outputs:
+        """The 4-step loop on the plan's buffers: fixed shapes, no host syncs."""
+        c, steps, bsz = self.decoder.config, len(plan.beams), plan.bucket
+        cross = self.decoder.cross_kv(plan.ctx)  # per request, once: K, V [B, H, T_ctx, d_h]
+        # fills with scalars, never `where(.., python scalar)`: no host tensors in the graph
+        dead = plan.slot_dead[0] | ~plan.live[plan.row_request[0]]
+        score = torch.zeros(dead.shape, device=self.device).masked_fill(dead, NEG_INF)
+        node = torch.zeros_like(score, dtype=torch.int64).masked_fill(dead, plans.dead_node)
         tokens = torch.full_like(node, self.decoder.bos)
-        score = torch.zeros(rows[0], dtype=torch.float32, device=dev)
-        prefix = torch.zeros(rows[0], 0, dtype=torch.int64, device=dev)
-        for t in range(c.sid_length):
-            m = beams[t]
-            request = torch.arange(b, device=dev).repeat_interleave(m)  # request-major rows
-            logits = self.decoder.step(tokens, t, cross, cache).float()  # [R, V]
-            allowed, child = lookup(self.tables, node, request, requests, mode)
-            cand = candidates(score, logits.masked_fill(~allowed, NEG_INF), allowed)
-            keep = beams[t + 1] if t + 1 < c.sid_length else beams[-1]
-            score, parent, token = select(cand.view(b, -1), keep, m, c.vocab_size)
-            live = torch.isfinite(score)
-            node = torch.where(live, child[parent, token].long(), self.dead_node)
-            prefix = torch.cat([prefix[parent], token[:, None]], dim=1)
+        parents, picked, tracked = [], [], True
+        for t in range(steps):
+            w, last = plan.widths[t], t + 1 == steps
+            logits = self.step(tokens, t, cross, plan.cache)  # model dtype
+            cand, child = self.candidates(plans, plan, logits, node, score, t)  # [R, V] each
+            tracked = child is not None
+            keep = plan.beams[-1] if last else plan.widths[t + 1]
+            past_m = not last and plan.widths[t + 1] > plan.beams[t + 1]  # slots >= M_{t+1}
+            # the kept beams' order matters only after the last step (and where slots
+            # past M_{t+1} are killed): elsewhere top-k skips its sort of the winners
+            # (one small block per request, ~22 µs per step on the H200)
+            top, flat = cand.view(bsz, -1).topk(keep, dim=1, sorted=last or past_m)
+            score, parent, token, live, next_node = self.advance(
+                top, flat, child, plan.slot_dead[t + 1] if past_m else None,
+                w, c.vocab_size, plans.dead_node,
+            )  # fmt: skip
+            if next_node is not None:
+                node = next_node
+            parents.append(parent)
+            picked.append(token)
             tokens = token
-            if t + 1 < c.sid_length:
-                cache.reorder(t, parent)
-        leaves = torch.where(live, node - self.first_leaf, -1)
-        return DecodeResult(
-            leaves=leaves.view(b, -1),
-            scores=score.view(b, -1),
-            sids=prefix.view(b, beams[-1], c.sid_length),
-            rows_per_step=tuple(rows),
-        )
+            if not last:
+                plan.cache.reorder(t, parent)
+        # SIDs by backtracking the parent pointers: column t of final row i
+        cols, row = [picked[-1]], parents[-1]
+        for t in range(steps - 2, -1, -1):
+            cols.append(picked[t][row])
+            row = parents[t][row]
+        sids = torch.stack(cols[::-1], dim=1)  # int64 [B·M_L, L_SID]
+        if tracked:
+            leaves = (node - plans.first_leaf).masked_fill(~live, -1)
+        else:
+            leaves = torch.full_like(token, -1)
+        m = plan.beams[-1]
+        return leaves.view(bsz, m), score.view(bsz, m), sids.view(bsz, m, steps)

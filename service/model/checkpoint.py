@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from index_builder.format import file_sha256, fsync_path
+from contracts.index_format import file_sha256, fsync_path
 from index_builder.tokenizer import SIDTokenizer
 from service.model.config import ModelConfig
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from index_builder.format import SID_LENGTH, VOCAB_SIZE
+from contracts.index_format import SID_LENGTH, VOCAB_SIZE
 
 FFN_ACTIVATIONS = ("gelu_tanh", "gelu")
 

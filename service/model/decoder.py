@@ -2,32 +2,23 @@
 cross-attention to the encoder's context, and an FFN; position-specific token embeddings;
 a 512-way head. Pipeline stage 3 runs it inside the decode loop, one step per SID token.
 
-Two ways in, the same weights and arithmetic:
-- `forward_train`: teacher forcing over all 4 positions at once (causal self-attention),
-  for training and for scoring given SIDs;
-- `step`: one token for R beam rows. The KV cache (`service/decode/kv_cache.py`) owns
-  self-attention's "write + attend" (`cache.attend`: fused kernel, or write + gather +
-  attend), and cross-attention runs in the beam-as-query layout over per-request K/V
-  from `cross_kv` (computed once per request, never per beam); `cross_attn` swaps in the
-  per-beam layout for the benchmark's ablation.
-Input at position 0 is BOS; at position t > 0 it is the token chosen at t − 1.
+The module holds the weights and the training path, `forward_train`: teacher forcing over
+all 4 positions at once (causal self-attention), for training and for scoring given SIDs.
+Inference runs one token for R beam rows at a time through `service/decode/step.py`
+(`DecoderStep`: the same weights and function, with the KV cache and the fused kernels);
+`cross_kv` gives the per-request cross-attention K/V it reads (once per request, never
+per beam). Input at position 0 is BOS; at position t > 0 it is the token chosen at t − 1.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cross_attention import cross_attention
-from service.decode.kv_cache import KVCache
 from service.model.config import ModelConfig
 
 CrossKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [B, H, T_ctx, d_h]
-# (q [B·M, H, d_h], k [B, H, T_ctx, d_h], v) -> [B·M, H, d_h]
-CrossAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
@@ -65,21 +56,17 @@ class DecoderLayer(nn.Module):
         x = x + self.cross_out(a.transpose(1, 2).reshape(b, n, -1))
         return x + self.ffn(self.norm_ffn(x))
 
-    def step(
-        self,
-        x: torch.Tensor,  # [R, d_model]: the rows' current token, R = B * M
-        kv: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
-        layer: int,
-        t: int,
-        cross_attn: CrossAttention = cross_attention,
-    ) -> torch.Tensor:
-        r = x.shape[0]
-        a = cache.attend(layer, t, self.qkv(self.norm_self(x)))  # [R, H, d_h]
-        x = x + self.self_out(a.reshape(r, -1))
-        q = self.cross_q(self.norm_cross(x)).view(r, self.h, self.dh)
-        x = x + self.cross_out(cross_attn(q, *kv).reshape(r, -1))
-        return x + self.ffn(self.norm_ffn(x))
+    @property
+    def ffn_up(self) -> nn.Linear:
+        return self.ffn[0]
+
+    @property
+    def ffn_down(self) -> nn.Linear:
+        return self.ffn[2]
+
+    def ffn_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The FFN's activated up-projection of the normalised input h."""
+        return self.ffn[1](self.ffn[0](h))
 
 
 class SIDDecoder(nn.Module):
@@ -103,17 +90,4 @@ class SIDDecoder(nn.Module):
         x = self.tok_emb[pos, inputs]  # [B, L, d_model]
         for layer, kv in zip(self.layers, self.cross_kv(ctx), strict=True):
             x = layer.forward_train(x, kv)
-        return self.head(self.norm(x))
-
-    def step(
-        self,
-        tokens: torch.Tensor,  # int64 [R]: previous tokens (BOS at t = 0)
-        t: int,
-        cross: CrossKV,
-        cache: KVCache,
-        cross_attn: CrossAttention = cross_attention,
-    ) -> torch.Tensor:  # logits [R, V]
-        x = self.tok_emb[t, tokens]
-        for i, (layer, kv) in enumerate(zip(self.layers, cross, strict=True)):
-            x = layer.step(x, kv, cache, i, t, cross_attn)
         return self.head(self.norm(x))

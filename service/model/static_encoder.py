@@ -3,7 +3,7 @@ pipeline stage 3 on GPU (docs/ARCHITECTURE.md §2, §7), next to the decode loop
 
 Eager, the encoder launches ~150 small kernels per batch from the compute thread, and
 under load that Python dispatch competes for the GIL with the gRPC event loop and the
-other stage threads (docs/PERFORMANCE.md, "Served throughput"); a replay is one launch.
+other stage threads (docs/OPERATIONS.md, "Throughput"); a replay is one launch.
 Inputs are padded to (bucket, max_history): padding requests carry zeros with only their
 non-sequence keys set, history positions past the batch's width are masked. The encoder
 treats every request on its own and masked positions never reach unmasked ones, so the

@@ -24,13 +24,13 @@ import torch
 from service.capture import BucketGraphs
 from service.model.config import ModelConfig
 from service.model.embeddings import EmbeddedFeatures, FeatureEmbedder
-from service.model.features import (
-    FeatureBatch,
+from service.model.feature_packing import (
     PackedFeatureBatch,
     pack_features,
     packed_columns,
     unpack_features,
 )
+from service.model.features import FeatureBatch
 
 
 class StaticFeatures(BucketGraphs[torch.Tensor, torch.Tensor, EmbeddedFeatures]):

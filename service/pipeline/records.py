@@ -1,32 +1,35 @@
-"""Typed hand-offs between pipeline stages.
+"""Typed hand-offs between the pipeline's stages (docs/ARCHITECTURE.md §2).
 
-    list[Pending] (batcher) ─► stage 1 input ─► stage 2 features ─► stage 3 compute
-    ─► stage 4 post ─► RetrievalResult per request (Pending.resolve)
+    list[Pending] (batcher) ─► Batch ─stage 1─► Packed ─stage 2─► Embedded ─stage 3─►
+    Decoded ─stage 4─► RetrievalResult per live request (Pending.resolve)
 
-One `BatchState` travels through all four stages; each stage fills its own fields and
-adds its wall time to `stage_ms`. On GPU each stage records `event` on its stream and
-the next stage's stream waits on it, so hand-offs are ordered without host syncs. At
-every hand-off the runner calls `drop`: requests whose deadline has passed are answered
-DEADLINE_EXCEEDED there and then, those whose client went away are forgotten, and the
-later stages work on the `live` rows only (no decode run and no post work for the rest).
+A `Batch` is fixed when the batcher hands it over: its requests, the one index version
+every stage uses, and its decode groups (computed once, here). Each stage returns one
+frozen record that the next stage reads; on GPU each record carries the CUDA event its
+stage recorded on its stream, and the next stage's stream waits on it, so hand-offs are
+ordered without host syncs. Which requests are still worth answering changes on the way
+(deadlines pass, clients go away): that is the runner's to track (`service/pipeline/runner.py`),
+and a stage that needs it gets the live rows as an argument.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from index_builder.exact import PostResult
-from index_builder.lookup import FilterMode, RequestTensors
-from index_builder.targeting import Targeting
-from service.batcher import DeadlineExpired, Pending
-from service.decode.engine import DecodeResult
+from contracts.request import FilterMode
+from contracts.targeting import Targeting
+from contracts.tensors import RequestTensors
+from service.batcher import Pending
+from service.decode.plans import DecodeResult
+from service.index.loaded import LoadedIndex
 from service.model.embeddings import EmbeddedFeatures
 from service.model.features import FeatureBatch
-from service.serving_index import ServingIndex
+from service.post import PostResult
 
 
 class RetrievalRequest(Protocol):
@@ -42,66 +45,94 @@ class RetrievalRequest(Protocol):
     filter_mode: FilterMode
 
 
+GroupKey = tuple[tuple[int, ...], FilterMode]  # (beam schedule, filter mode)
+
+
+def group_key(request: RetrievalRequest) -> GroupKey:
+    """Requests with the same key share one decode run (the batcher caps a batch's keys)."""
+    return request.beams, request.filter_mode
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Requests of a batch that share a beam schedule and filter mode: one decode run."""
+
+    beams: tuple[int, ...]
+    mode: FilterMode
+    rows: tuple[int, ...]  # positions in the batch
+
+
+def decode_groups(requests: Sequence[RetrievalRequest]) -> tuple[DecodeGroup, ...]:
+    """The batch's decode groups, in order of first appearance."""
+    rows_of: dict[GroupKey, list[int]] = {}
+    for i, r in enumerate(requests):
+        rows_of.setdefault(group_key(r), []).append(i)
+    return tuple(DecodeGroup(beams, mode, tuple(rows)) for (beams, mode), rows in rows_of.items())
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What the batcher dispatched; the same object reaches every stage."""
+
+    pending: tuple[Pending[RetrievalRequest], ...]
+    index: LoadedIndex  # taken once at dispatch and used by every stage
+    dispatched: float  # time.monotonic() when the batcher handed it over
+    groups: tuple[DecodeGroup, ...]
+
+    @classmethod
+    def of(
+        cls, pending: Sequence[Pending[RetrievalRequest]], index: LoadedIndex, dispatched: float
+    ) -> Batch:
+        return cls(tuple(pending), index, dispatched, decode_groups([p.payload for p in pending]))
+
+    @property
+    def requests(self) -> list[RetrievalRequest]:
+        return [p.payload for p in self.pending]
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """A decode group's inputs on the compute device (made at stage 1, so stage 3 does no
+    host -> device copies of its own)."""
+
+    group: DecodeGroup
+    index: torch.Tensor | None  # int64 [len(rows)]: the rows in the batch; None: all of it
+    requests: RequestTensors | None  # targeting; None for CD_ONLY
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Stage 1 (input) -> 2: the batch's features and groups on the compute device."""
+
+    features: FeatureBatch
+    groups: tuple[DeviceGroup, ...]
+    event: torch.cuda.Event | None  # recorded on stage 1's stream (GPU)
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """Stage 2 (features) -> 3: the embedded features, and stage 1's groups."""
+
+    embedded: EmbeddedFeatures
+    groups: tuple[DeviceGroup, ...]
+    event: torch.cuda.Event | None
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """Stage 3 (compute) -> 4: one decode result per group run, with the batch rows it
+    covers (only rows live at stage 3: groups are narrowed to them)."""
+
+    runs: tuple[tuple[tuple[int, ...], DecodeResult], ...]
+    event: torch.cuda.Event | None
+
+
 @dataclass(frozen=True)
 class RetrievalResult:
-    """The answer to one request, before it becomes a RetrieveResponse."""
+    """Stage 4's answer to one request, before it becomes a RetrieveResponse."""
 
     post: PostResult  # eligible ads, best first, with scores and SIDs
     sids_generated: int  # live SIDs the decoder produced
     index_version: str
     model_version: str
     stage_ms: dict[str, float]  # per stage, for this request's batch
-
-
-@dataclass(frozen=True)
-class DecodeGroup:
-    """Requests of a batch that share a beam schedule and filter mode (one decode run);
-    built at stage 1, so stage 3 does no host -> device copies of its own."""
-
-    beams: tuple[int, ...]
-    mode: FilterMode
-    rows: list[int]  # positions in the batch
-    index: torch.Tensor | None  # int64 [len(rows)] on the device; None: the whole batch
-    requests: RequestTensors | None  # targeting on the device; None for CD_ONLY
-
-
-@dataclass
-class BatchState:
-    pending: list[Pending]
-    index: ServingIndex  # taken once at stage 1 and used by every stage
-    dispatched: float  # time.monotonic() when the batcher handed it over
-    live: list[bool] = field(init=False)  # per request: still to be answered
-    stage_ms: dict[str, float] = field(default_factory=dict)
-    features: FeatureBatch | None = None  # stage 1 -> 2, on the compute device
-    groups: list[DecodeGroup] = field(default_factory=list)  # stage 1 -> 3
-    embedded: EmbeddedFeatures | None = None  # stage 2 -> 3
-    decoded: list[tuple[list[int], DecodeResult]] = field(default_factory=list)  # 3 -> 4
-    event: torch.cuda.Event | None = None  # recorded by the stage that produced the data
-
-    def __post_init__(self) -> None:
-        self.live = [True] * len(self.pending)
-
-    @property
-    def requests(self) -> list[RetrievalRequest]:
-        return [p.payload for p in self.pending]
-
-    @property
-    def live_rows(self) -> list[int]:
-        return [i for i, alive in enumerate(self.live) if alive]
-
-    def drop(self, now: float) -> tuple[int, int]:
-        """Stop working for requests whose deadline passed (answered DEADLINE_EXCEEDED)
-        or whose client went away; returns how many of each were dropped now."""
-        expired = abandoned = 0
-        for i, p in enumerate(self.pending):
-            if not self.live[i]:
-                continue
-            if p.abandoned:
-                abandoned += 1
-            elif p.expired(now):
-                expired += 1
-                p.fail(DeadlineExpired("deadline passed during processing"))
-            else:
-                continue
-            self.live[i] = False
-        return expired, abandoned

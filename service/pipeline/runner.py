@@ -1,17 +1,20 @@
 """Four stage threads connected by queues: batch n+1 packs while batch n computes.
 
-`Pipeline.dispatch` is the batcher's hand-off: it takes one index reference for the batch
-and queues it for stage 1; it never blocks (the batcher bounds batches in flight). Each
-thread runs one stage for one batch at a time and passes the batch on; stage 4 resolves
-every request and frees the batcher's slot. An exception in any stage fails that batch's
-requests (the server answers INTERNAL) and the pipeline carries on with the next batch.
+`Pipeline.dispatch` is the batcher's hand-off: it takes one index reference for the batch,
+makes its `Batch` record and queues it for stage 1; it never blocks (the batcher bounds
+batches in flight). Each thread runs one stage for one batch at a time and passes the
+batch on; stage 4 resolves every request and frees the batcher's slot. An exception in
+any stage fails that batch's requests (the server answers INTERNAL) and the pipeline
+carries on with the next batch.
 
-Before each stage the batch drops the requests whose deadline has passed or whose client
-went away (`BatchState.drop`, counted through `on_dropped(stage, reason, n)`); a batch with
-none left skips its remaining stages, so no GPU or C++ work is spent on answers nobody
-reads. `on_batch_done(size, dispatched, service)` tells the batcher a batch has left and,
-when it ran every stage, what they cost (the admission estimate learns from it; None for
-a batch that failed or was dropped part-way).
+Before each stage the runner drops the requests whose deadline has passed (answered
+DEADLINE_EXCEEDED there and then) or whose client went away (forgotten), counted through
+`on_dropped(stage, reason, n)`; the later stages work on the live rows only, and a batch
+with none left skips its remaining stages, so no GPU or C++ work is spent on answers
+nobody reads. `on_dispatch(batch)` sees every batch as it enters; `on_batch_done(size,
+dispatched, service)` tells the batcher a batch has left and, when it ran every stage,
+what they cost (the admission estimate learns from it; None for a batch that failed or
+was dropped part-way).
 """
 
 from __future__ import annotations
@@ -21,15 +24,49 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
-from service.batcher import Pending
-from service.pipeline.records import BatchState
+from service.batcher import DeadlineExpired, Pending
+from service.index.loaded import IndexHolder
+from service.pipeline.records import Batch, Decoded, Embedded, Packed
 from service.pipeline.stages import Stages
-from service.serving_index import IndexHolder
 
 log = logging.getLogger("grace.pipeline")
 STAGES = ("input", "features", "compute", "post")
 _STOP = object()
+_T = TypeVar("_T")
+
+
+@dataclass
+class _Flight:
+    """A batch between stages, as the runner tracks it."""
+
+    batch: Batch
+    live: list[bool]  # per request: still to be answered
+    stage_ms: dict[str, float] = field(default_factory=dict)  # wall time of each stage run
+    out: Packed | Embedded | Decoded | None = None  # the last stage's record
+
+    @property
+    def live_rows(self) -> list[int]:
+        return [i for i, alive in enumerate(self.live) if alive]
+
+    def drop(self, now: float) -> tuple[int, int]:
+        """Stop working for requests whose deadline passed (answered DEADLINE_EXCEEDED)
+        or whose client went away; returns how many of each were dropped now."""
+        expired = abandoned = 0
+        for i, p in enumerate(self.batch.pending):
+            if not self.live[i]:
+                continue
+            if p.abandoned:
+                abandoned += 1
+            elif p.expired(now):
+                expired += 1
+                p.fail(DeadlineExpired("deadline passed during processing"))
+            else:
+                continue
+            self.live[i] = False
+        return expired, abandoned
 
 
 class Pipeline:
@@ -40,11 +77,20 @@ class Pipeline:
         on_batch_done: Callable[[int, float, float | None], None],
         observe: Callable[[str, float], None] = lambda stage, seconds: None,
         on_dropped: Callable[[str, str, int], None] = lambda stage, reason, n: None,
+        on_dispatch: Callable[[Batch], None] = lambda batch: None,
     ) -> None:
         self.stages, self.indexes = stages, indexes
         self._done = on_batch_done
         self._observe = observe
         self._on_dropped = on_dropped
+        self._on_dispatch = on_dispatch
+        s = stages  # each stage reads the record of the one before it
+        self._bodies: tuple[Callable[[_Flight], object], ...] = (
+            lambda f: s.input(f.batch),
+            lambda f: s.features(_as(f.out, Packed)),
+            lambda f: s.compute(f.batch, _as(f.out, Embedded), f.live),
+            lambda f: s.post(f.batch, _as(f.out, Decoded), f.live_rows, f.stage_ms),
+        )
         self._queues: list[queue.Queue[object]] = [queue.Queue() for _ in STAGES]
         self._threads = [
             threading.Thread(target=self._loop, args=(i,), name=f"grace-{name}", daemon=True)
@@ -56,9 +102,11 @@ class Pipeline:
         self.in_flight = 0  # batches between dispatch and the end of stage 4
 
     def dispatch(self, pending: list[Pending]) -> None:
+        batch = Batch.of(pending, self.indexes.current, time.monotonic())
+        self._on_dispatch(batch)
         with self._lock:
             self.in_flight += 1
-        self._queues[0].put(BatchState(pending, self.indexes.current, time.monotonic()))
+        self._queues[0].put(_Flight(batch, [True] * len(pending)))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Finish the batches already dispatched, then end the threads (waiting at most
@@ -69,51 +117,57 @@ class Pipeline:
             t.join(max(end - time.monotonic(), 0.0))
 
     def _loop(self, i: int) -> None:
-        name = STAGES[i]
-        body = getattr(self.stages, name)
+        name, body = STAGES[i], self._bodies[i]
         while True:
             item = self._queues[i].get()
             if item is _STOP:
                 if i + 1 < len(STAGES):
                     self._queues[i + 1].put(_STOP)
                 return
-            batch: BatchState = item  # type: ignore[assignment]
-            if not self._keep(name, batch):
-                self._finish(batch)  # nobody waits for any of it: skip the other stages
+            flight: _Flight = item  # type: ignore[assignment]
+            if not self._keep(name, flight):
+                self._finish(flight)  # nobody waits for any of it: skip the other stages
                 continue
             t = time.perf_counter()
             try:
-                out = body(batch)
+                out = body(flight)
             except Exception as exc:  # one batch fails, the pipeline goes on
-                log.exception("stage %s failed for a batch of %d", name, len(batch.pending))
-                for p in batch.pending:
+                log.exception("stage %s failed for a batch of %d", name, len(flight.live))
+                for p in flight.batch.pending:
                     p.fail(exc)
-                self._finish(batch)
+                self._finish(flight)
                 continue
             seconds = time.perf_counter() - t
-            batch.stage_ms[name] = seconds * 1e3
+            flight.stage_ms[name] = seconds * 1e3
             self._observe(name, seconds)
             if i + 1 < len(STAGES):
-                self._queues[i + 1].put(batch)
+                flight.out = out  # type: ignore[assignment]
+                self._queues[i + 1].put(flight)
                 continue
-            for row, result in zip(batch.live_rows, out, strict=True):
-                result.stage_ms[name] = batch.stage_ms[name]
-                batch.pending[row].resolve(result)
-            self._finish(batch, sum(batch.stage_ms.values()) / 1e3)
+            for row, result in zip(flight.live_rows, out, strict=True):  # type: ignore[call-overload]
+                result.stage_ms[name] = flight.stage_ms[name]
+                flight.batch.pending[row].resolve(result)
+            self._finish(flight, sum(flight.stage_ms.values()) / 1e3)
 
-    def _keep(self, stage: str, batch: BatchState) -> bool:
+    def _keep(self, stage: str, flight: _Flight) -> bool:
         """Drop the batch's dead requests at this hand-off; False when none is left."""
-        expired, abandoned = batch.drop(time.monotonic())
+        expired, abandoned = flight.drop(time.monotonic())
         if expired:
             self._on_dropped(stage, "deadline", expired)
         if abandoned:
             self._on_dropped(stage, "cancelled", abandoned)
-        return any(batch.live)
+        return any(flight.live)
 
-    def _finish(self, batch: BatchState, service: float | None = None) -> None:
+    def _finish(self, flight: _Flight, service: float | None = None) -> None:
         with self._lock:
             self.in_flight -= 1
         try:
-            self._done(len(batch.pending), batch.dispatched, service)
+            self._done(len(flight.live), flight.batch.dispatched, service)
         except Exception:  # the stage thread must outlive a faulty callback
             log.exception("reporting a finished batch failed")
+
+
+def _as(record: object, kind: type[_T]) -> _T:
+    """The previous stage's record, which must be a `kind` (the wiring above)."""
+    assert isinstance(record, kind), f"expected {kind.__name__}, got {type(record).__name__}"
+    return record

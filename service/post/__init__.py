@@ -4,12 +4,13 @@ Stage 3 (`service/decode`) hands over each request's generated leaves and beam s
 (`DecodeResult.valid`); `PostStage.run` expands every leaf to its ads through the
 SID -> ad index, keeps only the exactly eligible ones (bitmask rules and actual location
 ids, docs/ARCHITECTURE.md §3 — never Bloom bits), ranks them by beam score, cuts each request to its
-`max_ads` and returns `index_builder.exact.PostResult`s for the reply.
+`max_ads` and returns `PostResult`s for the reply.
 
 The work runs in the private C++ extension `_post` (built by `pip install -e .`, see
 setup.py) with the GIL released and the requests of a batch spread over a few threads.
-Its results are identical to the Python reference `index_builder.exact.expand_and_filter`
-(tests/service/post/). This module owns the types and checks the arrays it hands over.
+Its results are identical to the Python reference post stage
+(`tests/helpers/reference_post.py`, the oracle of tests/service/post/). This module owns
+the types and checks the arrays it hands over.
 `encode_ads` writes a result's ads as the reply's wire bytes (the server parses them in
 one C call instead of building a Python message per ad).
 """
@@ -22,14 +23,39 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from index_builder.exact import LocationVocabulary, PostResult
-from index_builder.format import SID_LENGTH, AdArrays
-from index_builder.targeting import BITMASK_WORDS, Targeting, request_bitmask
+from contracts.index_format import SID_LENGTH, AdArrays
+from contracts.targeting import BITMASK_WORDS, Targeting, request_bitmask
 from service.post._post import AdIndex, encode_ads
 
-__all__ = ["PostRequest", "PostResult", "PostStage", "encode_ads"]
+__all__ = ["LocationVocabulary", "PostRequest", "PostResult", "PostStage", "encode_ads"]
 
 DEFAULT_THREADS = 4  # the post stage shares the host with stages 1-3
+
+
+class LocationVocabulary:
+    """Location string -> id of an index's sorted vocabulary (built once per index load)."""
+
+    def __init__(self, ads: AdArrays) -> None:
+        self._ids = {s: i for i, s in enumerate(ads.location_strings())}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def ids(self, locations: Sequence[str]) -> np.ndarray:
+        """Sorted ids of the known strings; unknown strings match no rule and are dropped."""
+        found = {self._ids[s] for s in locations if s in self._ids}
+        return np.array(sorted(found), dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class PostResult:
+    """One request's answer from the post stage."""
+
+    ad_ids: np.ndarray  # int64 [K]: eligible ads, best first
+    scores: np.ndarray  # float32 [K]: the beam score of each ad's SID
+    sids: np.ndarray  # int16 [K, SID_LENGTH]
+    ads_expanded: int  # ads behind the generated SIDs, before the filter
+    ads_eligible: int  # of those, exactly eligible (before the max_ads cut)
 
 
 def _request_array(name: str, value: object, dtype: type[np.generic]) -> np.ndarray:

@@ -4,7 +4,7 @@
 // `service/post/__init__.py` owns the types and checks dtypes; this file only reads the
 // index arrays in place (the numpy arrays, possibly read-only memory maps, are held by
 // reference, never copied) and runs the requests of a batch in parallel with the GIL
-// released. Results are identical to `index_builder/exact.py::expand_and_filter`
+// released. Results are identical to `tests/helpers/reference_post.py::expand_and_filter`
 // (tests/service/post/ compares them); the layout is docs/FORMAT.md §1 and §3.
 
 #include <pybind11/numpy.h>

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 from hypothesis import strategies as st
 
-from index_builder.catalog import Catalog
-from index_builder.targeting import (
+from contracts.targeting import (
     AGE_BUCKETS,
     GENDERS,
     Ragged,
@@ -18,6 +17,7 @@ from index_builder.targeting import (
     country_index,
     gender_value_index,
 )
+from index_builder.catalog import Catalog
 from tests.helpers.oracle import Ad
 
 COUNTRY_POOL = ("US", "CA", "GB", "DE")

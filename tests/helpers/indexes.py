@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contracts.index_format import IndexArrays, write_index_dir
 from index_builder.build import build_arrays
-from index_builder.format import IndexArrays, write_index_dir
 from index_builder.validate import validate_index
 from tests.helpers.catalogs import catalog_from_ads
 from tests.helpers.oracle import Ad

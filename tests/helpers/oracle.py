@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from index_builder.targeting import Targeting
+from contracts.targeting import Targeting
 
 _BUCKETS = [(13, 17, "13-17"), (18, 24, "18-24"), (25, 34, "25-34"), (35, 44, "35-44"),
             (45, 54, "45-54"), (55, 64, "55-64"), (65, 10**9, "65+")]  # fmt: skip

@@ -51,7 +51,7 @@ def metric_value(text: str, name: str, labels: Mapping[str, str] | None = None) 
 
 @dataclass
 class ServerProcess:
-    """`python -m service.cli serve` in a subprocess."""
+    """`python -m cli serve` in a subprocess."""
 
     proc: subprocess.Popen[bytes]
     port: int
@@ -72,7 +72,7 @@ class ServerProcess:
         """Serve `data` (world, model, index as `make_serving_data` lays them out);
         `env`: extra GRACE_* settings; `args`: extra `grace serve` flags."""
         port, metrics_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data),
+        cmd = [sys.executable, "-m", "cli", "serve", "--data-dir", str(data),
                "--port", str(port), "--metrics-port", str(metrics_port), "--device", device,
                "--no-progress", *args]  # fmt: skip
         if index_root is not None:

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from index_builder import targeting
+from contracts import targeting
 from index_builder.catalog import Catalog, CatalogError, catalog_fingerprint, read_catalog
 
 FORMATS = ("jsonl", "parquet")

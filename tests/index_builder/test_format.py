@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index_builder.format import IndexFormatError, file_sha256, read_index_dir, read_manifest
-from index_builder.npy_private import NpyError, load_npy_private
+from contracts.index_format import IndexFormatError, file_sha256, read_index_dir, read_manifest
+from contracts.npy_private import NpyError, load_npy_private
 from index_builder.validate import IndexValidationError, validate_index
 
 

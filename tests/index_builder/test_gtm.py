@@ -10,11 +10,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from contracts.index_format import SID_LENGTH, IndexArrays, TrieArrays
+from contracts.request import FilterMode
+from contracts.targeting import Targeting, encode_requests
+from contracts.tensors import GtmTables, RequestTensors
 from index_builder.build import build_arrays
-from index_builder.format import SID_LENGTH, IndexArrays, TrieArrays
 from index_builder.kway import KwaySpec
-from index_builder.lookup import FilterMode, GtmTables, RequestTensors, lookup
-from index_builder.targeting import Targeting, encode_requests
+from kernels.gtm_mask import lookup
 from tests.helpers.catalogs import ads_strategy, catalog_from_ads, requests_strategy
 from tests.helpers.oracle import Ad, eligible_prefixes
 

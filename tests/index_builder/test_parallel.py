@@ -8,11 +8,11 @@ import dataclasses
 import numpy as np
 import pytest
 
+from contracts.index_format import IndexArrays
+from contracts.targeting import BITMASK_WORDS
 from index_builder import parallel, trie
 from index_builder.build import BuildReport, build_arrays
 from index_builder.catalog import Catalog
-from index_builder.format import IndexArrays
-from index_builder.targeting import BITMASK_WORDS
 from index_builder.trie import dedup_rows
 
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import index_builder.publish as publish_module
+from contracts.index_format import file_sha256
 from index_builder.build import build_index
-from index_builder.format import file_sha256
 from index_builder.publish import (
     CURRENT,
     VALID_MARKER,
@@ -189,7 +189,7 @@ def test_expect_version_refuses_a_manifest_of_another_name(tmp_path: Path) -> No
 CHILD = textwrap.dedent(
     """
     import sys, time
-    import index_builder.format as fmt
+    import contracts.index_format as fmt
     from tests.helpers.indexes import small_index, writer
     from index_builder.publish import publish
     real_fsync = fmt.os.fsync

@@ -17,8 +17,8 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
+from contracts.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Targeting
 from index_builder.synth import PROFILES, World, generate_world, load_world
-from index_builder.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Targeting
 
 SEED = 7
 FILES = ("catalog.jsonl", "catalog.parquet", "users.parquet", "heldout.parquet")

@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from index_builder.targeting import (
+from contracts.targeting import (
     BITMASK_WORDS,
     COUNTRIES,
     FULL_BLOOM,

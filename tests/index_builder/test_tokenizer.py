@@ -10,14 +10,13 @@ import pytest
 import torch
 
 from index_builder.kmeans import DEVICE_TILE_ROWS, _encode_on_device, nearest, rq_encode
-from index_builder.tokenizer import (
+from index_builder.last_token import (
     CollisionReport,
-    SIDTokenizer,
-    TokenizerConfig,
     _collisions,
     _collisions_unreserved,
     _rank_order,
 )
+from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
 
 SMALL = TokenizerConfig(levels=3, codebook_size=16, iterations=10, train_sample=5_000, seed=0)
 

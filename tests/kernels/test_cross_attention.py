@@ -1,6 +1,8 @@
-"""Beam-as-query cross-attention equals the per-beam layout (paper Appendix B), and the
-Triton kernels (per-tile and persistent) equal the torch reference (CPU: under
-TRITON_INTERPRET=1, set by tests/conftest.py; GPU: every backend at the paper's shape)."""
+"""The served beam-as-query cross-attention (`kernels.cross_attention`): the dispatcher, its
+backends and our Triton kernel equal the torch reference (CPU: under TRITON_INTERPRET=1,
+set by tests/conftest.py; GPU: every served backend at the paper's shape). The per-beam
+layout (the equivalence of paper Appendix B) and the unserved backends (the persistent
+kernel, SDPA pinned to flash): tests/bench/test_cross_attention_baselines.py."""
 
 from __future__ import annotations
 
@@ -9,17 +11,15 @@ import torch
 
 from kernels.cross_attention import (
     BACKENDS,
-    TRITON_BACKENDS,
     cross_attention,
-    cross_attention_per_beam,
     cross_attention_reference,
+    default_backend,
 )
 
 try:
     import kernels._triton_cross_attention as triton_ca
-    import kernels._triton_cross_attention_persistent as triton_pca
 except ImportError:  # no triton here: the layout tests still run
-    triton_ca = triton_pca = None
+    triton_ca = None
 
 needs_triton = pytest.mark.skipif(triton_ca is None, reason="needs triton")
 gpu = pytest.mark.gpu
@@ -42,18 +42,6 @@ def _inputs(
     k = torch.randn(b, h, t_ctx, d, generator=g)  # [B, H, T_ctx, d_h]
     v = torch.randn(b, h, t_ctx, d, generator=g)
     return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))  # type: ignore[return-value]
-
-
-@pytest.mark.parametrize("b", [1, 3])
-@pytest.mark.parametrize("m", [1, 17])
-@pytest.mark.parametrize("t_ctx", [5, 33])
-def test_beam_as_query_equals_per_beam(b: int, m: int, t_ctx: int) -> None:
-    g = torch.Generator().manual_seed(b * 100 + m + t_ctx)
-    h, d = 4, 16
-    q = torch.randn(b * m, h, d, generator=g)
-    k = torch.randn(b, h, t_ctx, d, generator=g)
-    v = torch.randn(b, h, t_ctx, d, generator=g)
-    torch.testing.assert_close(cross_attention(q, k, v), cross_attention_per_beam(q, k, v))
 
 
 def test_beam_rows_attend_only_their_own_request() -> None:
@@ -95,43 +83,40 @@ def test_triton_masks_odd_head_dim(d: int) -> None:
 
 
 @needs_triton
-@pytest.mark.parametrize("backend", TRITON_BACKENDS)
-def test_triton_reads_a_strided_q(backend: str) -> None:
+def test_triton_reads_a_strided_q() -> None:
     """q may be a slice of a fused QKV projection: rows 3·H·d_h apart."""
     b, m, h, d = 2, 17, 2, 16
     qkv = torch.randn(b * m, 3 * h * d)
     q = qkv[:, : h * d].view(b * m, h, d)  # [B * M, H, d_h], stride(0) = 3·H·d_h
     _, k, v = _inputs(b, m, h, 33, d, torch.float32)
     torch.testing.assert_close(
-        cross_attention(q, k, v, backend=backend),
+        cross_attention(q, k, v, backend="triton"),
         cross_attention_reference(q, k, v),
         **TOL[torch.float32],
     )
 
 
 @needs_triton
-@pytest.mark.parametrize("backend", TRITON_BACKENDS)
-def test_triton_reads_kv_as_the_decoder_makes_them(backend: str) -> None:
+def test_triton_reads_kv_as_the_decoder_makes_them() -> None:
     """K/V are a permuted view of the fused context projection [B, T, 2, H, d_h]."""
     b, m, h, t_ctx, d = 3, 5, 2, 7, 16
     kv = torch.randn(b, t_ctx, 2, h, d).permute(2, 0, 3, 1, 4)  # [2, B, H, T_ctx, d_h]
     q = torch.randn(b * m, h, d)
     torch.testing.assert_close(
-        cross_attention(q, kv[0], kv[1], backend=backend),
+        cross_attention(q, kv[0], kv[1], backend="triton"),
         cross_attention_reference(q, kv[0], kv[1]),
         **TOL[torch.float32],
     )
 
 
 @needs_triton
-@pytest.mark.parametrize("backend", TRITON_BACKENDS)
-def test_triton_rows_attend_only_their_own_request(backend: str) -> None:
+def test_triton_rows_attend_only_their_own_request() -> None:
     q, k, v = _inputs(3, 17, 2, 33, 16, torch.float32)
-    out = cross_attention(q, k, v, backend=backend)
+    out = cross_attention(q, k, v, backend="triton")
     k2, v2 = k.clone(), v.clone()
     k2[1] *= -3.0  # change request 1's context only
     v2[1] += 5.0
-    out2 = cross_attention(q, k2, v2, backend=backend)
+    out2 = cross_attention(q, k2, v2, backend="triton")
     rows = torch.arange(q.shape[0]) // 17  # request of each row
     assert torch.equal(out[rows != 1], out2[rows != 1])  # bit-identical elsewhere
     assert not torch.isclose(out[rows == 1], out2[rows == 1]).any()
@@ -142,6 +127,11 @@ def test_dispatcher_on_cpu_is_the_reference() -> None:
     out = cross_attention(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert torch.equal(out, cross_attention_reference(q, k, v))
+    assert default_backend(q, k) == "reference"
+    for dtype in (torch.float32, torch.float16):
+        q, k, v = _inputs(2, 3, 2, 5, 16, dtype)
+        assert default_backend(q, k) == "reference"
+        assert torch.equal(cross_attention(q, k, v), cross_attention_reference(q, k, v))
 
 
 @needs_triton
@@ -165,81 +155,6 @@ def test_autotune_pruning_keeps_a_fitting_config(
         assert c.kwargs["BLOCK_M"] * c.kwargs["TILES"] <= max(32, 1 << (m - 1).bit_length())
         smem = triton_ca._smem(c.kwargs["BLOCK_M"], c.num_stages, block_t, block_d, q.itemsize)
         assert smem <= triton_ca.SMEM_BYTES
-
-
-# --- the persistent kernel (interpreter on CPU: CPU_PROGRAMS programs) -------------------
-
-
-@needs_triton
-@pytest.mark.parametrize("b", [1, 3])
-@pytest.mark.parametrize("m", [1, 17, 40])  # 40: runs of tiles start inside a (b, h)
-@pytest.mark.parametrize("t_ctx", [5, 33])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_persistent_matches_reference(b: int, m: int, t_ctx: int, dtype: torch.dtype) -> None:
-    """Default config (BLOCK_M 16) on 3 programs: each walks several (b, h) pairs,
-    reloading K/V between them, with a ragged last tile per pair when M = 17 or 40."""
-    q, k, v = _inputs(b, m, 2, t_ctx, 16, dtype)
-    out = torch.full_like(q, float("nan"))  # any row or lane the kernel skips stays NaN
-    got = triton_pca.triton_cross_attention_persistent(q, k, v, out=out)
-    assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
-    torch.testing.assert_close(got, cross_attention_reference(q, k, v), **TOL[dtype])
-
-
-@needs_triton
-@pytest.mark.parametrize(("tma", "ws"), [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("occupancy", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_persistent_configs_match_reference(
-    tma: bool, ws: bool, occupancy: int, dtype: torch.dtype
-) -> None:
-    """TMA descriptors (emulated by the interpreter) and a wider grid give the same rows;
-    q strided like a slice of a fused QKV projection. `WS` only reaches the kernel here
-    (the interpreter ignores warp specialisation): its GPU effect is the bench's sweep."""
-    b, m, h, d = 3, 32, 3, 32
-    config = {"BLOCK_M": 16, "OCCUPANCY": occupancy, "USE_TMA": tma, "WS": ws}
-    qkv = torch.randn(b * m, 3 * h * d).to(dtype)
-    q = qkv[:, : h * d].view(b * m, h, d)  # [B * M, H, d_h], stride(0) = 3·H·d_h
-    _, k, v = _inputs(b, m, h, 7, d, dtype)
-    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
-    triton_pca.triton_cross_attention_persistent(q, k, v, out=out, config=config)
-    torch.testing.assert_close(out, cross_attention_reference(q, k, v), **TOL[dtype])
-
-
-@needs_triton
-def test_persistent_tma_refuses_ragged_tiles() -> None:
-    """A TMA box of the 2-D view would store into the next request's rows."""
-    q, k, v = _inputs(2, 17, 2, 5, 16, torch.float32)
-    config = {"BLOCK_M": 16, "OCCUPANCY": 1, "USE_TMA": True}
-    with pytest.raises(AssertionError, match="whole tiles"):
-        triton_pca.triton_cross_attention_persistent(q, k, v, config=config)
-
-
-@needs_triton
-@pytest.mark.parametrize("m", [1, 17, 1000, 1024])
-@pytest.mark.parametrize("t_ctx", [5, 128, 256])
-@pytest.mark.parametrize("d", [16, 64, 128])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tma_ok", [False, True])
-def test_persistent_pruning_keeps_a_fitting_config(
-    m: int, t_ctx: int, d: int, dtype: torch.dtype, tma_ok: bool
-) -> None:
-    """At any supported shape the pruned GPU configs fit an SM OCCUPANCY times over, and
-    TMA only where descriptors exist and tiles are whole."""
-    if not triton_pca.supports(t_ctx, d, dtype):
-        assert dtype == torch.float32 and t_ctx * d > 128 * 128  # only big fp32 tiles
-        return
-    configs = triton_pca._gpu_configs()
-    block_t, block_d = max(16, 1 << (t_ctx - 1).bit_length()), max(16, d)
-    q = torch.empty(0, dtype=dtype)
-    kw = {"BLOCK_T": block_t, "BLOCK_D": block_d, "TMA_OK": tma_ok}
-    kept = triton_pca._prune(configs, {"M": m, "q_ptr": q}, **kw)
-    assert kept and all(c in configs for c in kept)
-    for c in kept:
-        bm, occ = c.kwargs["BLOCK_M"], c.kwargs["OCCUPANCY"]
-        smem = triton_pca._smem_bytes(bm, c.num_stages, block_t, block_d, q.itemsize)
-        assert occ * (smem + 1024) <= triton_pca.SM_SMEM_BYTES
-        assert occ * c.num_warps * 32 * triton_pca.REGS_PER_THREAD <= triton_pca.SM_REGS
-        assert not c.kwargs["USE_TMA"] or (tma_ok and m % bm == 0)
 
 
 # --- GPU: every backend at the paper's shape ------------------------------------------
@@ -272,59 +187,17 @@ def test_gpu_backend_at_full_shape(backend: str, dtype: torch.dtype) -> None:
 @needs_triton
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", TRITON_BACKENDS)
 @pytest.mark.parametrize("b", [1, 3])
 @pytest.mark.parametrize("m", [1, 17, 1000])
 @pytest.mark.parametrize("t_ctx", [5, 200])  # 128: the full-shape test
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_triton_awkward_shapes(
-    backend: str, b: int, m: int, t_ctx: int, dtype: torch.dtype
-) -> None:
-    kernel = triton_ca if backend == "triton" else triton_pca
-    if not kernel.supports(t_ctx, 128, dtype):
+def test_gpu_triton_awkward_shapes(b: int, m: int, t_ctx: int, dtype: torch.dtype) -> None:
+    if not triton_ca.supports(t_ctx, 128, dtype):
         pytest.skip("fp32 K/V of this length do not fit shared memory; SDPA takes it")
     q, k, v = _inputs(b, m, 16, t_ctx, 128, dtype, "cuda")
     out = torch.full_like(q, float("nan"))
-    if backend == "triton":
-        triton_ca.triton_cross_attention(q, k, v, out=out)
-    else:
-        triton_pca.triton_cross_attention_persistent(q, k, v, out=out)
+    triton_ca.triton_cross_attention(q, k, v, out=out)
     torch.testing.assert_close(out, cross_attention_reference(q, k, v), **TOL[dtype])
-
-
-def _persistent_gpu_configs() -> list:
-    """The GPU configs the autotuner keeps at the paper's shape (bf16, descriptors)."""
-    if triton_pca is None:
-        return []
-    q = torch.empty(0, dtype=torch.bfloat16)
-    kw = {"BLOCK_T": FULL["t_ctx"], "BLOCK_D": FULL["d"], "TMA_OK": True}
-    return triton_pca._prune(triton_pca._gpu_configs(), {"M": FULL["m"], "q_ptr": q}, **kw)
-
-
-@needs_triton
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("config", _persistent_gpu_configs(), ids=str)
-def test_gpu_persistent_every_config(config) -> None:
-    """Every tuned config at the paper's shape (TMA, pipelining depth, occupancy) is exact."""
-    s = FULL
-    q, k, v = _inputs(s["b"], s["m"], s["h"], s["t_ctx"], s["d"], torch.bfloat16, "cuda")
-    fixed = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
-    out = torch.full_like(q, float("nan"))
-    triton_pca.triton_cross_attention_persistent(q, k, v, out=out, config=fixed)
-    torch.testing.assert_close(out, cross_attention_reference(q, k, v), **TOL[torch.bfloat16])
-
-
-@needs_triton
-@gpu
-@needs_cuda
-def test_gpu_persistent_autotuned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The autotuned launch, whose pre-hook sizes the TMA boxes per config, is exact."""
-    monkeypatch.setattr(triton_pca, "AUTOTUNE", True)
-    q, k, v = _inputs(2, FULL["m"], FULL["h"], FULL["t_ctx"], FULL["d"], torch.bfloat16, "cuda")
-    got = triton_pca.triton_cross_attention_persistent(q, k, v)
-    torch.testing.assert_close(got, cross_attention_reference(q, k, v), **TOL[torch.bfloat16])
-    assert triton_pca._cross_attn_persistent_tuned.best_config is not None
 
 
 @needs_triton
@@ -333,9 +206,24 @@ def test_gpu_persistent_autotuned(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_gpu_dispatcher_default_and_long_context() -> None:
     for dtype, t_ctx in [(torch.bfloat16, 300), (torch.float32, 256)]:  # not for the kernel
         q, k, v = _inputs(2, 64, 4, t_ctx, 128, dtype, "cuda")
-        got = cross_attention(q, k, v)  # falls back to SDPA (flash, or efficient for fp32)
+        got = cross_attention(q, k, v)  # SDPA: cuDNN for bf16, memory-efficient for fp32
         torch.testing.assert_close(got, cross_attention_reference(q, k, v), **TOL[dtype])
     q, k, v = _inputs(2, 64, 4, 128, 64, torch.bfloat16, "cuda")
     torch.testing.assert_close(
-        cross_attention(q, k, v), cross_attention_per_beam(q, k, v), **TOL[torch.bfloat16]
+        cross_attention(q, k, v), cross_attention_reference(q, k, v), **TOL[torch.bfloat16]
     )
+
+
+@gpu
+@needs_cuda
+def test_gpu_default_backend() -> None:
+    """cuDNN for 16-bit inputs; fp32 through our kernel while the context fits one block,
+    SDPA's memory-efficient kernel past it."""
+    for dtype, t_ctx, want in [
+        (torch.bfloat16, 128, "sdpa_cudnn"),
+        (torch.float16, 300, "sdpa_cudnn"),
+        (torch.float32, 128, "triton" if triton_ca is not None else "sdpa_efficient"),
+        (torch.float32, 300, "sdpa_efficient"),
+    ]:
+        q, k, _ = _inputs(1, 4, 2, t_ctx, 128, dtype, "cuda")
+        assert default_backend(q, k) == want, (dtype, t_ctx)

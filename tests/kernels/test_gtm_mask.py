@@ -13,11 +13,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from contracts.index_format import SID_LENGTH, VOCAB_SIZE, IndexArrays
+from contracts.request import FilterMode
+from contracts.targeting import Targeting, encode_requests
+from contracts.tensors import GtmTables, RequestTensors
 from index_builder.build import build_arrays
-from index_builder.format import SID_LENGTH, VOCAB_SIZE, IndexArrays
 from index_builder.kway import KwaySpec
-from index_builder.lookup import FilterMode, GtmTables, RequestTensors
-from index_builder.targeting import Targeting, encode_requests
 from kernels.gtm_mask import (
     candidates,
     gtm_mask_triton,

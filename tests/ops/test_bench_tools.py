@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from bench import bench_startup, bench_topk_capacity
+from bench.baselines.decode_variants import DecodeOptions
 from bench.bench_decoder_loop import FINAL_ROW, ROWS, paired, tail_spread, times_interleaved
+from contracts.index_format import VOCAB_SIZE
 from index_builder.catalog import read_catalog
-from index_builder.format import VOCAB_SIZE
 from index_builder.publish import current_path, publish
-from service.decode.static_engine import DecodeOptions
 from tests.helpers.indexes import small_index, writer
 from tests.helpers.serving import make_serving_data
 

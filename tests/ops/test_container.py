@@ -20,7 +20,7 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 
-from service.cli import build_parser
+from cli import build_parser
 from service.settings import load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -205,7 +205,7 @@ def test_runtime_is_non_root_read_only_friendly_and_probed_by_grace_health(varia
 
     assert [exec_form(v) for v in final.values("ENTRYPOINT")] == [["grace"]]
     scripts = (REPO / "pyproject.toml").read_text()
-    assert 'grace = "service.cli:main"' in scripts  # the entrypoint is the project's CLI
+    assert 'grace = "cli:main"' in scripts  # the entrypoint is the project's CLI
     (cmd,) = final.values("CMD")
     assert parse_cli(exec_form(cmd)).command == "serve"
 

@@ -238,7 +238,7 @@ def test_shared_claims_are_mounted_read_only(rendered, overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_container_args_parse_with_the_grace_cli(rendered, overlay):
-    from service.cli import build_parser
+    from cli import build_parser
 
     parser = build_parser()
     assert parser.parse_args(server(rendered[overlay])["args"]).command == "serve"

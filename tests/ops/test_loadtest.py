@@ -24,8 +24,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cli import main as grace
 from index_builder.synth import load_world
-from service.cli import main as grace
 from service.client import request_for_user
 from service.request_log import read_requests, to_json_line, write_requests
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
@@ -69,7 +69,7 @@ def server(data: Path):
     log_path = data / "requests.jsonl"
     env = os.environ | {"GRACE_REQUEST_LOG": str(log_path), "GRACE_HOST": "127.0.0.1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data), "--port", "0",
+        [sys.executable, "-m", "cli", "serve", "--data-dir", str(data), "--port", "0",
          "--metrics-port", "0", "--device", "cpu", "--no-progress"],
         cwd=REPO, env=env, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

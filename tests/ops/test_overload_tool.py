@@ -22,10 +22,12 @@ import pytest
 
 from bench.bench_overload import markdown_table, republisher
 from bench.svg_plot import Series, line_chart, nice_ticks
-from index_builder.format import read_index_dir
+from contracts.index_format import read_index_dir
 from index_builder.publish import current_path, current_version, list_versions, publish
-from loadtest.overload import main, probe_capacity, run_open_loop
+from loadtest.overload import main
 from loadtest.overload_results import OK, Samples, summarise
+from loadtest.overload_runner import run_open_loop
+from loadtest.overload_sender import probe_capacity
 from tests.helpers.indexes import small_index, writer
 from tests.helpers.server_process import metric_value
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import grpc
 
+from cli.bootstrap import ensure_default
 from index_builder.publish import current_version
 from service.app import start
-from service.bootstrap import ensure_default
 from service.client import request_for_user
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.settings import load_settings
-from service.training.train import TrainSettings
+from training.train import TrainSettings
 
 
 def _outputs(data: Path) -> dict[str, float]:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from index_builder.format import read_manifest
+from cli import main
+from contracts.index_format import read_manifest
 from index_builder.publish import current_path, current_version
 from index_builder.validate import validate_index
-from service.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,7 +106,7 @@ def test_builder_sidecar_rebuilds_on_change_skips_bad_catalogs_and_stops_on_sigt
     catalog, root = tmp_path / "catalog.jsonl", tmp_path / "index"
     _write_catalog(catalog, 20)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "builder", "--catalog", str(catalog),
+        [sys.executable, "-m", "cli", "builder", "--catalog", str(catalog),
          "--out", str(root), "--interval", "0.2"],
         cwd=REPO, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from cli import main
 from service.app import start
-from service.cli import main
 from tests.helpers.serving import make_serving_data, serving_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -98,7 +98,7 @@ def test_bad_timeout_is_a_usage_error() -> None:
 def test_the_probe_process_is_quick_and_never_imports_torch() -> None:
     code = (
         "import sys\n"
-        "from service.cli import main\n"
+        "from cli import main\n"
         f"rc = main(['health', '--target', '127.0.0.1:{closed_port()}'])\n"
         "print(rc, 'torch' in sys.modules)\n"
     )

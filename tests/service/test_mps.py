@@ -120,7 +120,7 @@ def test_serve_flag_reports_a_missing_daemon_as_bad_input(tmp_path: Path) -> Non
     stderr, exit status 2, no traceback."""
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{Path(sys.executable).parent}"}
     done = subprocess.run(
-        [sys.executable, "-m", "service.cli", "serve", "--workers", "2", "--mps", "--device",
+        [sys.executable, "-m", "cli", "serve", "--workers", "2", "--mps", "--device",
          "cuda", "--data-dir", str(tmp_path), "--port", "50998", "--no-progress"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -8,6 +8,7 @@ import logging
 import re
 import threading
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,11 +17,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import service.app
 from index_builder.build import build_index
 from index_builder.publish import current_path
 from index_builder.synth import load_world
 from service.app import start
 from service.client import request_for_user
+from service.pipeline.stages import Stages, graph_buckets
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.server import SERVICE, Abort, RetrievalServicer
 from service.validation import Limits
@@ -87,17 +90,28 @@ def test_retrieve_returns_only_eligible_ads_and_reports_stats(data: Path) -> Non
 
 
 def test_graph_buckets_and_busy_batches_reach_the_server(
-    data: Path, caplog: pytest.LogCaptureFixture
+    data: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The server builds its graphed stages over the configured buckets (plus max_batch),
-    and its batcher counts busy from the device's default (CPU: 2) unless set. Its log
-    says where start-up time went (model, index, then ready)."""
+    """The server builds its stages over the configured graph buckets (plus max_batch: the
+    GPU's graphed stages; the CPU runs every batch at its own size), and its batcher counts
+    busy from the device's default (CPU: 2) unless set. Its log says where start-up time
+    went (model, index, then ready)."""
     caplog.set_level(logging.INFO)
+    built: list[tuple[int, Sequence[int] | None]] = []
+
+    class Recorded(Stages):
+        def __init__(self, model, model_version, device, max_batch=16, buckets=None) -> None:
+            built.append((max_batch, buckets))
+            super().__init__(model, model_version, device, max_batch, buckets)
+
+    monkeypatch.setattr(service.app, "Stages", Recorded)
 
     async def main() -> None:
         app = await start(settings(data, graph_buckets=[2, 8]))
         try:
-            assert app.pipeline.stages.buckets == (2, 8, 16)
+            [(max_batch, buckets)] = built
+            assert graph_buckets(max_batch, buckets) == (2, 8, 16)  # what a GPU captures
+            assert app.pipeline.stages.buckets == tuple(range(1, 17))  # the CPU: no padding
             assert app.batcher.busy_batches == 2
         finally:
             await app.drain()
@@ -268,7 +282,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(data: Path) -> None
 
     port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data), "--port",
+        [sys.executable, "-m", "cli", "serve", "--data-dir", str(data), "--port",
          str(port), "--metrics-port", str(metrics_port), "--device", "cpu", "--no-progress"],
         cwd=Path(__file__).resolve().parents[2], stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -329,19 +343,19 @@ def test_expired_deadlines_are_not_processed(data: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_server_captures_decode_graphs_before_serving(data: Path) -> None:
-    """On GPU the index is served through the fixed-shape engine whose CUDA graphs were
-    captured before health said SERVING; its answers are eligible as on CPU."""
+    """On GPU the index is served through decode plans whose CUDA graphs were captured
+    before health said SERVING; its answers are eligible as on CPU."""
     ads = catalog_ads(data)
     world = load_world(data / "world")
 
     async def main() -> None:
         app = await start(settings(data, device="cuda"))
-        engine = app.servicer.indexes.current.engine
-        assert engine is not None and engine.graphs > 0  # captured before SERVING
-        captured = engine.graphs
+        plans = app.pipeline.stages.plans(app.servicer.indexes.current)
+        assert plans.graphs > 0  # captured before SERVING
+        captured = plans.graphs
         replies = await retrieve_users(app.port, data, range(20))
         await app.drain()
-        assert engine.graphs == captured  # the default schedule needed no new capture
+        assert plans.graphs == captured  # the default schedule needed no new capture
         for u, reply in enumerate(replies):
             assert len(reply.ads) > 0
             assert all(eligible(ads[a.ad_id], world.targeting[u]) for a in reply.ads)

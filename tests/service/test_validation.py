@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from index_builder.lookup import FilterMode
-from index_builder.targeting import Targeting, request_bitmask, request_blooms
+from contracts.request import FilterMode
+from contracts.targeting import Targeting, request_bitmask, request_blooms
 from service.rpc.grace.v1 import retrieval_pb2 as pb
 from service.validation import InvalidRequest, Limits, ValidatedRequest, validate_request
 

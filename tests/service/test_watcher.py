@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from index_builder.publish import CURRENT, current_path, publish
-from service.serving_index import IndexHolder, ServingIndex
-from service.watcher import IndexWatcher
+from service.index.loaded import IndexHolder, LoadedIndex
+from service.index.watcher import IndexWatcher
 from tests.helpers.indexes import corrupting, flip_byte, small_index, writer
 
 
@@ -54,15 +54,15 @@ def test_watcher_swaps_in_new_versions_and_rejects_bad_ones(tmp_path: Path) -> N
     assert not watcher.check_once()  # unchanged
     v2 = publish(tmp_path, writer(small_index(40)))
     assert watcher.check_once() and served(watcher) == v2
-    assert watcher.holder.current.retrieval.arrays.ads.num_ads == 40
+    assert watcher.holder.current.arrays.ads.num_ads == 40
 
     v3 = publish(tmp_path, writer(small_index(50)))
     flip_byte(current_path(tmp_path) / "trie.bloom_table.npy")
     assert not watcher.check_once()
     assert served(watcher) == v2 and watcher.behind  # the old index keeps serving
-    assert not watcher.check_once() and watcher.failures == 1  # not before the backoff
+    assert not watcher.check_once() and len(seen["failed"]) == 1  # not before the backoff
     clock.advance(watcher.backoff_seconds)
-    assert not watcher.check_once() and watcher.failures == 2  # retried after it
+    assert not watcher.check_once() and len(seen["failed"]) == 2  # retried after it
 
     v4 = publish(tmp_path, writer(small_index(20), tokenizer="another-model"))
     assert not watcher.check_once() and served(watcher) == v2  # a new version: at once
@@ -100,7 +100,7 @@ def test_a_malformed_manifest_is_counted_once_per_backoff_and_never_served(
     for _ in range(40):  # 10 s in quarter seconds, several polls per step
         for _ in range(3):
             assert not watcher.check_once()
-        counts.append(watcher.failures)
+        counts.append(len(seen["failed"]))
         clock.advance(0.25)
     # tries at t = 0, 1, 1+2, 3+4, 7+4 (capped): each counted once
     assert [counts[i] for i in (0, 3, 4, 11, 12, 27, 28, 39)] == [1, 1, 2, 2, 3, 3, 4, 4]
@@ -118,11 +118,10 @@ def test_an_unexpected_error_while_preparing_is_a_counted_failure(
     clock = Clock()
     calls = []
 
-    def prepare(index: ServingIndex) -> ServingIndex:
+    def prepare(index: LoadedIndex) -> None:
         calls.append(index.version)
         if len(calls) > 1:
             raise RuntimeError("graph capture failed")
-        return index
 
     watcher, seen = make_watcher(tmp_path, clock, prepare=prepare)
     first = publish(tmp_path, writer(small_index(30)))
@@ -130,7 +129,7 @@ def test_an_unexpected_error_while_preparing_is_a_counted_failure(
     second = publish(tmp_path, writer(small_index(40)))
     for _ in range(5):
         assert not watcher.check_once()
-    assert watcher.failures == 1 and seen["failed"] == [second] and served(watcher) == first
+    assert len(seen["failed"]) == 1 and seen["failed"] == [second] and served(watcher) == first
     tracebacks = [r for r in caplog.records if r.exc_info]  # unexpected: one per attempt
     assert len(tracebacks) == 1
     assert "RuntimeError: graph capture failed" in tracebacks[0].getMessage()
@@ -138,11 +137,11 @@ def test_an_unexpected_error_while_preparing_is_a_counted_failure(
 
 def test_current_moving_on_tries_the_new_version_at_once(tmp_path: Path) -> None:
     clock = Clock()
-    watcher, _ = make_watcher(tmp_path, clock, backoff_seconds=60.0)
+    watcher, seen = make_watcher(tmp_path, clock, backoff_seconds=60.0)
     publish(tmp_path, writer(small_index(30)))
     assert watcher.check_once()
     publish(tmp_path, corrupting(writer(small_index(40))))
-    assert not watcher.check_once() and watcher.failures == 1
+    assert not watcher.check_once() and len(seen["failed"]) == 1
     fixed = publish(tmp_path, writer(small_index(50)))
     assert watcher.check_once() and served(watcher) == fixed and not watcher.behind
 
@@ -163,10 +162,10 @@ def test_a_version_named_before_it_appears_is_picked_up_without_a_failure(
     shutil.copytree(staging / later, root / later, ignore=shutil.ignore_patterns("manifest.json"))
     for _ in range(5):  # arrays there, manifest not yet: still pending
         assert not watcher.check_once()
-    assert watcher.failures == 0 and seen["failed"] == []
+    assert len(seen["failed"]) == 0 and seen["failed"] == []
     shutil.copy(staging / later / "manifest.json", root / later / "manifest.json")
     assert watcher.check_once() and served(watcher) == later and not watcher.behind
-    assert watcher.failures == 0
+    assert len(seen["failed"]) == 0
     pending = [r for r in caplog.records if "has not appeared yet" in r.getMessage()]
     assert len(pending) == 1 and later in pending[0].getMessage()
 
@@ -192,7 +191,7 @@ def test_first_load_falls_back_to_the_newest_version_that_loads(
         shutil.move(root / v3, root.parent / "elsewhere")
     watcher, seen = make_watcher(root)
     assert watcher.check_once() and served(watcher) == v2 and watcher.behind
-    assert watcher.failures == (0 if fault == "pending" else 1)
+    assert len(seen["failed"]) == (0 if fault == "pending" else 1)
     why = {"corrupt": "checksum mismatch", "tokenizer": "SID tokenizer",
            "pending": "has not appeared yet"}[fault]  # fmt: skip
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CURRENT names")]
@@ -211,18 +210,18 @@ def test_first_load_with_nothing_loadable_serves_nothing(
         flip_byte(root / v / "trie.node_offsets.npy")
     watcher, seen = make_watcher(root)
     assert not watcher.check_once() and not watcher.holder.ready and watcher.behind
-    assert watcher.failures == 3 and sorted(seen["failed"]) == versions
-    assert not watcher.check_once() and watcher.failures == 3  # each waits for its backoff
+    assert len(seen["failed"]) == 3 and sorted(seen["failed"]) == versions
+    assert not watcher.check_once() and len(seen["failed"]) == 3  # each waits for its backoff
 
 
 def test_an_unreadable_current_is_logged_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     first = publish(tmp_path, writer(small_index(30)))
-    watcher, _ = make_watcher(tmp_path)
+    watcher, seen = make_watcher(tmp_path)
     assert watcher.check_once()
     (tmp_path / CURRENT).write_text("../../elsewhere\n")
     for _ in range(5):
         assert not watcher.check_once()
-    assert served(watcher) == first and watcher.failures == 0
+    assert served(watcher) == first and len(seen["failed"]) == 0
     assert len([r for r in caplog.records if "not a version" in r.getMessage()]) == 1

@@ -113,7 +113,7 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
     with `--mps` the workers run through a private MPS daemon, quit at the end."""
     port, metrics = free_ports(1), free_ports(2)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data), "--port",
+        [sys.executable, "-m", "cli", "serve", "--data-dir", str(data), "--port",
          str(port), "--metrics-port", str(metrics), "--device", device, "--no-progress",
          "--workers", "2", "--balance", balance, *(["--mps"] if mps else [])],
         cwd=ROOT, stderr=subprocess.PIPE, text=True,

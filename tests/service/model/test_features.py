@@ -14,19 +14,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from index_builder.format import AdArrays
-from index_builder.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Targeting
+from contracts.index_format import AdArrays
+from contracts.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Targeting
 from service.model.config import PROFILES
+from service.model.feature_packing import (
+    PackedFeatureBatch,
+    pack_features,
+    packed_columns,
+    unpack_features,
+)
 from service.model.features import (
     FeatureBatch,
-    PackedFeatureBatch,
     SidLookup,
     UserFeatures,
     gap_bucket,
-    pack_features,
-    packed_columns,
     prepare_features,
-    unpack_features,
     user_hash,
 )
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from service.model.embeddings import NUM_NONSEQ_TOKENS, EmbeddedFeatures
-from service.model.features import FeatureBatch, pack_features, unpack_features
+from service.model.feature_packing import pack_features, unpack_features
+from service.model.features import FeatureBatch
 from service.model.static_encoder import StaticEncoder
 from service.model.static_features import StaticFeatures
 from tests.service.model.test_encoder import CONFIG, _batch, _pad

@@ -5,28 +5,32 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from contracts.request import FilterMode
+from contracts.targeting import Targeting, encode_requests
+from contracts.tensors import RequestTensors
 from index_builder.build import build_arrays
-from index_builder.lookup import FilterMode
-from index_builder.targeting import Targeting
 from service.batcher import Batcher
-from service.decode.retrieve import RetrievalIndex, retrieve
+from service.index.loaded import IndexHolder, LoadedIndex
 from service.model.config import PROFILES
 from service.model.features import UserFeatures, prepare_features
 from service.model.retriever import GenerativeRetriever
 from service.model.static_encoder import StaticEncoder
 from service.model.static_features import StaticFeatures
+from service.pipeline.records import decode_groups
 from service.pipeline.runner import Pipeline
 from service.pipeline.stages import Stages, graph_buckets
-from service.serving_index import IndexHolder, ServingIndex
+from service.post import PostResult
 from tests.helpers.catalogs import catalog_from_ads
 from tests.helpers.oracle import Ad, eligible
+from tests.helpers.reference_post import expand_and_filter
+from tests.helpers.reference_search import ReferenceBeamSearch
+from training.offline import OfflineRetriever
 
 CONFIG = PROFILES["tiny"]
 BEAMS = (1, 8, 16, 16)
@@ -44,7 +48,7 @@ class Req:
     filter_mode: FilterMode = FilterMode.CD_GTM
 
 
-def world(seed: int) -> tuple[list[Ad], ServingIndex]:
+def world(seed: int) -> tuple[list[Ad], LoadedIndex]:
     rng = np.random.default_rng(seed)
     ads = [
         Ad(
@@ -58,7 +62,7 @@ def world(seed: int) -> tuple[list[Ad], ServingIndex]:
     ]
     cat = catalog_from_ads(ads)
     arrays = build_arrays(cat, cat.sid.astype(np.int64))
-    return ads, ServingIndex(f"v{seed}", Path("."), {}, RetrievalIndex.from_arrays(arrays))
+    return ads, LoadedIndex.from_arrays(arrays, version=f"v{seed}")
 
 
 def requests(n: int, ads: list[Ad]) -> list[Req]:
@@ -90,20 +94,34 @@ def model() -> GenerativeRetriever:
     return GenerativeRetriever(CONFIG).eval()
 
 
+@pytest.fixture
+def without_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Stages(..., "cuda")` built on a machine without one: its bookkeeping only (buckets,
+    padding, graphed modules), nothing runs on a stream."""
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
+
+
 async def serve(
-    model, holder: IndexHolder, reqs, *, fail_stage: str | None = None, swap=None, static=False
+    model,
+    holder: IndexHolder,
+    reqs,
+    *,
+    fail_stage: str | None = None,
+    swap=None,
+    static=False,
+    stages: Stages | None = None,
 ):
-    stages = Stages(model, "m1", "cpu", None)
+    stages = stages or Stages(model, "m1", "cpu")
     if static:  # the GPU's fixed-shape stages 2 and 3, run eagerly
         stages.embedder = StaticFeatures(model.embedder, CONFIG, batch_buckets=(2, 4))
         stages.encoder = StaticEncoder(model.encoder, batch_buckets=(2, 4))
     if fail_stage:
         original = getattr(stages, fail_stage)
 
-        def broken(batch):
+        def broken(batch, *rest):
             if any(r.user_id == 0 for r in batch.requests):
                 raise RuntimeError("boom")
-            return original(batch)
+            return original(batch, *rest)
 
         setattr(stages, fail_stage, broken)
     batcher: Batcher
@@ -122,20 +140,38 @@ async def serve(
     return results
 
 
+@torch.no_grad()
+def reference(model: GenerativeRetriever, index: LoadedIndex, r: Req) -> PostResult:
+    """One request on the reference path: encoder, the reference beam search (whole
+    prefixes, no KV cache) and the Python post stage."""
+    feats = prepare_features(
+        [UserFeatures(r.user_id, r.targeting, r.history_ad_ids, r.history_types,
+                      r.history_ts_ms)], index.lookup, CONFIG)  # fmt: skip
+    ctx = model.encode(feats)
+    requests = None
+    if r.filter_mode != FilterMode.CD_ONLY:
+        requests = RequestTensors.from_encoded(encode_requests([r.targeting]))
+    search = ReferenceBeamSearch(model.decoder, index.tables, index.level_offsets)
+    leaves, scores = (x.numpy() for x in search.run(ctx, requests, r.beams, r.filter_mode).valid(0))
+    return expand_and_filter(index.arrays.ads, index.vocabulary, leaves, scores, r.targeting,
+                             r.max_ads)  # fmt: skip
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 def test_pipeline_answers_like_the_reference_path_and_only_eligible_ads(model, static) -> None:
     ads, index = world(0)
     reqs = requests(10, ads)
     results = asyncio.run(serve(model, IndexHolder(index), reqs, static=static))
     by_id = {a.ad_id: a for a in ads}
+    offline = OfflineRetriever(model, index)  # the served engine and post stage, one thread
     for r, res in zip(reqs, results, strict=True):
         feats = prepare_features(
             [UserFeatures(r.user_id, r.targeting, r.history_ad_ids, r.history_types,
-                          r.history_ts_ms)], index.retrieval.lookup, CONFIG)  # fmt: skip
-        [want] = retrieve(model, index.retrieval, feats, [r.targeting], r.beams, r.filter_mode,
-                          r.max_ads)  # fmt: skip
-        assert res.post.ad_ids.tolist() == want.ad_ids.tolist()
-        torch.testing.assert_close(res.post.scores, want.scores)
+                          r.history_ts_ms)], index.lookup, CONFIG)  # fmt: skip
+        [served] = offline.retrieve(feats, [r.targeting], r.beams, r.filter_mode, r.max_ads)
+        for want in (served, reference(model, index, r)):
+            assert res.post.ad_ids.tolist() == want.ad_ids.tolist()
+            torch.testing.assert_close(res.post.scores, want.scores)
         assert all(eligible(by_id[a], r.targeting) for a in res.post.ad_ids.tolist())
         assert res.index_version == "v0" and res.model_version == "m1"
         assert set(res.stage_ms) == {"input", "features", "compute", "post"}
@@ -150,7 +186,7 @@ def test_every_batch_uses_one_index_across_a_swap(model) -> None:
     versions = [r.index_version for r in results]
     assert set(versions) == {"v0", "v1"}
     assert versions == sorted(versions)  # requests after the swap got the new index
-    assert holder.swaps == 1
+    assert holder.current is index1  # the one swap
 
 
 @pytest.mark.parametrize("stage", ["input", "compute", "post"])
@@ -169,11 +205,14 @@ def test_a_swapped_out_index_is_released_once_no_batch_holds_it(model) -> None:
     ads0, index0 = world(0)
     _, index1 = world(1)
     holder = IndexHolder(index0)
-    asyncio.run(serve(model, holder, requests(12, ads0), swap=index1))
+    stages = Stages(model, "m1", "cpu")  # outlives the swap, as the server's does
+    asyncio.run(serve(model, holder, requests(12, ads0), swap=index1, stages=stages))
+    assert stages.plans(index1) is stages.plans(index1)  # plans are kept per version
     ref = weakref.ref(index0)
     del index0
     gc.collect()
-    assert ref() is None  # nothing (pipeline, results, holder) keeps the old version alive
+    # nothing (pipeline, results, holder, the stages' decode plans) keeps the old version
+    assert ref() is None
     assert holder.current is index1
 
 
@@ -186,7 +225,7 @@ def test_a_failed_capture_falls_back_to_the_eager_module(model, caplog) -> None:
         def warm(self) -> None:
             raise RuntimeError("capture failed")
 
-    stages = Stages(model, "m1", "cpu", None)
+    stages = Stages(model, "m1", "cpu")
     stages.encoder = BrokenEncoder(model.encoder)
     stages._warm_graphs()
     assert stages.encoder is model.encoder
@@ -224,40 +263,49 @@ def test_graph_buckets_always_hold_the_largest_batch(max_batch: int, want) -> No
             graph_buckets(16, bad)
 
 
-def test_every_graphed_stage_uses_the_buckets_of_max_batch(model) -> None:
-    """Embedder, encoder and (in `prepare`) the decode engine share one bucket set that
+def test_every_graphed_stage_uses_the_buckets_of_max_batch(model, without_gpu) -> None:
+    """On GPU the embedder, the encoder and the decode engine share one bucket set that
     holds max_batch: a larger batch setting gets graphs in all three, not eager stages."""
-    stages = Stages(model, "m1", "cpu", None, max_batch=32)
-    assert stages.buckets == graph_buckets(32)
-    embedder, encoder = stages.graphed()
-    assert embedder.buckets == encoder.buckets == (2, 4, 6, 8, 10, 12, 14, 16, 32)
-    coarse = Stages(model, "m1", "cpu", None, max_batch=16, buckets=[8])  # the setting
-    assert coarse.graphed()[0].buckets == coarse.graphed()[1].buckets == (8, 16)
-    assert stages.embedder is model.embedder and stages.encoder is model.encoder  # CPU: eager
+    stages = Stages(model, "m1", "cuda", max_batch=32)
+    assert stages.buckets == graph_buckets(32) == (2, 4, 6, 8, 10, 12, 14, 16, 32)
+    assert isinstance(stages.embedder, StaticFeatures) and isinstance(stages.encoder, StaticEncoder)
+    assert stages.embedder.buckets == stages.encoder.buckets == stages.buckets
+    assert stages.engine.batch_buckets == stages.buckets
+    coarse = Stages(model, "m1", "cuda", max_batch=16, buckets=[8])  # the setting
+    assert coarse.buckets == coarse.engine.batch_buckets == (8, 16)
+    assert coarse.embedder.buckets == coarse.encoder.buckets == (8, 16)
 
 
-def test_padding_is_what_the_buckets_add_per_decode_group_on_gpu_only(model) -> None:
+def test_the_cpu_runs_every_batch_at_its_own_size_on_the_eager_modules(model) -> None:
+    stages = Stages(model, "m1", "cpu", max_batch=32, buckets=[8])  # the GPU setting: unused
+    assert stages.buckets == stages.engine.batch_buckets == tuple(range(1, 33))
+    assert stages.embedder is model.embedder and stages.encoder is model.encoder
+
+
+def test_padding_is_what_the_buckets_add_per_decode_group_on_gpu_only(model, without_gpu) -> None:
     """`grace_batch_padding_total` counts the requests' worth of rows the GPU decodes past
     the batch's requests: each decode group (beam schedule, filter mode) pads to its own
     bucket. The CPU path runs each group at its own size."""
 
-    def reqs(*groups: tuple[int, FilterMode]):
-        return [
+    def groups(*sizes: tuple[int, FilterMode]):
+        reqs = [
             SimpleNamespace(beams=(1, 4, 8, 8), filter_mode=mode)
-            for n, mode in groups
+            for n, mode in sizes
             for _ in range(n)
         ]
+        return decode_groups(reqs)
 
-    stages = Stages(model, "m1", "cpu", None, max_batch=16, buckets=[4, 8, 12])
-    assert stages.padding(reqs((5, FilterMode.CD_GTM))) == 0
-    stages.device = torch.device("cuda")  # the bookkeeping only: nothing runs here
     gtm, cd = FilterMode.CD_GTM, FilterMode.CD_ONLY
-    assert [stages.padding(reqs((n, gtm))) for n in (1, 4, 5, 9, 12, 13, 16)] == [
+    cpu = Stages(model, "m1", "cpu", max_batch=16, buckets=[4, 8, 12])
+    assert [cpu.padding(groups((n, gtm))) for n in (1, 5, 9, 16)] == [0, 0, 0, 0]
+    assert cpu.padding(groups((5, gtm), (5, cd))) == 0
+    stages = Stages(model, "m1", "cuda", max_batch=16, buckets=[4, 8, 12])
+    assert [stages.padding(groups((n, gtm))) for n in (1, 4, 5, 9, 12, 13, 16)] == [
         3, 0, 3, 3, 0, 3, 0
     ]  # fmt: skip
-    assert stages.padding(reqs((5, gtm), (5, cd))) == 6  # two groups of 5, each in 8
-    fine = Stages(model, "m1", "cpu", None, max_batch=16)  # the default: every even size
-    fine.device = torch.device("cuda")
-    assert [fine.padding(reqs((n, gtm))) for n in (1, 5, 9, 16)] == [1, 1, 1, 0]
-    with pytest.raises(ValueError, match="exceeds the largest bucket"):
-        stages.padding(reqs((17, gtm)))
+    assert stages.padding(groups((5, gtm), (5, cd))) == 6  # two groups of 5, each in 8
+    fine = Stages(model, "m1", "cuda", max_batch=16)  # the default: every even size
+    assert [fine.padding(groups((n, gtm))) for n in (1, 5, 9, 16)] == [1, 1, 1, 0]
+    for too_many in (stages, cpu):
+        with pytest.raises(ValueError, match="exceeds the largest bucket"):
+            too_many.padding(groups((17, gtm)))

@@ -1,4 +1,5 @@
-"""The C++ post stage (pipeline stage 4) against the Python reference `expand_and_filter`."""
+"""The C++ post stage (pipeline stage 4) against the Python reference post stage
+(`tests.helpers.reference_post.expand_and_filter`)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from contracts.index_format import AdArrays, IndexArrays, read_index_dir, write_index_dir
+from contracts.targeting import BITMASK_WORDS, Targeting, request_bitmask
 from index_builder.build import build_arrays
-from index_builder.exact import LocationVocabulary, PostResult, expand_and_filter
-from index_builder.format import AdArrays, IndexArrays, read_index_dir, write_index_dir
-from index_builder.targeting import BITMASK_WORDS, Targeting, request_bitmask
-from service.post import PostRequest, PostStage
+from service.post import LocationVocabulary, PostRequest, PostResult, PostStage
 from tests.helpers.catalogs import (
     COUNTRY_POOL,
     LOCATION_POOL,
@@ -23,6 +23,7 @@ from tests.helpers.catalogs import (
     requests_strategy,
 )
 from tests.helpers.oracle import Ad, eligible
+from tests.helpers.reference_post import expand_and_filter
 
 # few distinct values so that ties (and -0.0 == 0.0) are common
 SCORES = st.sampled_from([0.0, -0.0, -0.5, -1.0, -1.0000001, -3.25, float("-inf")])

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli import main
 from index_builder.build import build_index
 from index_builder.synth import generate_world
 from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
-from service.cli import main
 from service.model.checkpoint import save_checkpoint
 from service.model.config import PROFILES
 from service.model.retriever import GenerativeRetriever

@@ -11,9 +11,9 @@ import torch
 
 from index_builder.synth import generate_world
 from service.model.checkpoint import load_checkpoint
-from service.training import train as train_module
-from service.training.data import Examples
-from service.training.train import TrainSettings, train
+from training import train as train_module
+from training.data import Examples
+from training.train import TrainSettings, train
 
 SETTINGS = TrainSettings(
     epochs=0.5, batch_size=32, warmup_steps=5, eval_users=32, eval_ks=(10, 50),

@@ -1,0 +1,159 @@
+"""The decode engine with served optimisations switched off one at a time: the baselines of
+bench/bench_decoder_loop.py's ladder (the paper's Table 6). None of this is served.
+
+`DecodeOptions` names each switch; its defaults are the served engine, and
+`VariantEngine(decoder, options, ...)` is `service.decode.engine.DecodeEngine` with the
+seams the options touch replaced: the per-beam cross-attention layout, torch SDPA or
+gather + attend self-attention, the dense KV cache, fixed beam widths, no mask, bitmask-only
+GTM, eager (uncaptured) plans, the layer-by-layer decoder step, the unfused mask tail,
+a different stream split, the Triton GELU GEMM, and the bookkeeping as torch launches or
+through torch.compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bench.baselines.cross_attention import cross_attention_per_beam
+from bench.baselines.gelu_linear import gelu_linear_triton
+from bench.baselines.kv_cache import ATTENTION_MODES, DenseKVCache, GatherPagedKVCache
+from contracts.request import FilterMode
+from kernels.beam_advance import beam_advance_reference
+from kernels.cross_attention import cross_attention
+from kernels.gtm_mask import bitmask_only, candidates, masked_candidates, masked_logits
+from service.decode.engine import DecodeEngine
+from service.decode.step import DecoderStep
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Ablation switches; the defaults are what the server runs."""
+
+    cross: str = "beam_as_query"  # "per_beam": K/V materialised per beam row (naive)
+    self_attn: str = "fused"  # "gather": gather + prefix_self_attention; "sdpa": + torch SDPA
+    kv: str = "paged"  # "dense": per-row KV whose reorder copies bytes
+    fixed_beams: bool = False  # compute max(beams) rows per request at every step
+    mask: bool = True  # False: no CD/GTM at all (latency ablation: no leaves, all −1)
+    bloom: bool = True  # False: GTM tests the bitmask only
+    cuda_graph: bool = True  # capture each plan on CUDA (CPU always runs eagerly)
+    fused_layers: bool = True  # DecoderStep (False: the layer-by-layer step below)
+    streams: int = 2  # buckets >= SPLIT_MIN_BUCKET run as this many parts (graph branches)
+    # one kernel for mask + log-softmax + score, layer 0's QKV table read by the attention
+    # kernel (False: masked_logits, then candidates; the table gathered first)
+    fused_tail: bool = True
+    ffn_up: str = "cublaslt"  # "triton": the persistent TMA GEMM (fused_layers only)
+    # the step's bookkeeping after top-k: "kernel" (served), "eager" (the torch
+    # reference, ~10 launches), "compiled" (the reference through torch.compile)
+    advance: str = "kernel"
+
+    def __post_init__(self) -> None:
+        for name, value, known in (
+            ("cross", self.cross, ("beam_as_query", "per_beam")),
+            ("self_attn", self.self_attn, ATTENTION_MODES),
+            ("kv", self.kv, ("paged", "dense")),
+            ("ffn_up", self.ffn_up, ("cublaslt", "triton")),
+            ("advance", self.advance, ("kernel", "eager", "compiled")),
+        ):
+            if value not in known:
+                raise ValueError(f"{name} must be one of {known}, got {value!r}")
+
+
+class VariantStep(DecoderStep):
+    """The served step with its table read, cross layout or FFN GEMM changed."""
+
+    def __init__(self, decoder, options: DecodeOptions) -> None:
+        super().__init__(decoder)
+        self.options = options
+
+    def attend_first(self, cache, t, tokens):
+        if self.options.fused_tail:
+            return super().attend_first(cache, t, tokens)
+        return cache.attend(0, t, self.qkv0[t, tokens])  # gathered into a copy first
+
+    def cross(self, q, k, v):
+        per_beam = self.options.cross == "per_beam"
+        return cross_attention_per_beam(q, k, v) if per_beam else cross_attention(q, k, v)
+
+    def ffn_up(self, h, layer):
+        if self.gelu_epilogue and self.options.ffn_up == "triton":
+            return gelu_linear_triton(h, layer.ffn_up.weight, layer.ffn_up.bias)
+        return super().ffn_up(h, layer)
+
+
+class LayerByLayerStep:
+    """The textbook step: per layer LN -> QKV -> attend -> add, LN -> cross -> add,
+    LN -> FFN -> add; no table, no folded biases (the ladder's unfused rows)."""
+
+    def __init__(self, decoder, options: DecodeOptions) -> None:
+        self.decoder = decoder
+        self.per_beam = options.cross == "per_beam"
+
+    @torch.no_grad()
+    def __call__(self, tokens, t, cross, cache):
+        d = self.decoder
+        x = d.tok_emb[t, tokens]
+        attend_cross = cross_attention_per_beam if self.per_beam else cross_attention
+        for i, (layer, kv) in enumerate(zip(d.layers, cross, strict=True)):
+            r = x.shape[0]
+            a = cache.attend(i, t, layer.qkv(layer.norm_self(x)))  # [R, H, d_h]
+            x = x + layer.self_out(a.reshape(r, -1))
+            q = layer.cross_q(layer.norm_cross(x)).view(r, layer.h, layer.dh)
+            x = x + layer.cross_out(attend_cross(q, *kv).reshape(r, -1))
+            x = x + layer.ffn(layer.norm_ffn(x))
+        return d.head(d.norm(x))
+
+
+class VariantEngine(DecodeEngine):
+    """`DecodeEngine` with `options` applied at its seams."""
+
+    def __init__(self, decoder, options: DecodeOptions | None = None, **kwargs) -> None:
+        self.options = options = options or DecodeOptions()
+        super().__init__(decoder, streams=options.streams, **kwargs)
+        self.cuda_graphs = self.cuda_graphs and options.cuda_graph
+        step_cls = VariantStep if options.fused_layers else LayerByLayerStep
+        self.step = step_cls(decoder, options)
+        if options.advance == "eager":
+            self.advance = beam_advance_reference
+        elif options.advance == "compiled":
+            # dynamic shapes: 3 compiled variants cover every bucket and step; they
+            # compile while plans warm up, and the graphs replay Inductor's kernels
+            self.advance = torch.compile(beam_advance_reference, dynamic=True)
+
+    def widths(self, beams):
+        return (max(beams),) * len(beams) if self.options.fixed_beams else beams
+
+    def new_cache(self, rows_per_step):
+        c, o = self.decoder.config, self.options
+        cls = GatherPagedKVCache if o.kv == "paged" else DenseKVCache
+        return cls(c.decoder_layers, c.n_heads, c.d_head, rows_per_step, dtype=self.dtype,
+                   device=self.device, attention=o.self_attn)  # fmt: skip
+
+    def location_key(self, mode, n):
+        if not self.options.mask or mode == FilterMode.CD_ONLY:
+            return 0
+        if mode == FilterMode.CD_GTM and not self.options.bloom:
+            return 1  # bitmask-only: one all-zero Bloom row per request
+        return super().location_key(mode, n)
+
+    def load(self, plan, ctx, requests):
+        if requests is not None and not self.options.bloom and plan.mode == FilterMode.CD_GTM:
+            requests = bitmask_only(requests)
+        super().load(plan, ctx, requests if self.options.mask else None)
+
+    def candidates(self, plans, plan, logits, node, score, t):
+        if not self.options.mask:
+            return score[:, None] + torch.log_softmax(logits.float(), dim=-1), None
+        args = (plans.tables, node, plan.row_request[t], plan.requests)
+        bloom = self.options.bloom  # False: the kernel skips the (all-zero) Bloom rows
+        if self.options.fused_tail:
+            return masked_candidates(logits, *args, score, plan.mode, bloom=bloom)
+        masked, child = masked_logits(logits.float(), *args, plan.mode, bloom=bloom)
+        return candidates(score, masked, child >= 0), child
+
+    def run(self, plans, ctx, requests, beams, mode=FilterMode.CD_GTM):
+        if not self.options.mask:
+            requests = None
+            mode = FilterMode.CD_ONLY if mode != FilterMode.CD_ONLY else mode
+        return super().run(plans, ctx, requests, beams, mode)

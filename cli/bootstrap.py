@@ -1,0 +1,48 @@
+"""The embedded default for `grace serve` with no arguments: make whatever the data
+directory lacks — a tiny synthetic world, a trained tiny model, a published index —
+with progress, then serve it. Each step is skipped when its output already exists, so
+the second start is immediate.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from index_builder.build import build_index
+from index_builder.publish import current_version
+from index_builder.synth import generate_world
+from service.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from training.train import TrainSettings
+
+log = logging.getLogger("grace.bootstrap")
+
+
+def ensure_default(
+    settings: ServerSettings,
+    *,
+    progress: bool = True,
+    train_settings: TrainSettings | None = None,  # default: the profile's full training
+) -> None:
+    data = Path(settings.data_dir)
+    world = data / "world"
+    model = Path(settings.model_dir)
+    index = Path(settings.index_root)
+    if (model / "config.json").is_file() and current_version(index) is not None:
+        return  # a model and an index are given (or made earlier): nothing to make
+    if not (world / "world.json").is_file():
+        log.info("generating the %s demo world in %s", settings.profile, world)
+        generate_world("tiny", 0, world, progress=progress)
+    if not (model / "config.json").is_file():
+        from training.train import TrainSettings, train
+
+        log.info("training a %s model on it (a minute or two on a CPU)", settings.profile)
+        ts = train_settings or TrainSettings(profile=settings.profile)
+        train(world, model, ts, progress=progress)
+    if current_version(index) is None:
+        log.info("building and publishing the index in %s", index)
+        build_index(world / "catalog.parquet", index, tokenizer_path=model / "tokenizer",
+                    progress=progress)  # fmt: skip

@@ -1,0 +1,246 @@
+"""`grace` commands of the index side: synth, train-tokenizer, build-index, validate-index,
+builder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+
+from cli.common import AddCommand, positive_float
+
+
+def _add_kway(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kway",
+        metavar="SPEC",
+        help="also build k-way partitioned matchers: 'static' (k per step 64,64,32,8), "
+        "'static:K1,K2,K3,K4', 'dynamic' (k_max 32, target fill 0.25) or "
+        "'dynamic:KMAX,FILL'. Costly at scale; the paper found no pass-rate gain.",
+    )
+
+
+def _add_workers(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=None,
+        help=f"{what} (default: every CPU); the output does not depend on it",
+    )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device computing SIDs from embeddings: 'cpu' (default) or 'cuda' "
+        "(paper scale; a near-tie may pick another code than on the CPU)",
+    )
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from index_builder.parallel import default_workers
+    from index_builder.synth import generate_world
+
+    summary = generate_world(
+        args.profile,
+        args.seed,
+        Path(args.out),
+        n_ads=args.ads,
+        n_users=args.users,
+        progress=not args.no_progress,
+        workers=args.workers or default_workers(),
+        jsonl=not args.no_jsonl,
+    )
+    print(json.dumps(summary, indent=1, default=str) if args.json else _world_line(summary, args))
+    return 0
+
+
+def _world_line(summary: dict, args: argparse.Namespace) -> str:
+    counts = summary.get("counts", {})
+    parts = ", ".join(f"{k} {v}" for k, v in counts.items())
+    return f"world written to {args.out} ({parts})"
+
+
+def _train_tokenizer(args: argparse.Namespace) -> int:
+    from index_builder.catalog import read_catalog
+    from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
+
+    catalog = read_catalog(args.catalog, progress=not args.no_progress)
+    if catalog.embedding is None:
+        raise SystemExit(f"{args.catalog}: no embeddings to train a SID tokenizer on")
+    have = ~catalog.has_sid
+    config = TokenizerConfig(
+        codebook_size=args.codebook_size,
+        iterations=args.iterations,
+        train_sample=args.sample,
+        seed=args.seed,
+    )
+    # no copy of the embedding matrix when every ad needs a SID (30 M x 32 at paper scale)
+    embeddings = catalog.embedding if have.all() else catalog.embedding[have]
+    progress = not args.no_progress
+    tok = SIDTokenizer.train(embeddings, config, progress=progress, workers=args.workers)
+    tok.save(Path(args.out))
+    _, report = tok.assign(embeddings, device=args.device, workers=args.workers)
+    print(f"tokenizer {tok.fingerprint} saved to {args.out}; on this catalog: {report.summary()}")
+    return 0
+
+
+def _build_index(args: argparse.Namespace) -> int:
+    from index_builder.build import build_index
+    from index_builder.kway import KwaySpec
+
+    version, report = build_index(
+        args.catalog,
+        args.out,
+        tokenizer_path=args.tokenizer,
+        kway=KwaySpec.parse(args.kway) if args.kway else None,
+        keep=args.keep,
+        progress=not args.no_progress,
+        device=args.device,
+        workers=args.workers,
+    )
+    if args.json:
+        print(json.dumps({"version": version, **vars(report)}, indent=1))
+    else:
+        counts = " ".join(f"{k}={v}" for k, v in report.counts.items())
+        print(f"published {Path(args.out) / version}\n  {counts}\n  seconds {report.seconds}")
+        if report.collisions:
+            print(f"  SID collisions: {report.collisions}")
+    return 0
+
+
+def _validate_index(args: argparse.Namespace) -> int:
+    from index_builder.publish import resolve
+    from index_builder.validate import IndexValidationError, validate_index
+
+    path = resolve(Path(args.path))
+    try:
+        index = validate_index(path, expect_tokenizer=args.expect_tokenizer)
+    except IndexValidationError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    m = index.manifest
+    counts = " ".join(f"{k}={v}" for k, v in m.get("counts", {}).items())
+    print(f"OK {path} (index {m['index_version']}, format {m['format_version']})\n  {counts}")
+    return 0
+
+
+def _builder(args: argparse.Namespace) -> int:
+    from index_builder.kway import KwaySpec
+    from index_builder.sidecar import BuilderConfig, install_signal_handlers, run_builder
+
+    stop = threading.Event()
+    install_signal_handlers(stop)
+    stats = run_builder(
+        BuilderConfig(
+            catalog=Path(args.catalog),
+            out=Path(args.out),
+            interval=args.interval,
+            tokenizer=Path(args.tokenizer) if args.tokenizer else None,
+            kway=KwaySpec.parse(args.kway) if args.kway else None,
+            keep=args.keep,
+            max_builds=1 if args.once else None,
+        ),
+        stop,
+    )
+    return 0 if not (args.once and stats.builds == 0) else 1
+
+
+def register(add: AddCommand) -> None:
+    p = add(
+        "synth",
+        _synth,
+        "generate a synthetic ads world (catalog, users, held-out interactions)",
+        "Generate a seeded, realistic synthetic ads world: geography, advertisers with "
+        "targeting styles, ads with content embeddings, users with locations and eligible "
+        "interaction histories. Writes catalog.jsonl/.parquet, users.parquet, "
+        "heldout.parquet and world.json into OUT. For paper scale (30 M ads) use "
+        "`--profile paper --users 1000 --no-jsonl` on many cores (docs/PERFORMANCE.md).",
+    )
+    p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--ads", type=int, help="override the profile's number of ads")
+    p.add_argument("--users", type=int, help="override the profile's number of users")
+    p.add_argument(
+        "--no-jsonl",
+        action="store_true",
+        help="write the catalog as Parquet only (JSONL: ~512 bytes and ~4 us per ad)",
+    )
+    _add_workers(p, "processes drawing ads")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = add(
+        "train-tokenizer",
+        _train_tokenizer,
+        "train the RQ-KMeans SID tokenizer on a catalog's embeddings",
+        "Train the SID tokenizer (3 residual k-means levels + a collision token) on the "
+        "embeddings of the catalog's ads that carry no sid, and save it.",
+    )
+    p.add_argument("--catalog", required=True, help="catalog (.jsonl or .parquet)")
+    p.add_argument("--out", required=True, help="tokenizer directory to write")
+    p.add_argument("--codebook-size", type=int, default=512)
+    p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--sample", type=int, default=200_000, help="embeddings to train on")
+    p.add_argument("--seed", type=int, default=0)
+    _add_workers(p, "CPU threads for k-means and SIDs")
+    _add_device(p)
+    p.add_argument("--no-progress", action="store_true")
+
+    p = add(
+        "build-index",
+        _build_index,
+        "build and atomically publish an index version from a catalog",
+        "Read and validate a catalog, assign SIDs (from the catalog or the tokenizer), "
+        "build the GTM trie with deduplicated matchers, the SID->ad index and the exact "
+        "targeting index, and publish them as a new version under OUT (CURRENT is "
+        "repointed atomically; old versions pruned). Bad input fails naming the row and "
+        "field; nothing is published.",
+    )
+    p.add_argument("--catalog", required=True, help="catalog (.jsonl or .parquet)")
+    p.add_argument("--tokenizer", help="SID tokenizer (needed when ads lack 'sid')")
+    p.add_argument("--out", required=True, help="index root (holds versions and CURRENT)")
+    p.add_argument("--keep", type=int, default=3, help="versions to keep (default 3)")
+    _add_kway(p)
+    _add_workers(p, "CPU threads for SIDs and the build")
+    _add_device(p)
+    p.add_argument("--json", action="store_true", help="print the build report as JSON")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = add(
+        "validate-index",
+        _validate_index,
+        "check an index version completely; non-zero exit on any fault",
+        "Check checksums, dtypes and shapes, CSR trie invariants, the SID->ad and "
+        "targeting indexes, and that every matcher covers its subtree (no false "
+        "negatives). PATH is a version directory or a root with CURRENT.",
+    )
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--expect-tokenizer", metavar="FINGERPRINT", help="refuse other tokenizers")
+
+    p = add(
+        "builder",
+        _builder,
+        "sidecar: rebuild and publish the index whenever the catalog changes",
+        "Watch a catalog; when it changed since the CURRENT index was built, build and "
+        "publish a new version. Failed builds publish nothing and are logged; SIGTERM "
+        "stops cleanly.",
+    )
+    p.add_argument("--catalog", required=True)
+    p.add_argument("--out", required=True, help="index root")
+    p.add_argument("--interval", type=positive_float, default=60.0, help="seconds (60)")
+    p.add_argument("--tokenizer", help="SID tokenizer (needed when ads lack 'sid')")
+    p.add_argument("--keep", type=int, default=3)
+    p.add_argument("--once", action="store_true", help="exit after one successful build")
+    _add_kway(p)

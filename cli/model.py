@@ -1,0 +1,173 @@
+"""`grace` commands of the model side: train, init-model, eval, flops."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cli.common import AddCommand, positive_float
+
+
+def _train(args: argparse.Namespace) -> int:
+    from training.train import TrainSettings, train
+
+    settings = TrainSettings(
+        profile=args.profile,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        eval_users=args.eval_users,
+        device=args.device,
+    )
+    metrics = train(
+        Path(args.world),
+        Path(args.out),
+        settings,
+        tokenizer_path=Path(args.tokenizer) if args.tokenizer else None,
+        progress=not args.no_progress,
+    )
+    print(json.dumps(metrics, indent=1))
+    return 0
+
+
+def _init_model(args: argparse.Namespace) -> int:
+    import torch
+
+    from index_builder.tokenizer import SIDTokenizer
+    from service.model.checkpoint import save_checkpoint
+    from service.model.config import profile
+    from service.model.retriever import GenerativeRetriever
+
+    tokenizer = SIDTokenizer.load(Path(args.tokenizer))
+    torch.manual_seed(args.seed)
+    model = GenerativeRetriever(profile(args.profile))
+    name = f"{args.profile}-untrained-seed{args.seed}"
+    version = save_checkpoint(model, tokenizer, Path(args.out), model_version=name)
+    print(f"wrote untrained {args.profile} model {version} to {args.out}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from contracts.request import FilterMode
+    from index_builder.build import with_partitions
+    from index_builder.kway import KwaySpec
+    from index_builder.publish import resolve
+    from index_builder.synth import load_world
+    from index_builder.validate import validate_index
+    from service.model.checkpoint import load_checkpoint
+    from service.model.features import SidLookup
+    from training.data import Examples
+    from training.study import run_study
+
+    loaded = load_checkpoint(Path(args.model), args.device)
+    index = validate_index(resolve(Path(args.index)), expect_tokenizer=loaded.tokenizer.fingerprint)
+    arrays = index.arrays
+    world = load_world(Path(args.world))
+    examples = Examples(world, SidLookup.from_ads(arrays.ads), loaded.config)
+    users = np.sort(np.random.default_rng(args.seed).permutation(world.n_users)[: args.users])
+    beams = tuple(args.beams) if args.beams else loaded.config.beams
+    variants = [("cd_only", arrays, FilterMode.CD_ONLY), ("cd_gtm", arrays, FilterMode.CD_GTM)]
+    for spec in filter(None, (args.kway or "").split("+")):
+        kway = KwaySpec.parse(spec)
+        variants.append(
+            (f"{kway.mode}_kway", with_partitions(arrays, kway), FilterMode.CD_GTM_KWAY)
+        )
+    rows = run_study(loaded.model, examples, variants, users, beams, tuple(args.k),
+                     device=args.device, progress=not args.no_progress)  # fmt: skip
+    report = {
+        "world": str(args.world),
+        "index_version": index.manifest["index_version"],
+        "model_version": loaded.model_version,
+        "beams": list(beams),
+        "users": len(users),
+        "variants": rows,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    cols = ["bitmask_pass", "bloom_pass", "location_pass", "final_pass", "eligible_ads_per_user"]
+    cols += [f"recall@{k}" for k in args.k]
+    print(f"{'variant':<16}" + "".join(f"{c:>22}" for c in cols))
+    for r in rows:
+        print(f"{r['variant']:<16}" + "".join(f"{r[c]:>22.4f}" for c in cols))
+    return 0
+
+
+def _flops(args: argparse.Namespace) -> int:
+    from service.model.config import profile
+    from service.model.flops import decoder_flops
+
+    report = decoder_flops(profile(args.profile), tuple(args.beams) if args.beams else None)
+    print(report.table())
+    return 0
+
+
+def register(add: AddCommand) -> None:
+    p = add(
+        "train",
+        _train,
+        "train the generative retriever on a synthetic world",
+        "Teacher-forced next-SID training on the world's interaction histories, with a "
+        "held-out recall@K evaluation against an eligible-popularity baseline at the end. "
+        "Trains the SID tokenizer too unless --tokenizer is given. Resumable: rerun the "
+        "same command after an interruption.",
+    )
+    p.add_argument("--world", required=True, help="world directory (grace synth)")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="tiny")
+    p.add_argument("--tokenizer", help="use this SID tokenizer instead of training one")
+    p.add_argument("--epochs", type=positive_float, default=4.0)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=positive_float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-users", type=int, default=400, help="held-out users to evaluate")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = add(
+        "init-model",
+        _init_model,
+        "write an untrained checkpoint (latency and throughput tests only)",
+        "Random weights of a profile, saved with a SID tokenizer as a checkpoint that "
+        "`grace serve --model` loads: serving speed does not depend on the weights, so "
+        "load tests and benchmarks of large profiles need no training run. Its answers "
+        "are eligible but not relevant; the model version says 'untrained'.",
+    )
+    p.add_argument("--profile", choices=["tiny", "demo", "paper"], required=True)
+    p.add_argument("--tokenizer", required=True, help="SID tokenizer directory")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = add(
+        "eval",
+        _eval,
+        "GTM effectiveness study: pass rates per filter variant and recall@K",
+        "Decode held-out requests of a world with a trained model against an index, for "
+        "CD only, CD+GTM and (with --kway) partitioned GTM; report exact ad-level pass "
+        "rates (bitmask, Bloom, location, final) overall and bucketed by ads generated, "
+        "eligible ads per request and recall@K of the held-out next interaction.",
+    )
+    p.add_argument("--world", required=True)
+    p.add_argument("--index", required=True, help="index root (CURRENT) or version dir")
+    p.add_argument("--model", required=True, help="checkpoint directory (grace train)")
+    p.add_argument("--users", type=int, default=1000, help="held-out users to evaluate")
+    p.add_argument("--kway", default="static+dynamic", help="k-way variants, '+'-separated")
+    p.add_argument("--beams", type=int, nargs=4, metavar="M", help="override the schedule")
+    p.add_argument("--k", type=int, nargs="+", default=[10, 100, 1000], help="recall cut-offs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", help="also write the report as JSON here")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = add(
+        "flops",
+        _flops,
+        "decoder FLOPs per request of a model profile",
+        "Count decoder FLOPs per request (a multiply-add is 2) by term and step for a "
+        "profile's beam schedule or the one given.",
+    )
+    p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="paper")
+    p.add_argument("--beams", type=int, nargs=4, metavar="M")

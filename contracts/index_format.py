@@ -1,0 +1,367 @@
+"""On-disk index format: the one writer/reader pair for `<root>/<version>/` (ARCHITECTURE.md §3).
+
+The index builder writes with `write_index_dir`, the server and `grace validate-index`
+read with `read_index_dir`; nothing else touches the files. A version directory holds
+`manifest.json` and one `.npy` per array. `grace validate-index` memory-maps them; the
+server (`mmap=False`) reads each file once into private memory and checksums exactly the
+bytes it serves (`load_npy_private`), so nothing done to the files afterwards reaches it.
+The manifest carries the format version, index version, creation time, counts, the
+targeting schema, the SID tokenizer fingerprint, the partition (k-way) settings and a
+sha256 of every array file; `read_manifest` checks the type of every key it hands on.
+
+Arrays (shapes with N ads, E child entries, V location strings, P partitions):
+
+    trie.*   node_offsets int32 [num_nodes+1]   children of node i: entries [off[i], off[i+1])
+             csr_child_nodes int32 [E], csr_tokens int16 [E]
+             bitmask_index int32 [E] -> bitmask_table uint64 [R_bm, BITMASK_WORDS]
+             bloom_index int32 [E]   -> bloom_table uint64 [R_bl, BLOOM_WORDS]
+             level_offsets int64 [sid_length+2]  nodes of depth d: [lo[d], lo[d+1])
+    ads.*    leaf_sids int16 [num_leaves, sid_length]    SID of leaf node lo[L]+i
+             leaf_ad_offsets int64 [num_leaves+1]        SID -> ads [off[i], off[i+1])
+             ad_ids int64 [N], ad_bitmask uint64 [N, BITMASK_WORDS]
+             ad_loc_offsets int64 [N+1], ad_loc_ids int32 [nnz]   exact location rules
+             loc_vocab_offsets int64 [V+1], loc_vocab_bytes uint8 [*]  sorted UTF-8 strings
+    kway.*   (optional) offsets int64 [E+1] -> bitmask_index/bloom_index int32 [P]
+             -> bitmask_table / bloom_table (own deduplicated tables)
+
+Readers accept every format version up to `FORMAT_VERSION` they know how to read and
+refuse newer ones with a clear message.
+
+At ~360 lines this is longer than the house's modules: it is the one place where the
+on-disk format lives (array specs, manifest keys and their checks, writer and reader), so
+that builder, server and validator cannot drift apart; reading one `.npy` into private
+memory is `npy_private.py`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, fields
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from contracts.npy_private import NpyError, load_npy_private
+from contracts.targeting import BITMASK_WORDS, BLOOM_WORDS, TargetingSchema
+
+FORMAT_NAME = "grace-index"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SID_LENGTH = 4
+VOCAB_SIZE = 512
+
+
+class IndexFormatError(ValueError):
+    """An index directory that cannot be read: missing, corrupt or incompatible."""
+
+
+@dataclass(frozen=True)
+class TrieArrays:
+    """The GTM SID trie in CSR form (paper Appendix A). Entry j leads to node j + 1."""
+
+    node_offsets: np.ndarray  # int32 [num_nodes + 1]
+    csr_child_nodes: np.ndarray  # int32 [E]
+    csr_tokens: np.ndarray  # int16 [E]
+    bitmask_index: np.ndarray  # int32 [E]
+    bloom_index: np.ndarray  # int32 [E]
+    bitmask_table: np.ndarray  # uint64 [R_bm, BITMASK_WORDS], deduplicated
+    bloom_table: np.ndarray  # uint64 [R_bl, BLOOM_WORDS], deduplicated
+    level_offsets: np.ndarray  # int64 [SID_LENGTH + 2]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_offsets) - 1
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.csr_tokens)
+
+
+@dataclass(frozen=True)
+class AdArrays:
+    """SID -> ad index and the exact ad targeting index, both in leaf (SID) order."""
+
+    leaf_sids: np.ndarray  # int16 [num_leaves, SID_LENGTH]
+    leaf_ad_offsets: np.ndarray  # int64 [num_leaves + 1]
+    ad_ids: np.ndarray  # int64 [N]
+    ad_bitmask: np.ndarray  # uint64 [N, BITMASK_WORDS]
+    ad_loc_offsets: np.ndarray  # int64 [N + 1]
+    ad_loc_ids: np.ndarray  # int32 [nnz]
+    loc_vocab_offsets: np.ndarray  # int64 [V + 1]
+    loc_vocab_bytes: np.ndarray  # uint8 [total bytes]
+
+    @property
+    def num_ads(self) -> int:
+        return len(self.ad_ids)
+
+    def location_strings(self) -> list[str]:
+        """Decode the location vocabulary (sorted, unique)."""
+        raw = self.loc_vocab_bytes.tobytes()
+        off = self.loc_vocab_offsets
+        return [raw[off[i] : off[i + 1]].decode("utf-8") for i in range(len(off) - 1)]
+
+
+@dataclass(frozen=True)
+class PartitionArrays:
+    """k-way partitioned matchers, jagged: entry j has partitions [offsets[j], offsets[j+1])."""
+
+    offsets: np.ndarray  # int64 [E + 1]
+    bitmask_index: np.ndarray  # int32 [P]
+    bloom_index: np.ndarray  # int32 [P]
+    bitmask_table: np.ndarray  # uint64 [R, BITMASK_WORDS]
+    bloom_table: np.ndarray  # uint64 [R, BLOOM_WORDS]
+
+
+@dataclass(frozen=True)
+class IndexArrays:
+    trie: TrieArrays
+    ads: AdArrays
+    kway: PartitionArrays | None = None
+
+
+# name -> (dtype, ndim, fixed trailing width or None)
+_SPECS: dict[str, tuple[str, int, int | None]] = {
+    "trie.node_offsets": ("int32", 1, None),
+    "trie.csr_child_nodes": ("int32", 1, None),
+    "trie.csr_tokens": ("int16", 1, None),
+    "trie.bitmask_index": ("int32", 1, None),
+    "trie.bloom_index": ("int32", 1, None),
+    "trie.bitmask_table": ("uint64", 2, BITMASK_WORDS),
+    "trie.bloom_table": ("uint64", 2, BLOOM_WORDS),
+    "trie.level_offsets": ("int64", 1, None),
+    "ads.leaf_sids": ("int16", 2, SID_LENGTH),
+    "ads.leaf_ad_offsets": ("int64", 1, None),
+    "ads.ad_ids": ("int64", 1, None),
+    "ads.ad_bitmask": ("uint64", 2, BITMASK_WORDS),
+    "ads.ad_loc_offsets": ("int64", 1, None),
+    "ads.ad_loc_ids": ("int32", 1, None),
+    "ads.loc_vocab_offsets": ("int64", 1, None),
+    "ads.loc_vocab_bytes": ("uint8", 1, None),
+    "kway.offsets": ("int64", 1, None),
+    "kway.bitmask_index": ("int32", 1, None),
+    "kway.bloom_index": ("int32", 1, None),
+    "kway.bitmask_table": ("uint64", 2, BITMASK_WORDS),
+    "kway.bloom_table": ("uint64", 2, BLOOM_WORDS),
+}
+_GROUPS = {"trie": TrieArrays, "ads": AdArrays, "kway": PartitionArrays}
+
+
+def _flatten(arrays: IndexArrays) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for group in _GROUPS:
+        part = getattr(arrays, group)
+        if part is not None:
+            for f in fields(part):
+                out[f"{group}.{f.name}"] = getattr(part, f.name)
+    return out
+
+
+def _check_spec(name: str, arr: np.ndarray) -> None:
+    dtype, ndim, width = _SPECS[name]
+    if arr.dtype != np.dtype(dtype) or arr.ndim != ndim or (width and arr.shape[-1] != width):
+        raise IndexFormatError(
+            f"{name}: expected {dtype} with {ndim} dims"
+            + (f" and width {width}" if width else "")
+            + f", got {arr.dtype} {arr.shape}"
+        )
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory: so renames inside it are durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_index_dir(directory: Path, arrays: IndexArrays, manifest: dict[str, Any]) -> dict:
+    """Write every array and then the manifest into an existing, empty `directory`.
+
+    Each file is fsynced; the manifest (with checksums) is written last, so a directory
+    without `manifest.json` is never a complete index. Returns the full manifest.
+    """
+    entries = {}
+    for name, arr in _flatten(arrays).items():
+        _check_spec(name, arr)
+        path = directory / f"{name}.npy"
+        with open(path, "wb") as fh:
+            np.save(fh, np.ascontiguousarray(arr), allow_pickle=False)
+            fh.flush()
+            os.fsync(fh.fileno())
+        entries[name] = {
+            "file": path.name,
+            "dtype": str(arr.dtype),
+            "shape": list(arr.shape),
+            "sha256": file_sha256(path),
+        }
+    full = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        **manifest,
+        "targeting": TargetingSchema.current().to_manifest(),
+        "sid_length": SID_LENGTH,
+        "vocab_size": VOCAB_SIZE,
+        "arrays": entries,
+    }
+    tmp = directory / (MANIFEST + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(full, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, directory / MANIFEST)
+    fsync_path(directory)
+    return full
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of a version directory, its structure checked key by key.
+
+    Raises IndexFormatError (one line, naming the key) for a missing or unreadable file,
+    another format, a newer format version, or any key of the wrong type.
+    """
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise IndexFormatError(f"{directory}: no {MANIFEST} (not an index, or an unfinished build)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise IndexFormatError(f"{path}: unreadable manifest: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise IndexFormatError(f"{path}: not a {FORMAT_NAME} manifest")
+    version = manifest.get("format_version")
+    if not _is_int(version) or not 1 <= version <= FORMAT_VERSION:
+        raise IndexFormatError(
+            f"{path}: format_version {version!r} is not readable by this build "
+            f"(reads 1..{FORMAT_VERSION}); upgrade grace-serving"
+        )
+    fault = _manifest_fault(manifest)
+    if fault is not None:
+        raise IndexFormatError(f"{path}: {fault}")
+    return manifest
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# key -> (required, accepted types, what the message calls them)
+_MANIFEST_KEYS: dict[str, tuple[bool, tuple[type, ...], str]] = {
+    "index_version": (True, (str,), "a string"),
+    "tokenizer_fingerprint": (True, (str,), "a string"),
+    "targeting": (True, (dict,), "an object"),
+    "arrays": (True, (dict,), "an object of array entries"),
+    "created": (False, (str,), "an ISO-8601 string"),
+    "catalog": (False, (dict,), "an object"),
+    "counts": (False, (dict,), "an object"),
+    "kway": (False, (dict, type(None)), "an object or null"),
+}
+
+
+def _manifest_fault(manifest: dict[str, Any]) -> str | None:
+    """The first structural fault of a parsed manifest, as one line; None when sound."""
+    for key, (required, types, what) in _MANIFEST_KEYS.items():
+        if key not in manifest:
+            if required:
+                return f"manifest lacks {key!r}"
+            continue
+        if not isinstance(manifest[key], types):
+            return f"manifest key {key!r} must be {what}, got {type(manifest[key]).__name__}"
+    if not manifest["index_version"] or "/" in manifest["index_version"]:
+        return f"manifest key 'index_version' {manifest['index_version']!r} is not a version name"
+    if "created" in manifest:
+        try:
+            datetime.fromisoformat(manifest["created"])
+        except ValueError:
+            return f"manifest key 'created' {manifest['created']!r} is not an ISO-8601 time"
+    for name, entry in manifest["arrays"].items():
+        fault = _array_entry_fault(entry)
+        if fault is not None:
+            return f"manifest key 'arrays.{name}' {fault}"
+    return None
+
+
+def _array_entry_fault(entry: object) -> str | None:
+    if not isinstance(entry, dict):
+        return f"must be an object, got {type(entry).__name__}"
+    for key in ("file", "dtype", "sha256"):
+        if not isinstance(entry.get(key), str):
+            return f"needs a string {key!r}, got {entry.get(key)!r}"
+    name = entry["file"]
+    if name in ("", ".", "..") or os.sep in name or "/" in name:
+        return f"'file' {name!r} is not a file name inside the version directory"
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+        return f"needs 'shape' as a list of non-negative ints, got {shape!r}"
+    return None
+
+
+def read_index_dir(
+    directory: Path, *, verify_checksums: bool = True, mmap: bool = True
+) -> tuple[dict[str, Any], IndexArrays]:
+    """Open an index directory: manifest + arrays.
+
+    `mmap=True` memory-maps the files (`grace validate-index`, benchmarks); `mmap=False`
+    reads each into private memory with its checksum taken over the same bytes
+    (`load_npy_private`: what the server serves). Checks presence, checksums (unless
+    disabled), dtypes and shapes against the manifest; structural invariants are
+    `index_builder.validate`'s job.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    try:
+        TargetingSchema.current().check_compatible(manifest["targeting"])
+    except ValueError as exc:
+        raise IndexFormatError(f"{directory}: {exc}") from exc
+    loaded: dict[str, np.ndarray] = {}
+    for name, entry in manifest["arrays"].items():
+        if name not in _SPECS:
+            raise IndexFormatError(f"{directory}: unknown array {name!r} in manifest")
+        path = directory / entry["file"]
+        if not path.is_file():
+            raise IndexFormatError(f"{path}: missing array file")
+        arr = _load_array(path, entry["sha256"] if verify_checksums else None, mmap=mmap)
+        if list(arr.shape) != entry["shape"] or str(arr.dtype) != entry["dtype"]:
+            raise IndexFormatError(
+                f"{path}: holds {arr.dtype} {list(arr.shape)}, manifest says "
+                f"{entry['dtype']} {entry['shape']}"
+            )
+        _check_spec(name, arr)
+        loaded[name] = arr
+    groups: dict[str, Any] = {}
+    for group, cls in _GROUPS.items():
+        names = [f"{group}.{f.name}" for f in fields(cls)]
+        present = [n for n in names if n in loaded]
+        if not present and group == "kway":
+            groups[group] = None
+            continue
+        missing = sorted(set(names) - set(present))
+        if missing:
+            raise IndexFormatError(f"{directory}: manifest lacks arrays {missing}")
+        groups[group] = cls(**{n.split(".", 1)[1]: loaded[n] for n in names})
+    return manifest, IndexArrays(**groups)
+
+
+def _load_array(path: Path, sha256: str | None, *, mmap: bool) -> np.ndarray:
+    try:
+        if not mmap:
+            return load_npy_private(path, sha256)
+    except NpyError as exc:  # its message names the file and the fault
+        raise IndexFormatError(str(exc)) from exc
+    try:
+        if sha256 is not None and file_sha256(path) != sha256:
+            raise IndexFormatError(f"{path}: checksum mismatch (corrupted or truncated)")
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except IndexFormatError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise IndexFormatError(f"{path}: unreadable array: {exc}") from exc

@@ -1,0 +1,37 @@
+"""The RPC's enums and the beam-schedule rule, as the code uses them (ARCHITECTURE.md §5).
+
+`FilterMode` and `EventType` carry the values of `grace.v1.FilterMode` and
+`grace.v1.EventType` (proto/grace/v1/retrieval.proto); `check_schedule` is the one rule for
+a beam schedule M_1..M_L, applied to the settings' default, to every request's
+`options.beam_widths` and by the decode engine.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class FilterMode(enum.IntEnum):
+    """Matches the RPC enum `grace.v1.FilterMode` (UNSPECIFIED means CD_GTM)."""
+
+    CD_ONLY = 1
+    CD_GTM = 2
+    CD_GTM_KWAY = 3  # CD_GTM with the index's k-way partitioned matchers
+
+
+class EventType(enum.IntEnum):
+    """Matches the RPC enum `grace.v1.EventType` (0, unspecified, is refused)."""
+
+    VIEW = 1
+    CLICK = 2
+    CONVERSION = 3
+
+
+def check_schedule(beams: tuple[int, ...], sid_length: int, vocab: int) -> None:
+    """Raise ValueError unless `beams` is `sid_length` positive widths starting at 1, each
+    at most the previous width times `vocab` (the candidates one step can offer)."""
+    if len(beams) != sid_length or beams[0] != 1 or min(beams) < 1:
+        raise ValueError(f"beam schedule needs {sid_length} positive widths starting at 1: {beams}")
+    for t in range(1, sid_length):
+        if beams[t] > beams[t - 1] * vocab:
+            raise ValueError(f"M_{t + 1}={beams[t]} exceeds M_{t}·{vocab} candidates")

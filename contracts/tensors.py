@@ -1,0 +1,78 @@
+"""The index's trie tables and a batch's encoded targeting as torch tensors: what the
+CD+GTM mask (`kernels/gtm_mask.py`) reads at every decode step (docs/ARCHITECTURE.md §3, §7).
+
+`GtmTables` is built once per loaded index version on the compute device; `RequestTensors`
+once per batch at stage 1. uint64 arrays become int64 views: torch's bitwise ops and
+comparisons are complete for int64, and the bits are identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from contracts.index_format import PartitionArrays, TrieArrays
+from contracts.targeting import EncodedRequests
+
+
+def _t(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    a = np.array(a, copy=True, order="C")  # index arrays are read-only memory maps
+    if a.dtype == np.uint64:
+        a = a.view(np.int64)
+    return torch.from_numpy(a).to(device)
+
+
+@dataclass(frozen=True)
+class GtmTables:
+    """The trie's lookup arrays as tensors on one device (int64 views of uint64 tables).
+
+    Per-entry arrays keep the index's own 32-bit widths (tokens widened from int16, which
+    torch cannot index with): at 30 M SIDs that is 315 MB of matcher indexes + tables on
+    the GPU instead of 620 MB as int64 (docs/ARCHITECTURE.md §9: ≤ 390 MB)."""
+
+    node_offsets: torch.Tensor  # int32 [num_nodes + 1]
+    child_nodes: torch.Tensor  # int32 [E]
+    tokens: torch.Tensor  # int32 [E]
+    bitmask_index: torch.Tensor  # int32 [E]
+    bloom_index: torch.Tensor  # int32 [E]
+    bitmask_table: torch.Tensor  # int64 [R_bm, W_bm]
+    bloom_table: torch.Tensor  # int64 [R_bl, W_bl]
+    kway_offsets: torch.Tensor | None = None  # int64 [E + 1]
+    kway_bitmask: torch.Tensor | None = None  # int64 [P, W_bm]: rows, not ids
+    kway_bloom: torch.Tensor | None = None  # int64 [P, W_bl]
+
+    @classmethod
+    def from_arrays(
+        cls, trie: TrieArrays, kway: PartitionArrays | None = None, device: str = "cpu"
+    ) -> GtmTables:
+        extra = {}
+        if kway is not None:
+            extra = {
+                "kway_offsets": _t(kway.offsets, device),
+                "kway_bitmask": _t(kway.bitmask_table[kway.bitmask_index], device),
+                "kway_bloom": _t(kway.bloom_table[kway.bloom_index], device),
+            }
+        return cls(
+            node_offsets=_t(trie.node_offsets.astype(np.int32), device),
+            child_nodes=_t(trie.csr_child_nodes.astype(np.int32), device),
+            tokens=_t(trie.csr_tokens.astype(np.int32), device),
+            bitmask_index=_t(trie.bitmask_index.astype(np.int32), device),
+            bloom_index=_t(trie.bloom_index.astype(np.int32), device),
+            bitmask_table=_t(trie.bitmask_table, device),
+            bloom_table=_t(trie.bloom_table, device),
+            **extra,
+        )
+
+
+@dataclass(frozen=True)
+class RequestTensors:
+    """`targeting.EncodedRequests` as tensors (int64 views)."""
+
+    bitmask: torch.Tensor  # int64 [B, W_bm]
+    blooms: torch.Tensor  # int64 [B, L, W_bl]; padding rows repeat row 0
+
+    @classmethod
+    def from_encoded(cls, enc: EncodedRequests, device: str = "cpu") -> RequestTensors:
+        return cls(_t(enc.bitmask, device), _t(enc.blooms, device))

@@ -1,0 +1,112 @@
+"""The decoder step of the decode loop (pipeline stage 3): one SID token for R beam rows.
+
+`DecoderStep(decoder)` computes the function of `SIDDecoder.forward_train` at one position,
+with its elementwise work folded into the matmuls — fewer passes over the `[R, d_model]`
+activations (docs/ARCHITECTURE.md §7, "fewer kernels per step"):
+
+1. Layer 0's QKV is a table. Layer 0 sees only the token embedding, and its QKV
+   projection `qkv(LN(tok_emb[t, token]))` depends on (t, token) alone, so it is computed
+   once per model for the sid_length × (vocab + 1) pairs, and the self-attention reads
+   each row's entry straight from the table (`PagedKVCache.attend(..., rows=tokens)`: 3 MB
+   per position, L2-resident) — the layer 0 QKV matmul (7 % of the decoder's FLOPs) and
+   the copy of its output both disappear.
+2. Residual adds go into the matmul: `x.addmm_(a, W.t())` (cuBLAS `beta = 1`) adds the
+   projection to the residual stream in place. The bias is left out and carried as a
+   pending constant: every LayerNorm normalises `x + shift`, where `shift` is the sum of
+   the biases added so far (`kernels.layer_norm`, one pass, fp32), so no separate add
+   kernel runs, ever.
+3. The FFN's GELU is the up-projection's epilogue on CUDA when the model was trained with
+   "gelu_tanh" (`kernels.gelu_linear`: cuBLASLt's GELU_BIAS epilogue); an erf-GELU model
+   (older checkpoints) keeps the separate activation.
+
+Self-attention's "write + attend" belongs to the KV cache (`service/decode/kv_cache.py`);
+cross-attention runs beam-as-query over the per-request K/V of `SIDDecoder.cross_kv`
+(`kernels.cross_attention`). On CPU the same code runs the kernels' torch references.
+Inference only (no autograd): build one per loaded decoder; the table and the shifts are
+snapshots of its weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.cross_attention import cross_attention
+from kernels.gelu_linear import gelu_linear
+from kernels.layer_norm import layer_norm
+from service.decode.kv_cache import PagedKVCache
+from service.model.decoder import CrossKV, DecoderLayer, SIDDecoder
+
+
+def _ln(x: torch.Tensor, norm: nn.LayerNorm, shift: torch.Tensor | None) -> torch.Tensor:
+    return layer_norm(x, norm.weight, norm.bias, norm.eps, shift)
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor:
+    assert linear.bias is not None
+    return linear.bias.detach().float().clone()  # a snapshot, never the parameter itself
+
+
+class DecoderStep:
+    """One decode step of `decoder`: tokens [R] at position t -> logits [R, V]."""
+
+    @torch.no_grad()
+    def __init__(self, decoder: SIDDecoder) -> None:
+        self.decoder = decoder
+        c = decoder.config
+        first = decoder.layers[0]
+        # [sid_length, vocab + 1, 3·H·d_h]: layer 0's QKV for every (position, token)
+        self.qkv0 = first.qkv(first.norm_self(decoder.tok_emb)).contiguous()
+        # the biases not yet in the residual stream at each LayerNorm: (self, cross, ffn)
+        # per layer, then the final norm's
+        self.shifts: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
+        pending: torch.Tensor | None = None
+        for layer in decoder.layers:
+            at_self = pending
+            after_self = (
+                _bias(layer.self_out) if pending is None else pending + _bias(layer.self_out)
+            )
+            after_cross = after_self + _bias(layer.cross_out)
+            self.shifts.append((at_self, after_self, after_cross))
+            pending = after_cross + _bias(layer.ffn_down)
+        assert pending is not None
+        self.final_shift = pending
+        self.gelu_epilogue = c.ffn_activation == "gelu_tanh" and first.qkv.weight.is_cuda
+
+    def attend_first(
+        self, cache: PagedKVCache, t: int, tokens: torch.Tensor
+    ) -> torch.Tensor:  # [R, H, d_h]
+        """Layer 0's self-attention: row r reads table entry (t, tokens[r])."""
+        return cache.attend(0, t, self.qkv0[t], rows=tokens)
+
+    def cross(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cross_attention(q, k, v)
+
+    def ffn_up(self, h: torch.Tensor, layer: DecoderLayer) -> torch.Tensor:
+        if self.gelu_epilogue:  # one GEMM: bias + tanh-GELU in its epilogue
+            return gelu_linear(h, layer.ffn_up.weight, layer.ffn_up.bias)
+        return layer.ffn_hidden(h)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        tokens: torch.Tensor,  # int64 [R]: previous tokens (BOS at t = 0)
+        t: int,
+        cross: CrossKV,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:  # logits [R, V]
+        d = self.decoder
+        x = d.tok_emb[t, tokens]  # [R, d_model]: a fresh tensor, updated in place below
+        r = x.shape[0]
+        for i, (layer, kv) in enumerate(zip(d.layers, cross, strict=True)):
+            at_self, at_cross, at_ffn = self.shifts[i]
+            if i == 0:
+                a = self.attend_first(cache, t, tokens)
+            else:
+                a = cache.attend(i, t, layer.qkv(_ln(x, layer.norm_self, at_self)))
+            x.addmm_(a.reshape(r, -1), layer.self_out.weight.t())
+            q = layer.cross_q(_ln(x, layer.norm_cross, at_cross)).view(r, layer.h, layer.dh)
+            x.addmm_(self.cross(q, *kv).reshape(r, -1), layer.cross_out.weight.t())
+            h = self.ffn_up(_ln(x, layer.norm_ffn, at_ffn), layer)
+            x.addmm_(h, layer.ffn_down.weight.t())
+        return d.head(_ln(x, d.norm, self.final_shift))

@@ -1,0 +1,77 @@
+"""Held-out retrieval quality: recall@K of the next interaction, model vs popularity.
+
+The model retrieves with the served decode engine + post stage (`training/offline.py`);
+the baseline ranks ads by how often they occur in the training histories, keeping only
+ads eligible for the user (the same exact rules), so both return only eligible ads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from contracts.request import FilterMode
+from contracts.targeting import exact_eligible, request_bitmask
+from index_builder.synth import World
+from service.index.loaded import LoadedIndex
+from service.model.retriever import GenerativeRetriever
+from service.post.expand import location_rows
+from training.data import Examples
+from training.offline import OfflineRetriever
+
+
+def popularity_ranking(world: World, ad_ids: np.ndarray) -> np.ndarray:
+    """Positions into `ad_ids`, most frequent in the histories first (ties: by ad id)."""
+    order = np.argsort(ad_ids)
+    pos = np.searchsorted(ad_ids[order], world.history_ad_ids)
+    pos = np.minimum(pos, len(ad_ids) - 1)
+    hit = ad_ids[order][pos] == world.history_ad_ids
+    counts = np.bincount(order[pos[hit]], minlength=len(ad_ids))
+    return np.lexsort((ad_ids, -counts))
+
+
+def recall_at_k(
+    model: GenerativeRetriever,
+    examples: Examples,
+    index: LoadedIndex,
+    users: np.ndarray,
+    ks: Sequence[int],
+    beams: tuple[int, ...],
+    *,
+    mode: FilterMode = FilterMode.CD_GTM,
+    batch_size: int = 16,
+) -> dict[str, float]:
+    """Recall@K of the model and of eligible-popularity on the users' held-out events."""
+    ads = index.arrays.ads
+    ranking = popularity_ranking(examples.world, ads.ad_ids)
+    ranked_bitmask = ads.ad_bitmask[ranking]
+    ranked_locations = location_rows(ads, ranking)
+    hits_model = {k: 0 for k in ks}
+    hits_pop = {k: 0 for k in ks}
+    returned = 0
+    retriever = OfflineRetriever(model, index, batch_size)
+    for s in range(0, len(users), batch_size):
+        batch = examples.heldout(users[s : s + batch_size])
+        targeting = [examples.world.targeting[u] for u in batch.users.tolist()]
+        results = retriever.retrieve(batch.features, targeting, beams, mode, max(ks))
+        for res, t, target in zip(results, targeting, batch.target_ad.tolist(), strict=True):
+            returned += len(res.ad_ids)
+            rank = np.flatnonzero(res.ad_ids == target)
+            eligible = exact_eligible(
+                ranked_bitmask,
+                *ranked_locations,
+                request_bitmask(t),
+                index.vocabulary.ids(t.locations),
+            )
+            pop = ads.ad_ids[ranking[eligible][: max(ks)]]
+            pop_rank = np.flatnonzero(pop == target)
+            for k in ks:
+                hits_model[k] += bool(len(rank) and rank[0] < k)
+                hits_pop[k] += bool(len(pop_rank) and pop_rank[0] < k)
+    n = max(len(users), 1)
+    out = {f"recall@{k}": hits_model[k] / n for k in ks}
+    out |= {f"popularity_recall@{k}": hits_pop[k] / n for k in ks}
+    out["mean_ads_returned"] = returned / n
+    out["users"] = len(users)
+    return out

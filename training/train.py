@@ -1,0 +1,181 @@
+"""`grace train`: teacher-forced next-SID training of the generative retriever on a
+synthetic world, resumable, ending with a held-out evaluation against popularity.
+
+    world ─► SID tokenizer (trained here, or given) ─► SIDs for the catalog ─► in-memory
+    index ─► (user history, next event's SID) pairs ─► AdamW on cross-entropy over the 4
+    SID positions ─► checkpoint (weights + config + tokenizer + metrics)
+
+Work in progress lives in `<out>.partial/` (tokenizer, `state.pt` every
+`checkpoint_every` steps); a rerun with the same arguments resumes from it. The data
+order is a function of (seed, epoch), so a resumed run sees the same batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from contracts.index_format import IndexArrays
+from index_builder.build import assign_sids, build_arrays
+from index_builder.catalog import read_catalog
+from index_builder.synth import World, load_world
+from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
+from service.index.loaded import LoadedIndex
+from service.model.checkpoint import save_checkpoint
+from service.model.config import ModelConfig, profile
+from service.model.retriever import GenerativeRetriever
+from training.data import Examples
+from training.evaluate import recall_at_k
+
+log = logging.getLogger("grace.train")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    profile: str = "tiny"
+    epochs: float = 4.0
+    batch_size: int = 64
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 100
+    seed: int = 0
+    eval_users: int = 400
+    eval_ks: tuple[int, ...] = (10, 50, 100)
+    checkpoint_every: int = 200
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.epochs <= 0 or self.batch_size < 1 or self.lr <= 0:
+            raise ValueError("epochs, batch_size and lr must be positive")
+
+
+def prepare(
+    world_dir: Path, work: Path, tokenizer_path: Path | None, progress: bool
+) -> tuple[World, SIDTokenizer, IndexArrays]:
+    """World, its SID tokenizer (kept in `work/tokenizer`) and an in-memory index."""
+    world = load_world(world_dir)
+    catalog = read_catalog(world.catalog_parquet, progress=progress)
+    saved = work / "tokenizer"
+    if tokenizer_path is not None:
+        tokenizer = SIDTokenizer.load(tokenizer_path)
+    elif saved.exists():
+        tokenizer = SIDTokenizer.load(saved)
+    else:
+        assert catalog.embedding is not None, "synthetic catalogs carry embeddings"
+        tokenizer = SIDTokenizer.train(catalog.embedding, TokenizerConfig(), progress=progress)
+    if not saved.exists():
+        tokenizer.save(saved)
+    sids, _ = assign_sids(catalog, tokenizer)
+    return world, tokenizer, build_arrays(catalog, sids)
+
+
+def _lr(step: int, total: int, s: TrainSettings) -> float:
+    if step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    progress = (step - s.warmup_steps) / max(1, total - s.warmup_steps)
+    return s.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def train(
+    world_dir: Path,
+    out: Path,
+    settings: TrainSettings,
+    *,
+    tokenizer_path: Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train (or resume) and write the checkpoint to `out`; returns the metrics."""
+    out = Path(out)
+    work = out.with_name(out.name + ".partial")
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(settings.seed)
+    world, tokenizer, arrays = prepare(Path(world_dir), work, tokenizer_path, progress)
+    config: ModelConfig = profile(settings.profile)
+    index = LoadedIndex.from_arrays(arrays, settings.device)
+    examples = Examples(world, index.lookup, config)
+    model = GenerativeRetriever(config).to(settings.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    per_epoch = len(examples) // settings.batch_size
+    if per_epoch == 0:
+        raise ValueError(f"{len(examples)} training pairs: fewer than one batch")
+    total = int(settings.epochs * per_epoch)
+    step, state_file = 0, work / "state.pt"
+    if state_file.exists():
+        state = torch.load(state_file, map_location=settings.device, weights_only=False)
+        if state["settings"] != asdict(settings) or state["tokenizer"] != tokenizer.fingerprint:
+            raise ValueError(f"{work} holds a run with other settings; remove it to start over")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+        log.info("resuming at step %d of %d", step, total)
+
+    def save_state() -> None:
+        tmp = state_file.with_suffix(".tmp")
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "step": step,
+                "settings": asdict(settings),
+                "tokenizer": tokenizer.fingerprint,
+            },
+            tmp,
+        )
+        tmp.replace(state_file)
+
+    t0 = time.perf_counter()
+    model.train()
+    losses: list[float] = []
+    with tqdm(total=total, initial=step, desc="train", disable=not progress) as bar:
+        while step < total:
+            epoch, offset = divmod(step, per_epoch)
+            rng = np.random.default_rng([settings.seed, epoch])
+            for pairs in list(examples.epoch(settings.batch_size, rng))[offset:]:
+                batch = examples.batch(pairs)
+                logits = model.forward_train(
+                    batch.features.to(settings.device), batch.target_sid.to(settings.device)
+                )
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, config.vocab_size),
+                    batch.target_sid.reshape(-1).to(logits.device),
+                )
+                for g in opt.param_groups:
+                    g["lr"] = _lr(step, total, settings)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                step += 1
+                losses.append(loss.item())
+                bar.update(1)
+                bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}", epoch=epoch)
+                if step % settings.checkpoint_every == 0:
+                    save_state()
+                if step >= total:
+                    break
+    train_s = time.perf_counter() - t0
+    rng = np.random.default_rng(settings.seed + 1)
+    users = np.sort(rng.permutation(world.n_users)[: settings.eval_users])
+    metrics = recall_at_k(model, examples, index, users, settings.eval_ks, config.beams)
+    metrics |= {
+        "final_loss": float(np.mean(losses[-50:])) if losses else None,
+        "steps": step,
+        "train_seconds": round(train_s, 1),
+        "training_pairs": len(examples),
+    }
+    log.info("held-out evaluation: %s", metrics)
+    version = save_checkpoint(
+        model, tokenizer, out, extra={"metrics": metrics, "settings": asdict(settings)}
+    )
+    shutil.rmtree(work, ignore_errors=True)
+    metrics["model_version"] = version
+    return metrics
