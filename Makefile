@@ -58,7 +58,7 @@ loadtest: install  ## locust against a local server (make serve): 4 users, 30 s,
 
 .PHONY: proto
 proto: install  ## regenerate the gRPC stubs in service/rpc from proto/
-	$(PY) -m service.rpc.generate
+	$(PY) -m tools.proto_stubs
 
 clean:  ## remove the venv and caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

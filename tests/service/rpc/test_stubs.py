@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from service.rpc import generate
+from tools import proto_stubs as generate
 
 
 def test_committed_stubs_are_current(tmp_path: Path) -> None:

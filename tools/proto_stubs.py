@@ -1,4 +1,5 @@
-"""Regenerate the gRPC stubs from `proto/` (`make proto`, or `python -m service.rpc.generate`).
+"""Regenerate the gRPC stubs from `proto/` (`make proto`, or `python -m tools.proto_stubs`): a
+developer tool, not installed with the service (it needs the `dev` extras' grpcio-tools).
 
     proto/grace/v1/retrieval.proto ──protoc──► service/rpc/grace/v1/retrieval_pb2{.py,.pyi,_grpc.py}
 
@@ -20,10 +21,10 @@ import tomllib
 from importlib import metadata, resources
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = ROOT / "proto"
 PROTOS = ("grace/v1/retrieval.proto",)
-STUB_ROOT = Path(__file__).resolve().parent  # stubs land in STUB_ROOT/grace/v1/
+STUB_ROOT = ROOT / "service" / "rpc"  # stubs land in STUB_ROOT/grace/v1/
 PACKAGE = "service.rpc"
 # Package markers written next to the stubs so `service.rpc.grace.v1` imports.
 _INIT = '"""Generated gRPC stubs of `proto/grace/v1` (regenerate with `make proto`)."""\n'
