@@ -17,6 +17,7 @@ from bench.baselines.cross_attention import (
 )
 from kernels.cross_attention import BACKENDS as SERVED_BACKENDS
 from kernels.cross_attention import cross_attention, cross_attention_reference
+from tests.helpers.kernel_inputs import ATTENTION_TOL, attention_inputs
 
 try:
     import bench.baselines._triton_cross_attention_persistent as triton_pca
@@ -26,24 +27,6 @@ except ImportError:  # no triton here: the layout tests still run
 needs_triton = pytest.mark.skipif(triton_pca is None, reason="needs triton")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-
-# fp32: exact dots (ieee), so only summation order differs; 16-bit: P is rounded to the
-# input dtype before P·V and the output is rounded once
-TOL = {
-    torch.float32: {"atol": 2e-5, "rtol": 2e-5},
-    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
-    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
-}
-
-
-def _inputs(
-    b: int, m: int, h: int, t_ctx: int, d: int, dtype: torch.dtype, device: str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(b * 1000 + m * 10 + t_ctx + d)
-    q = torch.randn(b * m, h, d, generator=g)  # [B * M, H, d_h]
-    k = torch.randn(b, h, t_ctx, d, generator=g)  # [B, H, T_ctx, d_h]
-    v = torch.randn(b, h, t_ctx, d, generator=g)
-    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("b", [1, 3])
@@ -66,7 +49,7 @@ def test_backend_lists() -> None:
 
 
 def test_variant_on_cpu_is_the_served_reference() -> None:
-    q, k, v = _inputs(2, 3, 2, 5, 16, torch.float32)
+    q, k, v = attention_inputs(2, 3, 2, 5, 16, torch.float32)
     got = cross_attention_variant(q, k, v, "reference")
     assert torch.equal(got, cross_attention_reference(q, k, v))
 
@@ -80,11 +63,11 @@ def test_persistent_reads_a_strided_q() -> None:
     b, m, h, d = 2, 17, 2, 16
     qkv = torch.randn(b * m, 3 * h * d)
     q = qkv[:, : h * d].view(b * m, h, d)  # [B * M, H, d_h], stride(0) = 3·H·d_h
-    _, k, v = _inputs(b, m, h, 33, d, torch.float32)
+    _, k, v = attention_inputs(b, m, h, 33, d, torch.float32)
     torch.testing.assert_close(
         cross_attention_variant(q, k, v, "triton_persistent"),
         cross_attention_reference(q, k, v),
-        **TOL[torch.float32],
+        **ATTENTION_TOL[torch.float32],
     )
 
 
@@ -97,13 +80,13 @@ def test_persistent_reads_kv_as_the_decoder_makes_them() -> None:
     torch.testing.assert_close(
         cross_attention_variant(q, kv[0], kv[1], "triton_persistent"),
         cross_attention_reference(q, kv[0], kv[1]),
-        **TOL[torch.float32],
+        **ATTENTION_TOL[torch.float32],
     )
 
 
 @needs_triton
 def test_persistent_rows_attend_only_their_own_request() -> None:
-    q, k, v = _inputs(3, 17, 2, 33, 16, torch.float32)
+    q, k, v = attention_inputs(3, 17, 2, 33, 16, torch.float32)
     out = cross_attention_variant(q, k, v, "triton_persistent")
     k2, v2 = k.clone(), v.clone()
     k2[1] *= -3.0  # change request 1's context only
@@ -122,11 +105,11 @@ def test_persistent_rows_attend_only_their_own_request() -> None:
 def test_persistent_matches_reference(b: int, m: int, t_ctx: int, dtype: torch.dtype) -> None:
     """Default config (BLOCK_M 16) on 3 programs: each walks several (b, h) pairs,
     reloading K/V between them, with a ragged last tile per pair when M = 17 or 40."""
-    q, k, v = _inputs(b, m, 2, t_ctx, 16, dtype)
+    q, k, v = attention_inputs(b, m, 2, t_ctx, 16, dtype)
     out = torch.full_like(q, float("nan"))  # any row or lane the kernel skips stays NaN
     got = triton_pca.triton_cross_attention_persistent(q, k, v, out=out)
     assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
-    torch.testing.assert_close(got, cross_attention_reference(q, k, v), **TOL[dtype])
+    torch.testing.assert_close(got, cross_attention_reference(q, k, v), **ATTENTION_TOL[dtype])
 
 
 @needs_triton
@@ -143,16 +126,16 @@ def test_persistent_configs_match_reference(
     config = {"BLOCK_M": 16, "OCCUPANCY": occupancy, "USE_TMA": tma, "WS": ws}
     qkv = torch.randn(b * m, 3 * h * d).to(dtype)
     q = qkv[:, : h * d].view(b * m, h, d)  # [B * M, H, d_h], stride(0) = 3·H·d_h
-    _, k, v = _inputs(b, m, h, 7, d, dtype)
+    _, k, v = attention_inputs(b, m, h, 7, d, dtype)
     out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
     triton_pca.triton_cross_attention_persistent(q, k, v, out=out, config=config)
-    torch.testing.assert_close(out, cross_attention_reference(q, k, v), **TOL[dtype])
+    torch.testing.assert_close(out, cross_attention_reference(q, k, v), **ATTENTION_TOL[dtype])
 
 
 @needs_triton
 def test_persistent_tma_refuses_ragged_tiles() -> None:
     """A TMA box of the 2-D view would store into the next request's rows."""
-    q, k, v = _inputs(2, 17, 2, 5, 16, torch.float32)
+    q, k, v = attention_inputs(2, 17, 2, 5, 16, torch.float32)
     config = {"BLOCK_M": 16, "OCCUPANCY": 1, "USE_TMA": True}
     with pytest.raises(AssertionError, match="whole tiles"):
         triton_pca.triton_cross_attention_persistent(q, k, v, config=config)
@@ -207,10 +190,10 @@ def _cuda_or_skip(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_backend_at_full_shape(backend: str, dtype: torch.dtype) -> None:
     s = FULL
-    q, k, v = _inputs(s["b"], s["m"], s["h"], s["t_ctx"], s["d"], dtype, "cuda")
+    q, k, v = attention_inputs(s["b"], s["m"], s["h"], s["t_ctx"], s["d"], dtype, "cuda")
     got = _cuda_or_skip(backend, q, k, v)
     assert got.shape == q.shape and got.dtype == dtype and got.is_contiguous()
-    torch.testing.assert_close(got, cross_attention_reference(q, k, v), **TOL[dtype])
+    torch.testing.assert_close(got, cross_attention_reference(q, k, v), **ATTENTION_TOL[dtype])
 
 
 @needs_triton
@@ -219,7 +202,7 @@ def test_gpu_backend_at_full_shape(backend: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("backend", SERVED_BACKENDS)
 def test_gpu_variant_of_a_served_backend_is_the_served_call(backend: str) -> None:
     """`cross_attention_variant` with a served backend is the served dispatcher's call."""
-    q, k, v = _inputs(2, 64, 4, 128, 64, torch.bfloat16, "cuda")
+    q, k, v = attention_inputs(2, 64, 4, 128, 64, torch.bfloat16, "cuda")
     got = _cuda_or_skip(backend, q, k, v)
     assert torch.equal(got, cross_attention(q, k, v, backend=backend))
 
@@ -234,19 +217,19 @@ def test_gpu_variant_of_a_served_backend_is_the_served_call(backend: str) -> Non
 def test_gpu_persistent_awkward_shapes(b: int, m: int, t_ctx: int, dtype: torch.dtype) -> None:
     if not triton_pca.supports(t_ctx, 128, dtype):
         pytest.skip("fp32 K/V of this length do not fit shared memory; SDPA takes it")
-    q, k, v = _inputs(b, m, 16, t_ctx, 128, dtype, "cuda")
+    q, k, v = attention_inputs(b, m, 16, t_ctx, 128, dtype, "cuda")
     out = torch.full_like(q, float("nan"))
     triton_pca.triton_cross_attention_persistent(q, k, v, out=out)
-    torch.testing.assert_close(out, cross_attention_reference(q, k, v), **TOL[dtype])
+    torch.testing.assert_close(out, cross_attention_reference(q, k, v), **ATTENTION_TOL[dtype])
 
 
 @gpu
 @needs_cuda
 def test_gpu_beam_as_query_equals_per_beam() -> None:
     """The served default (cuDNN for bf16) against the naive layout on the GPU."""
-    q, k, v = _inputs(2, 64, 4, 128, 64, torch.bfloat16, "cuda")
+    q, k, v = attention_inputs(2, 64, 4, 128, 64, torch.bfloat16, "cuda")
     torch.testing.assert_close(
-        cross_attention(q, k, v), cross_attention_per_beam(q, k, v), **TOL[torch.bfloat16]
+        cross_attention(q, k, v), cross_attention_per_beam(q, k, v), **ATTENTION_TOL[torch.bfloat16]
     )
 
 
@@ -266,11 +249,13 @@ def _persistent_gpu_configs() -> list:
 def test_gpu_persistent_every_config(config) -> None:
     """Every tuned config at the paper's shape (TMA, pipelining depth, occupancy) is exact."""
     s = FULL
-    q, k, v = _inputs(s["b"], s["m"], s["h"], s["t_ctx"], s["d"], torch.bfloat16, "cuda")
+    q, k, v = attention_inputs(s["b"], s["m"], s["h"], s["t_ctx"], s["d"], torch.bfloat16, "cuda")
     fixed = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
     out = torch.full_like(q, float("nan"))
     triton_pca.triton_cross_attention_persistent(q, k, v, out=out, config=fixed)
-    torch.testing.assert_close(out, cross_attention_reference(q, k, v), **TOL[torch.bfloat16])
+    torch.testing.assert_close(
+        out, cross_attention_reference(q, k, v), **ATTENTION_TOL[torch.bfloat16]
+    )
 
 
 @needs_triton
@@ -279,7 +264,11 @@ def test_gpu_persistent_every_config(config) -> None:
 def test_gpu_persistent_autotuned(monkeypatch: pytest.MonkeyPatch) -> None:
     """The autotuned launch, whose pre-hook sizes the TMA boxes per config, is exact."""
     monkeypatch.setattr(triton_pca, "AUTOTUNE", True)
-    q, k, v = _inputs(2, FULL["m"], FULL["h"], FULL["t_ctx"], FULL["d"], torch.bfloat16, "cuda")
+    q, k, v = attention_inputs(
+        2, FULL["m"], FULL["h"], FULL["t_ctx"], FULL["d"], torch.bfloat16, "cuda"
+    )
     got = triton_pca.triton_cross_attention_persistent(q, k, v)
-    torch.testing.assert_close(got, cross_attention_reference(q, k, v), **TOL[torch.bfloat16])
+    torch.testing.assert_close(
+        got, cross_attention_reference(q, k, v), **ATTENTION_TOL[torch.bfloat16]
+    )
     assert triton_pca._cross_attn_persistent_tuned.best_config is not None

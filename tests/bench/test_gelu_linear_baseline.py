@@ -23,50 +23,37 @@ from bench.baselines._triton_gelu_linear import (
 )
 from bench.baselines.gelu_linear import gelu_linear_triton
 from kernels.gelu_linear import gelu_linear_reference
-
-TOL = {"atol": 3e-2, "rtol": 3e-2}  # bf16/fp16 output of an fp32 accumulation
-
-
-def inputs(m: int, k: int, n: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(m, k, generator=g, device=device).to(dtype)
-    w = (torch.randn(n, k, generator=g, device=device) / k**0.5).to(dtype)
-    b = torch.randn(n, generator=g, device=device).to(dtype)
-    return x, w, b
-
-
-def want(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return gelu_linear_reference(x.float(), w.float(), b.float())
+from tests.helpers.kernel_inputs import GELU_TOL, gelu_inputs, gelu_want
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 16, 32), (37, 48, 80), (64, 64, 96)])
 def test_kernel_equals_reference(dtype: torch.dtype, m: int, k: int, n: int) -> None:
     """Ragged M, N and K tiles (TMA boxes clip at the edges) and several tiles per program."""
-    x, w, b = inputs(m, k, n, dtype)
+    x, w, b = gelu_inputs(m, k, n, dtype)
     got = triton_gelu_linear(x, w, b)
     assert got.dtype == dtype and got.shape == (m, n)
-    torch.testing.assert_close(got.float(), want(x, w, b), **TOL)
+    torch.testing.assert_close(got.float(), gelu_want(x, w, b), **GELU_TOL)
 
 
 @pytest.mark.parametrize("subtile", [False, True])
 @pytest.mark.parametrize(("bm", "bn", "bk", "group"), [(16, 16, 16, 1), (32, 64, 32, 4)])
 def test_every_tile_config_is_exact(subtile: bool, bm: int, bn: int, bk: int, group: int) -> None:
     """The epilogue's two column halves and the grouped tile order change nothing."""
-    x, w, b = inputs(70, 80, 144, torch.bfloat16, seed=1)
+    x, w, b = gelu_inputs(70, 80, 144, torch.bfloat16, seed=1)
     config = {**DEFAULT_CONFIG, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
     config |= {"GROUP_M": group, "SUBTILE": subtile}
     got = triton_gelu_linear(x, w, b, config=config)
-    torch.testing.assert_close(got.float(), want(x, w, b), **TOL)
+    torch.testing.assert_close(got.float(), gelu_want(x, w, b), **GELU_TOL)
 
 
 def test_strided_rows_are_read_through_their_stride() -> None:
     """x as a column slice of a wider tensor: only its own K columns enter the product."""
-    wide, w, b = inputs(20, 96, 48, torch.bfloat16, seed=2)
+    wide, w, b = gelu_inputs(20, 96, 48, torch.bfloat16, seed=2)
     x = wide[:, 16:80]
     w = w[:, :64].contiguous()
     assert supports(x, w, b)
-    torch.testing.assert_close(triton_gelu_linear(x, w, b).float(), want(x, w, b), **TOL)
+    torch.testing.assert_close(triton_gelu_linear(x, w, b).float(), gelu_want(x, w, b), **GELU_TOL)
 
 
 @triton.jit
@@ -91,7 +78,7 @@ def test_epilogue_is_tanh_gelu_with_the_bias_inside() -> None:
 
 def test_zero_weight_leaves_the_activated_bias() -> None:
     """A zero weight leaves gelu(b) in every row of the bf16 output."""
-    x, _, _ = inputs(5, 32, 32, torch.float16)
+    x, _, _ = gelu_inputs(5, 32, 32, torch.float16)
     w = torch.zeros(32, 32, dtype=torch.float16)
     b = torch.linspace(-6, 6, 32).to(torch.float16)
     got = triton_gelu_linear(x, w, b).float()
@@ -103,13 +90,13 @@ def test_dispatcher_falls_back_to_the_reference() -> None:
     """fp32 (TMA here takes 2-byte types), misaligned rows, a strided bias, broadcast rows
     and autograd all give the reference's answer; where the kernel takes the call, the
     kernel's."""
-    x, w, b = inputs(9, 24, 40, torch.float32)
+    x, w, b = gelu_inputs(9, 24, 40, torch.float32)
     assert not supports(x, w, b)
     torch.testing.assert_close(gelu_linear_triton(x, w, b), gelu_linear_reference(x, w, b))
-    xb, wb, bb = inputs(9, 20, 40, torch.bfloat16)  # 40-byte rows: not 16-byte multiples
+    xb, wb, bb = gelu_inputs(9, 20, 40, torch.bfloat16)  # 40-byte rows: not 16-byte multiples
     assert not supports(xb, wb, bb)
     torch.testing.assert_close(gelu_linear_triton(xb, wb, bb), gelu_linear_reference(xb, wb, bb))
-    xb, wb, bb = inputs(9, 32, 48, torch.bfloat16)
+    xb, wb, bb = gelu_inputs(9, 32, 48, torch.bfloat16)
     assert supports(xb, wb, bb)
     assert torch.equal(gelu_linear_triton(xb, wb, bb), triton_gelu_linear(xb, wb, bb))
     strided = torch.randn(96).to(torch.bfloat16)[::2]  # the kernel reads the bias densely
@@ -128,7 +115,7 @@ def test_dispatcher_falls_back_to_the_reference() -> None:
 
 
 def test_empty_batch() -> None:
-    x, w, b = inputs(0, 32, 48, torch.bfloat16)
+    x, w, b = gelu_inputs(0, 32, 48, torch.bfloat16)
     assert triton_gelu_linear(x, w, b).shape == (0, 48)
 
 
@@ -138,11 +125,11 @@ def test_empty_batch() -> None:
 def test_paper_shapes_on_gpu(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decoder's up-projection (1 024 → 7 680) at a part's rows per step: the Triton
     kernel (its default config, and autotuned) agrees with the fp32 reference."""
-    x, w, b = inputs(m, 1024, 7680, torch.bfloat16, device="cuda")
-    ref = want(x, w, b)
-    torch.testing.assert_close(triton_gelu_linear(x, w, b).float(), ref, **TOL)
-    torch.testing.assert_close(gelu_linear_triton(x, w, b).float(), ref, **TOL)
+    x, w, b = gelu_inputs(m, 1024, 7680, torch.bfloat16, device="cuda")
+    ref = gelu_want(x, w, b)
+    torch.testing.assert_close(triton_gelu_linear(x, w, b).float(), ref, **GELU_TOL)
+    torch.testing.assert_close(gelu_linear_triton(x, w, b).float(), ref, **GELU_TOL)
     import bench.baselines._triton_gelu_linear as mod
 
     monkeypatch.setattr(mod, "AUTOTUNE", True)
-    torch.testing.assert_close(mod.triton_gelu_linear(x, w, b).float(), ref, **TOL)
+    torch.testing.assert_close(mod.triton_gelu_linear(x, w, b).float(), ref, **GELU_TOL)

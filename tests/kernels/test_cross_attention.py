@@ -15,6 +15,7 @@ from kernels.cross_attention import (
     cross_attention_reference,
     default_backend,
 )
+from tests.helpers.kernel_inputs import ATTENTION_TOL, attention_inputs
 
 try:
     import kernels._triton_cross_attention as triton_ca
@@ -24,24 +25,6 @@ except ImportError:  # no triton here: the layout tests still run
 needs_triton = pytest.mark.skipif(triton_ca is None, reason="needs triton")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-
-# fp32: exact dots (ieee), so only summation order differs; 16-bit: P is rounded to the
-# input dtype before P·V and the output is rounded once
-TOL = {
-    torch.float32: {"atol": 2e-5, "rtol": 2e-5},
-    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
-    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
-}
-
-
-def _inputs(
-    b: int, m: int, h: int, t_ctx: int, d: int, dtype: torch.dtype, device: str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(b * 1000 + m * 10 + t_ctx + d)
-    q = torch.randn(b * m, h, d, generator=g)  # [B * M, H, d_h]
-    k = torch.randn(b, h, t_ctx, d, generator=g)  # [B, H, T_ctx, d_h]
-    v = torch.randn(b, h, t_ctx, d, generator=g)
-    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))  # type: ignore[return-value]
 
 
 def test_beam_rows_attend_only_their_own_request() -> None:
@@ -66,20 +49,22 @@ def test_beam_rows_attend_only_their_own_request() -> None:
 @pytest.mark.parametrize("d", [16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_matches_reference(b: int, m: int, t_ctx: int, d: int, dtype: torch.dtype) -> None:
-    q, k, v = _inputs(b, m, 2, t_ctx, d, dtype)
+    q, k, v = attention_inputs(b, m, 2, t_ctx, d, dtype)
     out = torch.full_like(q, float("nan"))  # any row or lane the kernel skips stays NaN
     got = triton_ca.triton_cross_attention(q, k, v, out=out)
     assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
-    torch.testing.assert_close(got, cross_attention_reference(q, k, v), **TOL[dtype])
+    torch.testing.assert_close(got, cross_attention_reference(q, k, v), **ATTENTION_TOL[dtype])
 
 
 @needs_triton
 @pytest.mark.parametrize("d", [24])  # not a power of two: the head dim is masked too
 def test_triton_masks_odd_head_dim(d: int) -> None:
-    q, k, v = _inputs(2, 5, 2, 7, d, torch.float32)
+    q, k, v = attention_inputs(2, 5, 2, 7, d, torch.float32)
     out = torch.full_like(q, float("nan"))
     triton_ca.triton_cross_attention(q, k, v, out=out)
-    torch.testing.assert_close(out, cross_attention_reference(q, k, v), **TOL[torch.float32])
+    torch.testing.assert_close(
+        out, cross_attention_reference(q, k, v), **ATTENTION_TOL[torch.float32]
+    )
 
 
 @needs_triton
@@ -88,11 +73,11 @@ def test_triton_reads_a_strided_q() -> None:
     b, m, h, d = 2, 17, 2, 16
     qkv = torch.randn(b * m, 3 * h * d)
     q = qkv[:, : h * d].view(b * m, h, d)  # [B * M, H, d_h], stride(0) = 3·H·d_h
-    _, k, v = _inputs(b, m, h, 33, d, torch.float32)
+    _, k, v = attention_inputs(b, m, h, 33, d, torch.float32)
     torch.testing.assert_close(
         cross_attention(q, k, v, backend="triton"),
         cross_attention_reference(q, k, v),
-        **TOL[torch.float32],
+        **ATTENTION_TOL[torch.float32],
     )
 
 
@@ -105,13 +90,13 @@ def test_triton_reads_kv_as_the_decoder_makes_them() -> None:
     torch.testing.assert_close(
         cross_attention(q, kv[0], kv[1], backend="triton"),
         cross_attention_reference(q, kv[0], kv[1]),
-        **TOL[torch.float32],
+        **ATTENTION_TOL[torch.float32],
     )
 
 
 @needs_triton
 def test_triton_rows_attend_only_their_own_request() -> None:
-    q, k, v = _inputs(3, 17, 2, 33, 16, torch.float32)
+    q, k, v = attention_inputs(3, 17, 2, 33, 16, torch.float32)
     out = cross_attention(q, k, v, backend="triton")
     k2, v2 = k.clone(), v.clone()
     k2[1] *= -3.0  # change request 1's context only
@@ -123,13 +108,13 @@ def test_triton_rows_attend_only_their_own_request() -> None:
 
 
 def test_dispatcher_on_cpu_is_the_reference() -> None:
-    q, k, v = _inputs(2, 3, 2, 5, 16, torch.bfloat16)
+    q, k, v = attention_inputs(2, 3, 2, 5, 16, torch.bfloat16)
     out = cross_attention(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert torch.equal(out, cross_attention_reference(q, k, v))
     assert default_backend(q, k) == "reference"
     for dtype in (torch.float32, torch.float16):
-        q, k, v = _inputs(2, 3, 2, 5, 16, dtype)
+        q, k, v = attention_inputs(2, 3, 2, 5, 16, dtype)
         assert default_backend(q, k) == "reference"
         assert torch.equal(cross_attention(q, k, v), cross_attention_reference(q, k, v))
 
@@ -178,10 +163,10 @@ def _cuda_or_skip(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_backend_at_full_shape(backend: str, dtype: torch.dtype) -> None:
     s = FULL
-    q, k, v = _inputs(s["b"], s["m"], s["h"], s["t_ctx"], s["d"], dtype, "cuda")
+    q, k, v = attention_inputs(s["b"], s["m"], s["h"], s["t_ctx"], s["d"], dtype, "cuda")
     got = _cuda_or_skip(backend, q, k, v)
     assert got.shape == q.shape and got.dtype == dtype and got.is_contiguous()
-    torch.testing.assert_close(got, cross_attention_reference(q, k, v), **TOL[dtype])
+    torch.testing.assert_close(got, cross_attention_reference(q, k, v), **ATTENTION_TOL[dtype])
 
 
 @needs_triton
@@ -194,10 +179,10 @@ def test_gpu_backend_at_full_shape(backend: str, dtype: torch.dtype) -> None:
 def test_gpu_triton_awkward_shapes(b: int, m: int, t_ctx: int, dtype: torch.dtype) -> None:
     if not triton_ca.supports(t_ctx, 128, dtype):
         pytest.skip("fp32 K/V of this length do not fit shared memory; SDPA takes it")
-    q, k, v = _inputs(b, m, 16, t_ctx, 128, dtype, "cuda")
+    q, k, v = attention_inputs(b, m, 16, t_ctx, 128, dtype, "cuda")
     out = torch.full_like(q, float("nan"))
     triton_ca.triton_cross_attention(q, k, v, out=out)
-    torch.testing.assert_close(out, cross_attention_reference(q, k, v), **TOL[dtype])
+    torch.testing.assert_close(out, cross_attention_reference(q, k, v), **ATTENTION_TOL[dtype])
 
 
 @needs_triton
@@ -205,12 +190,14 @@ def test_gpu_triton_awkward_shapes(b: int, m: int, t_ctx: int, dtype: torch.dtyp
 @needs_cuda
 def test_gpu_dispatcher_default_and_long_context() -> None:
     for dtype, t_ctx in [(torch.bfloat16, 300), (torch.float32, 256)]:  # not for the kernel
-        q, k, v = _inputs(2, 64, 4, t_ctx, 128, dtype, "cuda")
+        q, k, v = attention_inputs(2, 64, 4, t_ctx, 128, dtype, "cuda")
         got = cross_attention(q, k, v)  # SDPA: cuDNN for bf16, memory-efficient for fp32
-        torch.testing.assert_close(got, cross_attention_reference(q, k, v), **TOL[dtype])
-    q, k, v = _inputs(2, 64, 4, 128, 64, torch.bfloat16, "cuda")
+        torch.testing.assert_close(got, cross_attention_reference(q, k, v), **ATTENTION_TOL[dtype])
+    q, k, v = attention_inputs(2, 64, 4, 128, 64, torch.bfloat16, "cuda")
     torch.testing.assert_close(
-        cross_attention(q, k, v), cross_attention_reference(q, k, v), **TOL[torch.bfloat16]
+        cross_attention(q, k, v),
+        cross_attention_reference(q, k, v),
+        **ATTENTION_TOL[torch.bfloat16],
     )
 
 
@@ -225,5 +212,5 @@ def test_gpu_default_backend() -> None:
         (torch.float32, 128, "triton" if triton_ca is not None else "sdpa_efficient"),
         (torch.float32, 300, "sdpa_efficient"),
     ]:
-        q, k, _ = _inputs(1, 4, 2, t_ctx, 128, dtype, "cuda")
+        q, k, _ = attention_inputs(1, 4, 2, t_ctx, 128, dtype, "cuda")
         assert default_backend(q, k) == want, (dtype, t_ctx)
