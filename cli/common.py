@@ -20,3 +20,9 @@ def positive_float(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+CATALOG_HELP = (
+    "catalog: a .jsonl/.ndjson/.json file (also .gz), a .parquet file, or a directory of "
+    "such parts (docs/DATA.md)"
+)

@@ -9,7 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
-from cli.common import AddCommand, positive_float
+from cli.common import CATALOG_HELP, AddCommand, positive_float
 
 
 def _add_kway(p: argparse.ArgumentParser) -> None:
@@ -188,7 +188,7 @@ def register(add: AddCommand) -> None:
         "Train the SID tokenizer (3 residual k-means levels + a collision token) on the "
         "embeddings of the catalog's ads that carry no sid, and save it.",
     )
-    p.add_argument("--catalog", required=True, help="catalog (.jsonl or .parquet)")
+    p.add_argument("--catalog", required=True, help=CATALOG_HELP)
     p.add_argument("--out", required=True, help="tokenizer directory to write")
     p.add_argument("--codebook-size", type=int, default=512)
     p.add_argument("--iterations", type=int, default=20)
@@ -208,7 +208,7 @@ def register(add: AddCommand) -> None:
         "repointed atomically; old versions pruned). Bad input fails naming the row and "
         "field; nothing is published.",
     )
-    p.add_argument("--catalog", required=True, help="catalog (.jsonl or .parquet)")
+    p.add_argument("--catalog", required=True, help=CATALOG_HELP)
     p.add_argument("--tokenizer", help="SID tokenizer (needed when ads lack 'sid')")
     p.add_argument("--out", required=True, help="index root (holds versions and CURRENT)")
     p.add_argument("--keep", type=int, default=3, help="versions to keep (default 3)")
@@ -237,7 +237,7 @@ def register(add: AddCommand) -> None:
         "publish a new version. Failed builds publish nothing and are logged; SIGTERM "
         "stops cleanly.",
     )
-    p.add_argument("--catalog", required=True)
+    p.add_argument("--catalog", required=True, help=CATALOG_HELP)
     p.add_argument("--out", required=True, help="index root")
     p.add_argument("--interval", type=positive_float, default=60.0, help="seconds (60)")
     p.add_argument("--tokenizer", help="SID tokenizer (needed when ads lack 'sid')")

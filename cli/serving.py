@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cli.common import AddCommand
+from cli.common import CATALOG_HELP, AddCommand
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -72,7 +72,7 @@ def register(add: AddCommand) -> None:
     p.add_argument("--data-dir", help="where the default world, model and index live (./data)")
     p.add_argument("--index-root", help="index root to serve (DATA_DIR/index)")
     p.add_argument("--model", help="checkpoint directory (DATA_DIR/model)")
-    p.add_argument("--catalog", help="build and serve an index for this catalog")
+    p.add_argument("--catalog", help="build and serve an index for this " + CATALOG_HELP)
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--workers", type=int,
                    help="serving processes sharing the port, each with its own model, index "

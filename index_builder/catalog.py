@@ -3,18 +3,22 @@
 Flow: **catalog file → `read_catalog` → `Catalog`** → index_builder build (sorts ads by
 SID with `Catalog.take`, builds the trie and the per-ad indexes) → index on disk.
 
-A catalog is JSON Lines (`.jsonl`, `.ndjson`, `.json`; one ad object per line) or Parquet
-(`.parquet`). Both readers (`catalog_files.py`) produce the same Arrow columns, and one
+A catalog is JSON Lines (`.jsonl`, `.ndjson`, `.json`, each also `.gz`; one ad object per
+line) or Parquet (`.parquet`), one file or a directory of parts (`catalog_parts.py`). Both
+readers (`catalog_files.py`) produce the same Arrow columns, and one
 shared, vectorised pass (the field checks of `catalog_columns.py`, run in order here)
 validates them and encodes targeting with `targeting.py`, so the two formats accept and
 reject the same catalogs and give identical arrays. Any bad input raises `CatalogError`
-naming the file, the line (JSONL, 1-based) or row (Parquet, 0-based) and the field;
-nothing partial is returned. Unknown fields and columns are ignored.
+naming the file (the part), the line (JSONL, 1-based) or row (Parquet, 0-based) and the
+field; nothing partial is returned. Fields the format does not know are ignored with one
+warning naming them (`Catalog.ignored_fields`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,16 +37,10 @@ from index_builder.catalog_columns import (
     rule_ids,
     sids,
 )
-from index_builder.catalog_files import (
-    JSONL_SUFFIXES,
-    LIST_FIELDS,
-    PARQUET_SUFFIXES,
-    SID_LEVELS,
-    CatalogError,
-    Source,
-    read_jsonl,
-    read_parquet,
-)
+from index_builder.catalog_files import LIST_FIELDS, SID_LEVELS, CatalogError, Source
+from index_builder.catalog_parts import catalog_files, read_parts
+
+log = logging.getLogger("grace.catalog")
 
 
 @dataclass(frozen=True)
@@ -57,6 +55,7 @@ class Catalog:
     loc_ids: np.ndarray  # int32 [nnz]: ids into `locations`, sorted and deduplicated per ad
     locations: np.ndarray  # object [V]: sorted unique location strings
     source: str  # path read
+    ignored_fields: tuple[str, ...] = ()  # fields in the input the format does not know
 
     def __post_init__(self) -> None:
         n = len(self.ad_id)
@@ -101,33 +100,30 @@ class Catalog:
 
 
 def read_catalog(path: Path | str, *, progress: bool = True) -> Catalog:
-    """Read and validate a JSON Lines or Parquet catalog; raise CatalogError on bad input."""
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in JSONL_SUFFIXES + PARQUET_SUFFIXES:
-        allowed = ", ".join(JSONL_SUFFIXES + PARQUET_SUFFIXES)
-        raise CatalogError(str(path), None, None, f"unknown suffix {suffix!r}; expected {allowed}")
-    if not path.is_file():
-        raise CatalogError(str(path), None, None, "no such file")
-    if suffix in PARQUET_SUFFIXES:
-        src = Source(str(path), lines=None)
-        cols = read_parquet(path, src, progress)
-    else:
-        src, cols = read_jsonl(path, progress)
-    return _build(cols, src)
+    """Read and validate a catalog — a JSON Lines (plain or gzip) or Parquet file, or a
+    directory of such parts; raise CatalogError on bad input."""
+    src, cols, ignored = read_parts(Path(path), progress)
+    catalog = _build(cols, src)
+    if ignored:
+        log.warning("catalog %s: fields not in the catalog format ignored: %s (docs/DATA.md)",
+                    path, ", ".join(sorted(ignored)))  # fmt: skip
+    return dataclasses.replace(catalog, ignored_fields=tuple(sorted(ignored)))
 
 
 def catalog_fingerprint(path: Path | str) -> str:
-    """sha256 over the size, mtime_ns and the bytes of the file: changes when the content
-    does (and, conservatively, when the file is merely touched)."""
-    try:
-        st = os.stat(path)
-        h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:".encode())
-        with open(path, "rb") as fh:
-            while chunk := fh.read(1 << 20):
-                h.update(chunk)
-    except OSError as e:
-        raise CatalogError(str(path), None, None, f"cannot read: {e.strerror}") from e
+    """sha256 over each file's name, size, mtime_ns and bytes (a directory's parts in
+    order): changes when the content does (and, conservatively, when a file is merely
+    touched)."""
+    h = hashlib.sha256()
+    for f in catalog_files(Path(path)):
+        try:
+            st = os.stat(f)
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}:".encode())
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    h.update(chunk)
+        except OSError as e:
+            raise CatalogError(str(f), None, None, f"cannot read: {e.strerror}") from e
     return f"sha256:{h.hexdigest()}"
 
 

@@ -1,13 +1,16 @@
-"""Catalog files -> Arrow columns: the JSON Lines and Parquet readers and `CatalogError`.
+"""Catalog files -> Arrow columns: the JSON Lines (plain or gzip) and Parquet readers,
+`Source` (where a row came from) and `CatalogError`.
 
-`catalog.read_catalog` picks a reader by suffix and validates the columns it returns.
-JSON Lines does here only what Arrow cannot say (valid JSON, an object, an int `ad_id`,
-list-or-null fields); Parquet checks its column types up front.
+`catalog_parts.read_parts` runs a reader per file and `catalog.read_catalog` validates
+the columns. JSON Lines does here only what Arrow cannot say (valid JSON, an object, an
+int `ad_id`, list-or-null fields); Parquet checks its column types and its format version
+up front. Both report the fields they ignore (not in `contracts.data_format`).
 """
 
 from __future__ import annotations
 
 import gc
+import gzip
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -20,12 +23,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
-PARQUET_SUFFIXES = (".parquet",)
+from contracts.data_format import CATALOG_FIELDS, CATALOG_FORMAT_VERSION, CATALOG_VERSION_KEY
+
 SID_LEVELS = 4
 SID_VOCAB = 512
 STRING_FIELDS = ("countries", "age_buckets", "genders", "locations")
-LIST_FIELDS = ("sid", "embedding", *STRING_FIELDS)
+LIST_FIELDS = CATALOG_FIELDS[1:]  # every field but ad_id: lists (or null)
+KNOWN_FIELDS = frozenset(CATALOG_FIELDS)
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 
 
@@ -43,16 +47,34 @@ class CatalogError(ValueError):
 
 @dataclass(frozen=True)
 class Source:
-    path: str
-    lines: np.ndarray | None  # JSONL: int64 [N] line number of each row; None for Parquet
+    """Where the rows came from: one file, or the parts of a directory in order."""
 
-    def where(self, row: int | None) -> str | None:
-        if row is None:
-            return None
-        return f"row {row}" if self.lines is None else f"line {self.lines[row]}"
+    path: str  # the catalog as given (a file or a directory)
+    lines: np.ndarray | None  # JSONL: int64 [N] line of each row in its file; None: Parquet
+    parts: tuple[str, ...] = ()  # a directory's files; () for a single file
+    starts: np.ndarray | None = None  # int64 [len(parts)]: the first row of each part
+
+    def _locate(self, row: int) -> tuple[str, int]:
+        """(file, row within it) of catalog row `row`."""
+        if not self.parts or self.starts is None:
+            return self.path, row
+        i = int(np.searchsorted(self.starts, row, side="right")) - 1
+        return self.parts[i], row - int(self.starts[i])
+
+    def _where(self, row: int) -> tuple[str, str]:
+        path, local = self._locate(row)
+        return path, f"row {local}" if self.lines is None else f"line {self.lines[row]}"
+
+    def where(self, row: int) -> str:
+        """Row `row` as a reader finds it: "line 17", or "row 3 of <part>" in a directory."""
+        path, where = self._where(row)
+        return f"{where} of {path}" if self.parts else where
 
     def error(self, row: int | None, field: str | None, message: str) -> CatalogError:
-        return CatalogError(self.path, self.where(row), field, message)
+        if row is None:
+            return CatalogError(self.path, None, field, message)
+        path, where = self._where(row)
+        return CatalogError(path, where, field, message)
 
 
 def _is_string(t: pa.DataType) -> bool:
@@ -104,52 +126,60 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def read_jsonl(path: Path, progress: bool) -> tuple[Source, dict[str, pa.Array]]:
-    """One orjson parse per line into Python column lists, then Arrow conversion."""
+def read_jsonl(path: Path, progress: bool) -> tuple[Source, dict[str, pa.Array], set[str]]:
+    """One orjson parse per line into Python column lists, then Arrow conversion; a `.gz`
+    file is decompressed on the fly. Returns the source, the columns and the fields seen
+    that the format does not know (ignored)."""
     name = str(path)
+    unknown: set[str] = set()
     ids: list[int] = []
     lines: list[int] = []
     cols: dict[str, list[object]] = {f: [] for f in LIST_FIELDS}
     fields = tuple(cols.items())
-    pending = 0
     with (
         _gc_paused(),
-        path.open("rb") as fh,
+        path.open("rb") as stored,
+        gzip.GzipFile(fileobj=stored) if name.lower().endswith(".gz") else stored as fh,
         tqdm(total=path.stat().st_size, unit="B", unit_scale=True, disable=not progress) as bar,
     ):
-        bar.set_description(f"catalog {path.name}")
-        for lineno, raw in enumerate(fh, 1):
-            pending += len(raw)
-            if not lineno & 0x3FFF:  # every 16k lines: bar updates are not free
-                bar.update(pending)
-                pending = 0
-            try:
-                obj = orjson.loads(raw)
-            except orjson.JSONDecodeError as e:
-                if not raw.strip():
-                    continue  # blank lines are allowed
-                raise CatalogError(name, f"line {lineno}", None, f"invalid JSON: {e}") from None
-            if type(obj) is not dict:
-                msg = f"expected a JSON object, got {type(obj).__name__}"
-                raise CatalogError(name, f"line {lineno}", None, msg)
-            ad_id = obj.get("ad_id")
-            if type(ad_id) is not int or not I64_MIN <= ad_id <= I64_MAX:  # bool is no int
-                msg = "missing" if ad_id is None else f"{show(ad_id)} is not {EXPECT['ad_id'][1]}"
-                raise CatalogError(name, f"line {lineno}", "ad_id", msg)
-            ids.append(ad_id)
-            lines.append(lineno)
-            for field, col in fields:
-                value = obj.get(field)
-                if value is not None and type(value) is not list:
-                    msg = f"{show(value)} is not {EXPECT[field][1]}"
-                    raise CatalogError(name, f"line {lineno}", field, msg)
-                col.append(value)
-        bar.update(pending)
+        bar.set_description(f"catalog {path.name}")  # progress: bytes of the stored file
+        try:
+            for lineno, raw in enumerate(fh, 1):
+                if not lineno & 0x3FFF:  # every 16k lines: bar updates are not free
+                    bar.update(stored.tell() - bar.n)
+                try:
+                    obj = orjson.loads(raw)
+                except orjson.JSONDecodeError as e:
+                    if not raw.strip():
+                        continue  # blank lines are allowed
+                    raise CatalogError(name, f"line {lineno}", None, f"invalid JSON: {e}") from None
+                if type(obj) is not dict:
+                    msg = f"expected a JSON object, got {type(obj).__name__}"
+                    raise CatalogError(name, f"line {lineno}", None, msg)
+                ad_id = obj.get("ad_id")
+                if type(ad_id) is not int or not I64_MIN <= ad_id <= I64_MAX:  # bool is no int
+                    msg = (
+                        "missing" if ad_id is None else f"{show(ad_id)} is not {EXPECT['ad_id'][1]}"
+                    )
+                    raise CatalogError(name, f"line {lineno}", "ad_id", msg)
+                if not obj.keys() <= KNOWN_FIELDS:
+                    unknown.update(obj.keys() - KNOWN_FIELDS)
+                ids.append(ad_id)
+                lines.append(lineno)
+                for field, col in fields:
+                    value = obj.get(field)
+                    if value is not None and type(value) is not list:
+                        msg = f"{show(value)} is not {EXPECT[field][1]}"
+                        raise CatalogError(name, f"line {lineno}", field, msg)
+                    col.append(value)
+        except (OSError, EOFError) as e:  # a corrupt or truncated gzip stream
+            raise CatalogError(name, None, None, f"cannot decompress: {e}") from None
+        bar.update(stored.tell() - bar.n)
     src = Source(name, lines=np.array(lines, dtype=np.int64))
     out = {"ad_id": pa.array(ids, type=pa.int64())}
     for field, col in cols.items():
         out[field] = _to_arrow(col, field, src)
-    return src, out
+    return src, out, unknown
 
 
 def _to_arrow(col: list[object], field: str, src: Source) -> pa.Array:
@@ -175,12 +205,18 @@ def _to_arrow(col: list[object], field: str, src: Source) -> pa.Array:
     raise src.error(None, field, f"values mix types; each must be {expect}")
 
 
-def read_parquet(path: Path, src: Source, progress: bool) -> dict[str, pa.Array]:
+def read_parquet(path: Path, progress: bool) -> tuple[dict[str, pa.Array], set[str]]:
+    """The catalog's columns of one Parquet file, and the columns it ignores."""
+    src = Source(str(path), lines=None)
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
         raise src.error(None, None, f"not a readable Parquet file: {e}") from None
     schema = pf.schema_arrow
+    version = (schema.metadata or {}).get(CATALOG_VERSION_KEY)
+    if version is not None and not (version.isdigit() and int(version) <= CATALOG_FORMAT_VERSION):
+        msg = f"written for catalog format {version.decode(errors='replace')!r}; this reader "
+        raise src.error(None, None, msg + f"knows versions up to {CATALOG_FORMAT_VERSION}")
     if "ad_id" not in schema.names:
         raise src.error(None, "ad_id", "missing column")
     fields = [f for f in ("ad_id", *LIST_FIELDS) if f in schema.names]
@@ -204,4 +240,4 @@ def read_parquet(path: Path, src: Source, progress: bool) -> dict[str, pa.Array]
     # one column per thread: combining 30 M embedding rows alone copies 3.8 GB
     with ThreadPoolExecutor(min(len(fields), batch)) as pool:
         columns = pool.map(lambda f: table.column(f).combine_chunks(), fields)
-        return dict(zip(fields, columns, strict=True))
+        return dict(zip(fields, columns, strict=True)), set(schema.names) - KNOWN_FIELDS

@@ -23,6 +23,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from contracts.data_format import CATALOG_FORMAT_VERSION, CATALOG_VERSION_KEY
 from contracts.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Ragged
 from index_builder.synth.ads import AdRules
 
@@ -118,7 +119,8 @@ class CatalogWriter:
                 ("advertiser_id", pa.int64()),
                 ("embedding", pa.list_(pa.float32())),
                 *((k, pa.list_(pa.string())) for k in self._names),
-            ]
+            ],
+            metadata={CATALOG_VERSION_KEY: str(CATALOG_FORMAT_VERSION).encode()},
         )
         self._parquet = pq.ParquetWriter(directory / CATALOG_PARQUET, self.schema)
         self._jsonl = open(directory / CATALOG_JSONL, "wb") if jsonl else None  # noqa: SIM115
