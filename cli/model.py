@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from cli.common import AddCommand, positive_float
 
 
 def _train(args: argparse.Namespace) -> int:
-    from training.train import TrainSettings, train
+    from index_builder.catalog import CatalogError
+    from training.train import TrainingData, TrainSettings, train
+    from training.user_data import DataError
 
     settings = TrainSettings(
         profile=args.profile,
@@ -21,13 +24,29 @@ def _train(args: argparse.Namespace) -> int:
         eval_users=args.eval_users,
         device=args.device,
     )
-    metrics = train(
-        Path(args.world),
-        Path(args.out),
-        settings,
-        tokenizer_path=Path(args.tokenizer) if args.tokenizer else None,
-        progress=not args.no_progress,
-    )
+    files = (args.catalog, args.interactions, args.users)
+    if (args.world is None) == (files == (None, None, None)) or (
+        args.world is None and None in files
+    ):
+        print(
+            "grace train: give --world, or --catalog, --interactions and --users", file=sys.stderr
+        )
+        return 2
+    paths = {
+        k: Path(v) for k, v in zip(("catalog", "interactions", "users"), files, strict=True) if v
+    }
+    data = TrainingData(world=Path(args.world) if args.world else None, **paths)
+    try:
+        metrics = train(
+            data,
+            Path(args.out),
+            settings,
+            tokenizer_path=Path(args.tokenizer) if args.tokenizer else None,
+            progress=not args.no_progress,
+        )
+    except (DataError, CatalogError) as e:
+        print(f"grace train: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(metrics, indent=1))
     return 0
 
@@ -109,13 +128,17 @@ def register(add: AddCommand) -> None:
     p = add(
         "train",
         _train,
-        "train the generative retriever on a synthetic world",
-        "Teacher-forced next-SID training on the world's interaction histories, with a "
+        "train the generative retriever on a synthetic world or on your own data",
+        "Teacher-forced next-SID training on users' interaction histories — a synthetic world "
+        "(--world) or your catalog, interactions and users files (docs/DATA.md) — with a "
         "held-out recall@K evaluation against an eligible-popularity baseline at the end. "
         "Trains the SID tokenizer too unless --tokenizer is given. Resumable: rerun the "
         "same command after an interruption.",
     )
-    p.add_argument("--world", required=True, help="world directory (grace synth)")
+    p.add_argument("--world", help="world directory (grace synth)")
+    p.add_argument("--catalog", help="your catalog, instead of --world (docs/DATA.md)")
+    p.add_argument("--interactions", help="your interactions file: .parquet, .csv or .jsonl")
+    p.add_argument("--users", help="your users file: .parquet, .csv or .jsonl")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="tiny")
     p.add_argument("--tokenizer", help="use this SID tokenizer instead of training one")

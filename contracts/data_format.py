@@ -24,3 +24,17 @@ def catalog_kind(name: str) -> str | None:
     if lower.endswith(JSONL_SUFFIXES):
         return "jsonl"
     return None
+
+
+# Interactions: one event per row. `event_type` is the RPC's EventType by name or number
+# (view 1, click 2, conversion 3); `split` is optional (train, valid, test).
+INTERACTION_FIELDS = ("user_id", "ad_id", "event_type", "timestamp_ms")
+INTERACTION_SPLITS = ("train", "valid", "test")
+EVENT_TYPE_NAMES = {"view": 1, "click": 2, "conversion": 3}
+# Users: one row per user; `age` 0 or missing = unknown; `locations` a list (Parquet,
+# JSON Lines) or a `|`-separated string (CSV)
+USER_FIELDS = ("user_id", "country", "age", "gender", "locations")
+TABLE_SUFFIXES = (".parquet", ".csv", ".jsonl")  # interactions and users files
+# events on ads not in the catalog, or on users not in the users file, are dropped and
+# counted; more than this share of them refuses the data (a mismatched pair of files)
+MAX_DROPPED_SHARE = 0.05

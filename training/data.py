@@ -1,4 +1,5 @@
-"""Training and evaluation examples from a synthetic world (index_builder/synth).
+"""Training and evaluation examples from users' histories: a synthetic world
+(index_builder/synth) or a team's own interactions and users (`training/user_data.py`).
 
 A training example is (user, i): the user's events before event i are the history, the
 SID of event i's ad is the target (teacher-forced next-SID prediction). The held-out
@@ -11,13 +12,35 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from index_builder.synth import World
+from contracts.targeting import Targeting
 from service.model.config import ModelConfig
 from service.model.features import FeatureBatch, SidLookup, UserFeatures, prepare_features
+
+
+class Histories(Protocol):
+    """Users, their time-ordered histories and held-out events (`World`, `UserData`)."""
+
+    user_ids: np.ndarray  # int64 [U]
+    targeting: tuple[Targeting, ...]  # [U]
+    history_offsets: np.ndarray  # int64 [U+1]
+    history_ad_ids: np.ndarray  # int64 [E]
+    heldout_ad_ids: np.ndarray  # int64 [U]; -1: the user has no held-out event
+    heldout_ts: np.ndarray  # int64 [U]
+
+    @property
+    def n_users(self) -> int: ...
+
+    def history(self, u: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
+
+def evaluable_users(world: Histories) -> np.ndarray:
+    """Positions of the users with a held-out event."""
+    return np.flatnonzero(world.heldout_ad_ids >= 0)
 
 
 @dataclass(frozen=True)
@@ -31,7 +54,7 @@ class Batch:
 class Examples:
     """Index of (user, event) training pairs of a world, with SIDs from one index."""
 
-    def __init__(self, world: World, lookup: SidLookup, config: ModelConfig) -> None:
+    def __init__(self, world: Histories, lookup: SidLookup, config: ModelConfig) -> None:
         self.world, self.lookup, self.config = world, lookup, config
         off = world.history_offsets
         lengths = np.diff(off)

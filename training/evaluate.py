@@ -13,15 +13,14 @@ import numpy as np
 
 from contracts.request import FilterMode
 from contracts.targeting import exact_eligible, request_bitmask
-from index_builder.synth import World
 from service.index.loaded import LoadedIndex
 from service.model.retriever import GenerativeRetriever
 from service.post.expand import location_rows
-from training.data import Examples
+from training.data import Examples, Histories
 from training.offline import OfflineRetriever
 
 
-def popularity_ranking(world: World, ad_ids: np.ndarray) -> np.ndarray:
+def popularity_ranking(world: Histories, ad_ids: np.ndarray) -> np.ndarray:
     """Positions into `ad_ids`, most frequent in the histories first (ties: by ad id)."""
     order = np.argsort(ad_ids)
     pos = np.searchsorted(ad_ids[order], world.history_ad_ids)

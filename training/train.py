@@ -1,7 +1,8 @@
 """`grace train`: teacher-forced next-SID training of the generative retriever on a
-synthetic world, resumable, ending with a held-out evaluation against popularity.
+synthetic world or on a team's own catalog, interactions and users (docs/DATA.md),
+resumable, ending with a held-out evaluation against popularity.
 
-    world ─► SID tokenizer (trained here, or given) ─► SIDs for the catalog ─► in-memory
+    data ─► SID tokenizer (trained here, or given) ─► SIDs for the catalog ─► in-memory
     index ─► (user history, next event's SID) pairs ─► AdamW on cross-entropy over the 4
     SID positions ─► checkpoint (weights + config + tokenizer + metrics)
 
@@ -27,14 +28,15 @@ from tqdm import tqdm
 from contracts.index_format import IndexArrays
 from index_builder.build import assign_sids, build_arrays
 from index_builder.catalog import read_catalog
-from index_builder.synth import World, load_world
+from index_builder.synth import load_world
 from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
 from service.index.loaded import LoadedIndex
 from service.model.checkpoint import save_checkpoint
 from service.model.config import ModelConfig, profile
 from service.model.retriever import GenerativeRetriever
-from training.data import Examples
+from training.data import Examples, Histories, evaluable_users
 from training.evaluate import recall_at_k
+from training.user_data import read_user_data
 
 log = logging.getLogger("grace.train")
 
@@ -58,24 +60,56 @@ class TrainSettings:
             raise ValueError("epochs, batch_size and lr must be positive")
 
 
+@dataclass(frozen=True)
+class TrainingData:
+    """Where the examples come from: a world directory (`grace synth`), or the three
+    files of docs/DATA.md."""
+
+    world: Path | None = None
+    catalog: Path | None = None
+    interactions: Path | None = None
+    users: Path | None = None
+
+    def __post_init__(self) -> None:
+        files = (self.catalog, self.interactions, self.users)
+        if (self.world is None) == all(f is None for f in files) or (
+            self.world is None and any(f is None for f in files)
+        ):
+            raise ValueError("give a world directory, or a catalog, interactions and users")
+
+
 def prepare(
-    world_dir: Path, work: Path, tokenizer_path: Path | None, progress: bool
-) -> tuple[World, SIDTokenizer, IndexArrays]:
-    """World, its SID tokenizer (kept in `work/tokenizer`) and an in-memory index."""
-    world = load_world(world_dir)
-    catalog = read_catalog(world.catalog_parquet, progress=progress)
+    data: TrainingData, work: Path, tokenizer_path: Path | None, progress: bool
+) -> tuple[Histories, SIDTokenizer, IndexArrays]:
+    """The users' histories, the SID tokenizer (kept in `work/tokenizer`) and an in-memory
+    index of the catalog."""
+    world = load_world(data.world) if data.world is not None else None
+    catalog_path = world.catalog_parquet if world is not None else data.catalog
+    assert catalog_path is not None  # TrainingData checked it
+    catalog = read_catalog(catalog_path, progress=progress)
+    histories: Histories
+    if world is not None:
+        histories = world
+    else:
+        assert data.interactions is not None and data.users is not None
+        histories = read_user_data(data.interactions, data.users, catalog.ad_id)
+        log.info("training data: %s", histories.summary)
     saved = work / "tokenizer"
     if tokenizer_path is not None:
         tokenizer = SIDTokenizer.load(tokenizer_path)
     elif saved.exists():
         tokenizer = SIDTokenizer.load(saved)
+    elif catalog.embedding is None:
+        raise ValueError(
+            f"catalog {catalog_path} carries no embeddings to train a SID tokenizer on: "
+            "pass --tokenizer (a catalog of precomputed SIDs alone cannot train yet)"
+        )
     else:
-        assert catalog.embedding is not None, "synthetic catalogs carry embeddings"
         tokenizer = SIDTokenizer.train(catalog.embedding, TokenizerConfig(), progress=progress)
     if not saved.exists():
         tokenizer.save(saved)
     sids, _ = assign_sids(catalog, tokenizer)
-    return world, tokenizer, build_arrays(catalog, sids)
+    return histories, tokenizer, build_arrays(catalog, sids)
 
 
 def _lr(step: int, total: int, s: TrainSettings) -> float:
@@ -86,19 +120,22 @@ def _lr(step: int, total: int, s: TrainSettings) -> float:
 
 
 def train(
-    world_dir: Path,
+    data: TrainingData | Path,
     out: Path,
     settings: TrainSettings,
     *,
     tokenizer_path: Path | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train (or resume) and write the checkpoint to `out`; returns the metrics."""
+    """Train (or resume) and write the checkpoint to `out`; returns the metrics. `data`:
+    the training data, or a world directory."""
+    if not isinstance(data, TrainingData):
+        data = TrainingData(world=Path(data))
     out = Path(out)
     work = out.with_name(out.name + ".partial")
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(settings.seed)
-    world, tokenizer, arrays = prepare(Path(world_dir), work, tokenizer_path, progress)
+    world, tokenizer, arrays = prepare(data, work, tokenizer_path, progress)
     config: ModelConfig = profile(settings.profile)
     index = LoadedIndex.from_arrays(arrays, settings.device)
     examples = Examples(world, index.lookup, config)
@@ -164,7 +201,8 @@ def train(
                     break
     train_s = time.perf_counter() - t0
     rng = np.random.default_rng(settings.seed + 1)
-    users = np.sort(rng.permutation(world.n_users)[: settings.eval_users])
+    held = evaluable_users(world)
+    users = np.sort(rng.permutation(held)[: settings.eval_users])
     metrics = recall_at_k(model, examples, index, users, settings.eval_ks, config.beams)
     metrics |= {
         "final_loss": float(np.mean(losses[-50:])) if losses else None,

@@ -1,0 +1,278 @@
+"""A team's own users and interactions (docs/DATA.md) -> the users, time-ordered
+histories and held-out events that training and evaluation read (`training/data.py`).
+
+    interactions (user_id, ad_id, event_type, timestamp_ms[, split]) ─┐
+    users (user_id, country, age, gender, locations) ─────────────────┴─► UserData
+
+Files are Parquet, CSV or JSON Lines. Bad rows raise `DataError` naming the file, the row
+(0-based data row) and the field. Events on ads the catalog lacks or on users the users
+file lacks are dropped and counted (`UserData.dropped`); above `MAX_DROPPED_SHARE` of all
+events the data is refused — the files do not belong together. The split is the `split`
+column where there is one (one `test` event per user at most; `valid` events stay in the
+history), else leave-last-out: each user's last event (by time) is held out for test,
+the rest is the history. Users without a test event are kept for training only.
+
+`UserData` has the shape of the synthetic world (`index_builder.synth.World`), which is
+one producer of this format, so the training and evaluation code serve both alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pcsv
+import pyarrow.json as pjson
+import pyarrow.parquet as pq
+
+from contracts.data_format import (
+    EVENT_TYPE_NAMES,
+    INTERACTION_SPLITS,
+    MAX_DROPPED_SHARE,
+    TABLE_SUFFIXES,
+    USER_FIELDS,
+)
+from contracts.targeting import (
+    MAX_LOCATION_BYTES,
+    MAX_REQUEST_LOCATIONS,
+    Targeting,
+    TargetingError,
+    request_bitmask,
+)
+
+
+class DataError(ValueError):
+    """Bad interactions or users input: names the file, row and field."""
+
+
+@dataclass(frozen=True)
+class UserData:
+    path: Path  # the interactions file
+    summary: dict[str, Any]
+    user_ids: np.ndarray  # int64 [U]
+    targeting: tuple[Targeting, ...]  # [U]
+    history_offsets: np.ndarray  # int64 [U+1]
+    history_ad_ids: np.ndarray  # int64 [E], time-ordered per user
+    history_types: np.ndarray  # int8 [E]
+    history_ts: np.ndarray  # int64 [E]
+    heldout_ad_ids: np.ndarray  # int64 [U]: the test event; -1 where a user has none
+    heldout_types: np.ndarray  # int8 [U]
+    heldout_ts: np.ndarray  # int64 [U]
+    dropped: dict[str, int] = field(default_factory=dict)  # events dropped, by reason
+
+    @property
+    def n_users(self) -> int:
+        return len(self.user_ids)
+
+    @property
+    def evaluable(self) -> np.ndarray:
+        """Positions of the users with a test event."""
+        return np.flatnonzero(self.heldout_ad_ids >= 0)
+
+    def history(self, u: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        s = slice(self.history_offsets[u], self.history_offsets[u + 1])
+        return self.history_ad_ids[s], self.history_types[s], self.history_ts[s]
+
+
+def read_table(path: Path) -> pa.Table:
+    """A Parquet, CSV or JSON Lines file as an Arrow table."""
+    suffix = path.suffix.lower()
+    if suffix not in TABLE_SUFFIXES:
+        raise DataError(f"{path}: unknown suffix {suffix!r}; expected {', '.join(TABLE_SUFFIXES)}")
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    try:
+        if suffix == ".parquet":
+            return pq.read_table(path)
+        if suffix == ".csv":
+            opts = pcsv.ConvertOptions(strings_can_be_null=True)
+            return pcsv.read_csv(path, convert_options=opts)
+        return pjson.read_json(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}: not readable: {' '.join(str(e).split())}") from None
+
+
+def _column(table: pa.Table, path: Path, name: str, required: bool = True) -> pa.Array | None:
+    if name not in table.column_names:
+        if required:
+            raise DataError(f"{path}: field {name!r}: missing column")
+        return None
+    return table.column(name).combine_chunks()
+
+
+def _ints(arr: pa.Array, path: Path, name: str) -> np.ndarray:
+    """An integer column as int64; the first null or non-integer row is named."""
+    if arr.null_count:
+        row = int(pc.index(pc.is_null(arr), True).as_py())
+        raise DataError(f"{path}: row {row}: field {name!r}: missing")
+    if not pa.types.is_integer(arr.type):
+        for row, value in enumerate(arr.to_pylist()):  # the first value that is no integer
+            if not (
+                isinstance(value, int) or (isinstance(value, str) and value.lstrip("-").isdigit())
+            ):
+                raise DataError(f"{path}: row {row}: field {name!r}: {value!r} is not an integer")
+        raise DataError(f"{path}: field {name!r}: column has type {arr.type}; expected integers")
+    return arr.to_numpy().astype(np.int64)
+
+
+def _event_types(arr: pa.Array, path: Path) -> np.ndarray:
+    """Event types by name or number -> int8 1..3."""
+    if pa.types.is_integer(arr.type):
+        values = _ints(arr, path, "event_type")
+        bad = ~np.isin(values, list(EVENT_TYPE_NAMES.values()))
+    else:
+        names = [None if v is None else str(v).lower() for v in arr.to_pylist()]
+        values = np.array([EVENT_TYPE_NAMES.get(n, 0) for n in names], dtype=np.int64)
+        bad = values == 0
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        value = arr[row].as_py()
+        known = ", ".join(f"{k} ({v})" for k, v in EVENT_TYPE_NAMES.items())
+        raise DataError(f"{path}: row {row}: field 'event_type': {value!r} is not one of {known}")
+    return values.astype(np.int8)
+
+
+def read_users(path: Path) -> tuple[np.ndarray, tuple[Targeting, ...]]:
+    """User ids (unique) and their targeting attributes."""
+    path = Path(path)
+    table = read_table(path)
+    ids = _ints(_column(table, path, "user_id"), path, "user_id")
+    if len(ids) == 0:
+        raise DataError(f"{path}: no users")
+    order = np.argsort(ids, kind="stable")
+    if len(dup := np.flatnonzero(ids[order[1:]] == ids[order[:-1]])):
+        row = int(order[dup[0] + 1])
+        raise DataError(f"{path}: row {row}: field 'user_id': duplicate {ids[row]}")
+    cols = {f: _column(table, path, f, required=False) for f in USER_FIELDS[1:]}
+    values = {f: ([None] * len(ids) if c is None else c.to_pylist()) for f, c in cols.items()}
+    return ids, tuple(_targeting(values, row, path) for row in range(len(ids)))
+
+
+def _targeting(values: dict[str, list], row: int, path: Path) -> Targeting:
+    locations = values["locations"][row]
+    if isinstance(locations, str):  # CSV: "a|b|c"
+        locations = [s for s in locations.split("|") if s]
+    age = values["age"][row]
+    where = f"{path}: row {row}: field"
+    if not isinstance(age, int | None):
+        raise DataError(f"{where} 'age': {age!r} is not an integer")
+    locations = tuple(locations or ())
+    if len(locations) > MAX_REQUEST_LOCATIONS:
+        raise DataError(f"{where} 'locations': {len(locations)}, more than {MAX_REQUEST_LOCATIONS}")
+    for loc in locations:
+        if not isinstance(loc, str) or not 0 < len(loc.encode()) <= MAX_LOCATION_BYTES:
+            raise DataError(f"{where} 'locations': {loc!r} is not 1 to {MAX_LOCATION_BYTES} bytes")
+    t = Targeting(values["country"][row] or "", age or 0, values["gender"][row] or "", locations)
+    try:
+        request_bitmask(t)  # checks country and gender against the targeting schema
+    except TargetingError as e:
+        raise DataError(f"{where} {e.field!r}: {str(e).partition(': ')[2]}") from None
+    return t
+
+
+def read_user_data(interactions: Path, users: Path, ad_ids: np.ndarray) -> UserData:
+    """Join the two files over the catalog's `ad_ids`, order events by time, split."""
+    interactions = Path(interactions)
+    user_ids, targeting = read_users(users)
+    table = read_table(interactions)
+
+    def ints(name: str) -> np.ndarray:
+        return _ints(_column(table, interactions, name), interactions, name)
+
+    uid, ad, ts = ints("user_id"), ints("ad_id"), ints("timestamp_ms")
+    etype = _event_types(_column(table, interactions, "event_type"), interactions)
+    split_col = _column(table, interactions, "split", required=False)
+    split = _splits(split_col, interactions, len(uid))
+    n = len(uid)
+    if n == 0:
+        raise DataError(f"{interactions}: no events")
+    user_pos = _positions(user_ids, uid)
+    known_ad = np.isin(ad, ad_ids)
+    dropped = {"unknown_user": int((user_pos < 0).sum()), "unknown_ad": int((~known_ad).sum())}
+    keep = (user_pos >= 0) & known_ad
+    share = 1 - keep.mean()
+    if share > MAX_DROPPED_SHARE:
+        raise DataError(
+            f"{interactions}: {dropped['unknown_user']} events on users not in {users} and "
+            f"{dropped['unknown_ad']} on ads not in the catalog: {share:.1%} of {n}, more than "
+            f"{MAX_DROPPED_SHARE:.0%} (do the files belong together?)"
+        )
+    user_pos, ad, etype, ts, split = (x[keep] for x in (user_pos, ad, etype, ts, split))
+    order = np.lexsort((ts, user_pos))  # per user, oldest first
+    user_pos, ad, etype, ts, split = (x[order] for x in (user_pos, ad, etype, ts, split))
+    test = _test_events(user_pos, split if split_col is not None else None, interactions)
+    return _assemble(interactions, user_ids, targeting, user_pos, ad, etype, ts, test, dropped)
+
+
+def _splits(arr: pa.Array | None, path: Path, n: int) -> np.ndarray:
+    """Per event: 0 train, 1 valid, 2 test; -1 for all when there is no split column."""
+    if arr is None:
+        return np.full(n, -1, dtype=np.int8)
+    names = arr.to_pylist()
+    index = {s: i for i, s in enumerate(INTERACTION_SPLITS)}
+    out = np.array([index.get(str(v).lower(), -9) if v is not None else -9 for v in names])
+    if (bad := np.flatnonzero(out == -9)).size:
+        row = int(bad[0])
+        raise DataError(
+            f"{path}: row {row}: field 'split': {names[row]!r} is not one of "
+            + ", ".join(INTERACTION_SPLITS)
+        )
+    return out.astype(np.int8)
+
+
+def _positions(user_ids: np.ndarray, uid: np.ndarray) -> np.ndarray:
+    """Position of each event's user in `user_ids`; -1 for users it does not list."""
+    order = np.argsort(user_ids)
+    pos = np.minimum(np.searchsorted(user_ids[order], uid), len(user_ids) - 1)
+    found = user_ids[order][pos] == uid
+    return np.where(found, order[pos], -1)
+
+
+def _test_events(user_pos: np.ndarray, split: np.ndarray | None, path: Path) -> np.ndarray:
+    """bool per (sorted) event: held out for test."""
+    last = np.r_[user_pos[1:] != user_pos[:-1], True]
+    if split is None:  # leave-last-out: each user's last event
+        first = np.r_[True, user_pos[1:] != user_pos[:-1]]
+        return last & ~first  # a user with one event keeps it for training
+    test = split == 2
+    twice = np.flatnonzero(test[1:] & test[:-1] & (user_pos[1:] == user_pos[:-1]))
+    if twice.size:
+        raise DataError(f"{path}: field 'split': a user has more than one test event")
+    return test
+
+
+def _assemble(path, user_ids, targeting, user_pos, ad, etype, ts, test, dropped) -> UserData:
+    u = len(user_ids)
+    held_ad = np.full(u, -1, dtype=np.int64)
+    held_type = np.zeros(u, dtype=np.int8)
+    held_ts = np.zeros(u, dtype=np.int64)
+    held_ad[user_pos[test]], held_type[user_pos[test]] = ad[test], etype[test]
+    held_ts[user_pos[test]] = ts[test]
+    hist = ~test
+    counts = np.bincount(user_pos[hist], minlength=u)
+    summary = {
+        "source": str(path),
+        "users": u,
+        "events": len(ad),
+        "history_events": int(hist.sum()),
+        "test_events": int(test.sum()),
+        "dropped": dropped,
+    }
+    return UserData(
+        path=path,
+        summary=summary,
+        user_ids=user_ids,
+        targeting=targeting,
+        history_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        history_ad_ids=ad[hist],
+        history_types=etype[hist],
+        history_ts=ts[hist],
+        heldout_ad_ids=held_ad,
+        heldout_types=held_type,
+        heldout_ts=held_ts,
+        dropped=dropped,
+    )
