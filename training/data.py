@@ -38,6 +38,12 @@ class Histories(Protocol):
     def history(self, u: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
 
+def valid_index(world: Histories) -> np.ndarray:
+    """Per user, the position in its history of its validation event (`UserData`); -1
+    where it has none (a synthetic world has no validation split)."""
+    return getattr(world, "valid_index", np.full(world.n_users, -1, dtype=np.int64))
+
+
 def evaluable_users(world: Histories) -> np.ndarray:
     """Positions of the users with a held-out event."""
     return np.flatnonzero(world.heldout_ad_ids >= 0)
@@ -61,7 +67,12 @@ class Examples:
         user = np.repeat(np.arange(world.n_users), lengths)
         pos = np.arange(len(user)) - off[user]
         _, known = lookup.lookup(world.history_ad_ids)
-        self.pairs = np.stack([user, pos], axis=1)[(pos >= 1) & known]  # [P, 2]
+        self.valid_index = valid_index(world)
+        held = pos == self.valid_index[user]  # validation targets are never trained on
+        self.pairs = np.stack([user, pos], axis=1)[(pos >= 1) & known & ~held]  # [P, 2]
+        # users whose validation event has a SID (and a history before it)
+        has = np.flatnonzero(self.valid_index >= 1)
+        self.validation_users = has[known[off[has] + self.valid_index[has]]]
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -87,6 +98,10 @@ class Examples:
             users.append(u)
             target_ad.append(int(ads[i]))
         return self._finish(features, np.array(users), np.array(target_ad, dtype=np.int64))
+
+    def validation(self, users: np.ndarray) -> Batch:
+        """Validation batch: each user's history before its validation event -> that event."""
+        return self.batch(np.stack([users, self.valid_index[users]], axis=1))
 
     def heldout(self, users: np.ndarray) -> Batch:
         """Evaluation batch: full histories, held-out next interactions as targets."""

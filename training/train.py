@@ -1,6 +1,7 @@
 """`grace train`: teacher-forced next-SID training of the generative retriever on a
 synthetic world or on a team's own catalog, interactions and users (docs/DATA.md),
-resumable, ending with a held-out evaluation against popularity.
+resumable, with a validation loss after every epoch where the data has a validation split
+(the checkpoint keeps the best epoch), ending with a held-out evaluation against popularity.
 
     data ─► SID tokenizer (trained here, or given) ─► SIDs for the catalog ─► in-memory
     index ─► (user history, next event's SID) pairs ─► AdamW on cross-entropy over the 4
@@ -112,6 +113,26 @@ def prepare(
     return histories, tokenizer, build_arrays(catalog, sids)
 
 
+@torch.no_grad()
+def validation_loss(
+    model: GenerativeRetriever, examples: Examples, config: ModelConfig, s: TrainSettings
+) -> float:
+    """Mean teacher-forced cross-entropy over the validation events."""
+    model.eval()
+    total, n = 0.0, 0
+    users = examples.validation_users
+    for i in range(0, len(users), s.batch_size):
+        batch = examples.validation(users[i : i + s.batch_size])
+        logits = model.forward_train(batch.features.to(s.device), batch.target_sid.to(s.device))
+        target = batch.target_sid.reshape(-1).to(logits.device)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, config.vocab_size), target, reduction="sum"
+        )
+        total, n = total + float(loss), n + target.numel()
+    model.train()
+    return total / n
+
+
 def _lr(step: int, total: int, s: TrainSettings) -> float:
     if step < s.warmup_steps:
         return s.lr * (step + 1) / s.warmup_steps
@@ -146,6 +167,8 @@ def train(
         raise ValueError(f"{len(examples)} training pairs: fewer than one batch")
     total = int(settings.epochs * per_epoch)
     step, state_file = 0, work / "state.pt"
+    validation: list[float] = []  # loss on the validation events after each epoch
+    best: dict[str, Any] | None = None  # the weights of the best epoch so far
     if state_file.exists():
         state = torch.load(state_file, map_location=settings.device, weights_only=False)
         if state["settings"] != asdict(settings) or state["tokenizer"] != tokenizer.fingerprint:
@@ -153,6 +176,7 @@ def train(
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
+        validation, best = state.get("validation", []), state.get("best")
         log.info("resuming at step %d of %d", step, total)
 
     def save_state() -> None:
@@ -164,6 +188,8 @@ def train(
                 "step": step,
                 "settings": asdict(settings),
                 "tokenizer": tokenizer.fingerprint,
+                "validation": validation,
+                "best": best,
             },
             tmp,
         )
@@ -194,12 +220,24 @@ def train(
                 step += 1
                 losses.append(loss.item())
                 bar.update(1)
-                bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}", epoch=epoch)
+                if (step % per_epoch == 0 or step >= total) and len(examples.validation_users):
+                    validation.append(validation_loss(model, examples, config, settings))
+                    if best is None or validation[-1] < best["loss"]:
+                        weights = {
+                            k: v.detach().cpu().clone() for k, v in model.state_dict().items()
+                        }
+                        best = {"loss": validation[-1], "epoch": len(validation), "model": weights}
+                post = {"loss": f"{np.mean(losses[-50:]):.3f}", "epoch": epoch}
+                if validation:
+                    post["val"] = f"{validation[-1]:.3f}"
+                bar.set_postfix(post)
                 if step % settings.checkpoint_every == 0:
                     save_state()
                 if step >= total:
                     break
     train_s = time.perf_counter() - t0
+    if best is not None:  # the checkpoint keeps the epoch with the lowest validation loss
+        model.load_state_dict(best["model"])
     rng = np.random.default_rng(settings.seed + 1)
     held = evaluable_users(world)
     users = np.sort(rng.permutation(held)[: settings.eval_users])
@@ -209,6 +247,8 @@ def train(
         "steps": step,
         "train_seconds": round(train_s, 1),
         "training_pairs": len(examples),
+        "validation_loss": [round(v, 4) for v in validation],
+        "best_epoch": best["epoch"] if best is not None else None,
     }
     log.info("held-out evaluation: %s", metrics)
     version = save_checkpoint(

@@ -8,9 +8,11 @@ Files are Parquet, CSV or JSON Lines. Bad rows raise `DataError` naming the file
 (0-based data row) and the field. Events on ads the catalog lacks or on users the users
 file lacks are dropped and counted (`UserData.dropped`); above `MAX_DROPPED_SHARE` of all
 events the data is refused — the files do not belong together. The split is the `split`
-column where there is one (one `test` event per user at most; `valid` events stay in the
-history), else leave-last-out: each user's last event (by time) is held out for test,
-the rest is the history. Users without a test event are kept for training only.
+column where there is one (at most one `test` and one `valid` event per user), else
+leave-last-out: each user's last event (by time) is held out for test and, with three or
+more events, the second-last is the validation target. The validation event stays in the
+history (the test example sees it) but is never a training target. Users without a
+test event are kept for training only.
 
 `UserData` has the shape of the synthetic world (`index_builder.synth.World`), which is
 one producer of this format, so the training and evaluation code serve both alike.
@@ -62,6 +64,7 @@ class UserData:
     heldout_ad_ids: np.ndarray  # int64 [U]: the test event; -1 where a user has none
     heldout_types: np.ndarray  # int8 [U]
     heldout_ts: np.ndarray  # int64 [U]
+    valid_index: np.ndarray  # int64 [U]: the validation event's position in the history; -1
     dropped: dict[str, int] = field(default_factory=dict)  # events dropped, by reason
 
     @property
@@ -204,8 +207,10 @@ def read_user_data(interactions: Path, users: Path, ad_ids: np.ndarray) -> UserD
     user_pos, ad, etype, ts, split = (x[keep] for x in (user_pos, ad, etype, ts, split))
     order = np.lexsort((ts, user_pos))  # per user, oldest first
     user_pos, ad, etype, ts, split = (x[order] for x in (user_pos, ad, etype, ts, split))
-    test = _test_events(user_pos, split if split_col is not None else None, interactions)
-    return _assemble(interactions, user_ids, targeting, user_pos, ad, etype, ts, test, dropped)
+    test, valid = _held_events(user_pos, split if split_col is not None else None, interactions)
+    return _assemble(
+        interactions, user_ids, targeting, user_pos, ad, etype, ts, test, valid, dropped
+    )
 
 
 def _splits(arr: pa.Array | None, path: Path, n: int) -> np.ndarray:
@@ -232,20 +237,26 @@ def _positions(user_ids: np.ndarray, uid: np.ndarray) -> np.ndarray:
     return np.where(found, order[pos], -1)
 
 
-def _test_events(user_pos: np.ndarray, split: np.ndarray | None, path: Path) -> np.ndarray:
-    """bool per (sorted) event: held out for test."""
-    last = np.r_[user_pos[1:] != user_pos[:-1], True]
-    if split is None:  # leave-last-out: each user's last event
-        first = np.r_[True, user_pos[1:] != user_pos[:-1]]
-        return last & ~first  # a user with one event keeps it for training
-    test = split == 2
-    twice = np.flatnonzero(test[1:] & test[:-1] & (user_pos[1:] == user_pos[:-1]))
-    if twice.size:
-        raise DataError(f"{path}: field 'split': a user has more than one test event")
-    return test
+def _held_events(
+    user_pos: np.ndarray, split: np.ndarray | None, path: Path
+) -> tuple[np.ndarray, np.ndarray]:
+    """bool per (sorted) event: (held out for test, the validation target)."""
+    if split is None:  # leave-last-out: the last event, and the second-last for validation
+        start = np.r_[0, np.flatnonzero(user_pos[1:] != user_pos[:-1]) + 1]
+        count = np.diff(np.r_[start, len(user_pos)])
+        test, valid = np.zeros(len(user_pos), bool), np.zeros(len(user_pos), bool)
+        test[(start + count - 1)[count >= 2]] = True  # one event only: kept for training
+        valid[(start + count - 2)[count >= 3]] = True
+        return test, valid
+    test, valid = split == 2, split == 1
+    for kind, mark in (("test", test), ("valid", valid)):
+        users = user_pos[mark]
+        if len(users) != len(np.unique(users)):
+            raise DataError(f"{path}: field 'split': a user has more than one {kind} event")
+    return test, valid
 
 
-def _assemble(path, user_ids, targeting, user_pos, ad, etype, ts, test, dropped) -> UserData:
+def _assemble(path, user_ids, targeting, user_pos, ad, etype, ts, test, valid, dropped):
     u = len(user_ids)
     held_ad = np.full(u, -1, dtype=np.int64)
     held_type = np.zeros(u, dtype=np.int8)
@@ -254,12 +265,17 @@ def _assemble(path, user_ids, targeting, user_pos, ad, etype, ts, test, dropped)
     held_ts[user_pos[test]] = ts[test]
     hist = ~test
     counts = np.bincount(user_pos[hist], minlength=u)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    valid_index = np.full(u, -1, dtype=np.int64)
+    at = np.flatnonzero(valid[hist])  # positions among the history events
+    valid_index[user_pos[hist][at]] = at - offsets[user_pos[hist][at]]
     summary = {
         "source": str(path),
         "users": u,
         "events": len(ad),
         "history_events": int(hist.sum()),
         "test_events": int(test.sum()),
+        "valid_events": int(valid.sum()),
         "dropped": dropped,
     }
     return UserData(
@@ -267,12 +283,13 @@ def _assemble(path, user_ids, targeting, user_pos, ad, etype, ts, test, dropped)
         summary=summary,
         user_ids=user_ids,
         targeting=targeting,
-        history_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        history_offsets=offsets,
         history_ad_ids=ad[hist],
         history_types=etype[hist],
         history_ts=ts[hist],
         heldout_ad_ids=held_ad,
         heldout_types=held_type,
         heldout_ts=held_ts,
+        valid_index=valid_index,
         dropped=dropped,
     )

@@ -134,6 +134,7 @@ def generate_world(
                 writer.CATALOG_PARQUET,
                 writer.USERS_PARQUET,
                 writer.HELDOUT_PARQUET,
+                writer.INTERACTIONS_PARQUET,
             ],
         }
         writer.write_summary(tmp, summary)  # last: its presence marks a complete world
@@ -208,6 +209,14 @@ def _write_users(
         ad_id=ads.ad_id[hist.ad[last]],
         typ=hist.type[last],
         ts=hist.ts[last],
+    )
+    writer.write_interactions(
+        directory,
+        user_id=np.repeat(users.user_id[kept], np.diff(hist.offsets)),
+        ad_id=ads.ad_id[hist.ad],
+        typ=hist.type,
+        ts=hist.ts,
+        test=~is_hist,
     )
 
 

@@ -31,6 +31,7 @@ CATALOG_JSONL = "catalog.jsonl"
 CATALOG_PARQUET = "catalog.parquet"
 USERS_PARQUET = "users.parquet"
 HELDOUT_PARQUET = "heldout.parquet"
+INTERACTIONS_PARQUET = "interactions.parquet"  # the same events in the docs/DATA.md format
 WORLD_JSON = "world.json"
 
 _COUNTRY_NAMES = np.array(COUNTRIES, dtype=object)
@@ -252,3 +253,27 @@ def publish(tmp: Path, out: Path) -> None:
         out.rename(old)
     tmp.rename(out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_interactions(
+    directory: Path,
+    user_id: np.ndarray,  # int64 [E]
+    ad_id: np.ndarray,  # int64 [E]
+    typ: np.ndarray,  # int8 [E]: 1 view, 2 click, 3 conversion
+    ts: np.ndarray,  # int64 [E]
+    test: np.ndarray,  # bool [E]: the held-out event of its user
+) -> None:
+    """Every event, history and held-out, as the interactions file of docs/DATA.md (with
+    the world's split: `train` history, `test` held out), so the world's catalog,
+    `users.parquet` and this file train like a team's own data."""
+    split = np.where(test, "test", "train").astype(object)
+    table = pa.table(
+        {
+            "user_id": pa.array(user_id, pa.int64()),
+            "ad_id": pa.array(ad_id, pa.int64()),
+            "event_type": pa.array(typ, pa.int8()),
+            "timestamp_ms": pa.array(ts, pa.int64()),
+            "split": pa.array(split, pa.string()),
+        }
+    )
+    pq.write_table(table, directory / INTERACTIONS_PARQUET)

@@ -96,7 +96,10 @@ def test_train_build_and_serve_on_own_files(tmp_path: Path, capsys: pytest.Captu
                  "--batch-size", "16", "--eval-users", "30", "--no-progress"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     metrics = json.loads(out[out.index("{") :])
-    assert metrics["training_pairs"] == 30 * 4 and metrics["users"] == 30  # 5 history events each
+    # 6 events a user: the last held out for test, the second-last the validation target,
+    # so 3 training targets (event 0 starts the history)
+    assert metrics["training_pairs"] == 30 * 3 and metrics["users"] == 30
+    assert len(metrics["validation_loss"]) == 1 and metrics["best_epoch"] == 1
     assert 0 <= metrics["recall@10"] <= 1 and "popularity_recall@10" in metrics
     model_tok = str(tmp_path / "model" / "tokenizer")
     assert main(["build-index", "--catalog", cat, "--tokenizer", model_tok,
@@ -131,6 +134,7 @@ def test_leave_last_out_and_dropped_events_are_counted(tmp_path: Path) -> None:
     assert data.dropped == {"unknown_user": 0, "unknown_ad": 2}
     assert data.n_users == 30 and (data.heldout_ad_ids >= 0).all()
     assert np.diff(data.history_offsets).tolist() == [5] * 30  # the last of 6 is held out
+    assert data.valid_index.tolist() == [4] * 30  # the second-last: validation
     for u in range(data.n_users):  # histories oldest first, test event after all of them
         ts = data.history(u)[2]
         assert (np.diff(ts) > 0).all() and data.heldout_ts[u] > ts[-1]
@@ -207,3 +211,39 @@ def test_files_that_do_not_belong_together_are_refused(tmp_path: Path) -> None:
             tmp_path / "interactions.csv", tmp_path / "users.parquet", np.arange(1000, 1010)
         )
     assert main(["train", "--catalog", "x.jsonl", "--out", str(tmp_path / "m")]) == 2
+
+
+def test_validation_events_are_never_training_targets(tmp_path: Path) -> None:
+    from service.model.config import PROFILES
+    from service.model.features import SidLookup
+    from training.data import Examples
+
+    own_dataset(tmp_path)
+    data = read(tmp_path)
+    sids = np.zeros((len(AD_IDS), 4), dtype=np.int64)
+    examples = Examples(data, SidLookup(AD_IDS.astype(np.int64), sids), PROFILES["tiny"])
+    targets = {(int(u), int(p)) for u, p in examples.pairs}
+    assert not any((u, int(data.valid_index[u])) in targets for u in range(data.n_users))
+    assert examples.validation_users.tolist() == list(range(data.n_users))
+    batch = examples.validation(examples.validation_users[:3])
+    assert batch.target_ad.tolist() == [int(data.history(u)[0][4]) for u in range(3)]
+
+
+def test_a_synthetic_world_is_one_producer_of_the_format(tmp_path: Path) -> None:
+    """`grace synth` writes interactions.parquet beside its catalog and users.parquet: read
+    as a team's own data they give the world's users, histories and held-out events."""
+    from index_builder.catalog import read_catalog
+    from index_builder.synth import generate_world, load_world
+
+    w = tmp_path / "w"
+    generate_world("tiny", 3, w, progress=False)
+    world = load_world(w)
+    ad_ids = read_catalog(w / "catalog.parquet", progress=False).ad_id
+    data = read_user_data(w / "interactions.parquet", w / "users.parquet", ad_ids)
+    assert data.dropped == {"unknown_user": 0, "unknown_ad": 0}
+    np.testing.assert_array_equal(data.user_ids, world.user_ids)
+    assert data.targeting == world.targeting
+    for name in ("history_offsets", "history_ad_ids", "history_types", "history_ts",
+                 "heldout_ad_ids", "heldout_types", "heldout_ts"):  # fmt: skip
+        np.testing.assert_array_equal(getattr(data, name), getattr(world, name), err_msg=name)
+    assert (data.valid_index == -1).all()  # the world's split has no validation events
