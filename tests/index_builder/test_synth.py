@@ -21,7 +21,13 @@ from contracts.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Targeting
 from index_builder.synth import PROFILES, World, generate_world, load_world
 
 SEED = 7
-FILES = ("catalog.jsonl", "catalog.parquet", "users.parquet", "heldout.parquet")
+FILES = (
+    "catalog.jsonl",
+    "catalog.parquet",
+    "users.parquet",
+    "heldout.parquet",
+    "interactions.parquet",
+)
 # docs/ARCHITECTURE.md §3 buckets as (lowest age, name); age 0 / under 13 = unknown.
 BUCKET_LOWER = ((65, "65+"), (55, "55-64"), (45, "45-54"), (35, "35-44"), (25, "25-34"),
                 (18, "18-24"), (13, "13-17"))  # fmt: skip
