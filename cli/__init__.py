@@ -41,9 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from index_builder.publish import PublishError
+    from service.errors import StartupError
 
     try:
         return args.fn(args)
-    except (PublishError, OSError, ValueError) as exc:  # bad input: CatalogError, BuildError…
+    except (PublishError, StartupError, OSError, ValueError) as exc:  # CatalogError, BuildError…
         print(f"grace {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

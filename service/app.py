@@ -30,6 +30,7 @@ import torch
 from contracts.request import FilterMode
 from contracts.targeting import Targeting
 from service.batcher import Batcher
+from service.errors import StartupError
 from service.grpc_server import (
     DRAIN_NOTICE_SECONDS,
     SERVICE,
@@ -125,7 +126,9 @@ async def start(
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, watcher.check_once)
     if not indexes.ready:
-        raise RuntimeError(f"no valid index under {settings.index_root} (grace build-index)")
+        raise StartupError(
+            f"no valid index under {settings.index_root} (grace build-index): {watcher.why_none()}"
+        )
 
     batcher: Batcher
 

@@ -110,6 +110,18 @@ class IndexWatcher:
             return False
         return not self.holder.ready or self.holder.current.version != target
 
+    def why_none(self) -> str:
+        """Why nothing serves after `check_once`: each version tried and why it was
+        refused, newest first (for the one-line start-up error)."""
+        if self._current_fault is not None:
+            return self._current_fault
+        if self._target is None:
+            return f"no {CURRENT} (nothing published yet)"
+        reasons = [f"{v}: {r.reason}" for v, r in sorted(self._retry.items(), reverse=True)]
+        if self._target not in self._retry:
+            reasons.insert(0, f"{self._target} (named by {CURRENT}): {self._why_not(self._target)}")
+        return "; ".join(reasons)
+
     def check_once(self) -> bool:
         """Load CURRENT's version if it is new and due; True when a swap happened.
 

@@ -131,3 +131,28 @@ def test_damaging_the_served_files_does_not_reach_the_server(
     for b, a in zip(before, after, strict=True):
         assert a.index_version == version and len(a.ads) > 0
         assert [x.ad_id for x in a.ads] == [x.ad_id for x in b.ads]
+
+
+def test_with_no_valid_version_start_up_fails_naming_each_version_and_why(
+    data: Path, root: Path
+) -> None:
+    """Every version on disk damaged: `grace serve` exits non-zero at once with one line
+    that names each version and why it was refused — no traceback, no crash loop of
+    guesses."""
+    import subprocess
+    import sys
+
+    older = current_version(root)
+    newer = build(data, root)
+    for version in (older, newer):
+        flip_byte(root / version / "ads.ad_ids.npy")
+    cmd = [sys.executable, "-m", "cli", "serve", "--data-dir", str(data), "--index-root",
+           str(root), "--port", "0", "--metrics-port", "0", "--device", "cpu"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("grace serve: error")]
+    assert len(errors) == 1, done.stderr
+    assert f"no valid index under {root}" in errors[0]
+    for version in (older, newer):
+        assert f"{version}: " in errors[0] and "checksum mismatch" in errors[0]
+    assert "Traceback" not in done.stderr
