@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from index_builder.build import build_index
 from index_builder.publish import current_version
@@ -44,5 +44,17 @@ def ensure_default(
         train(world, model, ts, progress=progress)
     if current_version(index) is None:
         log.info("building and publishing the index in %s", index)
-        build_index(world / "catalog.parquet", index, tokenizer_path=model / "tokenizer",
-                    progress=progress)  # fmt: skip
+        build_index(world / "catalog.parquet", index, progress=progress, **sid_source(model))
+
+
+def sid_source(model_dir: Path) -> dict[str, Any]:
+    """How to assign an index's SIDs for the model at `model_dir`: its SID tokenizer, or the
+    name of its SID space (contracts/sid_space.py) — `build_index` keyword arguments."""
+    import orjson
+
+    from contracts import sid_space
+
+    key = str(orjson.loads((Path(model_dir) / "config.json").read_bytes())["tokenizer_fingerprint"])
+    if sid_space.is_named(key):
+        return {"sid_space": key.removeprefix(sid_space.PREFIX)}
+    return {"tokenizer_path": Path(model_dir) / "tokenizer"}

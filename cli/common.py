@@ -26,3 +26,7 @@ CATALOG_HELP = (
     "catalog: a .jsonl/.ndjson/.json file (also .gz), a .parquet file, or a directory of "
     "such parts (docs/DATA.md)"
 )
+SID_SPACE_HELP = (
+    "no tokenizer: every catalog row carries its sid, an assignment made elsewhere that "
+    "you name; the model must be trained with the same --sid-space (docs/DATA.md)"
+)

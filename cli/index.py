@@ -9,7 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
-from cli.common import CATALOG_HELP, AddCommand, positive_float
+from cli.common import CATALOG_HELP, SID_SPACE_HELP, AddCommand, positive_float
 
 
 def _add_kway(p: argparse.ArgumentParser) -> None:
@@ -108,6 +108,7 @@ def _build_index(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         device=args.device,
         workers=args.workers,
+        sid_space=args.sid_space,
     )
     if args.json:
         print(json.dumps({"version": version, **vars(report)}, indent=1))
@@ -147,6 +148,7 @@ def _builder(args: argparse.Namespace) -> int:
             out=Path(args.out),
             interval=args.interval,
             tokenizer=Path(args.tokenizer) if args.tokenizer else None,
+            sid_space=args.sid_space,
             kway=KwaySpec.parse(args.kway) if args.kway else None,
             keep=args.keep,
             max_builds=1 if args.once else None,
@@ -210,6 +212,7 @@ def register(add: AddCommand) -> None:
     )
     p.add_argument("--catalog", required=True, help=CATALOG_HELP)
     p.add_argument("--tokenizer", help="SID tokenizer (needed when ads lack 'sid')")
+    p.add_argument("--sid-space", metavar="NAME", help=SID_SPACE_HELP)
     p.add_argument("--out", required=True, help="index root (holds versions and CURRENT)")
     p.add_argument("--keep", type=int, default=3, help="versions to keep (default 3)")
     _add_kway(p)
@@ -241,6 +244,7 @@ def register(add: AddCommand) -> None:
     p.add_argument("--out", required=True, help="index root")
     p.add_argument("--interval", type=positive_float, default=60.0, help="seconds (60)")
     p.add_argument("--tokenizer", help="SID tokenizer (needed when ads lack 'sid')")
+    p.add_argument("--sid-space", metavar="NAME", help=SID_SPACE_HELP)
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--once", action="store_true", help="exit after one successful build")
     _add_kway(p)

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from cli.common import AddCommand, positive_float
+from cli.common import SID_SPACE_HELP, AddCommand, positive_float
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -43,6 +43,7 @@ def _train(args: argparse.Namespace) -> int:
             settings,
             tokenizer_path=Path(args.tokenizer) if args.tokenizer else None,
             progress=not args.no_progress,
+            sid_space=args.sid_space,
         )
     except (DataError, CatalogError) as e:
         print(f"grace train: {e}", file=sys.stderr)
@@ -83,7 +84,7 @@ def _eval(args: argparse.Namespace) -> int:
     from training.study import run_study
 
     loaded = load_checkpoint(Path(args.model), args.device)
-    index = validate_index(resolve(Path(args.index)), expect_tokenizer=loaded.tokenizer.fingerprint)
+    index = validate_index(resolve(Path(args.index)), expect_tokenizer=loaded.sid_space)
     arrays = index.arrays
     world = load_world(Path(args.world))
     examples = Examples(world, SidLookup.from_ads(arrays.ads), loaded.config)
@@ -142,6 +143,7 @@ def register(add: AddCommand) -> None:
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="tiny")
     p.add_argument("--tokenizer", help="use this SID tokenizer instead of training one")
+    p.add_argument("--sid-space", metavar="NAME", help=SID_SPACE_HELP)
     p.add_argument("--epochs", type=positive_float, default=4.0)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=positive_float, default=2e-3)

@@ -9,7 +9,7 @@ from cli.common import CATALOG_HELP, AddCommand
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cli.bootstrap import ensure_default
+    from cli.bootstrap import ensure_default, sid_source
     from service.settings import load_settings
 
     settings = load_settings(
@@ -35,9 +35,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         if not (Path(settings.model_dir) / "config.json").is_file():
             ensure_default(settings, progress=not args.no_progress)  # the default model
-        build_index(args.catalog, settings.index_root,
-                    tokenizer_path=Path(settings.model_dir) / "tokenizer",
-                    progress=not args.no_progress)  # fmt: skip
+        build_index(args.catalog, settings.index_root, progress=not args.no_progress,
+                    **sid_source(Path(settings.model_dir)))  # fmt: skip
     else:
         ensure_default(settings, progress=not args.no_progress)
     if settings.workers > 1:  # a supervisor of that many single-process servers

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from contracts import sid_space as sid_spaces
 from contracts.index_format import SID_LENGTH, VOCAB_SIZE, AdArrays, IndexArrays, write_index_dir
 from contracts.targeting import BLOOM_WORDS, Ragged, ad_blooms, location_blooms
 from index_builder import parallel
@@ -206,6 +207,7 @@ def build_index(
     should_stop: Callable[[], bool] = lambda: False,
     device: str = "cpu",
     workers: int | None = None,
+    sid_space: str | None = None,
 ) -> tuple[str, BuildReport]:
     """Read, build, validate and atomically publish one index version; returns (version,
     report). The written version is validated in full (`validate_index`, for the SID
@@ -215,6 +217,9 @@ def build_index(
     `device`: where SIDs are computed from embeddings (a torch device; "cuda" at paper
     scale); `workers`: CPU threads for SIDs and the build (None: every CPU).
     """
+    if tokenizer_path and sid_space:
+        raise BuildError("give a SID tokenizer or a SID space name, not both")
+    named_space = sid_spaces.named(sid_space) if sid_space else None
     report = BuildReport()
     t0 = t = time.perf_counter()
     fingerprint = catalog_fingerprint(catalog_path)
@@ -232,7 +237,8 @@ def build_index(
     arrays = build_arrays(catalog, sids, kway, report, should_stop, workers)
     del catalog, sids
     t = time.perf_counter()
-    tokenizer_fingerprint = tokenizer.fingerprint if tokenizer else NO_TOKENIZER
+    # the SID space (contracts/sid_space.py): the tokenizer's, the team's name, or legacy
+    tokenizer_fingerprint = tokenizer.fingerprint if tokenizer else named_space or NO_TOKENIZER
 
     def write(directory: Path, version: str) -> None:
         if should_stop():

@@ -39,6 +39,7 @@ class BuilderConfig:
     out: Path
     interval: float = 60.0
     tokenizer: Path | None = None
+    sid_space: str | None = None  # instead of a tokenizer: the catalog's named SID space
     kway: KwaySpec | None = None
     keep: int = 3
     max_builds: int | None = None  # stop after this many successful builds (tests, one-shots)
@@ -86,6 +87,7 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
                     cfg.catalog,
                     cfg.out,
                     tokenizer_path=cfg.tokenizer,
+                    sid_space=cfg.sid_space,
                     kway=cfg.kway,
                     keep=cfg.keep,
                     progress=False,

@@ -83,8 +83,8 @@ def validate_index(
         )
     if expect_tokenizer is not None and manifest["tokenizer_fingerprint"] != expect_tokenizer:
         faults.append(
-            f"built for SID tokenizer {manifest['tokenizer_fingerprint']}, "
-            f"the model uses {expect_tokenizer}"
+            f"built for SID space {manifest['tokenizer_fingerprint']}, "
+            f"the model's is {expect_tokenizer} (contracts/sid_space.py)"
         )
     faults += check_trie(arrays.trie)
     if not faults:  # the rest indexes through the trie

@@ -116,7 +116,7 @@ async def start(
     watcher = IndexWatcher(
         Path(settings.index_root),
         indexes,
-        tokenizer_fingerprint=loaded.tokenizer.fingerprint,
+        tokenizer_fingerprint=loaded.sid_space,
         device=device,
         poll_seconds=settings.index_poll_seconds,
         prepare=lambda index: stages.prepare(index, tuple(settings.beams)),

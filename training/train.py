@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from contracts import sid_space as sid_spaces
 from contracts.index_format import IndexArrays
 from index_builder.build import assign_sids, build_arrays
 from index_builder.catalog import read_catalog
@@ -80,10 +81,14 @@ class TrainingData:
 
 
 def prepare(
-    data: TrainingData, work: Path, tokenizer_path: Path | None, progress: bool
-) -> tuple[Histories, SIDTokenizer, IndexArrays]:
-    """The users' histories, the SID tokenizer (kept in `work/tokenizer`) and an in-memory
-    index of the catalog."""
+    data: TrainingData,
+    work: Path,
+    tokenizer_path: Path | None,
+    progress: bool,
+    sid_space: str | None = None,
+) -> tuple[Histories, SIDTokenizer | None, IndexArrays]:
+    """The users' histories, the SID tokenizer (kept in `work/tokenizer`; None for a named
+    SID space: every catalog row carries its SID) and an in-memory index of the catalog."""
     world = load_world(data.world) if data.world is not None else None
     catalog_path = world.catalog_parquet if world is not None else data.catalog
     assert catalog_path is not None  # TrainingData checked it
@@ -96,6 +101,14 @@ def prepare(
         histories = read_user_data(data.interactions, data.users, catalog.ad_id)
         log.info("training data: %s", histories.summary)
     saved = work / "tokenizer"
+    if sid_space is not None:
+        if tokenizer_path is not None:
+            raise ValueError("give a SID tokenizer or a SID space name, not both")
+        if not catalog.has_sid.all():
+            missing = int((~catalog.has_sid).sum())
+            raise ValueError(f"SID space {sid_space!r}: {missing} catalog rows carry no sid")
+        sids, _ = assign_sids(catalog, None)
+        return histories, None, build_arrays(catalog, sids)
     if tokenizer_path is not None:
         tokenizer = SIDTokenizer.load(tokenizer_path)
     elif saved.exists():
@@ -103,7 +116,7 @@ def prepare(
     elif catalog.embedding is None:
         raise ValueError(
             f"catalog {catalog_path} carries no embeddings to train a SID tokenizer on: "
-            "pass --tokenizer (a catalog of precomputed SIDs alone cannot train yet)"
+            "pass --tokenizer, or --sid-space NAME when every row carries its sid"
         )
     else:
         tokenizer = SIDTokenizer.train(catalog.embedding, TokenizerConfig(), progress=progress)
@@ -147,6 +160,7 @@ def train(
     *,
     tokenizer_path: Path | None = None,
     progress: bool = True,
+    sid_space: str | None = None,
 ) -> dict[str, Any]:
     """Train (or resume) and write the checkpoint to `out`; returns the metrics. `data`:
     the training data, or a world directory."""
@@ -156,7 +170,8 @@ def train(
     work = out.with_name(out.name + ".partial")
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(settings.seed)
-    world, tokenizer, arrays = prepare(data, work, tokenizer_path, progress)
+    world, tokenizer, arrays = prepare(data, work, tokenizer_path, progress, sid_space)
+    space = tokenizer.fingerprint if tokenizer is not None else sid_spaces.named(str(sid_space))
     config: ModelConfig = profile(settings.profile)
     index = LoadedIndex.from_arrays(arrays, settings.device)
     examples = Examples(world, index.lookup, config)
@@ -171,7 +186,7 @@ def train(
     best: dict[str, Any] | None = None  # the weights of the best epoch so far
     if state_file.exists():
         state = torch.load(state_file, map_location=settings.device, weights_only=False)
-        if state["settings"] != asdict(settings) or state["tokenizer"] != tokenizer.fingerprint:
+        if state["settings"] != asdict(settings) or state["tokenizer"] != space:
             raise ValueError(f"{work} holds a run with other settings; remove it to start over")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -187,7 +202,7 @@ def train(
                 "optimizer": opt.state_dict(),
                 "step": step,
                 "settings": asdict(settings),
-                "tokenizer": tokenizer.fingerprint,
+                "tokenizer": space,
                 "validation": validation,
                 "best": best,
             },
@@ -252,7 +267,11 @@ def train(
     }
     log.info("held-out evaluation: %s", metrics)
     version = save_checkpoint(
-        model, tokenizer, out, extra={"metrics": metrics, "settings": asdict(settings)}
+        model,
+        tokenizer,
+        out,
+        extra={"metrics": metrics, "settings": asdict(settings)},
+        sid_space=sid_space if tokenizer is None else None,
     )
     shutil.rmtree(work, ignore_errors=True)
     metrics["model_version"] = version

@@ -71,11 +71,6 @@ class UserData:
     def n_users(self) -> int:
         return len(self.user_ids)
 
-    @property
-    def evaluable(self) -> np.ndarray:
-        """Positions of the users with a test event."""
-        return np.flatnonzero(self.heldout_ad_ids >= 0)
-
     def history(self, u: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         s = slice(self.history_offsets[u], self.history_offsets[u + 1])
         return self.history_ad_ids[s], self.history_types[s], self.history_ts[s]

@@ -7,11 +7,13 @@ with `load_checkpoint`. A checkpoint is a directory:
     config.json         format name and version, model_version, ModelConfig, the SID
                         tokenizer fingerprint, sha256 of model.safetensors, created time,
                         `extra` (e.g. training metrics)
-    tokenizer/          the SID tokenizer (`SIDTokenizer.save`)
+    tokenizer/          the SID tokenizer (`SIDTokenizer.save`); absent for a model of a
+                        named SID space (SIDs made outside, `contracts/sid_space.py`)
 
 It is written into a hidden temporary sibling, fsynced and renamed into place, so a
-reader never sees a half-written checkpoint. The server compares `tokenizer_fingerprint`
-with each index's manifest and refuses an index built for another tokenizer.
+reader never sees a half-written checkpoint. `tokenizer_fingerprint` holds the model's
+SID space — its tokenizer's fingerprint or `sid-space:<name>` — and the server refuses an
+index built for another one.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from contracts import sid_space as sid_spaces
 from contracts.index_format import file_sha256, fsync_path
 from index_builder.tokenizer import SIDTokenizer
 from service.model.config import ModelConfig
@@ -49,24 +52,34 @@ class CheckpointError(ValueError):
 class LoadedModel:
     model: nn.Module  # GenerativeRetriever in eval mode, on the requested device
     config: ModelConfig
-    tokenizer: SIDTokenizer
+    tokenizer: SIDTokenizer | None  # None: a named SID space, SIDs made outside
     model_version: str
     meta: dict[str, Any]  # config.json as stored
+
+    @property
+    def sid_space(self) -> str:
+        """The key an index must carry to serve with this model (contracts/sid_space.py)."""
+        return str(self.meta["tokenizer_fingerprint"])
 
 
 def save_checkpoint(
     model: nn.Module,
-    tokenizer: SIDTokenizer,
+    tokenizer: SIDTokenizer | None,
     path: Path,
     *,
     model_version: str | None = None,
     extra: dict[str, Any] | None = None,
+    sid_space: str | None = None,
 ) -> str:
-    """Write `model` (with a `.config: ModelConfig`) and `tokenizer` to directory `path`.
+    """Write `model` (with a `.config: ModelConfig`) and `tokenizer` to directory `path`;
+    without a tokenizer, `sid_space` names the SID space it was trained on.
 
     Replaces an existing checkpoint at `path`. Returns the model version: `model_version`,
     or `f"{config.name}-{sha256(model.safetensors)[:12]}"` by default.
     """
+    if (tokenizer is None) == (sid_space is None):
+        raise ValueError("a checkpoint needs its SID tokenizer or the name of its SID space")
+    space = tokenizer.fingerprint if tokenizer is not None else sid_spaces.named(str(sid_space))
     path = Path(path)
     config: ModelConfig = model.config  # type: ignore[assignment]
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -80,13 +93,14 @@ def save_checkpoint(
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT_NAME})
         digest = file_sha256(tmp / WEIGHTS_FILE)
         version = model_version or f"{config.name}-{digest[:12]}"
-        tokenizer.save(tmp / TOKENIZER_DIR)
+        if tokenizer is not None:
+            tokenizer.save(tmp / TOKENIZER_DIR)
         meta = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "model_version": version,
             "config": config.to_dict(),
-            "tokenizer_fingerprint": tokenizer.fingerprint,
+            "tokenizer_fingerprint": space,
             "weights_sha256": digest,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "extra": extra or {},
@@ -117,10 +131,13 @@ def load_checkpoint(
     whose fingerprint differs from the stored one, or weights that do not fit the config.
     """
     path = Path(path)
-    for p in (path / CONFIG_FILE, path / WEIGHTS_FILE, path / TOKENIZER_DIR):
+    for p in (path / CONFIG_FILE, path / WEIGHTS_FILE):
         if not p.exists():
             raise FileNotFoundError(f"checkpoint {path}: {p.name} is missing")
     meta = _read_meta(path / CONFIG_FILE)
+    named_space = sid_spaces.is_named(str(meta["tokenizer_fingerprint"]))
+    if not named_space and not (path / TOKENIZER_DIR).exists():
+        raise FileNotFoundError(f"checkpoint {path}: {TOKENIZER_DIR} is missing")
     try:
         config = ModelConfig.from_dict(meta["config"])
     except (TypeError, ValueError) as e:
@@ -132,11 +149,8 @@ def load_checkpoint(
             f"checkpoint {path}: {WEIGHTS_FILE} is corrupt or truncated (sha256 {digest[:12]}, "
             f"config.json records {str(meta['weights_sha256'])[:12]})"
         )
-    try:
-        tokenizer = SIDTokenizer.load(path / TOKENIZER_DIR)
-    except (FileNotFoundError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: tokenizer unreadable: {e}") from e
-    if tokenizer.fingerprint != meta["tokenizer_fingerprint"]:
+    tokenizer = None if named_space else _tokenizer(path)
+    if tokenizer is not None and tokenizer.fingerprint != meta["tokenizer_fingerprint"]:
         raise CheckpointError(
             f"checkpoint {path}: tokenizer mismatch: config.json names fingerprint "
             f"{meta['tokenizer_fingerprint']}, {TOKENIZER_DIR}/ holds {tokenizer.fingerprint}"
@@ -175,6 +189,13 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path}: the model has state it does not hold: {left}")
     model.to(device).eval()
     return LoadedModel(model, config, tokenizer, str(meta["model_version"]), meta)
+
+
+def _tokenizer(path: Path) -> SIDTokenizer:
+    try:
+        return SIDTokenizer.load(path / TOKENIZER_DIR)
+    except (FileNotFoundError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: tokenizer unreadable: {e}") from e
 
 
 def _fingerprint(model: nn.Module) -> dict[str, tuple[int, int]]:

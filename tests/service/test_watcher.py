@@ -192,7 +192,7 @@ def test_first_load_falls_back_to_the_newest_version_that_loads(
     watcher, seen = make_watcher(root)
     assert watcher.check_once() and served(watcher) == v2 and watcher.behind
     assert len(seen["failed"]) == (0 if fault == "pending" else 1)
-    why = {"corrupt": "checksum mismatch", "tokenizer": "SID tokenizer",
+    why = {"corrupt": "checksum mismatch", "tokenizer": "built for SID space",
            "pending": "has not appeared yet"}[fault]  # fmt: skip
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CURRENT names")]
     assert len(said) == 1 and v3 in said[0] and why in said[0] and f"serving {v2}" in said[0]

@@ -247,3 +247,76 @@ def test_a_synthetic_world_is_one_producer_of_the_format(tmp_path: Path) -> None
                  "heldout_ad_ids", "heldout_types", "heldout_ts"):  # fmt: skip
         np.testing.assert_array_equal(getattr(data, name), getattr(world, name), err_msg=name)
     assert (data.valid_index == -1).all()  # the world's split has no validation events
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def example_ads() -> dict[int, Ad]:
+    rows = [orjson.loads(x) for x in (EXAMPLES / "catalog.jsonl").read_bytes().splitlines()]
+    return {
+        r["ad_id"]: Ad(r["ad_id"], tuple(r["sid"]), tuple(r.get("countries", ())),
+                       tuple(r.get("age_buckets", ())), tuple(r.get("genders", ())),
+                       tuple(r.get("locations", ())))
+        for r in rows
+    }  # fmt: skip
+
+
+def test_precomputed_sids_train_index_and_serve_in_a_named_sid_space(tmp_path: Path) -> None:
+    """The examples (docs/DATA.md): a catalog of SIDs made elsewhere, no embeddings, no
+    tokenizer — trained, indexed and served under one SID space name; an index of another
+    SID space is refused by the model's server."""
+    from index_builder.build import build_index
+    from index_builder.validate import IndexValidationError, validate_index
+    from service.model.checkpoint import load_checkpoint
+
+    catalog = str(EXAMPLES / "catalog.jsonl")
+    files = ["--catalog", catalog, "--interactions", str(EXAMPLES / "interactions.csv"),
+             "--users", str(EXAMPLES / "users.csv")]  # fmt: skip
+    model = ["--out", str(tmp_path / "model"), "--no-progress"]
+    assert main(["train", *files, "--sid-space", "examples-v1", "--batch-size", "4",
+                 "--epochs", "2", *model]) == 0  # fmt: skip
+    loaded = load_checkpoint(tmp_path / "model")
+    assert loaded.tokenizer is None and loaded.sid_space == "sid-space:examples-v1"
+    assert not (tmp_path / "model" / "tokenizer").exists()
+    index = ["--out", str(tmp_path / "index"), "--no-progress"]
+    assert main(["build-index", "--catalog", catalog, "--sid-space", "examples-v1", *index]) == 0
+    users = {
+        500: Targeting("US", 30, "female", ("US/NY/New York",)),
+        501: Targeting("GB", 22, "male", ("GB/London",)),
+        504: Targeting("JP", 28, "female"),
+    }
+    oracle = example_ads()
+
+    async def serve() -> list:
+        app = await start(serving_settings(tmp_path))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            replies = [
+                await stub.Retrieve(retrieval_pb2.RetrieveRequest(
+                    request_id=str(u), user=retrieval_pb2.User(user_id=u),
+                    targeting=retrieval_pb2.Targeting(country=t.country, age=t.age,
+                                                      gender=t.gender, locations=t.locations),
+                ))
+                for u, t in users.items()
+            ]  # fmt: skip
+        await app.drain()
+        return replies
+
+    replies = asyncio.run(serve())
+    for (u, t), reply in zip(users.items(), replies, strict=True):
+        assert reply.ads and all(eligible(oracle[a.ad_id], t) for a in reply.ads), u
+    other, _ = build_index(catalog, tmp_path / "other", sid_space="other-v2", progress=False)
+    with pytest.raises(IndexValidationError, match="built for SID space sid-space:other-v2"):
+        validate_index(tmp_path / "other" / other, expect_tokenizer=loaded.sid_space)
+
+
+def test_a_sid_space_needs_every_row_to_carry_its_sid(tmp_path: Path) -> None:
+    own_dataset(tmp_path)  # a catalog of embeddings, no sid
+    files = ["--catalog", str(tmp_path / "catalog.jsonl.gz"),
+             "--interactions", str(tmp_path / "interactions.csv"),
+             "--users", str(tmp_path / "users.parquet")]  # fmt: skip
+    out = ["--out", str(tmp_path / "m"), "--no-progress"]
+    assert main(["train", *files, "--sid-space", "x1", *out]) == 2  # rows without a sid
+    catalog = str(EXAMPLES / "catalog.jsonl")
+    assert main(["build-index", "--catalog", catalog, "--sid-space", "bad name!", *out]) == 2

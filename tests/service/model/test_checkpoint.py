@@ -222,3 +222,18 @@ def test_a_reset_buffers_that_touches_loaded_state_is_refused(saved, build, said
     """`reset_buffers` may only make what the checkpoint does not hold."""
     with pytest.raises(CheckpointError, match=said):
         load_checkpoint(saved, build=build)
+
+
+def test_a_model_of_a_named_sid_space_has_no_tokenizer(model, tmp_path: Path) -> None:
+    """SIDs made outside (contracts/sid_space.py): the checkpoint stores the SID space's
+    name instead of a tokenizer, loads without one, and must name one or the other."""
+    path = tmp_path / "named"
+    save_checkpoint(model, None, path, sid_space="tiger-v3")
+    assert not (path / "tokenizer").exists()
+    loaded = load_checkpoint(path)
+    assert loaded.tokenizer is None and loaded.sid_space == "sid-space:tiger-v3"
+    for tokenizer, space in ((None, None), (_tokenizer(), "tiger-v3")):
+        with pytest.raises(ValueError, match="its SID tokenizer or the name of its SID space"):
+            save_checkpoint(model, tokenizer, tmp_path / "x", sid_space=space)
+    with pytest.raises(ValueError, match="SID space name 'no spaces'"):
+        save_checkpoint(model, None, tmp_path / "y", sid_space="no spaces")

@@ -1,0 +1,33 @@
+"""The SID space: what a model and an index must share to work together (docs/DATA.md,
+"SID spaces").
+
+A model predicts SIDs and an index maps SIDs to ads; both must mean the same ad by the
+same SID. The key that says so is stored in the index manifest and the model checkpoint
+(the field `tokenizer_fingerprint` of both, its name kept for format compatibility):
+
+- SIDs computed by a SID tokenizer from embeddings: the tokenizer's fingerprint;
+- SIDs the team made elsewhere (TIGER, GRID, ...), carried by every catalog row: a name
+  the team gives that assignment, `sid-space:<name>` (`grace train --sid-space`, `grace
+  build-index --sid-space`): catalogs that keep their SIDs stable keep the name.
+
+The server refuses an index whose key differs from the model's.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "sid-space:"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def named(name: str) -> str:
+    """The key of a named SID space; ValueError for a name that is not 1-64 characters
+    of letters, digits, '.', '_' and '-' starting with a letter or digit."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"SID space name {name!r}: use 1-64 letters, digits, '.', '_' or '-'")
+    return PREFIX + name
+
+
+def is_named(key: str) -> bool:
+    return key.startswith(PREFIX)
