@@ -44,8 +44,13 @@ def catalog_files(path: Path) -> list[Path]:
     if "parquet" in kinds and len(kinds) > 1:
         raise CatalogError(str(path), None, None, "mixes JSON Lines and Parquet parts")
     if kinds == {"parquet"}:  # pyarrow's discovery: hive partitions, its own file rules
-        dataset = ds.dataset(path, format="parquet", partitioning="hive")
-        return sorted(Path(f) for f in dataset.files)
+        try:
+            dataset = ds.dataset(
+                path, format="parquet", partitioning="hive", exclude_invalid_files=True
+            )
+        except (pa.ArrowException, OSError) as e:
+            raise CatalogError(str(path), None, None, f"not a Parquet dataset: {e}") from None
+        return sorted(Path(f) for f in dataset.files if catalog_kind(Path(f).name) == "parquet")
     return [p for p in found if catalog_kind(p.name) is not None]
 
 

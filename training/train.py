@@ -73,10 +73,9 @@ class TrainingData:
     users: Path | None = None
 
     def __post_init__(self) -> None:
-        files = (self.catalog, self.interactions, self.users)
-        if (self.world is None) == all(f is None for f in files) or (
-            self.world is None and any(f is None for f in files)
-        ):
+        files = [f is not None for f in (self.catalog, self.interactions, self.users)]
+        world_only = self.world is not None and not any(files)
+        if not (world_only or (self.world is None and all(files))):
             raise ValueError("give a world directory, or a catalog, interactions and users")
 
 

@@ -68,6 +68,7 @@ def test_a_directory_of_parts_reads_as_one_catalog(tmp_path: Path) -> None:
     # Parquet parts under hive partition directories; the partition key is not a field
     for i, chunk in enumerate((ROWS[:4], ROWS[4:])):
         write_parquet(tmp_path / "pq" / f"day=2026-12-0{i + 1}" / "part.parquet", chunk)
+    (tmp_path / "pq" / "README.txt").write_text("not a part")  # other files: not parts
     got = read_catalog(tmp_path / "pq", progress=False)
     same(plain, got)
 
