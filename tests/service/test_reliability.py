@@ -110,7 +110,11 @@ def test_goodput_holds_at_twice_capacity_with_a_one_second_deadline(
         refused = server.metric("grace_admission_refused_total")
     capacity = (before + after) / 2
     goodput = overload.steady_goodput_rps
-    assert goodput >= 0.7 * capacity, (goodput, before, after, overload.outcomes)
+    # The behaviour: no collapse (without admission control this read 0 in time). The
+    # figure — 0.83x capacity, bench/results/overload_cpu.json — is the bench's: here the
+    # open-loop client shares the 2 cores with the server, and single runs on a busy CI box
+    # range from 0.70 to 0.95x (docs/RELIABILITY.md), so the test holds a margin below that.
+    assert goodput >= 0.6 * capacity, (goodput, before, after, overload.outcomes)
     assert overload.count("RESOURCE_EXHAUSTED") > 0 and refused > 0
     assert overload.refusal_p99_ms is not None and overload.refusal_p99_ms < 500
 
