@@ -16,10 +16,10 @@ from contracts.request import FilterMode
 from contracts.targeting import Targeting
 from service.decode.kv_cache import PagedKVCache
 from service.decode.step import DecoderStep
-from service.model.decoder import SIDDecoder
 from tests.service.decode.cases import (
     CONFIG,
     assert_same,
+    check_teacher_forcing,
     ctx_for,
     decoder_with_biases,
     make_ads,
@@ -33,21 +33,9 @@ CACHES = {"paged": GatherPagedKVCache, "dense": DenseKVCache}
 
 @pytest.mark.parametrize("attention", ATTENTION_MODES)
 def test_layer_by_layer_step_on_the_dense_cache_equals_teacher_forcing(attention: str) -> None:
-    torch.manual_seed(0)
-    decoder = SIDDecoder(CONFIG).eval()
-    ctx = ctx_for(2)
-    sid = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
-    with torch.no_grad():
-        want = decoder.forward_train(ctx, sid)
-        cache = DenseKVCache(CONFIG.decoder_layers, CONFIG.n_heads, CONFIG.d_head, [2] * 4,
-                             dtype=torch.float32, device="cpu", attention=attention)  # fmt: skip
-        cross = decoder.cross_kv(ctx)
-        step = LayerByLayerStep(decoder, DecodeOptions())
-        tokens = torch.full((2,), decoder.bos)
-        for t in range(4):
-            got = step(tokens, t, cross, cache)
-            torch.testing.assert_close(got, want[:, t], rtol=1e-4, atol=1e-5)
-            tokens = sid[:, t]
+    cache = DenseKVCache(CONFIG.decoder_layers, CONFIG.n_heads, CONFIG.d_head, [2] * 4,
+                         dtype=torch.float32, device="cpu", attention=attention)  # fmt: skip
+    check_teacher_forcing(lambda d: LayerByLayerStep(d, DecodeOptions()), cache)
 
 
 @pytest.mark.parametrize("kv", sorted(CACHES))

@@ -24,11 +24,11 @@ from kernels.beam_advance import beam_advance, beam_advance_reference
 from service.decode.engine import DecodeEngine
 from service.model.decoder import SIDDecoder
 from service.pipeline.stages import GRAPH_BUCKETS
-from tests.helpers.reference_search import ReferenceBeamSearch
 from tests.service.decode.cases import (
     CONFIG,
     TARGETING,
     assert_same,
+    check_served_buckets_on_gpu,
     ctx_for,
     decoder_with_biases,
     make_ads,
@@ -226,19 +226,11 @@ def test_gpu_graph_bookkeeping_variants_equal_the_reference(advance: str) -> Non
     """fp32 on CUDA: the captured graph with each step's bookkeeping as torch ops or
     torch.compile'd (its Inductor kernels inside the graph) returns the reference's
     result. (The served kernel: test_engine_plans.py.)"""
-    case = setup(make_ads(200, seed=3))
-    decoder = case.decoder.cuda()
-    tables = GtmTables.from_arrays(case.index.trie, device="cuda")
-    search = ReferenceBeamSearch(decoder, tables, case.level_offsets)
-    engine = VariantEngine(decoder, DecodeOptions(advance=advance), batch_buckets=GRAPH_BUCKETS)
-    plans = engine.plan(tables, case.level_offsets)
-    for b in (1, 5, 10, 13):  # the served buckets 2, 6 (one part), 10 and 14 (two parts)
-        ctx = ctx_for(b).cuda()
-        reqs = requests((TARGETING * 4)[:b], "cuda")
-        for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
-            got = engine.run(plans, ctx, reqs, (1, 8, 16, 12), mode)
-            assert_same(got, search.run(ctx, reqs, (1, 8, 16, 12), mode))
-    assert plans.graphs == 8
+    check_served_buckets_on_gpu(
+        lambda decoder: VariantEngine(
+            decoder, DecodeOptions(advance=advance), batch_buckets=GRAPH_BUCKETS
+        )
+    )
 
 
 @pytest.mark.gpu

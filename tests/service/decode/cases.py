@@ -189,3 +189,41 @@ def shuffling_topk(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
     monkeypatch.setattr(torch.Tensor, "topk", topk)
     return shuffled
+
+
+def check_teacher_forcing(step_of, cache) -> None:
+    """`step_of(decoder)`'s logits over `cache` (2 rows, 4 steps, rows never reordered)
+    equal `forward_train`'s for two fixed SIDs."""
+    torch.manual_seed(0)
+    decoder = SIDDecoder(CONFIG).eval()
+    ctx = ctx_for(2)
+    sid = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
+    with torch.no_grad():
+        want = decoder.forward_train(ctx, sid)
+        cross = decoder.cross_kv(ctx)
+        step = step_of(decoder)
+        tokens = torch.full((2,), decoder.bos)
+        for t in range(4):
+            got = step(tokens, t, cross, cache)
+            torch.testing.assert_close(got, want[:, t], rtol=1e-4, atol=1e-5)
+            tokens = sid[:, t]
+            if t < 3:
+                cache.reorder(t, torch.arange(2))
+
+
+def check_served_buckets_on_gpu(make_engine) -> None:
+    """`make_engine(decoder)` against the reference search on CUDA over the served graph
+    buckets (one part and two), both filter modes; 8 graphs captured."""
+    case = setup(make_ads(200, seed=3))
+    decoder = case.decoder.cuda()
+    tables = GtmTables.from_arrays(case.index.trie, device="cuda")
+    search = ReferenceBeamSearch(decoder, tables, case.level_offsets)
+    engine = make_engine(decoder)
+    plans = engine.plan(tables, case.level_offsets)
+    for b in (1, 5, 10, 13):  # the served buckets 2, 6 (one part), 10 and 14 (two parts)
+        ctx = ctx_for(b).cuda()
+        reqs = requests((TARGETING * 4)[:b], "cuda")
+        for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
+            got = engine.run(plans, ctx, reqs, (1, 8, 16, 12), mode)
+            assert_same(got, search.run(ctx, reqs, (1, 8, 16, 12), mode))
+    assert plans.graphs == 8

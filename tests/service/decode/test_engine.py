@@ -25,6 +25,7 @@ from tests.service.decode.cases import (
     WIDE,
     Case,
     assert_same,
+    check_teacher_forcing,
     ctx_for,
     make_ads,
     requests,
@@ -59,23 +60,9 @@ def brute_force_scores(index: IndexArrays, decoder: SIDDecoder, ctx: torch.Tenso
 
 def test_served_step_path_equals_teacher_forcing() -> None:
     """The engine's decoder step over its paged KV cache gives `forward_train`'s logits."""
-    torch.manual_seed(0)
-    decoder = SIDDecoder(CONFIG).eval()
-    ctx = ctx_for(2)
-    sid = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
-    with torch.no_grad():
-        want = decoder.forward_train(ctx, sid)
-        cache = PagedKVCache(CONFIG.decoder_layers, CONFIG.n_heads, CONFIG.d_head, [2] * 4,
-                             dtype=torch.float32, device="cpu")  # fmt: skip
-        cross = decoder.cross_kv(ctx)
-        step = DecoderStep(decoder)
-        tokens = torch.full((2,), decoder.bos)
-        for t in range(4):
-            got = step(tokens, t, cross, cache)
-            torch.testing.assert_close(got, want[:, t], rtol=1e-4, atol=1e-5)
-            tokens = sid[:, t]
-            if t < 3:
-                cache.reorder(t, torch.arange(2))
+    cache = PagedKVCache(CONFIG.decoder_layers, CONFIG.n_heads, CONFIG.d_head, [2] * 4,
+                         dtype=torch.float32, device="cpu")  # fmt: skip
+    check_teacher_forcing(DecoderStep, cache)
 
 
 @pytest.mark.parametrize("which", SEARCHES)

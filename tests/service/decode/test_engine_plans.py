@@ -28,6 +28,7 @@ from tests.service.decode.cases import (
     CONFIG,
     TARGETING,
     assert_same,
+    check_served_buckets_on_gpu,
     ctx_for,
     make_ads,
     requests,
@@ -278,19 +279,7 @@ def random_index(n_ads: int, tokens: int, seed: int = 0):
 def test_gpu_graph_equals_the_reference() -> None:
     """fp32 on CUDA: the captured graph (padded bucket) returns the reference's result,
     with each step's bookkeeping as the Triton kernel."""
-    case = setup(make_ads(200, seed=3))
-    decoder = case.decoder.cuda()
-    tables = GtmTables.from_arrays(case.index.trie, device="cuda")
-    search = ReferenceBeamSearch(decoder, tables, case.level_offsets)
-    engine = DecodeEngine(decoder, batch_buckets=GRAPH_BUCKETS)
-    plans = engine.plan(tables, case.level_offsets)
-    for b in (1, 5, 10, 13):  # the served buckets 2, 6 (one part), 10 and 14 (two parts)
-        ctx = ctx_for(b).cuda()
-        reqs = requests((TARGETING * 4)[:b], "cuda")
-        for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
-            got = engine.run(plans, ctx, reqs, (1, 8, 16, 12), mode)
-            assert_same(got, search.run(ctx, reqs, (1, 8, 16, 12), mode))
-    assert plans.graphs == 8
+    check_served_buckets_on_gpu(lambda decoder: DecodeEngine(decoder, batch_buckets=GRAPH_BUCKETS))
 
 
 @pytest.mark.gpu
