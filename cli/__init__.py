@@ -1,8 +1,8 @@
 """`grace`: the one command-line entry point. Each subcommand's --help explains it.
 
 The commands live by area — `index.py` (synth, train-tokenizer, build-index,
-validate-index, builder), `model.py` (train, eval, flops), `serving.py` (serve, query) —
-and import their modules lazily so `grace --help` stays fast.
+validate-index, builder), `model.py` (train, init-model, eval, publish-model, flops),
+`serving.py` (serve, query) — and import their modules lazily so `grace --help` stays fast.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The embedded default for `grace serve` with no arguments: make whatever the data
-directory lacks — a tiny synthetic world, a trained tiny model, a published index —
+directory lacks — a tiny synthetic world, a trained tiny model (unless `model_dir`
+holds a checkpoint or a model repository), a published index —
 with progress, then serve it. Each step is skipped when its output already exists, so
 the second start is immediate.
 """
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from index_builder.build import build_index
 from index_builder.publish import current_version
 from index_builder.synth import generate_world
+from service.model.checkpoint import CONFIG_FILE, TOKENIZER_DIR, sid_space_of
+from service.model.repository import is_checkpoint, resolve_checkpoint
 from service.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -31,12 +34,12 @@ def ensure_default(
     world = data / "world"
     model = Path(settings.model_dir)
     index = Path(settings.index_root)
-    if (model / "config.json").is_file() and current_version(index) is not None:
+    if has_model(model) and current_version(index) is not None:
         return  # a model and an index are given (or made earlier): nothing to make
     if not (world / "world.json").is_file():
         log.info("generating the %s demo world in %s", settings.profile, world)
         generate_world("tiny", 0, world, progress=progress)
-    if not (model / "config.json").is_file():
+    if not has_model(model):
         from training.train import TrainSettings, train
 
         log.info("training a %s model on it (a minute or two on a CPU)", settings.profile)
@@ -47,14 +50,21 @@ def ensure_default(
         build_index(world / "catalog.parquet", index, progress=progress, **sid_source(model))
 
 
-def sid_source(model_dir: Path) -> dict[str, Any]:
-    """How to assign an index's SIDs for the model at `model_dir`: its SID tokenizer, or the
-    name of its SID space (contracts/sid_space.py) — `build_index` keyword arguments."""
-    import orjson
+def has_model(model_dir: Path) -> bool:
+    """Whether `model_dir` holds a checkpoint or a model repository with a CURRENT."""
+    return is_checkpoint(model_dir) or current_version(model_dir) is not None
 
+
+def sid_source(model_dir: Path) -> dict[str, Any]:
+    """How to assign an index's SIDs for the model at `model_dir` (a checkpoint, or a model
+    repository's CURRENT version): its SID tokenizer, or the name of its SID space
+    (contracts/sid_space.py) — `build_index` keyword arguments."""
     from contracts import sid_space
 
-    key = str(orjson.loads((Path(model_dir) / "config.json").read_bytes())["tokenizer_fingerprint"])
+    checkpoint = resolve_checkpoint(model_dir)
+    key = sid_space_of(checkpoint)
+    if key is None:
+        raise ValueError(f"{checkpoint / CONFIG_FILE} is unreadable: not a model checkpoint")
     if sid_space.is_named(key):
         return {"sid_space": key.removeprefix(sid_space.PREFIX)}
-    return {"tokenizer_path": Path(model_dir) / "tokenizer"}
+    return {"tokenizer_path": checkpoint / TOKENIZER_DIR}

@@ -80,10 +80,11 @@ def _eval(args: argparse.Namespace) -> int:
     from index_builder.validate import validate_index
     from service.model.checkpoint import load_checkpoint
     from service.model.features import SidLookup
+    from service.model.repository import resolve_checkpoint
     from training.data import Examples
     from training.study import run_study
 
-    loaded = load_checkpoint(Path(args.model), args.device)
+    loaded = load_checkpoint(resolve_checkpoint(Path(args.model)), args.device)
     index = validate_index(resolve(Path(args.index)), expect_tokenizer=loaded.sid_space)
     arrays = index.arrays
     world = load_world(Path(args.world))
@@ -113,6 +114,19 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"{'variant':<16}" + "".join(f"{c:>22}" for c in cols))
     for r in rows:
         print(f"{r['variant']:<16}" + "".join(f"{r[c]:>22.4f}" for c in cols))
+    return 0
+
+
+def _publish_model(args: argparse.Namespace) -> int:
+    from service.model.checkpoint import CheckpointError
+    from service.model.repository import publish_model
+
+    try:
+        version = publish_model(Path(args.checkpoint), Path(args.root), keep=args.keep)
+    except (CheckpointError, FileNotFoundError) as e:
+        print(f"grace publish-model: {e}; nothing published", file=sys.stderr)
+        return 2
+    print(f"published model {args.checkpoint} as version {version} of {args.root}")
     return 0
 
 
@@ -177,7 +191,8 @@ def register(add: AddCommand) -> None:
     )
     p.add_argument("--world", required=True)
     p.add_argument("--index", required=True, help="index root (CURRENT) or version dir")
-    p.add_argument("--model", required=True, help="checkpoint directory (grace train)")
+    p.add_argument("--model", required=True,
+                   help="checkpoint directory (grace train) or model repository")  # fmt: skip
     p.add_argument("--users", type=int, default=1000, help="held-out users to evaluate")
     p.add_argument("--kway", default="static+dynamic", help="k-way variants, '+'-separated")
     p.add_argument("--beams", type=int, nargs=4, metavar="M", help="override the schedule")
@@ -186,6 +201,21 @@ def register(add: AddCommand) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", help="also write the report as JSON here")
     p.add_argument("--no-progress", action="store_true")
+
+    p = add(
+        "publish-model",
+        _publish_model,
+        "publish a checkpoint into a model repository (servers hot-swap it in)",
+        "Verify a checkpoint (every checksum, the tokenizer, each tensor against the "
+        "config), copy it into ROOT/<version>/, verify the copy and move ROOT/CURRENT to "
+        "it atomically; servers whose --model is ROOT load it in the background and swap it "
+        "in between batches if its SID space fits their index (docs/MODEL.md, 'Model "
+        "repository'). A checkpoint that does not verify is refused and nothing changes.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory (grace train --out)")
+    p.add_argument("--root", required=True, help="model repository root (made if missing)")
+    p.add_argument("--keep", type=int, default=3,
+                   help="valid versions to keep, besides CURRENT's (3)")  # fmt: skip
 
     p = add(
         "flops",

@@ -9,7 +9,7 @@ from cli.common import CATALOG_HELP, AddCommand
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cli.bootstrap import ensure_default, sid_source
+    from cli.bootstrap import ensure_default, has_model, sid_source
     from service.settings import load_settings
 
     settings = load_settings(
@@ -33,7 +33,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.catalog:
         from index_builder.build import build_index
 
-        if not (Path(settings.model_dir) / "config.json").is_file():
+        if not has_model(Path(settings.model_dir)):
             ensure_default(settings, progress=not args.no_progress)  # the default model
         build_index(args.catalog, settings.index_root, progress=not args.no_progress,
                     **sid_source(Path(settings.model_dir)))  # fmt: skip
@@ -70,7 +70,8 @@ def register(add: AddCommand) -> None:
     p.add_argument("--metrics-port", type=int, help="Prometheus port (9464)")
     p.add_argument("--data-dir", help="where the default world, model and index live (./data)")
     p.add_argument("--index-root", help="index root to serve (DATA_DIR/index)")
-    p.add_argument("--model", help="checkpoint directory (DATA_DIR/model)")
+    p.add_argument("--model", help="checkpoint directory, or model repository to follow and "
+                   "hot-swap (grace publish-model) (DATA_DIR/model)")  # fmt: skip
     p.add_argument("--catalog", help="build and serve an index for this " + CATALOG_HELP)
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--workers", type=int,

@@ -223,6 +223,15 @@ def write_index_dir(directory: Path, arrays: IndexArrays, manifest: dict[str, An
     return full
 
 
+def manifest_sid_space(directory: Path) -> str | None:
+    """The SID space a version's manifest names, or None when it cannot be read (a cheap
+    look before a full load: `read_manifest` and validation report what is wrong)."""
+    try:
+        return str(json.loads((Path(directory) / MANIFEST).read_text())["tokenizer_fingerprint"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest of a version directory, its structure checked key by key.
 

@@ -1,9 +1,9 @@
 """Assembly and lifecycle of one serving process (`grace serve`).
 
-    settings -> checkpoint + first index (validated) -> pipeline threads -> batcher
-    -> grpc.aio server (AdRetrieval + grpc.health.v1 + reflection) + metrics HTTP port
-    -> index watcher (hot swap) -> one warm-up request -> SERVING ... SIGTERM ->
-    NOT_SERVING, drain, exit
+    settings -> first (model, index) pair (verified, validated) -> pipeline threads
+    -> batcher -> grpc.aio server (AdRetrieval + grpc.health.v1 + reflection) + metrics
+    HTTP port -> rollout (model and index hot swap) -> one warm-up request -> SERVING ...
+    SIGTERM -> NOT_SERVING, drain, exit
 
 One event loop per process (uvloop when installed); model, GPU and C++ work run on the
 pipeline threads, never on the loop, and nothing that can block shares the loop's
@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,15 +41,15 @@ from service.grpc_server import (
     server_options,
     set_health,
 )
-from service.index.loaded import IndexHolder, LoadedIndex
-from service.index.watcher import IndexWatcher
 from service.metrics import Metrics
-from service.model.checkpoint import load_checkpoint
 from service.mps import mps_client
 from service.pipeline.records import Batch, group_key
 from service.pipeline.runner import Pipeline
+from service.pipeline.runtime import Serving, ServingHolder
 from service.pipeline.stages import Stages
 from service.request_log import RequestLog
+from service.rollout.rollout import Rollout
+from service.rollout.sources import index_follower, model_follower
 from service.server import RetrievalServicer
 from service.settings import ServerSettings
 from service.validation import Limits, ValidatedRequest
@@ -68,7 +69,7 @@ class App:
     servicer: RetrievalServicer
     batcher: Batcher
     pipeline: Pipeline
-    watcher: IndexWatcher
+    rollout: Rollout
     metrics: Metrics
     settings: ServerSettings
 
@@ -81,7 +82,7 @@ class App:
         self.servicer.draining = True
         await self.server.stop(self.settings.drain_seconds)
         await self.batcher.stop()
-        self.watcher.stop()
+        self.rollout.stop()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.pipeline.stop, DRAIN_SLACK_SECONDS)
         if self.servicer.request_log is not None:
@@ -100,35 +101,18 @@ async def start(
     metrics = Metrics()
     health_servicer = HealthServicer()
     await set_health(health_servicer, serving=False)
-    loaded = load_checkpoint(Path(settings.model_dir), device)
-    loaded.model.to(getattr(torch, settings.resolve_dtype(device)))
-    log.info("model %s loaded on %s in %.1f s", loaded.model_version, device,
-             time.perf_counter() - t0)  # fmt: skip
-    indexes = IndexHolder()
-
-    def swapped(index: LoadedIndex) -> None:
-        metrics.swaps.inc()
-        metrics.set_index(index.version, index.manifest.get("created"), index.loaded_at)
-
-    stages = Stages(
-        loaded.model, loaded.model_version, device, settings.max_batch, settings.graph_buckets
-    )
-    watcher = IndexWatcher(
-        Path(settings.index_root),
-        indexes,
-        tokenizer_fingerprint=loaded.sid_space,
-        device=device,
-        poll_seconds=settings.index_poll_seconds,
-        prepare=lambda index: stages.prepare(index, tuple(settings.beams)),
-        on_swap=swapped,
-        on_failure=lambda version, exc: metrics.swap_failures.inc(),
-    )
+    serving = ServingHolder()
+    stages = Stages(device, settings.max_batch, settings.graph_buckets)
+    rollout = _rollout(settings, stages, serving, metrics, device)
     loop = asyncio.get_running_loop()
-    await loop.run_in_executor(None, watcher.check_once)
-    if not indexes.ready:
+    await loop.run_in_executor(None, rollout.check_once)
+    if not serving.ready:
         raise StartupError(
-            f"no valid index under {settings.index_root} (grace build-index): {watcher.why_none()}"
+            f"no model and index under {settings.model_dir} and {settings.index_root} that "
+            f"serve together (grace train, grace build-index): {rollout.why_none()}"
         )
+    log.info("model %s and index %s loaded on %s in %.1f s", serving.current.model.version,
+             serving.current.index.version, device, time.perf_counter() - t0)  # fmt: skip
 
     batcher: Batcher
 
@@ -144,7 +128,7 @@ async def start(
 
     pipeline = Pipeline(
         stages,
-        indexes,
+        serving,
         lambda *done: batcher.batch_done(*done),  # the batcher is made below
         observe,
         dropped,
@@ -168,13 +152,14 @@ async def start(
     metrics.predicted_wait.set_function(
         lambda: batcher.admission.predicted_ms(batcher.depth, batcher.inflight_requests) / 1e3
     )
-    metrics.index_behind.set_function(lambda: int(watcher.behind))
+    metrics.index_behind.set_function(lambda: int(rollout.index_behind))
+    metrics.model_behind.set_function(lambda: int(rollout.model_behind))
     if device.startswith("cuda"):
         metrics.gpu_memory.set_function(lambda: torch.cuda.memory_allocated())
     metrics.mps_client.set(int(mps_client(device)))
     request_log = RequestLog(settings.request_log) if settings.request_log else None
     servicer = RetrievalServicer(
-        batcher, Limits.from_settings(settings), indexes, metrics, request_log
+        batcher, Limits.from_settings(settings), serving, metrics, request_log
     )
     # connection ageing rebalances clients over replicas; the front's private hop to a
     # worker has nothing to rebalance
@@ -191,7 +176,7 @@ async def start(
     if not bind_when_ready:
         await server.start()  # health answers NOT_SERVING while loading
     metrics_port = metrics.serve(settings.metrics_port, settings.host)
-    watcher.start()
+    rollout.start()
     await _warm_up(batcher, settings)  # first batch pays one-time costs, not a client
     await set_health(health_servicer, serving=True)
     if bind_when_ready:
@@ -199,12 +184,50 @@ async def start(
         await server.start()
     metrics.serving.set(1)  # SERVING and listening
     log.info(
-        "serving %s on %s (index %s, model %s, %s), ready in %.1f s",
+        "serving %s on %s (model %s, index %s, %s), ready in %.1f s",
         SERVICE, address if address.startswith("unix:") else f"port {port}",
-        indexes.current.version, loaded.model_version, device, time.perf_counter() - t0,
+        serving.current.model.version, serving.current.index.version, device,
+        time.perf_counter() - t0,
     )  # fmt: skip
-    return App(server, port, metrics_port, health_servicer, servicer, batcher, pipeline, watcher,
+    return App(server, port, metrics_port, health_servicer, servicer, batcher, pipeline, rollout,
                metrics, settings)  # fmt: skip
+
+
+def _rollout(
+    settings: ServerSettings, stages: Stages, serving: ServingHolder, metrics: Metrics, device: str
+) -> Rollout:
+    """The model repository and index root followed, with the metrics they move."""
+
+    def served(kind: str) -> Callable[[], str | None]:
+        return lambda: getattr(serving.current, kind).version if serving.ready else None
+
+    def swapped(new: Serving, old: Serving | None) -> None:
+        if old is None or new.model is not old.model:
+            metrics.model_swaps.inc()
+            m = new.model
+            metrics.set_model(m.version, m.model_version, m.sid_space, m.loaded_at)
+        if old is None or new.index is not old.index:
+            metrics.swaps.inc()
+            metrics.set_index(new.index.version, new.index.manifest.get("created"),
+                              new.index.loaded_at)  # fmt: skip
+
+    failures = {"model": metrics.model_swap_failures, "index": metrics.swap_failures}
+    backoff = max(settings.index_poll_seconds, 1.0)
+    dtype = getattr(torch, settings.resolve_dtype(device))
+    return Rollout(
+        model_follower(Path(settings.model_dir), stages, dtype, served=served("model"),
+                       on_failure=lambda v, e: failures["model"].labels("invalid").inc(),
+                       backoff_seconds=backoff),
+        index_follower(Path(settings.index_root), device, served=served("index"),
+                       on_failure=lambda v, e: failures["index"].labels("invalid").inc(),
+                       backoff_seconds=backoff),
+        serving,
+        device=device,
+        poll_seconds=settings.index_poll_seconds,
+        prepare=lambda model, index: model.prepare(index, tuple(settings.beams)),
+        on_swap=swapped,
+        on_incompatible=lambda kind, version: failures[kind].labels("incompatible").inc(),
+    )  # fmt: skip
 
 
 async def _warm_up(batcher: Batcher, settings: ServerSettings) -> None:

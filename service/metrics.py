@@ -130,15 +130,49 @@ class Metrics:
         self.swaps = Counter("grace_index_swaps_total", "Index hot swaps.", registry=r)
         self.swap_failures = Counter(
             "grace_index_swap_failures_total",
-            "Attempts to load an index version that failed (each retried with backoff).",
+            "Index versions refused: reason 'invalid' (an attempt to load, validate or "
+            "prepare it failed; retried with backoff) or 'incompatible' (its SID space "
+            "fits no model: counted once per model it was tried with).",
+            ("reason",),
             registry=r,
         )
         self.index_behind = Gauge(
             "grace_index_behind_current",
             "1 while the served index is not the version CURRENT names (that one was "
-            "rejected, or its directory has not appeared yet), else 0.",
+            "refused, waits for a model of its SID space, or its directory has not "
+            "appeared yet; also after a start-up fallback), else 0.",
             registry=r,
         )
+        self.model_info = Info(
+            "grace_model",
+            "The model being served: version (what the repository's CURRENT names, or the "
+            "checkpoint directory's name), model_version (the checkpoint's own name, which "
+            "responses carry) and sid_space.",
+            registry=r,
+        )
+        self.model_loaded = Gauge(
+            "grace_model_loaded_timestamp_seconds", "When the served model was loaded.",
+            registry=r,
+        )  # fmt: skip
+        self.model_swaps = Counter("grace_model_swaps_total", "Model hot swaps.", registry=r)
+        self.model_swap_failures = Counter(
+            "grace_model_swap_failures_total",
+            "Model versions refused: reason 'invalid' (an attempt to load, verify or "
+            "prepare it failed; retried with backoff) or 'incompatible' (its SID space "
+            "fits no index: counted once per index it was tried with).",
+            ("reason",),
+            registry=r,
+        )
+        self.model_behind = Gauge(
+            "grace_model_behind_current",
+            "1 while the served model is not the version the model repository's CURRENT "
+            "names (that one was refused, waits for an index of its SID space, or has not "
+            "appeared yet; also after a start-up fallback), else 0.",
+            registry=r,
+        )
+        for reason in ("invalid", "incompatible"):
+            self.swap_failures.labels(reason)
+            self.model_swap_failures.labels(reason)
         self.sids = Counter("grace_sids_generated_total", "SIDs the decoder emitted.", registry=r)
         self.expanded = Counter(
             "grace_ads_expanded_total", "Ads behind the generated SIDs.", registry=r
@@ -163,6 +197,13 @@ class Metrics:
         self._created = datetime.fromisoformat(created_iso).timestamp() if created_iso else None
         if self._created is not None:
             self.index_created.set(self._created)
+
+    def set_model(self, version: str, model_version: str, sid_space: str, loaded_at: float) -> None:
+        """Record the model now being served."""
+        self.model_info.info(
+            {"version": version, "model_version": model_version, "sid_space": sid_space}
+        )
+        self.model_loaded.set(loaded_at)
 
     def _index_age(self) -> float:
         return time.time() - self._created if self._created else 0.0

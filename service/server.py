@@ -4,7 +4,7 @@ Runs on the event loop and only awaits. Retrieve is registered without (de)seria
 (`grpc_server.add_retrieval`): the handler gets the request's bytes and returns the
 reply's bytes, so every refusal is cheap and counted — in order:
 
-    UNAVAILABLE         draining, or no index loaded yet
+    UNAVAILABLE         draining, or no model and index loaded yet
     RESOURCE_EXHAUSTED  larger than the largest valid request (`Limits.max_request_bytes`),
                         or admission refuses it: the queue is full or the deadline does
                         not leave room for the predicted wait (service/admission.py) —
@@ -33,9 +33,9 @@ from prometheus_client import Counter
 
 from service.batcher import Batcher, DeadlineExpired, Overloaded
 from service.grpc_server import SERVICE
-from service.index.loaded import IndexHolder
 from service.metrics import Metrics
 from service.pipeline.records import RetrievalResult
+from service.pipeline.runtime import ServingHolder
 from service.post import encode_ads
 from service.request_log import RequestLog
 from service.rpc.grace.v1 import retrieval_pb2
@@ -81,11 +81,11 @@ class RetrievalServicer:
         self,
         batcher: Batcher,
         limits: Limits,
-        indexes: IndexHolder,
+        serving: ServingHolder,
         metrics: Metrics,
         request_log: RequestLog | None = None,  # settings.request_log; queues, never blocks
     ) -> None:
-        self.batcher, self.limits, self.indexes, self.metrics = batcher, limits, indexes, metrics
+        self.batcher, self.limits, self.serving, self.metrics = batcher, limits, serving, metrics
         self.request_log = request_log
         self.max_request_bytes = limits.max_request_bytes()
         self.draining = False
@@ -131,7 +131,7 @@ class RetrievalServicer:
     async def _retrieve(self, raw: bytes, deadline: float | None) -> bytes:
         if self.draining:
             raise Abort(grpc.StatusCode.UNAVAILABLE, "server is draining")
-        if not self.indexes.ready:
+        if not self.serving.ready:
             raise Abort(grpc.StatusCode.UNAVAILABLE, "no index loaded yet")
         if len(raw) > self.max_request_bytes:
             raise Abort(

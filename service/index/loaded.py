@@ -1,18 +1,14 @@
-"""One loaded index version — everything a batch reads from it — and the holder of the
-current one (docs/ARCHITECTURE.md §3, §4).
+"""One loaded index version — everything a batch reads from it (docs/ARCHITECTURE.md §3,
+§4).
 
-The hot-swap watcher (`service/index/watcher.py`) loads and fully validates a new version
-in the background (`load_index`), the compute stage prepares its decode plans for it, and
-`IndexHolder.swap` makes it current between batches. A batch takes `IndexHolder.current`
-once, when it is dispatched, and keeps that object to the end, so no batch ever mixes two
-versions; an old version is freed when the last batch holding it finishes (plain
-reference counting — nothing to release by hand). A `LoadedIndex` holds data only: the
-decode engine's plans for it (CUDA graphs, static buffers) belong to the compute stage.
+The rollout (`service/rollout/`) loads and fully validates a new version in the
+background (`load_index`); it serves in a (model, index) pair (`service/pipeline/runtime.py`)
+once the model has prepared its decode plans for it. A `LoadedIndex` holds data only: the
+decode engine's plans for it (CUDA graphs, static buffers) belong to the model runtime.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +35,12 @@ class LoadedIndex:
     lookup: SidLookup  # ad id -> SID (stage 1: a user's history as SID tokens)
     post: PostStage  # the C++ post stage over this version's ad arrays
     loaded_at: float = field(default_factory=time.time)
+
+    @property
+    def sid_space(self) -> str:
+        """The SID space the index was built for (contracts/sid_space.py); "" for an
+        index built in memory without one."""
+        return str(self.manifest.get("tokenizer_fingerprint", ""))
 
     @classmethod
     def from_arrays(
@@ -67,7 +69,7 @@ class LoadedIndex:
 def load_index(
     path: Path,
     *,
-    tokenizer_fingerprint: str | None,
+    tokenizer_fingerprint: str | None = None,
     device: str = "cpu",
     expect_version: str | None = None,
 ) -> LoadedIndex:
@@ -76,8 +78,9 @@ def load_index(
     The arrays are read into private memory, each file once with its checksum over the
     same bytes (`contracts/npy_private.py`), not memory-mapped: the files on disk may be
     truncated, overwritten or removed while the version serves without reaching it.
-    `expect_version`: the version name the manifest must carry (the watcher passes the
-    directory's name).
+    `expect_version`: the version name the manifest must carry (the rollout passes the
+    directory's name); `tokenizer_fingerprint`: the SID space it must be built for (None:
+    any — the rollout checks each pair itself).
     """
     index = validate_index(
         Path(path),
@@ -92,28 +95,3 @@ def load_index(
         path=index.path,
         manifest=index.manifest,
     )
-
-
-class IndexHolder:
-    """The current index; swaps are atomic with respect to `current`."""
-
-    def __init__(self, index: LoadedIndex | None = None) -> None:
-        self._lock = threading.Lock()
-        self._index = index
-
-    @property
-    def current(self) -> LoadedIndex:
-        with self._lock:
-            if self._index is None:
-                raise RuntimeError("no index loaded yet")
-            return self._index
-
-    @property
-    def ready(self) -> bool:
-        with self._lock:
-            return self._index is not None
-
-    def swap(self, index: LoadedIndex) -> LoadedIndex | None:
-        with self._lock:
-            old, self._index = self._index, index
-        return old

@@ -29,6 +29,7 @@ from typing import Any
 
 import orjson
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -131,41 +132,13 @@ def load_checkpoint(
     whose fingerprint differs from the stored one, or weights that do not fit the config.
     """
     path = Path(path)
-    for p in (path / CONFIG_FILE, path / WEIGHTS_FILE):
-        if not p.exists():
-            raise FileNotFoundError(f"checkpoint {path}: {p.name} is missing")
-    meta = _read_meta(path / CONFIG_FILE)
-    named_space = sid_spaces.is_named(str(meta["tokenizer_fingerprint"]))
-    if not named_space and not (path / TOKENIZER_DIR).exists():
-        raise FileNotFoundError(f"checkpoint {path}: {TOKENIZER_DIR} is missing")
-    try:
-        config = ModelConfig.from_dict(meta["config"])
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: invalid model config ({e})") from e
-
-    digest = file_sha256(path / WEIGHTS_FILE)
-    if digest != meta["weights_sha256"]:
-        raise CheckpointError(
-            f"checkpoint {path}: {WEIGHTS_FILE} is corrupt or truncated (sha256 {digest[:12]}, "
-            f"config.json records {str(meta['weights_sha256'])[:12]})"
-        )
-    tokenizer = None if named_space else _tokenizer(path)
-    if tokenizer is not None and tokenizer.fingerprint != meta["tokenizer_fingerprint"]:
-        raise CheckpointError(
-            f"checkpoint {path}: tokenizer mismatch: config.json names fingerprint "
-            f"{meta['tokenizer_fingerprint']}, {TOKENIZER_DIR}/ holds {tokenizer.fingerprint}"
-        )
+    meta, config, tokenizer = _verified(path)
     try:
         weights = load_file(str(path / WEIGHTS_FILE), device="cpu")
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise CheckpointError(f"checkpoint {path}: {WEIGHTS_FILE} unreadable ({e})") from e
 
-    if build is None:
-        from service.model.retriever import GenerativeRetriever
-
-        build = GenerativeRetriever
-    with torch.device("meta"):  # shapes only: no random init of weights about to be replaced
-        model = build(config)  # (8 s of the paper profile's 4.6 GB on a CPU)
+    model = _empty(config, build)
     expected = model.state_dict()
     _check_weights(expected, weights, path)
     # safetensors maps the file: on a CPU the parameters would stay views of that mapping
@@ -189,6 +162,73 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path}: the model has state it does not hold: {left}")
     model.to(device).eval()
     return LoadedModel(model, config, tokenizer, str(meta["model_version"]), meta)
+
+
+def verify_checkpoint(
+    path: Path, *, build: Callable[[ModelConfig], nn.Module] | None = None
+) -> dict[str, Any]:
+    """Every check `load_checkpoint` makes, without loading the weights: the format, the
+    config, the weights' sha256, the tokenizer's fingerprint and each tensor's name and
+    shape against the config. Returns config.json; raises as `load_checkpoint` does."""
+    path = Path(path)
+    meta, config, _ = _verified(path)
+    try:
+        with safe_open(str(path / WEIGHTS_FILE), "pt") as fh:
+            shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}  # noqa: SIM118
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise CheckpointError(f"checkpoint {path}: {WEIGHTS_FILE} unreadable ({e})") from e
+    stored = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
+    _check_weights(_empty(config, build).state_dict(), stored, path)
+    return meta
+
+
+def sid_space_of(path: Path) -> str | None:
+    """The SID space a checkpoint's config.json names, or None when it cannot be read (a
+    cheap look before a full load: `load_checkpoint` reports what is wrong)."""
+    try:
+        return str(orjson.loads((Path(path) / CONFIG_FILE).read_bytes())["tokenizer_fingerprint"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _verified(path: Path) -> tuple[dict[str, Any], ModelConfig, SIDTokenizer | None]:
+    """config.json, the model config and the tokenizer of a checkpoint whose files are
+    all there and whose weights match their recorded sha256."""
+    for p in (path / CONFIG_FILE, path / WEIGHTS_FILE):
+        if not p.exists():
+            raise FileNotFoundError(f"checkpoint {path}: {p.name} is missing")
+    meta = _read_meta(path / CONFIG_FILE)
+    named_space = sid_spaces.is_named(str(meta["tokenizer_fingerprint"]))
+    if not named_space and not (path / TOKENIZER_DIR).exists():
+        raise FileNotFoundError(f"checkpoint {path}: {TOKENIZER_DIR} is missing")
+    try:
+        config = ModelConfig.from_dict(meta["config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: invalid model config ({e})") from e
+    digest = file_sha256(path / WEIGHTS_FILE)
+    if digest != meta["weights_sha256"]:
+        raise CheckpointError(
+            f"checkpoint {path}: {WEIGHTS_FILE} is corrupt or truncated (sha256 {digest[:12]}, "
+            f"config.json records {str(meta['weights_sha256'])[:12]})"
+        )
+    tokenizer = None if named_space else _tokenizer(path)
+    if tokenizer is not None and tokenizer.fingerprint != meta["tokenizer_fingerprint"]:
+        raise CheckpointError(
+            f"checkpoint {path}: tokenizer mismatch: config.json names fingerprint "
+            f"{meta['tokenizer_fingerprint']}, {TOKENIZER_DIR}/ holds {tokenizer.fingerprint}"
+        )
+    return meta, config, tokenizer
+
+
+def _empty(config: ModelConfig, build: Callable[[ModelConfig], nn.Module] | None) -> nn.Module:
+    """The model of `config` with shapes only (the meta device): no random init of
+    weights about to be replaced (8 s of the paper profile's 4.6 GB on a CPU)."""
+    if build is None:
+        from service.model.retriever import GenerativeRetriever
+
+        build = GenerativeRetriever
+    with torch.device("meta"):
+        return build(config)
 
 
 def _tokenizer(path: Path) -> SIDTokenizer:

@@ -3,8 +3,9 @@
     list[Pending] (batcher) ─► Batch ─stage 1─► Packed ─stage 2─► Embedded ─stage 3─►
     Decoded ─stage 4─► RetrievalResult per live request (Pending.resolve)
 
-A `Batch` is fixed when the batcher hands it over: its requests, the one index version
-every stage uses, and its decode groups (computed once, here). Each stage returns one
+A `Batch` is fixed when the batcher hands it over: its requests, the one (model, index)
+pair every stage uses (`service/pipeline/runtime.py`), and its decode groups (computed
+once, here). Each stage returns one
 frozen record that the next stage reads; on GPU each record carries the CUDA event its
 stage recorded on its stream, and the next stage's stream waits on it, so hand-offs are
 ordered without host syncs. Which requests are still worth answering changes on the way
@@ -26,9 +27,9 @@ from contracts.targeting import Targeting
 from contracts.tensors import RequestTensors
 from service.batcher import Pending
 from service.decode.plans import DecodeResult
-from service.index.loaded import LoadedIndex
 from service.model.embeddings import EmbeddedFeatures
 from service.model.features import FeatureBatch
+from service.pipeline.runtime import Serving
 from service.post import PostResult
 
 
@@ -75,15 +76,15 @@ class Batch:
     """What the batcher dispatched; the same object reaches every stage."""
 
     pending: tuple[Pending[RetrievalRequest], ...]
-    index: LoadedIndex  # taken once at dispatch and used by every stage
+    serving: Serving  # the (model, index) pair: taken once at dispatch, used by every stage
     dispatched: float  # time.monotonic() when the batcher handed it over
     groups: tuple[DecodeGroup, ...]
 
     @classmethod
     def of(
-        cls, pending: Sequence[Pending[RetrievalRequest]], index: LoadedIndex, dispatched: float
+        cls, pending: Sequence[Pending[RetrievalRequest]], serving: Serving, dispatched: float
     ) -> Batch:
-        return cls(tuple(pending), index, dispatched, decode_groups([p.payload for p in pending]))
+        return cls(tuple(pending), serving, dispatched, decode_groups([p.payload for p in pending]))
 
     @property
     def requests(self) -> list[RetrievalRequest]:

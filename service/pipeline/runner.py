@@ -1,8 +1,8 @@
 """Four stage threads connected by queues: batch n+1 packs while batch n computes.
 
-`Pipeline.dispatch` is the batcher's hand-off: it takes one index reference for the batch,
-makes its `Batch` record and queues it for stage 1; it never blocks (the batcher bounds
-batches in flight). Each thread runs one stage for one batch at a time and passes the
+`Pipeline.dispatch` is the batcher's hand-off: it takes the current (model, index) pair
+for the batch, makes its `Batch` record and queues it for stage 1; it never blocks (the
+batcher bounds batches in flight). Each thread runs one stage for one batch at a time and passes the
 batch on; stage 4 resolves every request and frees the batcher's slot. An exception in
 any stage fails that batch's requests (the server answers INTERNAL) and the pipeline
 carries on with the next batch.
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from service.batcher import DeadlineExpired, Pending
-from service.index.loaded import IndexHolder
 from service.pipeline.records import Batch, Decoded, Embedded, Packed
+from service.pipeline.runtime import ServingHolder
 from service.pipeline.stages import Stages
 
 log = logging.getLogger("grace.pipeline")
@@ -73,13 +73,13 @@ class Pipeline:
     def __init__(
         self,
         stages: Stages,
-        indexes: IndexHolder,
+        serving: ServingHolder,
         on_batch_done: Callable[[int, float, float | None], None],
         observe: Callable[[str, float], None] = lambda stage, seconds: None,
         on_dropped: Callable[[str, str, int], None] = lambda stage, reason, n: None,
         on_dispatch: Callable[[Batch], None] = lambda batch: None,
     ) -> None:
-        self.stages, self.indexes = stages, indexes
+        self.stages, self.serving = stages, serving
         self._done = on_batch_done
         self._observe = observe
         self._on_dropped = on_dropped
@@ -87,7 +87,7 @@ class Pipeline:
         s = stages  # each stage reads the record of the one before it
         self._bodies: tuple[Callable[[_Flight], object], ...] = (
             lambda f: s.input(f.batch),
-            lambda f: s.features(_as(f.out, Packed)),
+            lambda f: s.features(f.batch, _as(f.out, Packed)),
             lambda f: s.compute(f.batch, _as(f.out, Embedded), f.live),
             lambda f: s.post(f.batch, _as(f.out, Decoded), f.live_rows, f.stage_ms),
         )
@@ -102,7 +102,7 @@ class Pipeline:
         self.in_flight = 0  # batches between dispatch and the end of stage 4
 
     def dispatch(self, pending: list[Pending]) -> None:
-        batch = Batch.of(pending, self.indexes.current, time.monotonic())
+        batch = Batch.of(pending, self.serving.current, time.monotonic())
         self._on_dispatch(batch)
         with self._lock:
             self.in_flight += 1

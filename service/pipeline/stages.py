@@ -5,11 +5,11 @@ GPU) and returns its own record (`service/pipeline/records.py`).
 1. input: pack requests into a `FeatureBatch` (history -> SID tokens via the batch's
    index) and the decode groups' targeting tensors, pin them and copy them host ->
    device without blocking (on GPU the FeatureBatch as one packed buffer: one copy);
-2. features: embedding tables and bags (`FeatureEmbedder`; on GPU `StaticFeatures`:
-   CUDA graphs over padded buckets);
+2. features: embedding tables and bags of the batch's model (`FeatureEmbedder`; on GPU
+   `StaticFeatures`: CUDA graphs over padded buckets);
 3. compute: encoder (on GPU `StaticEncoder`: CUDA graphs over padded buckets), then the
-   decode engine — one run per decode group of the batch, on the plans this stage keeps
-   for the batch's index version (`prepare` makes them before a version serves);
+   decode engine — one run per decode group of the batch, on the plans the batch's model
+   keeps for its index (`service/pipeline/runtime.py`: made before the pair serves);
 4. post: SIDs -> ads, exact filter, rank, cut (the C++ post stage of the batch's index)
    and one `RetrievalResult` per live request.
 """
@@ -17,12 +17,9 @@ GPU) and returns its own record (`service/pipeline/records.py`).
 from __future__ import annotations
 
 import logging
-import threading
-import time
-import weakref
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -31,16 +28,9 @@ from contracts.request import FilterMode
 from contracts.targeting import MAX_REQUEST_LOCATIONS, encode_requests
 from contracts.tensors import RequestTensors
 from service.capture import bucket_of
-from service.decode.engine import DecodeEngine
-from service.decode.plans import IndexPlans
-from service.index.loaded import LoadedIndex
-from service.model.embeddings import FeatureEmbedder
-from service.model.encoder import ContextEncoder
 from service.model.feature_packing import pack_features, unpack_features
 from service.model.features import FeatureBatch, UserFeatures, prepare_features
 from service.model.retriever import GenerativeRetriever
-from service.model.static_encoder import StaticEncoder
-from service.model.static_features import StaticFeatures
 from service.pipeline.records import (
     Batch,
     Decoded,
@@ -50,6 +40,7 @@ from service.pipeline.records import (
     Packed,
     RetrievalResult,
 )
+from service.pipeline.runtime import ModelRuntime
 from service.post import PostRequest
 
 log = logging.getLogger("grace.pipeline")
@@ -75,18 +66,15 @@ def graph_buckets(max_batch: int, buckets: Sequence[int] = GRAPH_BUCKETS) -> tup
 
 
 class Stages:
-    """The model, device, decode engine and per-index plans shared by the stage threads."""
+    """The device, streams and graph buckets shared by the stage threads; the model and
+    the index come with each batch (`Batch.serving`)."""
 
     def __init__(
         self,
-        model: GenerativeRetriever,
-        model_version: str,
         device: str,
         max_batch: int = GRAPH_BUCKETS[-1],
         buckets: Sequence[int] | None = None,  # GPU graph bucket sizes (default GRAPH_BUCKETS)
     ) -> None:
-        self.model = model.eval()
-        self.model_version = model_version
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         every_size = tuple(range(1, max_batch + 1))  # CPU: no padding
@@ -95,54 +83,29 @@ class Stages:
         self.streams = [torch.cuda.Stream(self.device) if self.cuda else None for _ in range(4)]
         # GPU: locations pad to 64, few plans keep start-up and swaps short (the Bloom scan
         # stops at a hit, so padding costs only children that fail every location)
-        locations = (MAX_REQUEST_LOCATIONS,) if self.cuda else (1, 4, 16, MAX_REQUEST_LOCATIONS)
-        self.engine = DecodeEngine(
-            self.model.decoder, batch_buckets=self.buckets, location_buckets=locations
-        )
-        self._plans: weakref.WeakKeyDictionary[LoadedIndex, IndexPlans] = (
-            weakref.WeakKeyDictionary()
-        )  # an index version's plans go with the version
-        self._plans_lock = threading.Lock()
-        # GPU: the embedder and the encoder as CUDA graphs over padded buckets (a replay
-        # instead of ~20 and ~150 launches from their threads); CPU: eager, as they are
-        self.embedder: StaticFeatures | FeatureEmbedder = self.model.embedder
-        self.encoder: StaticEncoder | ContextEncoder = self.model.encoder
-        if self.cuda:
-            self.embedder = StaticFeatures(self.model.embedder, self.model.config, self.buckets)
-            self.encoder = StaticEncoder(self.model.encoder, self.buckets)
+        every = (1, 4, 16, MAX_REQUEST_LOCATIONS)
+        self.locations = (MAX_REQUEST_LOCATIONS,) if self.cuda else every
+
+    def runtime(
+        self,
+        model: GenerativeRetriever,
+        *,
+        version: str,
+        model_version: str | None = None,
+        sid_space: str = "",
+        meta: dict[str, Any] | None = None,
+    ) -> ModelRuntime:
+        """`model` made ready to run on these stages (engine, GPU graphs over the buckets)."""
+        return ModelRuntime(
+            model, version=version, model_version=model_version or version,
+            sid_space=sid_space, device=self.device, buckets=self.buckets,
+            locations=self.locations, meta=meta,
+        )  # fmt: skip
 
     def padding(self, groups: Sequence[DecodeGroup]) -> int:
         """Requests' worth of padding the decode runs of these groups compute
         (`grace_batch_padding_total`): each runs padded to its own bucket."""
         return sum(bucket_of(self.buckets, len(g.rows)) - len(g.rows) for g in groups)
-
-    def prepare(self, index: LoadedIndex, beams: tuple[int, ...]) -> None:
-        """Before a version serves: make its decode plans; on GPU capture the CUDA graphs
-        of the default schedule (both filter modes, every batch and location bucket)."""
-        plans = self.plans(index)
-        if not self.cuda:
-            return
-        self._warm_graphs()  # once: embedder and encoder do not depend on the index
-        t0 = time.perf_counter()
-        n = self.engine.warm(plans, beams, modes=(FilterMode.CD_GTM, FilterMode.CD_ONLY))
-        log.info("index %s: %d decode plans captured as CUDA graphs in %.1f s",
-                 index.version, n, time.perf_counter() - t0)  # fmt: skip
-
-    def plans(self, index: LoadedIndex) -> IndexPlans:
-        """The decode plans of `index` (made on first use)."""
-        with self._plans_lock:
-            plans = self._plans.get(index)
-            if plans is None:
-                plans = self._plans[index] = self.engine.plan(index.tables, index.level_offsets)
-            return plans
-
-    def _warm_graphs(self) -> None:
-        """Capture the embedder's and the encoder's graphs (no-ops once done); where that
-        fails, serve with the eager module rather than not at all."""
-        if isinstance(self.embedder, StaticFeatures) and not _warmed(self.embedder, "embedder"):
-            self.embedder = self.model.embedder
-        if isinstance(self.encoder, StaticEncoder) and not _warmed(self.encoder, "encoder"):
-            self.encoder = self.model.encoder
 
     def _on(self, stage: int, event: torch.cuda.Event | None) -> AbstractContextManager[object]:
         stream = self.streams[stage]
@@ -166,7 +129,7 @@ class Stages:
             UserFeatures(r.user_id, r.targeting, r.history_ad_ids, r.history_types, r.history_ts_ms)
             for r in reqs
         ]
-        features = prepare_features(users, batch.index.lookup, self.model.config)
+        features = prepare_features(users, batch.serving.index.lookup, batch.serving.model.config)
         groups = []
         with self._on(0, None):
             moved = self._to_device(features)
@@ -195,24 +158,25 @@ class Stages:
         return x.pin_memory().to(self.device, non_blocking=True)
 
     @torch.no_grad()
-    def features(self, packed: Packed) -> Embedded:
+    def features(self, batch: Batch, packed: Packed) -> Embedded:
         with self._on(1, packed.event):
-            embedded = self.embedder(packed.features)
+            embedded = batch.serving.model.embedder(packed.features)
         return Embedded(embedded, packed.groups, self._event(1))
 
     @torch.no_grad()
     def compute(self, batch: Batch, embedded: Embedded, live: Sequence[bool]) -> Decoded:
-        plans = self.plans(batch.index)
+        model = batch.serving.model
+        plans = model.plans(batch.serving.index)
         runs = []
         with self._on(2, embedded.event):
-            ctx = self.encoder(embedded.embedded)
+            ctx = model.encoder(embedded.embedded)
             for dg in embedded.groups:
                 dg = self._live(dg, live)
                 if dg is None:  # every request of the group was dropped: no decode run
                     continue
                 g = dg.group
                 sub = ctx if dg.index is None else ctx[dg.index]
-                runs.append((g.rows, self.engine.run(plans, sub, dg.requests, g.beams, g.mode)))
+                runs.append((g.rows, model.engine.run(plans, sub, dg.requests, g.beams, g.mode)))
         return Decoded(tuple(runs), self._event(2))
 
     def _live(self, dg: DeviceGroup, live: Sequence[bool]) -> DeviceGroup | None:
@@ -244,7 +208,7 @@ class Stages:
             for j, i in enumerate(group_rows):
                 keep = leaves[j] >= 0
                 generated[i] = (leaves[j][keep], scores[j][keep])
-        index, reqs = batch.index, batch.requests
+        index, reqs = batch.serving.index, batch.requests
         posts = index.post.run([
             PostRequest.from_targeting(*generated[i], reqs[i].targeting, index.vocabulary,
                                        reqs[i].max_ads)
@@ -255,20 +219,8 @@ class Stages:
                 post=p,
                 sids_generated=len(generated[i][0]),
                 index_version=index.version,
-                model_version=self.model_version,
+                model_version=batch.serving.model.model_version,
                 stage_ms=dict(stage_ms),
             )
             for p, i in zip(posts, rows, strict=True)
         ]
-
-
-def _warmed(static: StaticFeatures | StaticEncoder, name: str) -> bool:
-    t0 = time.perf_counter()
-    try:
-        static.warm()
-    except Exception:
-        log.exception("capturing the %s's CUDA graphs failed: eager %s", name, name)
-        return False
-    log.info("%s: CUDA graphs for buckets %s captured in %.1f s", name, static.buckets,
-             time.perf_counter() - t0)  # fmt: skip
-    return True

@@ -30,8 +30,8 @@ from index_builder.publish import (
     new_version_name,
     prune,
     publish,
-    writer_lock,
 )
+from contracts.versions import writer_lock
 from index_builder.validate import IndexValidationError, validate_index
 from tests.helpers.indexes import (
     corrupt_builds,
@@ -70,7 +70,7 @@ def test_failed_build_publishes_nothing(tmp_path: Path) -> None:
 
 
 def test_second_writer_is_refused(tmp_path: Path) -> None:
-    with writer_lock(tmp_path), pytest.raises(PublishError, match="another index builder"):
+    with writer_lock(tmp_path, "index builder"), pytest.raises(PublishError, match="another index builder"):
         publish(tmp_path, writer(small_index()))
 
 

@@ -152,7 +152,7 @@ def test_with_no_valid_version_start_up_fails_naming_each_version_and_why(
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("grace serve: error")]
     assert len(errors) == 1, done.stderr
-    assert f"no valid index under {root}" in errors[0]
-    for version in (older, newer):
-        assert f"{version}: " in errors[0] and "checksum mismatch" in errors[0]
+    assert f"no model and index under {data / 'model'} and {root} that serve together" in errors[0]
+    assert f"indexes: {newer} (named by CURRENT) was rejected" in errors[0]
+    assert f"; {older}: " in errors[0] and errors[0].count("checksum mismatch") == 2
     assert "Traceback" not in done.stderr

@@ -100,9 +100,9 @@ def test_graph_buckets_and_busy_batches_reach_the_server(
     built: list[tuple[int, Sequence[int] | None]] = []
 
     class Recorded(Stages):
-        def __init__(self, model, model_version, device, max_batch=16, buckets=None) -> None:
+        def __init__(self, device, max_batch=16, buckets=None) -> None:
             built.append((max_batch, buckets))
-            super().__init__(model, model_version, device, max_batch, buckets)
+            super().__init__(device, max_batch, buckets)
 
     monkeypatch.setattr(service.app, "Stages", Recorded)
 
@@ -116,7 +116,7 @@ def test_graph_buckets_and_busy_batches_reach_the_server(
         finally:
             await app.drain()
         for step in (
-            r"model \S+ loaded on cpu in [\d.]+ s",
+            r"model \S+ \(\S+\) loaded and verified on cpu in [\d.]+ s",
             r"index \S+ loaded and validated in [\d.]+ s",
             r"ready in [\d.]+ s",
         ):
@@ -350,7 +350,8 @@ def test_gpu_server_captures_decode_graphs_before_serving(data: Path) -> None:
 
     async def main() -> None:
         app = await start(settings(data, device="cuda"))
-        plans = app.pipeline.stages.plans(app.servicer.indexes.current)
+        serving = app.servicer.serving.current
+        plans = serving.model.plans(serving.index)
         assert plans.graphs > 0  # captured before SERVING
         captured = plans.graphs
         replies = await retrieve_users(app.port, data, range(20))
@@ -386,9 +387,9 @@ def test_deadline_misses_and_cancellations_are_not_counted_as_ok(data: Path) -> 
     async def main() -> None:
         app = await start(settings(data, max_batch=8, max_wait_ms=200.0))
         gate = threading.Event()
-        stages = app.pipeline.stages
-        encoder = stages.encoder
-        stages.encoder = lambda embedded: (gate.wait(30), encoder(embedded))[1]  # stall
+        model = app.servicer.serving.current.model
+        encoder = model.encoder
+        model.encoder = lambda embedded: (gate.wait(30), encoder(embedded))[1]  # stall
         request = request_for_user(data / "world", 0, 10, retrieval_pb2.CD_GTM)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
             stub = retrieval_pb2_grpc.AdRetrievalStub(ch)

@@ -1,5 +1,6 @@
 """The four-stage pipeline behind the batcher: same answers as the reference path, only
-eligible ads, one index per batch across swaps, and a failing batch fails alone."""
+eligible ads, one (model, index) pair per batch across model and index swaps, and a
+failing batch fails alone."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from contracts.targeting import Targeting, encode_requests
 from contracts.tensors import RequestTensors
 from index_builder.build import build_arrays
 from service.batcher import Batcher
-from service.index.loaded import IndexHolder, LoadedIndex
+from service.index.loaded import LoadedIndex
 from service.model.config import PROFILES
 from service.model.features import UserFeatures, prepare_features
 from service.model.retriever import GenerativeRetriever
@@ -24,6 +25,7 @@ from service.model.static_encoder import StaticEncoder
 from service.model.static_features import StaticFeatures
 from service.pipeline.records import decode_groups
 from service.pipeline.runner import Pipeline
+from service.pipeline.runtime import ModelRuntime, Serving, ServingHolder
 from service.pipeline.stages import Stages, graph_buckets
 from service.post import PostResult
 from tests.helpers.catalogs import catalog_from_ads
@@ -94,6 +96,14 @@ def model() -> GenerativeRetriever:
     return GenerativeRetriever(CONFIG).eval()
 
 
+def pair(model: GenerativeRetriever | ModelRuntime, index: LoadedIndex,
+         stages: Stages | None = None, version: str = "m1") -> Serving:  # fmt: skip
+    """`index` served with `model` (made into a runtime of `stages` unless it is one)."""
+    if isinstance(model, GenerativeRetriever):
+        model = (stages or Stages("cpu")).runtime(model, version=version)
+    return Serving(model, index)
+
+
 @pytest.fixture
 def without_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """`Stages(..., "cuda")` built on a machine without one: its bookkeeping only (buckets,
@@ -102,19 +112,19 @@ def without_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def serve(
-    model,
-    holder: IndexHolder,
+    holder: ServingHolder,
     reqs,
     *,
     fail_stage: str | None = None,
-    swap=None,
+    swap: Serving | None = None,
     static=False,
     stages: Stages | None = None,
 ):
-    stages = stages or Stages(model, "m1", "cpu")
+    stages = stages or Stages("cpu")
     if static:  # the GPU's fixed-shape stages 2 and 3, run eagerly
-        stages.embedder = StaticFeatures(model.embedder, CONFIG, batch_buckets=(2, 4))
-        stages.encoder = StaticEncoder(model.encoder, batch_buckets=(2, 4))
+        runtime, model = holder.current.model, holder.current.model.model
+        runtime.embedder = StaticFeatures(model.embedder, CONFIG, batch_buckets=(2, 4))
+        runtime.encoder = StaticEncoder(model.encoder, batch_buckets=(2, 4))
     if fail_stage:
         original = getattr(stages, fail_stage)
 
@@ -161,7 +171,7 @@ def reference(model: GenerativeRetriever, index: LoadedIndex, r: Req) -> PostRes
 def test_pipeline_answers_like_the_reference_path_and_only_eligible_ads(model, static) -> None:
     ads, index = world(0)
     reqs = requests(10, ads)
-    results = asyncio.run(serve(model, IndexHolder(index), reqs, static=static))
+    results = asyncio.run(serve(ServingHolder(pair(model, index)), reqs, static=static))
     by_id = {a.ad_id: a for a in ads}
     offline = OfflineRetriever(model, index)  # the served engine and post stage, one thread
     for r, res in zip(reqs, results, strict=True):
@@ -181,18 +191,45 @@ def test_pipeline_answers_like_the_reference_path_and_only_eligible_ads(model, s
 def test_every_batch_uses_one_index_across_a_swap(model) -> None:
     ads0, index0 = world(0)
     _, index1 = world(1)
-    holder = IndexHolder(index0)
-    results = asyncio.run(serve(model, holder, requests(24, ads0), swap=index1))
+    first = pair(model, index0)
+    holder = ServingHolder(first)
+    results = asyncio.run(serve(holder, requests(24, ads0), swap=Serving(first.model, index1)))
     versions = [r.index_version for r in results]
     assert set(versions) == {"v0", "v1"}
     assert versions == sorted(versions)  # requests after the swap got the new index
-    assert holder.current is index1  # the one swap
+    assert holder.current.index is index1  # the one swap
+
+
+def test_every_batch_uses_one_model_across_a_model_swap(model) -> None:
+    """Requests after a model swap are answered by the new model, each batch by one
+    model from stage 1 to the end: its answers are the new model's own."""
+    ads, index = world(0)
+    torch.manual_seed(1)
+    other = GenerativeRetriever(CONFIG).eval()
+    stages = Stages("cpu")
+    holder = ServingHolder(pair(model, index, stages, "m1"))
+    reqs = requests(24, ads)
+    results = asyncio.run(serve(holder, reqs, swap=pair(other, index, stages, "m2"), stages=stages))
+    versions = [r.model_version for r in results]
+    assert set(versions) == {"m1", "m2"} and versions == sorted(versions)
+    offline = {"m1": OfflineRetriever(model, index), "m2": OfflineRetriever(other, index)}
+    differs = 0
+    for r, res in zip(reqs, results, strict=True):
+        feats = prepare_features(
+            [UserFeatures(r.user_id, r.targeting, r.history_ad_ids, r.history_types,
+                          r.history_ts_ms)], index.lookup, CONFIG)  # fmt: skip
+        answers = {v: o.retrieve(feats, [r.targeting], r.beams, r.filter_mode, r.max_ads)[0]
+                   for v, o in offline.items()}  # fmt: skip
+        assert res.post.ad_ids.tolist() == answers[res.model_version].ad_ids.tolist()
+        differs += answers["m1"].ad_ids.tolist() != answers["m2"].ad_ids.tolist()
+    assert differs > 0  # the two models answer differently: the check above can fail
 
 
 @pytest.mark.parametrize("stage", ["input", "compute", "post"])
 def test_a_failing_batch_fails_alone(model, stage: str) -> None:
     ads, index = world(0)
-    results = asyncio.run(serve(model, IndexHolder(index), requests(12, ads), fail_stage=stage))
+    results = asyncio.run(serve(ServingHolder(pair(model, index)), requests(12, ads),
+                                fail_stage=stage))  # fmt: skip
     failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
     assert 0 in failed and len(failed) < len(results)
     assert all(not isinstance(r, Exception) for r in results[4:])  # later batches served
@@ -204,16 +241,41 @@ def test_a_swapped_out_index_is_released_once_no_batch_holds_it(model) -> None:
 
     ads0, index0 = world(0)
     _, index1 = world(1)
-    holder = IndexHolder(index0)
-    stages = Stages(model, "m1", "cpu")  # outlives the swap, as the server's does
-    asyncio.run(serve(model, holder, requests(12, ads0), swap=index1, stages=stages))
-    assert stages.plans(index1) is stages.plans(index1)  # plans are kept per version
+    stages = Stages("cpu")  # outlives the swap, as the server's does
+    first = pair(model, index0, stages)
+    runtime = first.model  # outlives the swap: the model did not change
+    holder = ServingHolder(first)
+    del first
+    asyncio.run(serve(holder, requests(12, ads0), swap=Serving(runtime, index1), stages=stages))
+    assert runtime.plans(index1) is runtime.plans(index1)  # plans are kept per version
     ref = weakref.ref(index0)
     del index0
     gc.collect()
-    # nothing (pipeline, results, holder, the stages' decode plans) keeps the old version
+    # nothing (pipeline, results, holder, the model's decode plans) keeps the old version
     assert ref() is None
-    assert holder.current is index1
+    assert holder.current.index is index1
+
+
+def test_a_swapped_out_model_is_released_once_no_batch_holds_it(model) -> None:
+    import gc
+    import weakref
+
+    ads, index = world(0)
+    torch.manual_seed(1)
+    stages = Stages("cpu")
+    holder = ServingHolder(pair(GenerativeRetriever(CONFIG).eval(), index, stages, "old"))
+    ref = weakref.ref(holder.current.model)
+    asyncio.run(serve(holder, requests(12, ads), swap=pair(model, index, stages, "new"),
+                      stages=stages))  # fmt: skip
+    gc.collect()
+    assert ref() is None and holder.current.model.version == "new"
+
+
+def test_a_pair_of_two_sid_spaces_cannot_be_made(model) -> None:
+    _, index = world(0)
+    runtime = Stages("cpu").runtime(model, version="m", sid_space="sid-space:other")
+    with pytest.raises(ValueError, match="cannot serve with index v0"):
+        Serving(runtime, index)
 
 
 def test_a_failed_capture_falls_back_to_the_eager_module(model, caplog) -> None:
@@ -225,21 +287,21 @@ def test_a_failed_capture_falls_back_to_the_eager_module(model, caplog) -> None:
         def warm(self) -> None:
             raise RuntimeError("capture failed")
 
-    stages = Stages(model, "m1", "cpu")
-    stages.encoder = BrokenEncoder(model.encoder)
-    stages._warm_graphs()
-    assert stages.encoder is model.encoder
+    runtime = Stages("cpu").runtime(model, version="m1")
+    runtime.encoder = BrokenEncoder(model.encoder)
+    runtime._warm_graphs()
+    assert runtime.encoder is model.encoder
     assert "eager encoder" in caplog.text
-    stages.embedder = BrokenEmbedder(model.embedder, CONFIG)
-    stages._warm_graphs()
-    assert stages.embedder is model.embedder
+    runtime.embedder = BrokenEmbedder(model.embedder, CONFIG)
+    runtime._warm_graphs()
+    assert runtime.embedder is model.embedder
     assert "eager embedder" in caplog.text
     encoder = StaticEncoder(model.encoder, batch_buckets=(2,))
     embedder = StaticFeatures(model.embedder, CONFIG, batch_buckets=(2,))
-    stages.encoder, stages.embedder = encoder, embedder
-    stages._warm_graphs()
-    assert stages.encoder is encoder and list(encoder._plans) == [2]
-    assert stages.embedder is embedder and list(embedder._plans) == [2]
+    runtime.encoder, runtime.embedder = encoder, embedder
+    runtime._warm_graphs()
+    assert runtime.encoder is encoder and list(encoder._plans) == [2]
+    assert runtime.embedder is embedder and list(embedder._plans) == [2]
 
 
 @pytest.mark.parametrize(
@@ -266,23 +328,27 @@ def test_graph_buckets_always_hold_the_largest_batch(max_batch: int, want) -> No
 def test_every_graphed_stage_uses_the_buckets_of_max_batch(model, without_gpu) -> None:
     """On GPU the embedder, the encoder and the decode engine share one bucket set that
     holds max_batch: a larger batch setting gets graphs in all three, not eager stages."""
-    stages = Stages(model, "m1", "cuda", max_batch=32)
+    stages = Stages("cuda", max_batch=32)
+    runtime = stages.runtime(model, version="m1")
     assert stages.buckets == graph_buckets(32) == (2, 4, 6, 8, 10, 12, 14, 16, 32)
-    assert isinstance(stages.embedder, StaticFeatures) and isinstance(stages.encoder, StaticEncoder)
-    assert stages.embedder.buckets == stages.encoder.buckets == stages.buckets
-    assert stages.engine.batch_buckets == stages.buckets
-    coarse = Stages(model, "m1", "cuda", max_batch=16, buckets=[8])  # the setting
-    assert coarse.buckets == coarse.engine.batch_buckets == (8, 16)
-    assert coarse.embedder.buckets == coarse.encoder.buckets == (8, 16)
+    assert isinstance(runtime.embedder, StaticFeatures)
+    assert isinstance(runtime.encoder, StaticEncoder)
+    assert runtime.embedder.buckets == runtime.encoder.buckets == stages.buckets
+    assert runtime.engine.batch_buckets == stages.buckets
+    coarse = Stages("cuda", max_batch=16, buckets=[8])  # the setting
+    runtime = coarse.runtime(model, version="m1")
+    assert coarse.buckets == runtime.engine.batch_buckets == (8, 16)
+    assert runtime.embedder.buckets == runtime.encoder.buckets == (8, 16)
 
 
 def test_the_cpu_runs_every_batch_at_its_own_size_on_the_eager_modules(model) -> None:
-    stages = Stages(model, "m1", "cpu", max_batch=32, buckets=[8])  # the GPU setting: unused
-    assert stages.buckets == stages.engine.batch_buckets == tuple(range(1, 33))
-    assert stages.embedder is model.embedder and stages.encoder is model.encoder
+    stages = Stages("cpu", max_batch=32, buckets=[8])  # the GPU setting: unused
+    runtime = stages.runtime(model, version="m1")
+    assert stages.buckets == runtime.engine.batch_buckets == tuple(range(1, 33))
+    assert runtime.embedder is model.embedder and runtime.encoder is model.encoder
 
 
-def test_padding_is_what_the_buckets_add_per_decode_group_on_gpu_only(model, without_gpu) -> None:
+def test_padding_is_what_the_buckets_add_per_decode_group_on_gpu_only(without_gpu) -> None:
     """`grace_batch_padding_total` counts the requests' worth of rows the GPU decodes past
     the batch's requests: each decode group (beam schedule, filter mode) pads to its own
     bucket. The CPU path runs each group at its own size."""
@@ -296,15 +362,15 @@ def test_padding_is_what_the_buckets_add_per_decode_group_on_gpu_only(model, wit
         return decode_groups(reqs)
 
     gtm, cd = FilterMode.CD_GTM, FilterMode.CD_ONLY
-    cpu = Stages(model, "m1", "cpu", max_batch=16, buckets=[4, 8, 12])
+    cpu = Stages("cpu", max_batch=16, buckets=[4, 8, 12])
     assert [cpu.padding(groups((n, gtm))) for n in (1, 5, 9, 16)] == [0, 0, 0, 0]
     assert cpu.padding(groups((5, gtm), (5, cd))) == 0
-    stages = Stages(model, "m1", "cuda", max_batch=16, buckets=[4, 8, 12])
+    stages = Stages("cuda", max_batch=16, buckets=[4, 8, 12])
     assert [stages.padding(groups((n, gtm))) for n in (1, 4, 5, 9, 12, 13, 16)] == [
         3, 0, 3, 3, 0, 3, 0
     ]  # fmt: skip
     assert stages.padding(groups((5, gtm), (5, cd))) == 6  # two groups of 5, each in 8
-    fine = Stages(model, "m1", "cuda", max_batch=16)  # the default: every even size
+    fine = Stages("cuda", max_batch=16)  # the default: every even size
     assert [fine.padding(groups((n, gtm))) for n in (1, 5, 9, 16)] == [1, 1, 1, 0]
     for too_many in (stages, cpu):
         with pytest.raises(ValueError, match="exceeds the largest bucket"):

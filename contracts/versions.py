@@ -1,0 +1,221 @@
+"""The publish protocol of a versioned root — the one contract between a publisher (the
+index builder, `grace publish-model`) and the server that follows it (docs/ARCHITECTURE.md
+§3). Index roots and model repositories share it:
+
+    <root>/<version>/            complete versions (their `complete` file written last inside)
+    <root>/<version>/validated.json   marker: this version passed its check
+    <root>/CURRENT               one line: the version the server should serve
+    <root>/.tmp-*                versions being written (never visible as CURRENT)
+    <root>/.lock                 held by the one writer (flock)
+
+`publish_version` writes a new version into a temp dir, runs the caller's `check` on it,
+marks it valid, fsyncs, renames it into place, then replaces `CURRENT` by rename of a
+fsynced temp file, and prunes old versions. A version that fails its check is removed
+and nothing changes. A crash at any point leaves `CURRENT` naming the previous complete
+version; leftover temp dirs are removed by the next writer. `prune` keeps the newest
+`keep` versions known valid, so failed or corrupt versions never push the last good ones
+out. Version names sort by publication time (`new_version_name`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+from contracts.index_format import fsync_path
+
+CURRENT = "CURRENT"
+VALID_MARKER = "validated.json"
+TMP_PREFIX = ".tmp-"
+
+
+class PublishError(RuntimeError):
+    """The root cannot be written (another writer holds it, or the filesystem refused)."""
+
+
+def new_version_name(now: datetime | None = None) -> str:
+    """Sortable, unique-per-microsecond version name, e.g. '20261129T123456123456Z'."""
+    return f"{(now or datetime.now(UTC)):%Y%m%dT%H%M%S%fZ}"
+
+
+def current_version(root: Path) -> str | None:
+    """The version `CURRENT` names, or None when nothing was published yet."""
+    try:
+        name = (Path(root) / CURRENT).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return name or None
+
+
+def current_path(root: Path) -> Path | None:
+    version = current_version(root)
+    return None if version is None else Path(root) / version
+
+
+def resolve(path: Path) -> Path:
+    """A version directory as given, or the CURRENT version of a root."""
+    path = Path(path)
+    if (path / CURRENT).is_file():
+        current = current_path(path)
+        if current is not None:
+            return current
+    return path
+
+
+def is_version_name(name: str) -> bool:
+    """Whether `name` can name a version (what a CURRENT may hold): no path, no dot file."""
+    return (
+        bool(name)
+        and not name.startswith(".")
+        and "/" not in name
+        and not any(c.isspace() or c == "\0" for c in name)
+    )
+
+
+def list_versions(root: Path, complete: str) -> list[str]:
+    """Complete versions (holding their `complete` file) under root, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(
+        p.name
+        for p in root.iterdir()
+        if p.is_dir() and not p.name.startswith(".") and (p / complete).is_file()
+    )
+
+
+@contextlib.contextmanager
+def writer_lock(root: Path, what: str = "publisher") -> Iterator[None]:
+    """Exclusive writer lock on the root; fails at once if another writer holds it."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise PublishError(f"{root}: another {what} is writing here") from exc
+        yield
+    finally:
+        os.close(fd)
+
+
+def set_current(root: Path, version: str) -> None:
+    """Point CURRENT at `version` (atomic rename of a fsynced temp file)."""
+    tmp = root / f".{CURRENT}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(version + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, root / CURRENT)
+    fsync_path(root)
+
+
+def _digest(directory: Path, complete: str) -> str:
+    return hashlib.sha256((directory / complete).read_bytes()).hexdigest()
+
+
+def mark_valid(directory: Path, complete: str) -> None:
+    """Record that `directory` passed its check, tied to its `complete` file's exact bytes."""
+    marker = {"manifest_sha256": _digest(directory, complete),
+              "validated": datetime.now(UTC).isoformat()}  # fmt: skip
+    tmp = directory / f".{VALID_MARKER}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(marker, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, directory / VALID_MARKER)
+    fsync_path(directory)
+
+
+def is_marked_valid(directory: Path, complete: str) -> bool:
+    """Whether a marker says `directory` passed its check with the file it has now."""
+    try:
+        marker = json.loads((directory / VALID_MARKER).read_text())
+        return isinstance(marker, dict) and marker.get("manifest_sha256") == _digest(
+            directory, complete
+        )
+    except (OSError, ValueError):
+        return False
+
+
+def publish_version(
+    root: Path,
+    write: Callable[[Path, str], object],
+    *,
+    complete: str,
+    keep: int,
+    check: Callable[[Path, str], None] | None = None,
+    is_valid: Callable[[Path, str], bool | None],
+    what: str = "publisher",
+) -> str:
+    """Write a version with `write(tmp_dir, version)` and publish it atomically.
+
+    `write` must fill the (empty) directory it is given, its `complete` file last.
+    `check(tmp_dir, version)`, when given, runs before the version is renamed into place
+    and raises if it must not serve; a version that passed is marked valid. If `write` or
+    `check` raises, the temp dir is removed, nothing changes and the error propagates.
+    `is_valid(root, version)` is `prune`'s. Returns the new version name.
+    """
+    if keep < 1:
+        raise ValueError("keep must be >= 1")
+    root = Path(root)
+    with writer_lock(root, what):
+        for stale in root.glob(TMP_PREFIX + "*"):  # a previous writer died mid-write
+            shutil.rmtree(stale, ignore_errors=True)
+        version = new_version_name()
+        while (root / version).exists():
+            time.sleep(1e-6)
+            version = new_version_name()
+        tmp = root / f"{TMP_PREFIX}{version}"
+        tmp.mkdir()
+        try:
+            write(tmp, version)
+            if not (tmp / complete).is_file():
+                raise PublishError(f"the {what} finished without writing {complete}")
+            if check is not None:
+                check(tmp, version)
+                mark_valid(tmp, complete)
+            fsync_path(tmp)
+            os.rename(tmp, root / version)
+            fsync_path(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        set_current(root, version)
+        prune(root, keep=keep, complete=complete, is_valid=is_valid)
+    return version
+
+
+def prune(
+    root: Path, *, keep: int, complete: str, is_valid: Callable[[Path, str], bool | None]
+) -> list[str]:
+    """Keep the newest `keep` valid versions and CURRENT's; remove the rest.
+
+    `is_valid(root, version)`: True (valid), False (invalid) or None (cannot be read:
+    kept). Only versions newer than the `keep`-th valid one are asked. Invalid versions
+    are removed, except CURRENT's. Returns the removed.
+    """
+    if keep < 1:
+        raise ValueError("keep must be >= 1")
+    current = current_version(root)
+    valid, doomed = 0, []
+    for version in reversed(list_versions(root, complete)):  # newest first
+        if valid < keep:
+            known = is_valid(Path(root), version)
+            if known is True:
+                valid += 1
+            if known is not False or version == current:
+                continue
+        if version != current:
+            doomed.append(version)
+    for version in doomed:
+        shutil.rmtree(Path(root) / version, ignore_errors=True)
+    return doomed

@@ -1,0 +1,103 @@
+"""The model repository: trained checkpoints published as versions under one root, with a
+`CURRENT` pointer — the versioned-root protocol indexes use (`contracts/versions.py`;
+docs/MODEL.md, "Model repository").
+
+    <root>/<version>/config.json ...   one checkpoint each (`service/model/checkpoint.py`)
+    <root>/CURRENT                     the version the server should serve
+
+`publish_model` (`grace publish-model`) verifies a checkpoint, copies it into a new
+version (config.json last), verifies the copy, marks it valid and moves `CURRENT`; a
+checkpoint that fails verification is refused and nothing changes. The server follows the
+root with `service/rollout/` and hot-swaps models between batches. A plain checkpoint
+directory still serves as a repository of one fixed version (no hot swap).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from contracts import versions
+from contracts.index_format import fsync_path
+from service.model.checkpoint import (
+    CONFIG_FILE,
+    TOKENIZER_DIR,
+    WEIGHTS_FILE,
+    CheckpointError,
+    verify_checkpoint,
+)
+
+log = logging.getLogger("grace.model")
+COMPLETE = CONFIG_FILE  # written last into a version: its presence means complete
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether `path` is one checkpoint directory (not a repository root)."""
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """The checkpoint at `path`: the directory itself, or a repository's CURRENT version.
+    FileNotFoundError with a one-line reason when there is none."""
+    path = Path(path)
+    if is_checkpoint(path):
+        return path
+    version = versions.current_version(path)
+    if version is None:
+        raise FileNotFoundError(
+            f"{path}: neither a model checkpoint ({CONFIG_FILE}) nor a model repository with "
+            f"a {versions.CURRENT} (grace train --out, grace publish-model)"
+        )
+    if not is_checkpoint(path / version):
+        raise FileNotFoundError(f"{path}: {versions.CURRENT} names {version}, which is missing")
+    return path / version
+
+
+def list_versions(root: Path) -> list[str]:
+    """Complete model versions under root, oldest first."""
+    return versions.list_versions(root, COMPLETE)
+
+
+def version_is_valid(root: Path, version: str) -> bool | None:
+    """True if `version` is marked valid or verifies now (then it is marked); False if it
+    fails verification; None if it cannot be read at all (unknown: keep it)."""
+    directory = Path(root) / version
+    if versions.is_marked_valid(directory, COMPLETE):
+        return True
+    try:
+        verify_checkpoint(directory)
+    except CheckpointError as exc:
+        log.warning("model %s is invalid: %s", version, exc)
+        return False
+    except OSError as exc:
+        log.warning("model %s cannot be checked, kept: %s", version, exc)
+        return None
+    versions.mark_valid(directory, COMPLETE)
+    return True
+
+
+def publish_model(checkpoint: Path, root: Path, *, keep: int = 3) -> str:
+    """Publish the checkpoint at `checkpoint` as a new version of the repository `root`
+    and point CURRENT at it; keep the newest `keep` valid versions. Raises CheckpointError
+    or FileNotFoundError (nothing published) for a checkpoint that does not verify."""
+    source = Path(checkpoint)
+    verify_checkpoint(source)  # refuse before copying gigabytes
+
+    def write(directory: Path, version: str) -> None:
+        shutil.copyfile(source / WEIGHTS_FILE, directory / WEIGHTS_FILE)
+        if (source / TOKENIZER_DIR).is_dir():
+            shutil.copytree(source / TOKENIZER_DIR, directory / TOKENIZER_DIR)
+        for p in directory.rglob("*"):
+            if p.is_file():
+                fsync_path(p)
+        shutil.copyfile(source / CONFIG_FILE, directory / CONFIG_FILE)  # last: complete
+        fsync_path(directory / CONFIG_FILE)
+
+    def check(directory: Path, version: str) -> None:
+        verify_checkpoint(directory)  # the copy, as the server will read it
+
+    return versions.publish_version(
+        root, write, complete=COMPLETE, keep=keep, check=check, is_valid=version_is_valid,
+        what="model publisher",
+    )  # fmt: skip

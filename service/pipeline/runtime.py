@@ -1,0 +1,162 @@
+"""What one batch runs on: a model version as the pipeline runs it (`ModelRuntime`), the
+(model, index) pair it is served with (`Serving`) and the holder of the current pair
+(docs/ARCHITECTURE.md §3, §6).
+
+The rollout (`service/rollout/`) loads new model and index versions off the request path,
+checks that the pair shares a SID space, has the runtime `prepare` its decode plans for
+the index (on GPU: captures the CUDA graphs of the embedder, the encoder and the decode
+loop) and then `ServingHolder.swap`s the pair in between batches. A batch takes
+`ServingHolder.current` once, at dispatch, and keeps that pair to the end; an old model
+or index is freed when the last batch holding it finishes (reference counting — the
+decode plans of an index live in a weak map of the runtime, so they go with either).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from contracts.request import FilterMode
+from service.decode.engine import DecodeEngine
+from service.decode.plans import IndexPlans
+from service.index.loaded import LoadedIndex
+from service.model.config import ModelConfig
+from service.model.embeddings import FeatureEmbedder
+from service.model.encoder import ContextEncoder
+from service.model.retriever import GenerativeRetriever
+from service.model.static_encoder import StaticEncoder
+from service.model.static_features import StaticFeatures
+
+log = logging.getLogger("grace.pipeline")
+
+
+class ModelRuntime:
+    """One model version with its decode engine, its embedder and encoder (CUDA graphs on
+    GPU) and the decode plans of each index version it serves with."""
+
+    def __init__(
+        self,
+        model: GenerativeRetriever,
+        *,
+        version: str,  # the repository version (directory name), or the checkpoint's name
+        model_version: str,  # the checkpoint's own name (what responses carry)
+        sid_space: str,  # contracts/sid_space.py: an index must carry the same key
+        device: torch.device,
+        buckets: tuple[int, ...],
+        locations: tuple[int, ...],
+        meta: dict[str, Any] | None = None,  # the checkpoint's config.json
+    ) -> None:
+        self.model = model.eval()
+        self.version, self.model_version, self.sid_space = version, model_version, sid_space
+        self.meta = meta or {}
+        self.device, self.buckets = device, buckets
+        self.cuda = device.type == "cuda"
+        self.loaded_at = time.time()
+        self.engine = DecodeEngine(model.decoder, batch_buckets=buckets, location_buckets=locations)
+        self._plans: weakref.WeakKeyDictionary[LoadedIndex, IndexPlans] = (
+            weakref.WeakKeyDictionary()
+        )  # an index version's plans go with the version
+        self._plans_lock = threading.Lock()
+        self._graphs_warm = False
+        # GPU: the embedder and the encoder as CUDA graphs over padded buckets (a replay
+        # instead of ~20 and ~150 launches from their threads); CPU: eager, as they are
+        self.embedder: StaticFeatures | FeatureEmbedder = model.embedder
+        self.encoder: StaticEncoder | ContextEncoder = model.encoder
+        if self.cuda:
+            self.embedder = StaticFeatures(model.embedder, model.config, buckets)
+            self.encoder = StaticEncoder(model.encoder, buckets)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    def plans(self, index: LoadedIndex) -> IndexPlans:
+        """The decode plans of `index` for this model (made on first use)."""
+        with self._plans_lock:
+            plans = self._plans.get(index)
+            if plans is None:
+                plans = self._plans[index] = self.engine.plan(index.tables, index.level_offsets)
+            return plans
+
+    def prepare(self, index: LoadedIndex, beams: tuple[int, ...]) -> None:
+        """Before a pair serves: make the index's decode plans; on GPU capture the CUDA
+        graphs of the default schedule (both filter modes, every batch and location
+        bucket), and, once per model, the embedder's and the encoder's."""
+        plans = self.plans(index)
+        if not self.cuda:
+            return
+        if not self._graphs_warm:
+            self._warm_graphs()
+            self._graphs_warm = True
+        t0 = time.perf_counter()
+        n = self.engine.warm(plans, beams, modes=(FilterMode.CD_GTM, FilterMode.CD_ONLY))
+        log.info("model %s, index %s: %d decode plans captured as CUDA graphs in %.1f s",
+                 self.version, index.version, n, time.perf_counter() - t0)  # fmt: skip
+
+    def _warm_graphs(self) -> None:
+        """Capture the embedder's and the encoder's graphs; where that fails, serve with
+        the eager module rather than not at all."""
+        if isinstance(self.embedder, StaticFeatures) and not _warmed(self.embedder, "embedder"):
+            self.embedder = self.model.embedder
+        if isinstance(self.encoder, StaticEncoder) and not _warmed(self.encoder, "encoder"):
+            self.encoder = self.model.encoder
+
+
+def _warmed(static: StaticFeatures | StaticEncoder, name: str) -> bool:
+    t0 = time.perf_counter()
+    try:
+        static.warm()
+    except Exception:
+        log.exception("capturing the %s's CUDA graphs failed: eager %s", name, name)
+        return False
+    log.info("%s: CUDA graphs for buckets %s captured in %.1f s", name, static.buckets,
+             time.perf_counter() - t0)  # fmt: skip
+    return True
+
+
+@dataclass(frozen=True, eq=False)  # identity equality: one pair is one object
+class Serving:
+    """The (model, index) pair a batch uses from stage 1 to the end: they share a SID
+    space (the rollout checks it before the pair serves)."""
+
+    model: ModelRuntime
+    index: LoadedIndex
+    since: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.model.sid_space != self.index.sid_space:
+            raise ValueError(
+                f"model {self.model.version} (SID space {self.model.sid_space}) cannot serve "
+                f"with index {self.index.version} (SID space {self.index.sid_space})"
+            )
+
+
+class ServingHolder:
+    """The current pair; swaps are atomic with respect to `current`."""
+
+    def __init__(self, serving: Serving | None = None) -> None:
+        self._lock = threading.Lock()
+        self._serving = serving
+
+    @property
+    def current(self) -> Serving:
+        with self._lock:
+            if self._serving is None:
+                raise RuntimeError("no model and index loaded yet")
+            return self._serving
+
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return self._serving is not None
+
+    def swap(self, serving: Serving) -> Serving | None:
+        with self._lock:
+            old, self._serving = self._serving, serving
+        return old

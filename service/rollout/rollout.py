@@ -1,0 +1,259 @@
+"""Model and index rollout without a restart: follow the model repository's and the index
+root's `CURRENT`, load and verify new versions in the background, and swap in the pair
+they name between batches (docs/ARCHITECTURE.md §3, docs/MODEL.md "Model repository").
+
+The app calls `check_once` once at start-up for the first pair, then `start` polls both
+roots every `poll_seconds` on a thread of its own.
+
+* What serves is always a pair that shares a SID space (`Serving`). When CURRENT of
+  either root moves, the newcomer is loaded and verified (a failure: counted, logged,
+  retried with backoff — `service/rollout/follower.py`), then the best pair is chosen:
+  both targets together, else the new model with the served index, else the served model
+  with the new index. The chosen pair's decode plans are prepared off the request path
+  (on GPU the CUDA graphs are captured, on the rollout's own stream) before
+  `ServingHolder.swap` makes it current.
+* A newcomer that fits no partner (another SID space) is refused: the old pair keeps
+  serving, `on_incompatible(kind, version)` counts it once per pair tried and one line
+  says why. It stays loaded, waiting: when the other root's CURRENT moves to a version of
+  its SID space, the two swap in together — the coordinated rollout of a model with a new
+  SID space (publish its index and the model, in either order).
+* Start-up never gives up on a bad pointer: if the CURRENT pair cannot serve (a version
+  rejected, pending, or the two of different SID spaces), the other versions are tried,
+  newest first — models in the outer loop, indexes in the inner, SID spaces compared
+  before anything is loaded — and the first pair that loads serves (one warning line
+  says why). `model_behind` / `index_behind` are True while a served version is not the
+  one its CURRENT names; `why_none` says, per version, why nothing could serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from service.index.loaded import LoadedIndex
+from service.pipeline.runtime import ModelRuntime, Serving, ServingHolder
+from service.rollout.follower import Follower
+
+log = logging.getLogger("grace.rollout")
+
+
+class Rollout:
+    """Follows a model root and an index root for one `ServingHolder`."""
+
+    def __init__(
+        self,
+        models: Follower[ModelRuntime],
+        indexes: Follower[LoadedIndex],
+        holder: ServingHolder,
+        *,
+        device: str = "cpu",
+        poll_seconds: float = 2.0,
+        prepare: Callable[[ModelRuntime, LoadedIndex], None] = lambda model, index: None,
+        on_swap: Callable[[Serving, Serving | None], None] = lambda new, old: None,
+        on_incompatible: Callable[[str, str], None] = lambda kind, version: None,
+    ) -> None:
+        self.models, self.indexes, self.holder = models, indexes, holder
+        self.device, self.poll_seconds = device, poll_seconds
+        self._prepare, self._on_swap, self._on_incompatible = prepare, on_swap, on_incompatible
+        self._staged: dict[str, ModelRuntime | LoadedIndex] = {}  # loaded, waiting for a partner
+        self._refused: set[tuple[str, str]] = set()  # (model, index) versions found unfit
+        self._unfit: list[str] = []  # start-up: pairs refused for their SID spaces
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop_fault: str | None = None
+
+    # -- what serves ------------------------------------------------------------------------
+
+    @property
+    def model_behind(self) -> bool:
+        """True while the served model is not the version its CURRENT names."""
+        return self._behind(self.models.target, "model")
+
+    @property
+    def index_behind(self) -> bool:
+        """True while the served index is not the version its CURRENT names."""
+        return self._behind(self.indexes.target, "index")
+
+    def _behind(self, target: str | None, kind: str) -> bool:
+        if target is None:
+            return False
+        if not self.holder.ready:
+            return True
+        current = self.holder.current
+        return (current.model if kind == "model" else current.index).version != target
+
+    def why_none(self) -> str:
+        """Why nothing serves after `check_once`: each version tried and why it was refused."""
+        parts = [f"models: {'; '.join(self.models.reasons())}",
+                 f"indexes: {'; '.join(self.indexes.reasons())}"]  # fmt: skip
+        if self._unfit:
+            parts.append(f"SID spaces: {'; '.join(self._unfit)}")
+        return " | ".join(parts)
+
+    # -- polling ------------------------------------------------------------------------------
+
+    def check_once(self) -> bool:
+        """Load what CURRENT names if it is new and due; True when a swap happened."""
+        model_target, index_target = self.models.read(), self.indexes.read()
+        if not self.holder.ready:
+            if model_target is None or index_target is None:
+                return False
+            return self._first_load(model_target, index_target)
+        cur = self.holder.current
+        want_model = model_target or cur.model.version
+        want_index = index_target or cur.index.version
+        for kind, want in (("model", want_model), ("index", want_index)):
+            staged = self._staged.get(kind)
+            if staged is not None and staged.version != want:
+                del self._staged[kind]  # CURRENT moved on: free what waited
+        if (want_model, want_index) == (cur.model.version, cur.index.version):
+            return False
+        model = cur.model if want_model == cur.model.version else self._get("model", want_model)
+        index = cur.index if want_index == cur.index.version else self._get("index", want_index)
+        options = []
+        if model is not None and index is not None:
+            options.append((model, index))
+        if model is not None and model is not cur.model:
+            options.append((model, cur.index))
+        if index is not None and index is not cur.index:
+            options.append((cur.model, index))
+        for m, i in options:
+            if m.sid_space == i.sid_space:
+                return self._swap(m, i)
+        if model is not None and model is not cur.model:
+            self._refuse("model", model, index or cur.index)
+        if index is not None and index is not cur.index:
+            self._refuse("index", index, model or cur.model)
+        return False
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="grace-rollout", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            try:
+                self.check_once()
+            except Exception as exc:  # never let the rollout die; say so once per fault
+                if repr(exc) != self._loop_fault:
+                    self._loop_fault = repr(exc)
+                    log.exception("rollout error")
+
+    # -- loading and swapping ---------------------------------------------------------------
+
+    def _get(self, kind: str, version: str) -> ModelRuntime | LoadedIndex | None:
+        staged = self._staged.get(kind)
+        if staged is not None and staged.version == version:
+            return staged
+        follower: Follower = self.models if kind == "model" else self.indexes
+        with self._side_stream():
+            loaded = follower.load(version)
+        if loaded is not None:
+            self._staged[kind] = loaded
+        return loaded
+
+    def _refuse(self, kind: str, newcomer: ModelRuntime | LoadedIndex,
+                partner: ModelRuntime | LoadedIndex) -> None:  # fmt: skip
+        """Count and log, once per pair, a newcomer whose SID space fits no partner."""
+        pair = ((newcomer.version, partner.version) if kind == "model"
+                else (partner.version, newcomer.version))  # fmt: skip
+        if pair in self._refused:
+            return
+        self._refused.add(pair)
+        other = "index" if kind == "model" else "model"
+        cur = self.holder.current
+        log.error(
+            "%s %s refused: its SID space %s is not that of %s %s (%s); still serving model "
+            "%s with index %s — it swaps in once %s's CURRENT names a version of its SID space",
+            kind, newcomer.version, newcomer.sid_space, other, partner.version,
+            partner.sid_space, cur.model.version, cur.index.version, other,
+        )  # fmt: skip
+        self._on_incompatible(kind, newcomer.version)
+
+    def _swap(self, model: ModelRuntime, index: LoadedIndex) -> bool:
+        old = self.holder.current if self.holder.ready else None
+        t0 = time.perf_counter()
+        try:
+            with self._side_stream():
+                self._prepare(model, index)
+        except Exception as exc:
+            for kind, new in (("model", model), ("index", index)):
+                if old is None or new is not getattr(old, kind):
+                    self._staged.pop(kind, None)
+                    follower: Follower = self.models if kind == "model" else self.indexes
+                    follower.failed(new.version, exc)
+            return False
+        serving = Serving(model, index)
+        self.holder.swap(serving)
+        for kind in ("model", "index"):
+            if self._staged.get(kind) is getattr(serving, kind):
+                del self._staged[kind]
+        log.info("serving model %s with index %s (was %s), prepared in %.1f s", model.version,
+                 index.version, "nothing" if old is None else
+                 f"model {old.model.version} with index {old.index.version}",
+                 time.perf_counter() - t0)  # fmt: skip
+        self._on_swap(serving, old)
+        return True
+
+    def _first_load(self, model_target: str, index_target: str) -> bool:
+        """The CURRENT pair, else the newest pair that loads (models outer, indexes inner;
+        SID spaces compared before anything loads)."""
+        index_versions = [index_target, *self.indexes.fallbacks(index_target)]
+        index_spaces = {i: self.indexes.space(i) for i in index_versions}
+        loaded: dict[str, LoadedIndex | None] = {}
+        for m in [model_target, *self.models.fallbacks(model_target)]:
+            space = self.models.space(m)
+            fits = [i for i in index_versions if None in (space, index_spaces[i])
+                    or index_spaces[i] == space]  # fmt: skip
+            if not fits:
+                self._unfit.append(f"model {m} ({space}) fits no index")
+                continue
+            with self._side_stream():
+                model = self.models.load(m)
+            if model is None:
+                continue
+            for i in fits:
+                if i not in loaded:
+                    with self._side_stream():
+                        loaded[i] = self.indexes.load(i)
+                index = loaded[i]
+                if index is None or index.sid_space != model.sid_space:
+                    continue
+                if self._swap(model, index):
+                    self._say_fallback(model_target, index_target, model, index)
+                    return True
+        return False
+
+    def _say_fallback(self, model_target: str, index_target: str, model: ModelRuntime,
+                      index: LoadedIndex) -> None:  # fmt: skip
+        for kind, target, served in (("model", model_target, model.version),
+                                     ("index", index_target, index.version)):  # fmt: skip
+            if served != target:
+                follower: Follower = self.models if kind == "model" else self.indexes
+                why = follower.why_not(target)
+                if why == "was not tried":
+                    why = "fits no loadable partner's SID space"
+                log.warning("%s CURRENT names %s, which %s; serving %s, the newest that "
+                            "serves", kind, target, why, served)  # fmt: skip
+
+    @contextmanager
+    def _side_stream(self) -> Iterator[None]:
+        """Loads and captures on a CUDA stream of their own, finished before anything
+        they made can serve (tables fully on the device before any batch sees them)."""
+        if not self.device.startswith("cuda"):
+            yield
+            return
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()

@@ -1,0 +1,76 @@
+"""The two roots the server follows, as followers (`service/rollout/follower.py`): how a
+model version and an index version are loaded and verified for this process's device.
+
+* model: `model_dir` is a model repository (`<root>/<version>/` + CURRENT, `grace
+  publish-model`) or one checkpoint directory (served as a fixed version, no hot swap).
+  A version loads with every checksum verified (`load_checkpoint`), in the serving dtype,
+  as a `ModelRuntime` of the pipeline's stages.
+* index: `index_root` (`<root>/<version>/` + CURRENT, `grace build-index` and the
+  builder sidecar): every array validated (`load_index`); the SID space is checked
+  against the model by the rollout, per pair.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from contracts.index_format import MANIFEST, manifest_sid_space
+from service.index.loaded import LoadedIndex, load_index
+from service.model.checkpoint import load_checkpoint, sid_space_of
+from service.model.repository import COMPLETE, is_checkpoint
+from service.pipeline.runtime import ModelRuntime
+from service.pipeline.stages import Stages
+from service.rollout.follower import Follower
+
+log = logging.getLogger("grace.rollout")
+
+
+def model_follower(
+    model_dir: Path,
+    stages: Stages,
+    dtype: torch.dtype,
+    *,
+    served: Callable[[], str | None],
+    on_failure: Callable[[str, Exception], None],
+    backoff_seconds: float,
+) -> Follower[ModelRuntime]:
+    def load(path: Path, version: str) -> ModelRuntime:
+        t0 = time.perf_counter()
+        loaded = load_checkpoint(path, stages.device)
+        loaded.model.to(dtype)
+        runtime = stages.runtime(loaded.model, version=version, model_version=loaded.model_version,
+                                 sid_space=loaded.sid_space, meta=loaded.meta)  # fmt: skip
+        log.info("model %s (%s) loaded and verified on %s in %.1f s", loaded.model_version,
+                 path, stages.device, time.perf_counter() - t0)  # fmt: skip
+        return runtime
+
+    model_dir = Path(model_dir)
+    return Follower(
+        model_dir, "model", complete=COMPLETE, load=load, space=sid_space_of, served=served,
+        on_failure=on_failure, single=is_checkpoint(model_dir), backoff_seconds=backoff_seconds,
+    )  # fmt: skip
+
+
+def index_follower(
+    index_root: Path,
+    device: str,
+    *,
+    served: Callable[[], str | None],
+    on_failure: Callable[[str, Exception], None],
+    backoff_seconds: float,
+) -> Follower[LoadedIndex]:
+    def load(path: Path, version: str) -> LoadedIndex:
+        t0 = time.perf_counter()
+        index = load_index(path, device=device, expect_version=version)
+        log.info("index %s loaded and validated in %.1f s", version, time.perf_counter() - t0)
+        return index
+
+    return Follower(
+        Path(index_root), "index", complete=MANIFEST, load=load, space=manifest_sid_space,
+        served=served, on_failure=on_failure, backoff_seconds=backoff_seconds,
+    )  # fmt: skip
