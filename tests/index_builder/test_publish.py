@@ -18,6 +18,7 @@ import pytest
 
 import index_builder.publish as publish_module
 from contracts.index_format import file_sha256
+from contracts.versions import writer_lock
 from index_builder.build import build_index
 from index_builder.publish import (
     CURRENT,
@@ -31,7 +32,6 @@ from index_builder.publish import (
     prune,
     publish,
 )
-from contracts.versions import writer_lock
 from index_builder.validate import IndexValidationError, validate_index
 from tests.helpers.indexes import (
     corrupt_builds,
@@ -70,7 +70,8 @@ def test_failed_build_publishes_nothing(tmp_path: Path) -> None:
 
 
 def test_second_writer_is_refused(tmp_path: Path) -> None:
-    with writer_lock(tmp_path, "index builder"), pytest.raises(PublishError, match="another index builder"):
+    lock = writer_lock(tmp_path, "index builder")
+    with lock, pytest.raises(PublishError, match="another index builder"):
         publish(tmp_path, writer(small_index()))
 
 
