@@ -10,6 +10,8 @@ CATALOG_FORMAT_VERSION = 1
 # file stamped with a newer version than this reader knows is refused
 CATALOG_VERSION_KEY = b"grace.catalog.format_version"
 CATALOG_FIELDS = ("ad_id", "sid", "embedding", "countries", "age_buckets", "genders", "locations")
+# fields of the format that serving does not read: accepted without a warning, not kept
+CATALOG_INFORMATIONAL = ("advertiser_id",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")  # each also gzip-compressed, with ".gz"
 PARQUET_SUFFIXES = (".parquet",)
 

@@ -23,13 +23,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from contracts.data_format import CATALOG_FIELDS, CATALOG_FORMAT_VERSION, CATALOG_VERSION_KEY
+from contracts.data_format import (
+    CATALOG_FIELDS,
+    CATALOG_FORMAT_VERSION,
+    CATALOG_INFORMATIONAL,
+    CATALOG_VERSION_KEY,
+)
 
 SID_LEVELS = 4
 SID_VOCAB = 512
 STRING_FIELDS = ("countries", "age_buckets", "genders", "locations")
 LIST_FIELDS = CATALOG_FIELDS[1:]  # every field but ad_id: lists (or null)
-KNOWN_FIELDS = frozenset(CATALOG_FIELDS)
+KNOWN_FIELDS = frozenset(CATALOG_FIELDS + CATALOG_INFORMATIONAL)
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Model hot swap under load on the lent H200 (docs/PERFORMANCE.md, "Model rollout"), wheels
+# from bench/fetch_gpu_wheels.sh, `. bench/gpu_env.sh` first:
+#   1. the paper-scale world and index (bench/bench_paper_index.py) and two untrained
+#      `paper` models (`grace init-model`, seeds 0 and 1: serving speed does not depend
+#      on the weights); model 0 published into a model repository (`grace publish-model`);
+#   2. `grace serve --model REPO` on CUDA, waited for with `grace health`;
+#   3. bench/bench_model_swap.py offers RATE req/s open-loop for DURATION seconds and
+#      publishes model 1 after 25 s: publish -> first answer of the new model, P50/P99
+#      before, during and after the swap, failed calls, old answers after the first new.
+# Usage: bash bench/gpu_model_swap.sh OUT [RATE] [DURATION]; DATA=DIR keeps the world,
+# index and models (default /tmp/paper, shared with bench/gpu_loadtest.sh).
+# Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu DATA=/tmp/ms bash \
+#   bench/gpu_model_swap.sh /tmp/ms/out 40 40
+set -uo pipefail
+OUT=${1:?output directory}; RATE=${2:-1000}; DURATION=${3:-90}
+DATA=${DATA:-/tmp/paper}; ADS=${ADS:-30000000}; PROFILE=${PROFILE:-paper}; DEVICE=${DEVICE:-cuda}
+GRACE=(python3 -m cli)
+mkdir -p "$OUT" "$DATA"
+if [ ! -f "$DATA/index/CURRENT" ]; then
+    python3 bench/bench_paper_index.py --ads "$ADS" --users 1000 --out "$DATA" \
+        --workers "$(nproc)" --device "$DEVICE" --quiet --json "$DATA/paper_index.json" || exit 1
+fi
+for seed in 0 1; do
+    [ -f "$DATA/model-$seed/config.json" ] || "${GRACE[@]}" init-model --profile "$PROFILE" \
+        --tokenizer "$DATA/tokenizer" --out "$DATA/model-$seed" --seed "$seed" || exit 1
+done
+rm -rf "$DATA/models"
+"${GRACE[@]}" publish-model "$DATA/model-0" --root "$DATA/models" || exit 1
+GRACE_PROFILE=$PROFILE GRACE_QUEUE_CAPACITY=${GRACE_QUEUE_CAPACITY:-128} "${GRACE[@]}" serve \
+    --data-dir "$DATA" --model "$DATA/models" --index-root "$DATA/index" --device "$DEVICE" \
+    --no-progress > "$OUT/server.log" 2>&1 &
+SERVER=$!
+trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
+start=$(date +%s)
+until "${GRACE[@]}" health --target localhost:50051 --timeout 2 >/dev/null 2>&1; do
+    kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -20 "$OUT/server.log"; exit 1; }
+    sleep 1
+done
+echo "SERVING after $(( $(date +%s) - start )) s"
+name=$(python3 -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')")
+python3 bench/bench_model_swap.py --target localhost:50051 --repo "$DATA/models" \
+    --checkpoint "$DATA/model-1" --world "$DATA/world" --rate "$RATE" --seconds "$DURATION" \
+    --publish-at 25 --warmup 10 --processes "${PROCS:-4}" --device "$name, $PROFILE profile" \
+    --out "$OUT/model_swap.json" > "$OUT/bench.log" 2>&1
+rc=$?
+tail -45 "$OUT/bench.log"
+python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:9464/metrics').read().decode())" \
+    > "$OUT/metrics.prom" 2>/dev/null
+grep -E "grace.rollout|CUDA graphs" "$OUT/server.log" | tail -12
+exit $rc

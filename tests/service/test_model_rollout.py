@@ -1,0 +1,272 @@
+"""Model rollout without a restart, end to end over real gRPC with real checkpoints in a
+real model repository (`grace publish-model`): a new model swaps in under concurrent
+load with no failed call, every answer from a valid (model, index) pair; a model of
+another SID space is refused while serving goes on, and swaps in together with its index
+when that is published (the coordinated rollout); a restart with CURRENT on a refused
+model serves the previous valid one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from cli import main
+from index_builder.build import build_index
+from index_builder.publish import current_version
+from index_builder.synth import load_world
+from index_builder.tokenizer import SIDTokenizer
+from service.app import App, start
+from service.client import request_for_user
+from service.model.checkpoint import WEIGHTS_FILE, save_checkpoint
+from service.model.config import PROFILES
+from service.model.repository import list_versions, publish_model
+from service.model.retriever import GenerativeRetriever
+from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from tests.helpers.indexes import flip_byte
+from tests.helpers.oracle import Ad, eligible
+from tests.helpers.server_process import ServerProcess
+from tests.helpers.serving import make_serving_data, serving_settings
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_serving_data(tmp_path_factory.mktemp("model-rollout"))
+
+
+def checkpoint(data: Path, out: Path, seed: int, sid_space: str | None = None) -> str:
+    """An untrained tiny model of the world's SID tokenizer (or of a named SID space)."""
+    torch.manual_seed(seed)
+    model = GenerativeRetriever(PROFILES["tiny"])
+    tokenizer = None if sid_space else SIDTokenizer.load(data / "model" / "tokenizer")
+    return save_checkpoint(model, tokenizer, out, sid_space=sid_space)
+
+
+def sid_catalog(data: Path, out: Path) -> Path:
+    """The world's catalog with SIDs of its own (a named SID space) and no embeddings."""
+    table = pq.read_table(data / "world" / "catalog.parquet").drop_columns(["embedding"])
+    i = np.arange(table.num_rows)
+    sids = np.stack([i % 8, (i // 8) % 8, (i // 64) % 8, i % 512], axis=1).tolist()
+    pq.write_table(table.append_column("sid", pa.array(sids, pa.list_(pa.int64()))), out)
+    return out
+
+
+def ads_of(data: Path) -> dict[int, Ad]:
+    rows = pq.read_table(data / "world" / "catalog.parquet").to_pylist()
+    return {r["ad_id"]: Ad(r["ad_id"], (0, 0, 0, 0), tuple(r["countries"] or ()),
+                           tuple(r["age_buckets"] or ()), tuple(r["genders"] or ()),
+                           tuple(r["locations"] or ())) for r in rows}  # fmt: skip
+
+
+def sample(app: App, name: str, labels: dict[str, str] | None = None) -> float:
+    return app.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    """Wait for a condition (never for a time): the machine may be busy."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+class Load:
+    """Clients retrieving for the world's users until stopped; every answer recorded."""
+
+    def __init__(self, port: int, data: Path, clients: int = 6) -> None:
+        self.port, self.data, self.clients = port, data, clients
+        self.answers: list[tuple[int, retrieval_pb2.RetrieveResponse]] = []
+        self.times: list[tuple[float, float]] = []  # (sent, answered) of each answer
+        self.failures: list[grpc.aio.AioRpcError] = []
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def __aenter__(self) -> Load:
+        self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+        stub = retrieval_pb2_grpc.AdRetrievalStub(self._channel)
+        self._tasks = [asyncio.ensure_future(self._client(stub, c)) for c in range(self.clients)]
+        return self
+
+    async def _client(self, stub, c: int) -> None:
+        u = c
+        while not self._stop.is_set():
+            try:
+                request = request_for_user(self.data / "world", u % 40, 50, retrieval_pb2.CD_GTM)
+                sent = time.monotonic()
+                reply = await stub.Retrieve(request, timeout=30)
+                self.answers.append((u % 40, reply))
+                self.times.append((sent, time.monotonic()))
+            except grpc.aio.AioRpcError as exc:
+                self.failures.append(exc)
+            u += self.clients
+
+    def served(self, model_version: str) -> int:
+        return sum(a.model_version == model_version for _, a in self.answers)
+
+    def first_answer(self, model_version: str) -> float:
+        return min(t for (_, a), (_, t) in zip(self.answers, self.times, strict=True)
+                   if a.model_version == model_version)  # fmt: skip
+
+    def sent_after(self, t: float) -> set[str]:
+        """The models that answered calls sent after `t`."""
+        return {a.model_version for (_, a), (sent, _) in zip(self.answers, self.times, strict=True)
+                if sent > t}  # fmt: skip
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        await self._channel.close()
+
+
+def test_a_model_hot_swaps_under_load_and_an_incompatible_one_is_refused(
+    data: Path, tmp_path: Path
+) -> None:
+    repo = tmp_path / "models"
+    first = publish_model(data / "model", repo)
+    index = current_version(data / "index")
+    m1 = checkpoint(data, data / "model-copy", seed=0)  # the world's model: same weights
+    m2 = checkpoint(data, tmp_path / "m2", seed=7)
+    other = checkpoint(data, tmp_path / "other", seed=8, sid_space="other-v1")
+    world, ads = load_world(data / "world"), ads_of(data)
+
+    async def run() -> Load:
+        app = await start(serving_settings(data, model_dir=repo))
+        try:
+            space = app.servicer.serving.current.model.sid_space
+            info = {"version": first, "model_version": m1, "sid_space": space}
+            assert sample(app, "grace_model_info", info) == 1
+            async with Load(app.port, data) as load:
+                await until(lambda: load.served(m1) >= 30, "answers from the first model")
+                second = publish_model(tmp_path / "m2", repo)
+                await until(lambda: load.served(m2) >= 30, "answers from the new model")
+                assert app.servicer.serving.current.model.version == second
+                assert sample(app, "grace_model_swaps_total") == 2  # the first load and one swap
+                assert sample(app, "grace_model_behind_current") == 0
+                publish_model(tmp_path / "other", repo)  # another SID space: no index fits
+                failures = {"reason": "incompatible"}
+                await until(lambda: sample(app, "grace_model_swap_failures_total", failures) == 1,
+                            "the incompatible model refused")  # fmt: skip
+                after = load.served(m2)
+                await until(lambda: load.served(m2) >= after + 30, "serving on after the refusal")
+                assert sample(app, "grace_model_behind_current") == 1
+                assert sample(app, "grace_model_swap_failures_total", {"reason": "invalid"}) == 0
+                assert app.servicer.serving.current.model.version == second
+        finally:
+            await app.drain()
+        return load
+
+    load = asyncio.run(run())
+    assert load.failures == []
+    pairs = {(a.model_version, a.index_version) for _, a in load.answers}
+    assert pairs == {(m1, index), (m2, index)}  # never the refused model
+    assert other not in {a.model_version for _, a in load.answers}
+    assert load.sent_after(load.first_answer(m2)) == {m2}  # once swapped, never back
+    for u, a in load.answers:
+        assert all(eligible(ads[x.ad_id], world.targeting[u]) for x in a.ads)
+
+
+def test_a_model_of_a_new_sid_space_rolls_out_with_its_index(data: Path, tmp_path: Path) -> None:
+    """The coordinated rollout: publish the new model (refused: no index of its SID space
+    yet, the old pair keeps serving), then build and publish its index; the two swap in
+    together, and no answer ever comes from a mixed pair."""
+    repo, root = tmp_path / "models", tmp_path / "index"
+    publish_model(data / "model", repo)
+    tokenizer = data / "model" / "tokenizer"
+    old_index, _ = build_index(data / "world" / "catalog.parquet", root,
+                               tokenizer_path=tokenizer, progress=False)  # fmt: skip
+    m1 = checkpoint(data, tmp_path / "m1", seed=0)
+    m2 = checkpoint(data, tmp_path / "m2", seed=3, sid_space="rollout-v2")
+    catalog = sid_catalog(data, tmp_path / "catalog-v2.parquet")
+    world, ads = load_world(data / "world"), ads_of(data)
+    new_index: list[str] = []
+
+    async def run() -> Load:
+        app = await start(serving_settings(data, model_dir=repo, index_root=root))
+        try:
+            async with Load(app.port, data) as load:
+                await until(lambda: load.served(m1) >= 20, "answers from the first pair")
+                publish_model(tmp_path / "m2", repo)
+                refused = {"reason": "incompatible"}
+                await until(lambda: sample(app, "grace_model_swap_failures_total", refused) == 1,
+                            "the new model waiting for its index")  # fmt: skip
+                assert sample(app, "grace_model_behind_current") == 1
+                version, _ = await asyncio.to_thread(
+                    build_index, catalog, root, sid_space="rollout-v2", progress=False
+                )
+                new_index.append(version)
+                await until(lambda: load.served(m2) >= 20, "answers from the new pair")
+                assert sample(app, "grace_model_behind_current") == 0
+                assert sample(app, "grace_index_behind_current") == 0
+                assert sample(app, "grace_index_swap_failures_total", refused) == 0
+        finally:
+            await app.drain()
+        return load
+
+    load = asyncio.run(run())
+    assert load.failures == []
+    pairs = {(a.model_version, a.index_version) for _, a in load.answers}
+    assert pairs == {(m1, old_index), (m2, new_index[0])}
+    assert load.sent_after(load.first_answer(m2)) == {m2}
+    for u, a in load.answers:
+        assert all(eligible(ads[x.ad_id], world.targeting[u]) for x in a.ads)
+
+
+def test_publish_model_refuses_a_bad_checkpoint_and_publishes_nothing(
+    data: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    repo = tmp_path / "models"
+    assert main(["publish-model", str(data / "model"), "--root", str(repo)]) == 0
+    [good] = list_versions(repo)
+    assert f"as version {good}" in capsys.readouterr().out
+    broken = tmp_path / "broken"
+    checkpoint(data, broken, seed=1)
+    flip_byte(broken / WEIGHTS_FILE)
+    assert main(["publish-model", str(broken), "--root", str(repo)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "corrupt or truncated" in err[0] and "nothing published" in err[0]
+    assert list_versions(repo) == [good] and current_version(repo) == good
+    assert main(["publish-model", str(tmp_path / "nowhere"), "--root", str(repo)]) == 2
+    assert "config.json is missing" in capsys.readouterr().err
+    for _ in range(4):  # --keep: the newest valid versions stay, CURRENT's always
+        assert main(["publish-model", str(data / "model"), "--root", str(repo), "--keep", "2"]) == 0
+    assert len(list_versions(repo)) == 2 and current_version(repo) == list_versions(repo)[-1]
+
+
+def test_a_restart_with_current_on_a_refused_model_serves_the_previous_one(
+    data: Path, tmp_path: Path
+) -> None:
+    """A real `grace serve` process started while CURRENT names a corrupt model: it serves
+    the previous valid model, says why, and reports itself behind (instead of a crash
+    loop on Kubernetes)."""
+    repo = tmp_path / "models"
+    good = publish_model(data / "model", repo)
+    checkpoint(data, tmp_path / "m2", seed=5)
+    bad = publish_model(tmp_path / "m2", repo)
+    flip_byte(repo / bad / WEIGHTS_FILE)  # damaged after publishing (disk, a bad copy)
+    server = ServerProcess.start(data, tmp_path / "server.log", env={"GRACE_MODEL_DIR": str(repo)})
+    try:
+        server.wait_serving()
+        with grpc.insecure_channel(server.target) as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            reply = stub.Retrieve(request_for_user(data / "world", 0, 20, retrieval_pb2.CD_GTM))
+        assert len(reply.ads) > 0
+        assert server.metric("grace_model_behind_current") == 1
+        info = server.metrics_text()
+        assert f'grace_model_info{{model_version="{reply.model_version}",sid_space=' in info
+        assert f'version="{good}"' in info
+        log = server.log_text()
+        assert f"model CURRENT names {bad}, which was rejected" in log
+        assert "corrupt or truncated" in log and f"serving {good}" in log
+    finally:
+        server.stop()
