@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -276,7 +277,9 @@ def run(
     settings: ServerSettings, *, bind_when_ready: bool = False, address: str | None = None
 ) -> int:
     """Serve one process until stopped; returns the exit status. One event loop per
-    process (uvloop when available)."""
+    process (uvloop when available). SIGUSR1 writes every thread's stack to stderr (what
+    a wedged process is doing, without stopping it: docs/OPERATIONS.md)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     main = serve_forever(settings, bind_when_ready=bind_when_ready, address=address)
     try:
         import uvloop
