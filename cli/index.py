@@ -7,9 +7,14 @@ import argparse
 import json
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cli.common import CATALOG_HELP, SID_SPACE_HELP, AddCommand, positive_float
+
+if TYPE_CHECKING:
+    from index_builder.sidecar import SidChoice
 
 
 def _add_kway(p: argparse.ArgumentParser) -> None:
@@ -136,6 +141,29 @@ def _validate_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_sids(model: Path) -> Callable[[], SidChoice | None]:
+    """`BuilderConfig.sids` following the model at `model` (a checkpoint directory or a
+    model repository's CURRENT version, read afresh at every call): its SID-space key and
+    its tokenizer or SID space name; None while there is no model there yet."""
+    from cli.bootstrap import sid_source
+    from index_builder.sidecar import SidChoice
+    from service.model.checkpoint import CONFIG_FILE, sid_space_of
+    from service.model.repository import resolve_checkpoint
+
+    def choose() -> SidChoice | None:
+        try:
+            checkpoint = resolve_checkpoint(model)
+        except FileNotFoundError:
+            return None  # nothing trained or published yet
+        # one version throughout (CURRENT may move meanwhile): its key and its SID source
+        key = sid_space_of(checkpoint)
+        if key is None:
+            raise ValueError(f"{checkpoint / CONFIG_FILE} is unreadable: not a model checkpoint")
+        return SidChoice(key=key, **sid_source(checkpoint))
+
+    return choose
+
+
 def _builder(args: argparse.Namespace) -> int:
     from index_builder.kway import KwaySpec
     from index_builder.sidecar import BuilderConfig, install_signal_handlers, run_builder
@@ -149,6 +177,7 @@ def _builder(args: argparse.Namespace) -> int:
             interval=args.interval,
             tokenizer=Path(args.tokenizer) if args.tokenizer else None,
             sid_space=args.sid_space,
+            sids=model_sids(Path(args.model)) if args.model else None,
             kway=KwaySpec.parse(args.kway) if args.kway else None,
             keep=args.keep,
             max_builds=1 if args.once else None,
@@ -235,16 +264,29 @@ def register(add: AddCommand) -> None:
     p = add(
         "builder",
         _builder,
-        "sidecar: rebuild and publish the index whenever the catalog changes",
+        "sidecar: rebuild and publish the index whenever the catalog or the model's SID "
+        "space changes",
         "Watch a catalog; when it changed since the CURRENT index was built, build and "
-        "publish a new version. Failed builds publish nothing and are logged; SIGTERM "
-        "stops cleanly.",
+        "publish a new version. With --model it follows the model the server serves (a "
+        "checkpoint or a model repository's CURRENT): SIDs come from that model's "
+        "tokenizer or named SID space, and publishing a model of another SID space builds "
+        "and publishes an index for it too, so the server swaps both in together; until a "
+        "model is there it waits. Failed builds publish nothing, are logged and are not "
+        "retried until the catalog or the model's SID space changes; SIGTERM stops "
+        "cleanly.",
     )
     p.add_argument("--catalog", required=True, help=CATALOG_HELP)
     p.add_argument("--out", required=True, help="index root")
     p.add_argument("--interval", type=positive_float, default=60.0, help="seconds (60)")
-    p.add_argument("--tokenizer", help="SID tokenizer (needed when ads lack 'sid')")
-    p.add_argument("--sid-space", metavar="NAME", help=SID_SPACE_HELP)
+    sids = p.add_mutually_exclusive_group()
+    sids.add_argument(
+        "--model",
+        metavar="PATH",
+        help="follow the model at PATH, a checkpoint or a model repository (what `grace "
+        "serve --model` serves): build for its SID space, rebuild when that changes",
+    )
+    sids.add_argument("--tokenizer", help="fixed SID tokenizer (needed when ads lack 'sid')")
+    sids.add_argument("--sid-space", metavar="NAME", help=SID_SPACE_HELP)
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--once", action="store_true", help="exit after one successful build")
     _add_kway(p)

@@ -1,13 +1,27 @@
-"""The index builder sidecar loop (`grace builder`): rebuild when the catalog changes.
+"""The index builder sidecar loop (`grace builder`): rebuild when the catalog or the
+model's SID space changes.
 
 Runs beside each server (same pod, shared volume). Every `interval` seconds it
 fingerprints the catalog; when it differs from the one the CURRENT index was built from,
-it builds and publishes a new version (`build.build_index`, atomic). A failed build
-publishes nothing, is logged with its reason and is not retried until the catalog
-changes again — a build whose written version fails validation (`IndexValidationError`)
-is such a failure; a tokenizer that does not exist yet is waited for (no failure).
+it builds and publishes a new version (`build.build_index`, atomic). SIDs come from a
+fixed SID tokenizer (`tokenizer`), a fixed named SID space (`sid_space`), the catalog
+alone, or — following the model (`grace builder --model`) — from `sids`, a callable
+asked at every check for the SID space of the model the server serves (`SidChoice`:
+the space's key and the model's tokenizer or space name). Following the model, a build
+also starts when that key differs from the `tokenizer_fingerprint` of the index the
+sidecar last saw published: publishing a model of a new SID space makes the sidecar
+build and publish an index for it, and the server swaps the pair in together (the
+coordinated rollout, docs/MODEL.md). A model of the same space builds nothing.
+
+A failed build publishes nothing, is logged with its reason and is not retried until
+the catalog (or, following the model, its SID space) changes again — a build whose
+written version fails validation (`IndexValidationError`) is such a failure. A tokenizer
+or a model that does not exist yet is waited for (logged once, no failure).
 SIGTERM/SIGINT stop the loop cleanly: a build in progress is abandoned
 at its next phase boundary, its temp dir removed, CURRENT untouched.
+
+This module imports no `service` or `cli` code (tests/test_layers.py): reading a model
+checkpoint or repository is the caller's `sids` (cli/index.py).
 """
 
 from __future__ import annotations
@@ -15,6 +29,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,15 +49,37 @@ _BUILD_FAULTS = (CatalogError, BuildError, PublishError, IndexValidationError, O
 
 
 @dataclass(frozen=True)
+class SidChoice:
+    """How to assign SIDs for the model being served: `key` is its SID space
+    (contracts/sid_space.py: a tokenizer fingerprint or `sid-space:<name>`), the value
+    the index's manifest must carry; then either the model's SID tokenizer or the name
+    of its SID space (`build_index`'s `tokenizer_path` / `sid_space`)."""
+
+    key: str
+    tokenizer_path: Path | None = None
+    sid_space: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tokenizer_path is None) == (self.sid_space is None):
+            raise ValueError("a SID choice names a SID tokenizer or a SID space, one of them")
+
+
+@dataclass(frozen=True)
 class BuilderConfig:
     catalog: Path
     out: Path
     interval: float = 60.0
     tokenizer: Path | None = None
     sid_space: str | None = None  # instead of a tokenizer: the catalog's named SID space
+    # instead of both: follow the model; asked at every check, None = no model yet (wait)
+    sids: Callable[[], SidChoice | None] | None = None
     kway: KwaySpec | None = None
     keep: int = 3
     max_builds: int | None = None  # stop after this many successful builds (tests, one-shots)
+
+    def __post_init__(self) -> None:
+        if self.sids is not None and (self.tokenizer is not None or self.sid_space is not None):
+            raise ValueError("follow the model (sids) or give a tokenizer or SID space, not both")
 
 
 @dataclass
@@ -52,22 +89,80 @@ class BuilderStats:
     checks: int = 0
 
 
-def _published_fingerprint(root: Path) -> str | None:
+# what an index was built from: (catalog fingerprint, SID-space key); the key is None when
+# the sidecar does not follow a model (then only the catalog decides)
+_Built = tuple[str | None, str | None]
+
+
+def _published(root: Path) -> _Built:
+    """The catalog fingerprint and SID-space key of the CURRENT index (None: unknown)."""
     path = current_path(root)
     if path is None:
-        return None
+        return None, None
     try:
-        return read_manifest(path).get("catalog", {}).get("fingerprint")
+        manifest = read_manifest(path)
     except IndexFormatError:
+        return None, None
+    key = manifest.get("tokenizer_fingerprint")
+    return manifest.get("catalog", {}).get("fingerprint"), key if isinstance(key, str) else None
+
+
+class _Notes:
+    """Logs a waiting or error message once, until a different one (or none) comes."""
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+
+    def say(self, level: int, message: str) -> None:
+        if message != self.last:
+            log.log(level, message)
+        self.last = message
+
+    def clear(self) -> None:
+        self.last = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one check builds with; `key` None: a fixed source, only the catalog decides."""
+
+    key: str | None
+    tokenizer_path: Path | None
+    sid_space: str | None
+
+
+def _plan(cfg: BuilderConfig, notes: _Notes) -> _Plan | None:
+    """The SIDs to build with now: the model's (`cfg.sids`) or the fixed tokenizer / SID
+    space / catalog of `cfg`; None while waiting (logged once)."""
+    if cfg.sids is None:
+        if cfg.tokenizer is not None and not SIDTokenizer.ready(cfg.tokenizer):
+            # e.g. the server's first start is still training the model that owns it: not
+            # a failure, so the same catalog is built as soon as the tokenizer appears
+            notes.say(logging.INFO, f"waiting for the SID tokenizer at {cfg.tokenizer}")
+            return None
+        return _Plan(None, cfg.tokenizer, cfg.sid_space)
+    try:
+        choice = cfg.sids()
+    except (OSError, ValueError) as exc:  # an unreadable model: not an index build failure
+        notes.say(logging.ERROR, f"cannot read the model's SID space: {exc}; waiting")
         return None
+    if choice is None:
+        notes.say(logging.INFO, "waiting for a model to follow (none published yet)")
+        return None
+    if choice.tokenizer_path is not None and not SIDTokenizer.ready(choice.tokenizer_path):
+        notes.say(logging.INFO, f"waiting for the model's tokenizer at {choice.tokenizer_path}")
+        return None
+    return _Plan(choice.key, choice.tokenizer_path, choice.sid_space)
 
 
 def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> BuilderStats:
     """Loop until `stop` is set (or max_builds reached); returns what it did."""
     stop = stop or threading.Event()
     stats = BuilderStats()
-    built = _published_fingerprint(cfg.out)
-    failed: str | None = None
+    published = _published(cfg.out)
+    built: _Built = published if cfg.sids is not None else (published[0], None)
+    failed: _Built | None = None
+    notes = _Notes()
     log.info("builder watching %s -> %s every %.1fs", cfg.catalog, cfg.out, cfg.interval)
     while not stop.is_set():
         stats.checks += 1
@@ -76,39 +171,41 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
         except CatalogError as exc:
             log.error("%s; waiting", exc)
             fingerprint = None
-        if cfg.tokenizer is not None and not SIDTokenizer.ready(cfg.tokenizer):
-            # e.g. the server's first start is still training the model that owns it: not
-            # a failure, so the same catalog is built as soon as the tokenizer appears
-            log.info("waiting for the SID tokenizer at %s", cfg.tokenizer)
-            fingerprint = None
-        if fingerprint is not None and fingerprint not in (built, failed):
-            try:
-                version, report = build_index(
-                    cfg.catalog,
-                    cfg.out,
-                    tokenizer_path=cfg.tokenizer,
-                    sid_space=cfg.sid_space,
-                    kway=cfg.kway,
-                    keep=cfg.keep,
-                    progress=False,
-                    should_stop=stop.is_set,
-                )
-                built, failed = fingerprint, None
-                stats.builds += 1
-                log.info(
-                    "build %d ok: version %s in %.2fs",
-                    stats.builds,
-                    version,
-                    report.seconds.get("total", 0.0),
-                )
-            except BuildCancelled as exc:
-                log.info("build abandoned: %s", exc)
-                break
-            except _BUILD_FAULTS as exc:
-                failed = fingerprint
-                stats.failures += 1
-                reason = exc.summary if isinstance(exc, IndexValidationError) else exc
-                log.error("build failed, nothing published (CURRENT unchanged): %s", reason)
+        plan = _plan(cfg, notes)
+        if plan is not None and fingerprint is not None:
+            notes.clear()
+            want: _Built = (fingerprint, plan.key)
+            if want not in (built, failed):
+                if plan.key is not None and fingerprint == built[0]:
+                    log.info("the model's SID space %s differs from the index's %s: rebuilding",
+                             plan.key, built[1])  # fmt: skip
+                try:
+                    version, report = build_index(
+                        cfg.catalog,
+                        cfg.out,
+                        tokenizer_path=plan.tokenizer_path,
+                        sid_space=plan.sid_space,
+                        kway=cfg.kway,
+                        keep=cfg.keep,
+                        progress=False,
+                        should_stop=stop.is_set,
+                    )
+                    built, failed = want, None
+                    stats.builds += 1
+                    log.info(
+                        "build %d ok: version %s in %.2fs",
+                        stats.builds,
+                        version,
+                        report.seconds.get("total", 0.0),
+                    )
+                except BuildCancelled as exc:
+                    log.info("build abandoned: %s", exc)
+                    break
+                except _BUILD_FAULTS as exc:
+                    failed = want
+                    stats.failures += 1
+                    reason = exc.summary if isinstance(exc, IndexValidationError) else exc
+                    log.error("build failed, nothing published (CURRENT unchanged): %s", reason)
         if cfg.max_builds is not None and stats.builds >= cfg.max_builds:
             break
         stop.wait(cfg.interval)

@@ -2,8 +2,8 @@
 
     settings -> first (model, index) pair (verified, validated) -> pipeline threads
     -> batcher -> grpc.aio server (AdRetrieval + grpc.health.v1 + reflection) + metrics
-    HTTP port -> rollout (model and index hot swap) -> one warm-up request -> SERVING ...
-    SIGTERM -> NOT_SERVING, drain, exit
+    HTTP port -> rollout (model and index hot swap) -> one warm-up request -> SERVING
+    (+ stall watchdog) ... SIGTERM -> NOT_SERVING, drain, exit
 
 One event loop per process (uvloop when installed); model, GPU and C++ work run on the
 pipeline threads, never on the loop, and nothing that can block shares the loop's
@@ -54,6 +54,7 @@ from service.rollout.sources import index_follower, model_follower
 from service.server import RetrievalServicer
 from service.settings import ServerSettings
 from service.validation import Limits, ValidatedRequest
+from service.watchdog import Watchdog, wedged
 
 log = logging.getLogger("grace.serve")
 DRAIN_SLACK_SECONDS = 5.0  # beyond drain_seconds for the threads and the metrics port
@@ -73,10 +74,13 @@ class App:
     rollout: Rollout
     metrics: Metrics
     settings: ServerSettings
+    watchdog: Watchdog | None  # None: stall_seconds = 0
 
     async def drain(self) -> None:
         """Stop accepting, finish what is in flight, stop the threads. Watch streams end
         with the server's grace period (they are cancelled like any call)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()  # a drain may take its time; it has its own deadline
         await self.health.enter_graceful_shutdown()  # NOT_SERVING for good
         self.metrics.serving.set(0)
         await asyncio.sleep(DRAIN_NOTICE_SECONDS)  # let health checkers and balancers see it
@@ -184,6 +188,10 @@ async def start(
         port = server.add_insecure_port(address)
         await server.start()
     metrics.serving.set(1)  # SERVING and listening
+    watchdog = None
+    if settings.stall_seconds > 0:  # from now on a stalled pipeline is a wedged process
+        watchdog = Watchdog(pipeline.stalled_for, settings.stall_seconds, on_stall=wedged)
+        watchdog.start()
     log.info(
         "serving %s on %s (model %s, index %s, %s), ready in %.1f s",
         SERVICE, address if address.startswith("unix:") else f"port {port}",
@@ -191,7 +199,7 @@ async def start(
         time.perf_counter() - t0,
     )  # fmt: skip
     return App(server, port, metrics_port, health_servicer, servicer, batcher, pipeline, rollout,
-               metrics, settings)  # fmt: skip
+               metrics, settings, watchdog)  # fmt: skip
 
 
 def _rollout(

@@ -187,6 +187,13 @@ class ServerSettings(BaseSettings):
     drain_seconds: float = Field(
         10.0, description="Grace period for in-flight requests on SIGTERM, in seconds."
     )
+    stall_seconds: float = Field(
+        60.0,
+        description="A pipeline with batches in flight and no stage finished for this "
+        "long is wedged (a stuck GPU call, a deadlock): the process writes every thread's "
+        "stack to stderr and exits 3, so its supervisor or the orchestrator restarts it "
+        "(service/watchdog.py). 0 turns the watchdog off.",
+    )
     request_log: Path | None = Field(
         None,
         description="Append every valid Retrieve request to this file as one line of "
@@ -264,6 +271,7 @@ class ServerSettings(BaseSettings):
         "max_wait_ms",
         "max_wait_busy_ms",
         "drain_seconds",
+        "stall_seconds",
         "max_connection_age_seconds",
         "max_connection_age_grace_seconds",
     )

@@ -100,11 +100,20 @@ class Pipeline:
             t.start()
         self._lock = threading.Lock()
         self.in_flight = 0  # batches between dispatch and the end of stage 4
+        self._progress_at = time.monotonic()  # the last stage end (or dispatch into idle)
+
+    def stalled_for(self) -> float:
+        """Seconds since any stage last finished while batches are in flight; 0 when the
+        pipeline is idle (the stall watchdog's reading: service/watchdog.py)."""
+        with self._lock:
+            return 0.0 if self.in_flight == 0 else time.monotonic() - self._progress_at
 
     def dispatch(self, pending: list[Pending]) -> None:
         batch = Batch.of(pending, self.serving.current, time.monotonic())
         self._on_dispatch(batch)
         with self._lock:
+            if self.in_flight == 0:
+                self._progress_at = time.monotonic()
             self.in_flight += 1
         self._queues[0].put(_Flight(batch, [True] * len(pending)))
 
@@ -138,6 +147,8 @@ class Pipeline:
                 self._finish(flight)
                 continue
             seconds = time.perf_counter() - t
+            with self._lock:
+                self._progress_at = time.monotonic()
             flight.stage_ms[name] = seconds * 1e3
             self._observe(name, seconds)
             if i + 1 < len(STAGES):
@@ -161,6 +172,7 @@ class Pipeline:
     def _finish(self, flight: _Flight, service: float | None = None) -> None:
         with self._lock:
             self.in_flight -= 1
+            self._progress_at = time.monotonic()
         try:
             self._done(len(flight.live), flight.batch.dispatched, service)
         except Exception:  # the stage thread must outlive a faulty callback

@@ -222,7 +222,7 @@ def test_serve_and_builder_both_run_from_the_entrypoint() -> None:
     # the image's two roles (docs/ops/container.md): `docker run IMAGE serve|builder ...`
     assert parse_cli(["serve", "--no-progress"]).command == "serve"
     args = parse_cli(["builder", "--catalog", "/data/world/catalog.parquet",
-                      "--tokenizer", "/data/model/tokenizer", "--out", "/data/index"])  # fmt: skip
+                      "--model", "/data/model", "--out", "/data/index"])  # fmt: skip
     assert args.command == "builder" and args.out == "/data/index"
 
 
@@ -456,7 +456,7 @@ def test_builder_publishes_into_the_index_root_the_server_watches(monkeypatch) -
     assert args.command == "builder"
     assert Path(args.out) == settings.index_root
     assert Path(args.catalog) == settings.data_dir / "world" / "catalog.parquet"
-    assert Path(args.tokenizer) == settings.model_dir / "tokenizer"
+    assert Path(args.model) == settings.model_dir  # the sidecar follows the served model
 
 
 def test_prometheus_scrapes_the_servers_metrics_port(monkeypatch) -> None:

@@ -208,8 +208,10 @@ def test_builder_is_a_native_sidecar_sharing_the_index_volume(rendered, overlay,
     assert not side_mount.get("readOnly"), "the builder publishes into the index root"
     volume = next(v for v in pod_spec(objects)["volumes"] if v["name"] == side_mount["name"])
     assert "emptyDir" in volume or "persistentVolumeClaim" in volume
-    for path in (flag(side["args"], "--catalog"), flag(side["args"], "--tokenizer")):
+    for path in (flag(side["args"], "--catalog"), flag(side["args"], "--model")):
         assert mount_for(side, path), f"builder input {path} is not on any volume"
+    # the builder follows the model the server serves (its SID space decides the index's)
+    assert flag(side["args"], "--model") == str(settings_for(main, monkeypatch).model_dir)
 
 
 def test_gpu_server_waits_for_the_first_index(rendered):

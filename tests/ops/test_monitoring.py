@@ -143,7 +143,8 @@ def test_promtool_checks_the_rules() -> None:
 
 
 def test_promtool_unit_tests_pass() -> None:
-    assert {p.name for p in UNIT_TESTS} >= {"recording.test.yml", "slo.test.yml", "index.test.yml"}
+    wanted = {"recording.test.yml", "slo.test.yml", "index.test.yml", "model.test.yml"}
+    assert {p.name for p in UNIT_TESTS} >= wanted
     cmd = [promtool(), "test", "rules", *map(str, UNIT_TESTS)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -286,6 +287,11 @@ def test_dashboard_shows_what_the_issue_asks_for() -> None:
         "grace_index_age_seconds",
         "grace_index_swaps_total",
         "grace_index_swap_failures_total",
+        "grace_index_behind_current",
+        "grace_model_info",  # the served model and its rollout
+        "grace_model_swaps_total",
+        "grace_model_swap_failures_total",
+        "grace_model_behind_current",
         "grace_admission_refused_total",  # shedding (docs/RELIABILITY.md)
         "grace_queue_expired_total",
         "grace_stage_dropped_total",
