@@ -66,6 +66,12 @@ class Rollout:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop_fault: str | None = None
+        # one stream for every load and capture, drawn once: torch hands streams out of a
+        # small pool in rotation, and a stream drawn per load would in time be one a
+        # pipeline stage runs on (its work queued behind a gigabyte copy)
+        self._stream = (
+            torch.cuda.Stream(torch.device(device)) if device.startswith("cuda") else None
+        )
 
     # -- what serves ------------------------------------------------------------------------
 
@@ -155,9 +161,8 @@ class Rollout:
         staged = self._staged.get(kind)
         if staged is not None and staged.version == version:
             return staged
-        follower: Follower = self.models if kind == "model" else self.indexes
         with self._side_stream():
-            loaded = follower.load(version)
+            loaded = self._follower(kind).load(version)
         if loaded is not None:
             self._staged[kind] = loaded
         return loaded
@@ -190,8 +195,7 @@ class Rollout:
             for kind, new in (("model", model), ("index", index)):
                 if old is None or new is not getattr(old, kind):
                     self._staged.pop(kind, None)
-                    follower: Follower = self.models if kind == "model" else self.indexes
-                    follower.failed(new.version, exc)
+                    self._follower(kind).failed(new.version, exc)
             return False
         serving = Serving(model, index)
         self.holder.swap(serving)
@@ -239,21 +243,22 @@ class Rollout:
         for kind, target, served in (("model", model_target, model.version),
                                      ("index", index_target, index.version)):  # fmt: skip
             if served != target:
-                follower: Follower = self.models if kind == "model" else self.indexes
-                why = follower.why_not(target)
+                why = self._follower(kind).why_not(target)
                 if why == "was not tried":
                     why = "fits no loadable partner's SID space"
                 log.warning("%s CURRENT names %s, which %s; serving %s, the newest that "
                             "serves", kind, target, why, served)  # fmt: skip
 
+    def _follower(self, kind: str) -> Follower:
+        return self.models if kind == "model" else self.indexes
+
     @contextmanager
     def _side_stream(self) -> Iterator[None]:
         """Loads and captures on a CUDA stream of their own, finished before anything
         they made can serve (tables fully on the device before any batch sees them)."""
-        if not self.device.startswith("cuda"):
+        if self._stream is None:
             yield
             return
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(self._stream):
             yield
-        stream.synchronize()
+        self._stream.synchronize()
