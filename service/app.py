@@ -18,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import functools
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +51,7 @@ from service.pipeline.runner import Pipeline
 from service.pipeline.runtime import Serving, ServingHolder
 from service.pipeline.stages import Stages
 from service.request_log import RequestLog
+from service.rollout.host_lock import host_lock, swap_lock_path
 from service.rollout.rollout import Rollout
 from service.rollout.sources import index_follower, model_follower
 from service.server import RetrievalServicer
@@ -222,6 +225,10 @@ def _rollout(
 
     failures = {"model": metrics.model_swap_failures, "index": metrics.swap_failures}
     backoff = max(settings.index_poll_seconds, 1.0)
+    one_at_a_time: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
+    if settings.workers > 1:  # workers sharing the GPU swap one after the other
+        lock = swap_lock_path(Path(settings.model_dir), Path(settings.index_root))
+        one_at_a_time = functools.partial(host_lock, lock)
     dtype = getattr(torch, settings.resolve_dtype(device))
     return Rollout(
         model_follower(Path(settings.model_dir), stages, dtype, served=served("model"),
@@ -236,6 +243,7 @@ def _rollout(
         prepare=lambda model, index: model.prepare(index, tuple(settings.beams)),
         on_swap=swapped,
         on_incompatible=lambda kind, version: failures[kind].labels("incompatible").inc(),
+        one_at_a_time=one_at_a_time,
     )  # fmt: skip
 
 

@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -56,10 +56,15 @@ class Rollout:
         prepare: Callable[[ModelRuntime, LoadedIndex], None] = lambda model, index: None,
         on_swap: Callable[[Serving, Serving | None], None] = lambda new, old: None,
         on_incompatible: Callable[[str, str], None] = lambda kind, version: None,
+        one_at_a_time: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
+        """`one_at_a_time`: held while a newcomer loads, prepares and swaps in (not at
+        start-up): the app passes a host-wide lock when workers share the GPU, so they
+        swap one after the other while the others serve at full speed."""
         self.models, self.indexes, self.holder = models, indexes, holder
         self.device, self.poll_seconds = device, poll_seconds
         self._prepare, self._on_swap, self._on_incompatible = prepare, on_swap, on_incompatible
+        self._one_at_a_time = one_at_a_time
         self._staged: dict[str, ModelRuntime | LoadedIndex] = {}  # loaded, waiting for a partner
         self._refused: set[tuple[str, str]] = set()  # (model, index) versions found unfit
         self._unfit: list[str] = []  # start-up: pairs refused for their SID spaces
@@ -119,6 +124,11 @@ class Rollout:
                 del self._staged[kind]  # CURRENT moved on: free what waited
         if (want_model, want_index) == (cur.model.version, cur.index.version):
             return False
+        with self._one_at_a_time():
+            return self._advance(cur, want_model, want_index)
+
+    def _advance(self, cur: Serving, want_model: str, want_index: str) -> bool:
+        """Load what is new of the wanted pair and swap in the best pair that serves."""
         model = cur.model if want_model == cur.model.version else self._get("model", want_model)
         index = cur.index if want_index == cur.index.version else self._get("index", want_index)
         options = []

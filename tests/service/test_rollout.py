@@ -12,9 +12,11 @@ gRPC are in tests/service/test_model_rollout.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +28,7 @@ from index_builder.publish import CURRENT, current_path, publish
 from service.index.loaded import load_index
 from service.pipeline.runtime import ServingHolder
 from service.rollout.follower import Follower
+from service.rollout.host_lock import host_lock, swap_lock_path
 from service.rollout.rollout import Rollout
 from tests.helpers.indexes import corrupting, flip_byte, small_index, writer
 
@@ -448,3 +451,63 @@ def test_a_fixed_checkpoint_directory_is_one_version_that_never_changes(tmp_path
     rollout = Rollout(follower, index_follower, holder)
     assert rollout.check_once() and holder.current.model.version == "model"
     assert not rollout.check_once() and not rollout.model_behind
+
+
+def test_one_at_a_time_is_held_while_a_newcomer_loads_and_swaps_in(served_pair) -> None:
+    """Workers sharing a GPU swap one after the other: the rollout holds the lock it is
+    given around loading, preparing and swapping a newcomer — not for polls that find
+    nothing new."""
+    rollout, _, models, *_ = served_pair
+    held: list[bool] = []
+    entered: list[str] = []
+
+    @contextlib.contextmanager
+    def lock():
+        entered.append("in")
+        held.append(True)
+        try:
+            yield
+        finally:
+            held.pop()
+
+    loads = rollout.models._load
+
+    def load(path, version):
+        assert held == [True], "a model loads only while the lock is held"
+        return loads(path, version)
+
+    rollout.models._load = load
+    rollout._one_at_a_time = lock
+    for _ in range(3):
+        assert not rollout.check_once()  # nothing new: the lock is not taken
+    assert entered == []
+    m2 = publish_model(models)
+    assert rollout.check_once() and served_model(rollout) == m2
+    assert entered == ["in"] and held == []
+
+
+def test_the_host_lock_lets_one_holder_in_at_a_time(tmp_path: Path) -> None:
+    path = swap_lock_path(tmp_path / "models", tmp_path / "index")
+    assert path == swap_lock_path(tmp_path / "models", tmp_path / "x" / ".." / "index")
+    order: list[str] = []
+    a_in, b_tried = threading.Event(), threading.Event()
+
+    def a() -> None:
+        with host_lock(path):
+            order.append("a in")
+            a_in.set()
+            b_tried.wait(30)
+            order.append("a out")
+
+    def b() -> None:
+        a_in.wait(30)
+        b_tried.set()
+        with host_lock(path):  # waits for a: separate opens of one file exclude
+            order.append("b in")
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert order == ["a in", "a out", "b in"]
