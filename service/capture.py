@@ -6,7 +6,7 @@ stages 2 and 3: the decode engines' plans, the embedder's and encoder's buckets)
 a stream drawn for a capture may be the very stream another pipeline stage is using on
 its own thread — and that thread's copies would be recorded into the graph instead of
 running. Captures here use streams drawn once per process from the high-priority pool
-(the pipeline's streams, the watcher's and torch's own come from the default one), and
+(the pipeline's streams, the rollout's and torch's own come from the default one), and
 run one at a time (`LOCK`), since every capture shares them.
 """
 

@@ -132,7 +132,7 @@ class RetrievalServicer:
         if self.draining:
             raise Abort(grpc.StatusCode.UNAVAILABLE, "server is draining")
         if not self.serving.ready:
-            raise Abort(grpc.StatusCode.UNAVAILABLE, "no index loaded yet")
+            raise Abort(grpc.StatusCode.UNAVAILABLE, "no model and index loaded yet")
         if len(raw) > self.max_request_bytes:
             raise Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

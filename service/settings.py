@@ -173,7 +173,9 @@ class ServerSettings(BaseSettings):
         "profile's beams, capped step by step at beam_max.",
     )
     index_poll_seconds: float = Field(
-        1.0, description="How often the index watcher reads <index_root>/CURRENT, in seconds."
+        1.0,
+        description="How often the rollout reads <index_root>/CURRENT and the model "
+        "repository's CURRENT, in seconds.",
     )
     max_connection_age_seconds: float = Field(
         120.0,

@@ -15,10 +15,12 @@ The supervisor (this process) starts the workers, forwards SIGTERM/SIGINT (each 
 drains as a single server does; the front, if any, drains first) and watches them: if
 one exits on its own, it stops the others and exits non-zero, so the orchestrator
 restarts the whole pod; a worker whose supervisor dies gets SIGTERM (PR_SET_PDEATHSIG)
-instead of living on. On the shared port a gRPC health or liveness probe reaches
-whichever worker the kernel picks: one wedged worker out of N fails a probe only 1/N of
-the time, so do not rely on probes alone to catch it: each worker's `grace_serving` gauge
-(on its own metrics port) says whether that one is SERVING. Behind the front the probe asks the
+instead of living on. SIGUSR1 to the supervisor reaches every worker: each writes its
+threads' stacks to stderr (service/app.py). On the shared port a gRPC health or liveness
+probe reaches whichever worker the kernel picks: one wedged worker out of N fails a probe
+only 1/N of the time, so do not rely on probes alone to catch it: each worker's
+`grace_serving` gauge (on its own metrics port) says whether that one is SERVING (and a
+stalled pipeline ends its worker: service/watchdog.py). Behind the front the probe asks the
 front, which says SERVING from the moment every worker did until it drains.
 """
 
@@ -140,7 +142,13 @@ def _run_workers(settings: ServerSettings, addresses: list[str | None]) -> int:
     def front_done() -> bool:
         return front is None or not front.is_alive() or time.monotonic() > front_deadline[0]
 
+    def dump_stacks(signum: int, _frame: object) -> None:  # SIGUSR1: every worker's stacks
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGUSR1)
+
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, dump_stacks)
     failed = False
     try:
         for i in range(settings.workers):

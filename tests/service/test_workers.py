@@ -160,6 +160,8 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
         assert sum(handled) == 24 and min(handled) > 0, handled  # both workers answered
         if balance == "request":
             assert abs(handled[0] - handled[1]) <= 2, handled  # one connection, split evenly
+        proc.send_signal(signal.SIGUSR1)  # to the supervisor: every worker dumps its stacks
+        assert all(len(r.ads) > 0 for r in asyncio.run(many_connections()))  # and serves on
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
@@ -167,6 +169,8 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
             proc.kill()
     log = proc.stderr.read()
     assert "started 2 workers" in log and log.count("stopped") >= 2
+    assert log.count("Current thread 0x") == 2  # one dump per worker (SIGUSR1 forwarded)
+    assert log.count('File "') > 10  # the stacks of both workers' threads
     assert all(scrape(metrics + i) is None for i in range(2))  # both processes are gone
     if balance == "request":
         sockets = re.findall(r"on unix:(\S+)/worker-0\.sock", log)
