@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -22,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="GRACE serving: generative ads retrieval with in-decoding target matching.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="the package version (and git describe in a checkout)")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str, desc: str):
@@ -32,6 +35,38 @@ def build_parser() -> argparse.ArgumentParser:
     for area in (index, model, serving, health, record):
         area.register(add)
     return parser
+
+
+class _Version(argparse.Action):
+    """--version, worked out only when asked (git describe is a subprocess)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version())
+        parser.exit()
+
+
+def version() -> str:
+    """`grace-serving X.Y.Z`, plus `git describe` when run from a git checkout."""
+    import subprocess
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+    from pathlib import Path
+
+    try:
+        text = f"grace-serving {installed('grace-serving')}"
+    except PackageNotFoundError:
+        text = "grace-serving (not installed)"
+    root = Path(__file__).resolve().parents[1]
+    if (root / ".git").exists():
+        try:
+            cmd = ["git", "describe", "--always", "--dirty"]
+            done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=5,
+                                  check=False)  # fmt: skip
+        except OSError:
+            return text
+        if done.returncode == 0 and done.stdout.strip():
+            text += f" ({done.stdout.strip()})"
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -45,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.fn(args)
+    except BrokenPipeError:  # `grace query | head`: the reader has gone; nothing to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's exit flush would fail again
+        return 0
     except (PublishError, StartupError, OSError, ValueError) as exc:  # CatalogError, BuildError…
         print(f"grace {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -37,7 +37,7 @@ def ensure_default(
     if has_model(model) and current_version(index) is not None:
         return  # a model and an index are given (or made earlier): nothing to make
     if not (world / "world.json").is_file():
-        log.info("generating the %s demo world in %s", settings.profile, world)
+        log.info("generating the tiny demo world in %s", world)
         generate_world("tiny", 0, world, progress=progress)
     if not has_model(model):
         from training.train import TrainSettings, train

@@ -174,21 +174,26 @@ async def start(
     options = server_options(settings, servicer.max_request_bytes)
     if address is not None:
         options = [o for o in options if not o[0].startswith("grpc.max_connection_age")]
-    if bind_when_ready and address is None:
-        options.append(("grpc.so_reuseport", 1))  # workers share the port
+    # only a supervisor's own workers share a port: a second server on it is refused
+    options.append(("grpc.so_reuseport", int(bind_when_ready and address is None)))
     server = grpc.aio.server(options=options)
     add_retrieval(server, servicer.Retrieve)
     add_health_and_reflection(server, health_servicer)
     address = address or f"{settings.host}:{settings.port}"
-    port = 0 if bind_when_ready else server.add_insecure_port(address)
+    port = 0 if bind_when_ready else _bind(server, address)
     if not bind_when_ready:
         await server.start()  # health answers NOT_SERVING while loading
-    metrics_port = metrics.serve(settings.metrics_port, settings.host)
+    try:
+        metrics_port = metrics.serve(settings.metrics_port, settings.host)
+    except OSError as exc:
+        await server.stop(0)
+        raise StartupError(f"metrics port {settings.host}:{settings.metrics_port}: "
+                           f"{exc.strerror or exc} (--metrics-port)") from exc  # fmt: skip
     rollout.start()
     await _warm_up(batcher, settings)  # first batch pays one-time costs, not a client
     await set_health(health_servicer, serving=True)
     if bind_when_ready:
-        port = server.add_insecure_port(address)
+        port = _bind(server, address)
         await server.start()
     metrics.serving.set(1)  # SERVING and listening
     watchdog = None
@@ -205,6 +210,17 @@ async def start(
                metrics, settings, watchdog)  # fmt: skip
 
 
+def _bind(server: grpc.aio.Server, address: str) -> int:
+    """Listen on `address`; a taken port is a one-line StartupError."""
+    try:
+        return server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise StartupError(
+            f"cannot listen on {address}: the port is taken (another grace serve?) or the "
+            "address is not this host's (--port)"
+        ) from exc
+
+
 def _rollout(
     settings: ServerSettings, stages: Stages, serving: ServingHolder, metrics: Metrics, device: str
 ) -> Rollout:
@@ -213,13 +229,15 @@ def _rollout(
     def served(kind: str) -> Callable[[], str | None]:
         return lambda: getattr(serving.current, kind).version if serving.ready else None
 
-    def swapped(new: Serving, old: Serving | None) -> None:
+    def swapped(new: Serving, old: Serving | None) -> None:  # the first load is no swap
         if old is None or new.model is not old.model:
-            metrics.model_swaps.inc()
+            if old is not None:
+                metrics.model_swaps.inc()
             m = new.model
             metrics.set_model(m.version, m.model_version, m.sid_space, m.loaded_at)
         if old is None or new.index is not old.index:
-            metrics.swaps.inc()
+            if old is not None:
+                metrics.swaps.inc()
             metrics.set_index(new.index.version, new.index.manifest.get("created"),
                               new.index.loaded_at)  # fmt: skip
 

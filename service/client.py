@@ -13,11 +13,17 @@ from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 
 def request_for_user(
-    world_dir: Path, user: int, max_ads: int, mode: int
+    world_dir: Path, user: int, max_ads: int, mode: int, *, user_id: int | None = None
 ) -> retrieval_pb2.RetrieveRequest:
+    """The request of the world's user at position `user`, or of the user `user_id`."""
     from index_builder.synth import load_world
 
     world = load_world(world_dir)
+    if user_id is not None:
+        found = (world.user_ids == user_id).nonzero()[0]
+        if len(found) == 0:
+            raise SystemExit(f"--user-id {user_id}: no such user in {world_dir}")
+        user = int(found[0])
     if not 0 <= user < world.n_users:
         raise SystemExit(f"--user must be in [0, {world.n_users})")
     t = world.targeting[user]
@@ -41,10 +47,16 @@ def request_for_user(
 def query(args: argparse.Namespace) -> int:
     if args.request_json:
         text = sys.stdin.read() if args.request_json == "-" else Path(args.request_json).read_text()
-        request = json_format.Parse(text, retrieval_pb2.RetrieveRequest())
+        try:
+            request = json_format.Parse(text, retrieval_pb2.RetrieveRequest())
+        except json_format.ParseError as exc:
+            why = " ".join(str(exc).split())  # protobuf's message spans lines
+            print(f"grace query: --request-json is not a RetrieveRequest: {why}", file=sys.stderr)
+            return 2
     else:
         mode = retrieval_pb2.CD_ONLY if args.mode == "cd_only" else retrieval_pb2.CD_GTM
-        request = request_for_user(Path(args.world), args.user, args.max_ads, mode)
+        request = request_for_user(Path(args.world), args.user, args.max_ads, mode,
+                                   user_id=args.user_id)  # fmt: skip
     with grpc.insecure_channel(args.target) as channel:
         stub = retrieval_pb2_grpc.AdRetrievalStub(channel)
         try:

@@ -15,8 +15,11 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
     Info,
+    PlatformCollector,
+    ProcessCollector,
     start_http_server,
 )
 
@@ -30,6 +33,10 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
         self._created: float | None = None
+        if registry is None:  # the process: memory, CPU, open files, GC, the interpreter
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
         self.started = Counter(
             "grpc_server_started_total", "RPCs started on the server.", _GRPC, registry=r
         )
@@ -127,7 +134,9 @@ class Metrics:
             "grace_index_age_seconds", "Age of the served index since it was built.", registry=r
         )
         self.index_age.set_function(self._index_age)
-        self.swaps = Counter("grace_index_swaps_total", "Index hot swaps.", registry=r)
+        self.swaps = Counter(
+            "grace_index_swaps_total", "Index hot swaps (the first load is not one).", registry=r
+        )
         self.swap_failures = Counter(
             "grace_index_swap_failures_total",
             "Index versions refused: reason 'invalid' (an attempt to load, validate or "
@@ -154,7 +163,9 @@ class Metrics:
             "grace_model_loaded_timestamp_seconds", "When the served model was loaded.",
             registry=r,
         )  # fmt: skip
-        self.model_swaps = Counter("grace_model_swaps_total", "Model hot swaps.", registry=r)
+        self.model_swaps = Counter(
+            "grace_model_swaps_total", "Model hot swaps (the first load is not one).", registry=r
+        )
         self.model_swap_failures = Counter(
             "grace_model_swap_failures_total",
             "Model versions refused: reason 'invalid' (an attempt to load, verify or "

@@ -1,0 +1,70 @@
+"""`grace query` and `grace --version` as a user runs them, against a real server process:
+a user is named by position or by the id `query` prints, bad JSON is one line (no
+traceback), and a reader that goes away (`| head`) ends it quietly."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.server_process import ServerProcess, serving
+from tests.helpers.serving import make_serving_data
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    data = make_serving_data(tmp_path_factory.mktemp("query"))
+    with serving(data, data / "server.log") as running:
+        running.data = data  # type: ignore[attr-defined]
+        yield running
+
+
+def grace(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, input=stdin,
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+
+
+def test_a_user_is_named_by_position_or_by_the_id_query_prints(server: ServerProcess) -> None:
+    world = str(server.data / "world")  # type: ignore[attr-defined]
+    by_position = grace("query", "--target", server.target, "--world", world, "--user", "3")
+    assert by_position.returncode == 0, by_position.stderr
+    user_id = re.match(r"user (\d+) ", by_position.stdout).group(1)
+    by_id = grace("query", "--target", server.target, "--world", world, "--user-id", user_id)
+    assert by_id.returncode == 0, by_id.stderr
+    assert by_id.stdout.splitlines()[0] == by_position.stdout.splitlines()[0]
+    missing = grace("query", "--target", server.target, "--world", world, "--user-id", "7")
+    assert missing.returncode != 0 and "--user-id 7: no such user" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    "text", ['{"user": ', '{"no_such_field": 1}'], ids=["malformed", "unknown"]
+)
+def test_a_bad_request_json_is_one_line(server: ServerProcess, text: str) -> None:
+    done = grace("query", "--target", server.target, "--request-json", "-", stdin=text)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--request-json is not a RetrieveRequest" in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+def test_a_reader_that_goes_away_ends_query_quietly(server: ServerProcess) -> None:
+    world = str(server.data / "world")  # type: ignore[attr-defined]
+    cmd = (f"{sys.executable} -m cli query --target {server.target} --world {world} "
+           "--max-ads 200 | head -1")  # fmt: skip
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert done.stdout.startswith("user ") and done.stdout.count("\n") == 1
+    assert "Broken pipe" not in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 0
+
+
+def test_version_names_the_package() -> None:
+    done = grace("--version")
+    assert done.returncode == 0 and re.match(r"grace-serving \d+\.\d+\.\d+", done.stdout)
