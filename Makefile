@@ -53,8 +53,8 @@ bench: install  ## index-builder benchmarks (writes bench/results/)
 LOADTEST_HOST ?= localhost:50051
 loadtest: install  ## locust against a local server (make serve): 4 users, 30 s, thresholds on
 	$(VENV)/bin/locust -f loadtest/locustfile.py --headless -H $(LOADTEST_HOST) -u 4 -r 4 \
-	  -t 30s --only-summary --csv build/loadtest/grace \
-	  --check-p99-ms 300 --check-fail-ratio 0.01 --check-rps 20
+	  -t 30s --only-summary --csv build/loadtest/grace --html build/loadtest/grace.html \
+	  --grace-p99-ms 300 --grace-fail-ratio 0.01 --grace-rps 20
 
 .PHONY: proto
 proto: install  ## regenerate the gRPC stubs in service/rpc from proto/

@@ -112,8 +112,8 @@ for rate in $RATES; do
     python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u "$USERS" -r "$USERS" -t "$DURATION" \
         --processes "$PROCS" \
         --only-summary --replay "$DATA/requests.jsonl" --arrival-rate "$rate" \
-        --max-inflight 4000 --csv "$OUT/rate_$rate" --check-p99-ms 100 \
-        --check-fail-ratio 0.001 > "$OUT/rate_$rate.log" 2>&1
+        --max-inflight 4000 --csv "$OUT/rate_$rate" --grace-p99-ms 100 \
+        --grace-fail-ratio 0.001 > "$OUT/rate_$rate.log" 2>&1
     echo "rate $rate req/s: exit $? ($(grep -h 'grace loadtest' "$OUT/rate_$rate.log" | tail -1))"
     [ -n "$DMON" ] && kill "$DMON" 2>/dev/null
     scrape "$rate"

@@ -1,7 +1,7 @@
 """Locust load test of grace.v1.AdRetrieval/Retrieve (docs/ops/loadtest.md).
 
     locust -f loadtest/locustfile.py --headless -H localhost:50051 -u 4 -r 4 -t 30s \\
-        --check-p99-ms 500 --check-fail-ratio 0.01 --check-rps 20 --csv out/grace
+        --grace-p99-ms 500 --grace-fail-ratio 0.01 --grace-rps 20 --csv out/grace
 
 Requests: the first --world-users users of a synthetic world (--world, default the demo's
 data/world), or every line of a replay file (--replay: `grace record` output or the
@@ -69,10 +69,10 @@ def _arguments(parser) -> None:
     add("--poisson", action="store_true", help="GRACE: open loop: Poisson, not even, arrivals")
     add("--max-inflight", type=int, default=1000,
         help="GRACE: open loop: calls in flight per user; arrivals past it fail")  # fmt: skip
-    add("--check-p99-ms", type=float, default=None, help="GRACE: fail if P99 exceeds this (ms)")
-    add("--check-fail-ratio", type=float, default=None,
+    add("--grace-p99-ms", type=float, default=None, help="GRACE: fail if P99 exceeds this (ms)")
+    add("--grace-fail-ratio", type=float, default=None,
         help="GRACE: fail if failures/requests exceed this (0.01 = 1 %%)")  # fmt: skip
-    add("--check-rps", type=float, default=None, help="GRACE: fail if req/s is below this")
+    add("--grace-rps", type=float, default=None, help="GRACE: fail if req/s is below this")
 
 
 _loaded = gevent.event.Event()  # set once this process holds its request pool
@@ -214,7 +214,7 @@ def _verdict(environment, **_kw) -> None:
         p99_ms=total.get_response_time_percentile(0.99) or 0.0,
         generator_lag_s=_open_loop_totals().max_lag_s if open_loop else None,
     )
-    limits = Thresholds(o.check_p99_ms, o.check_fail_ratio, o.check_rps)
+    limits = Thresholds(o.grace_p99_ms, o.grace_fail_ratio, o.grace_rps)
     log.info("grace loadtest: %s", summary.describe())
     if o.csv_prefix:
         # The users have stopped; give locust's CSV writer (it rewrites the files every

@@ -109,8 +109,8 @@ def aggregated(csv_prefix: Path) -> dict[str, str]:
 
 def test_closed_loop_run_meets_its_thresholds_and_writes_csv(server: Server, tmp_path) -> None:
     run = locust(server.target, tmp_path / "run", "-u", "4", "-r", "4", "-t", "10s",
-                 "--world", str(server.world), "--world-users", "50", "--check-p99-ms", "5000",
-                 "--check-fail-ratio", "0", "--check-rps", "1")  # fmt: skip
+                 "--world", str(server.world), "--world-users", "50", "--grace-p99-ms", "5000",
+                 "--grace-fail-ratio", "0", "--grace-rps", "1")  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     assert "thresholds met" in run.stderr
     total = aggregated(tmp_path / "run")
@@ -147,7 +147,7 @@ def test_replayed_request_log_in_open_loop_misses_an_impossible_rps(
     rate, seconds = 20, 6
     run = locust(server.target, tmp_path / "open", "-u", "1", "-r", "1", "-t", f"{seconds}s",
                  "--replay", str(replay), "--arrival-rate", str(rate),
-                 "--check-fail-ratio", "0", "--check-rps", "1e6")  # fmt: skip
+                 "--grace-fail-ratio", "0", "--grace-rps", "1e6")  # fmt: skip
     assert run.returncode == EXIT_THRESHOLD_MISSED, run.stderr[-4000:]
     assert "threshold missed" in run.stderr and "req/s < 1e+06 req/s" in run.stderr
     assert "failure ratio" not in run.stderr  # the replayed requests all succeeded
@@ -189,7 +189,7 @@ def test_open_loop_keeps_the_arrival_rate_and_reports_each_call_on_time(tmp_path
     try:
         run = locust(f"127.0.0.1:{port}", tmp_path / "slow", "-u", "1", "-r", "1", "-t", "5s",
                      "--replay", str(replay), "--arrival-rate", "40",
-                     "--check-fail-ratio", "0.6")  # fmt: skip
+                     "--grace-fail-ratio", "0.6")  # fmt: skip
     finally:
         server.stop(0)
     assert run.returncode == 0, run.stderr[-4000:]
