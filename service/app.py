@@ -163,7 +163,7 @@ async def start(
     metrics.index_behind.set_function(lambda: int(rollout.index_behind))
     metrics.model_behind.set_function(lambda: int(rollout.model_behind))
     if device.startswith("cuda"):
-        metrics.gpu_memory.set_function(lambda: torch.cuda.memory_allocated())
+        metrics.track_gpu_memory(torch.cuda.memory_allocated)
     metrics.mps_client.set(int(mps_client(device)))
     request_log = RequestLog(settings.request_log) if settings.request_log else None
     servicer = RetrievalServicer(

@@ -9,6 +9,7 @@ Latency buckets are ms-scale with an edge at the 100 ms SLO.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import datetime
 
 from prometheus_client import (
@@ -191,15 +192,20 @@ class Metrics:
         self.eligible = Counter(
             "grace_ads_eligible_total", "Expanded ads passing the exact filter.", registry=r
         )
-        self.gpu_memory = Gauge(
-            "grace_gpu_memory_bytes", "GPU memory allocated by the server.", registry=r
-        )
+        self.gpu_memory: Gauge | None = None  # `track_gpu_memory`: on a GPU only
         self.mps_client = Gauge(
             "grace_mps_client",
             "1 when this process reaches its GPU through a CUDA MPS daemon, else 0 "
             "(several workers on one GPU without it time-slice: GraceGpuWorkersWithoutMps).",
             registry=r,
         )
+
+    def track_gpu_memory(self, allocated: Callable[[], float]) -> None:
+        """Export `grace_gpu_memory_bytes` (a server on a GPU: a CPU one has none)."""
+        self.gpu_memory = Gauge(
+            "grace_gpu_memory_bytes", "GPU memory allocated by the server.", registry=self.registry
+        )
+        self.gpu_memory.set_function(allocated)
 
     def set_index(self, version: str, created_iso: str | None, loaded_at: float) -> None:
         """Record the index now being served."""
