@@ -165,7 +165,11 @@ async def start(
     if device.startswith("cuda"):
         metrics.track_gpu_memory(torch.cuda.memory_allocated)
     metrics.mps_client.set(int(mps_client(device)))
-    request_log = RequestLog(settings.request_log) if settings.request_log else None
+    request_log = None
+    if settings.request_log:
+        request_log = RequestLog(settings.request_log,
+                                 max_bytes=int(settings.request_log_max_mb * 2**20))  # fmt: skip
+        metrics.track_request_log(request_log)
     servicer = RetrievalServicer(
         batcher, Limits.from_settings(settings), serving, metrics, request_log
     )

@@ -9,8 +9,9 @@ Latency buckets are ms-scale with an edge at the 100 ms SLO.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
+from typing import Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,6 +24,32 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily
+
+
+class RequestLogCounts(Protocol):
+    """What `service/request_log.py`'s `RequestLog` counts."""
+
+    written: int
+    rotations: int
+
+    @property
+    def dropped(self) -> int: ...
+
+
+class _RequestLogCollector:
+    def __init__(self, request_log: RequestLogCounts) -> None:
+        self._log = request_log
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("grace_request_log_lines", "Requests written to the request "
+                                  "log.", value=self._log.written)  # fmt: skip
+        yield CounterMetricFamily("grace_request_log_dropped", "Requests not written to the "
+                                  "request log: its writer was behind, or a write failed.",
+                                  value=self._log.dropped)  # fmt: skip
+        yield CounterMetricFamily("grace_request_log_rotations", "Request log files rotated "
+                                  "(request_log_max_mb).", value=self._log.rotations)  # fmt: skip
+
 
 SLO_SECONDS = 0.1
 LATENCY_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, SLO_SECONDS,
@@ -206,6 +233,11 @@ class Metrics:
             "grace_gpu_memory_bytes", "GPU memory allocated by the server.", registry=self.registry
         )
         self.gpu_memory.set_function(allocated)
+
+    def track_request_log(self, request_log: RequestLogCounts) -> None:
+        """Export the request log's lines written, dropped and rotations (the setting
+        `request_log`), read from it at each scrape."""
+        self.registry.register(_RequestLogCollector(request_log))
 
     def set_index(self, version: str, created_iso: str | None, loaded_at: float) -> None:
         """Record the index now being served."""

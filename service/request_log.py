@@ -8,7 +8,9 @@ mapping (`json_format.MessageToJson`, camelCase names, int64 as strings), no bla
 `RequestLog` is what the server appends with (setting `request_log`): the event loop only
 appends the request object to a bounded deque; a writer thread wakes every 0.1 s,
 serialises what waits, writes and flushes. When the writer falls behind, requests are
-dropped and counted rather than slowing the service.
+dropped and counted rather than slowing the service. A file that reaches `max_bytes` is
+rotated like logrotate's numbered files: `path` -> `path.1` -> ... -> `path.<backups>`
+(the oldest removed), and a new `path` begins; each file holds whole lines only.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from service.rpc.grace.v1 import retrieval_pb2
 
 log = logging.getLogger("grace.request_log")
 DEFAULT_CAPACITY = 10_000  # requests waiting for the writer; ~10-30 MB at most
+DEFAULT_BACKUPS = 3  # rotated files kept beside the current one
 WRITE_INTERVAL_SECONDS = 0.1  # the writer wakes, writes what waits, flushes
 _DROP_REPORT_SECONDS = 10.0
 
@@ -65,11 +68,18 @@ class RequestLog:
         path: Path | str,
         capacity: int = DEFAULT_CAPACITY,
         interval: float = WRITE_INTERVAL_SECONDS,
+        *,
+        max_bytes: int = 0,  # rotate once the file reaches this size; 0: never
+        backups: int = DEFAULT_BACKUPS,
     ) -> None:
+        if max_bytes < 0 or backups < 1:
+            raise ValueError(f"max_bytes must be >= 0 and backups >= 1, got {max_bytes}, {backups}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by the thread)
         self.capacity, self.interval = capacity, interval
+        self.max_bytes, self.backups = max_bytes, backups
+        self.rotations = 0  # files rotated (writer thread only)
         # One producer (the event loop) and one consumer (the writer): deque's append and
         # popleft are atomic, so neither side takes a lock or wakes the other per request.
         self._pending: deque[retrieval_pb2.RetrieveRequest] = deque()
@@ -105,21 +115,34 @@ class RequestLog:
         if self.dropped:
             log.warning("request log %s: %d requests dropped", self.path, self.dropped)
 
+    def _rotate(self) -> None:
+        """`path` -> `path.1` -> ... -> `path.<backups>`, then a new, empty `path`."""
+        self._file.close()
+        for i in range(self.backups - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{i}")
+            if older.exists():
+                older.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
+        self.path.replace(self.path.with_name(f"{self.path.name}.1"))
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by the thread)
+        self.rotations += 1
+
     def _run(self) -> None:
         reported, last_report = 0, time.monotonic()
-        with self._file as f:
+        try:
             while True:
                 closing = self._closing.wait(self.interval)  # wake a few times a second
                 while self._pending:
                     request = self._pending.popleft()
                     try:
-                        f.write(to_json_line(request) + "\n")
+                        self._file.write(to_json_line(request) + "\n")
                         self.written += 1
+                        if self.max_bytes and self._file.tell() >= self.max_bytes:
+                            self._rotate()
                     except (OSError, ValueError) as exc:
                         self.write_errors += 1
                         log.error("request log %s: write failed: %s", self.path, exc)
                 try:
-                    f.flush()  # lines reach the file within `interval` of their request
+                    self._file.flush()  # lines reach the file within `interval` of their request
                 except OSError as exc:
                     log.error("request log %s: flush failed: %s", self.path, exc)
                 now = time.monotonic()
@@ -129,3 +152,5 @@ class RequestLog:
                     reported, last_report = self.dropped, now
                 if closing:
                     return
+        finally:
+            self._file.close()

@@ -203,6 +203,11 @@ class ServerSettings(BaseSettings):
         "off when unset. Written by its own thread: when it falls behind, requests are "
         "dropped from the log (counted), never slowed (service/request_log.py).",
     )
+    request_log_max_mb: float = Field(
+        256.0,
+        description="Rotate the request log when it reaches this many MiB: the file becomes "
+        "<file>.1 (older ones <file>.2, <file>.3; the oldest is removed). 0: never rotate.",
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -274,6 +279,7 @@ class ServerSettings(BaseSettings):
         "max_wait_busy_ms",
         "drain_seconds",
         "stall_seconds",
+        "request_log_max_mb",
         "max_connection_age_seconds",
         "max_connection_age_grace_seconds",
     )

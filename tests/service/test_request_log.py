@@ -116,3 +116,48 @@ def test_replay_format_round_trip_and_bad_line_named(tmp_path: Path) -> None:
     path.write_text(path.read_text() + "\n" + '{"user": {"userId": "x"}}\n')
     with pytest.raises(ValueError, match=r"r\.jsonl:4: not a RetrieveRequest"):
         list(read_requests(path))
+
+
+def test_a_full_file_rotates_into_numbered_backups_of_whole_lines(tmp_path: Path) -> None:
+    """Past `max_bytes` the file moves to `.1` (older ones up, the oldest dropped) and a new
+    one begins: every file holds whole, parseable lines, none over the limit by more than
+    one line, and the newest requests are all kept."""
+    path = tmp_path / "requests.jsonl"
+    requests = []
+    for i in range(60):
+        r = retrieval_pb2.RetrieveRequest(request_id=f"r{i:03d}")
+        r.user.user_id = 1000 + i  # every line the same length
+        requests.append(r)
+    line = len(request_log.to_json_line(requests[0])) + 1
+    rlog = RequestLog(path, max_bytes=10 * line, backups=2, interval=0.001)
+    for r in requests:
+        rlog.append(r)
+    rlog.close()
+    files = [path.with_name(f"{path.name}.{i}") for i in (2, 1)] + [path]  # oldest first
+    assert all(f.exists() for f in files) and not path.with_name(f"{path.name}.3").exists()
+    kept = [r.request_id for f in files for r in read_requests(f)]
+    assert kept == [r.request_id for r in requests][-len(kept) :]  # the newest, in order
+    assert all(f.stat().st_size < 11 * line for f in files)
+    assert rlog.written == 60 and rlog.rotations == 60 // 10 and rlog.dropped == 0
+    with pytest.raises(ValueError, match="backups"):
+        RequestLog(tmp_path / "x.jsonl", backups=0)
+
+
+def test_the_server_exports_the_request_logs_counts(data: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        app = await start(serving_settings(data, request_log=tmp_path / "requests.jsonl"))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            for u in range(3):
+                await stub.Retrieve(request_for_user(data / "world", u, 5, retrieval_pb2.CD_GTM))
+        get = app.metrics.registry.get_sample_value
+        for _ in range(500):  # the writer wakes every 0.1 s: wait for it, not for a time
+            if get("grace_request_log_lines_total") == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert get("grace_request_log_lines_total") == 3
+        assert get("grace_request_log_dropped_total") == 0
+        assert get("grace_request_log_rotations_total") == 0
+        await app.drain()
+
+    asyncio.run(main())
