@@ -18,6 +18,7 @@
 # Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu DATA=/tmp/ms bash \
 #   bench/gpu_model_swap.sh /tmp/ms/out 40 40
 set -uo pipefail
+. "$(dirname "$0")/serve_lib.sh"
 OUT=${1:?output directory}; RATE=${2:-1000}; DURATION=${3:-90}
 DATA=${DATA:-/tmp/paper}; ADS=${ADS:-30000000}; PROFILE=${PROFILE:-paper}; DEVICE=${DEVICE:-cuda}
 GRACE=(python3 -m cli)
@@ -37,12 +38,7 @@ GRACE_PROFILE=$PROFILE GRACE_QUEUE_CAPACITY=${GRACE_QUEUE_CAPACITY:-128} "${GRAC
     --workers "${WORKERS:-1}" --no-progress > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
-start=$(date +%s)
-until "${GRACE[@]}" health --target localhost:50051 --timeout 2 >/dev/null 2>&1; do
-    kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -20 "$OUT/server.log"; exit 1; }
-    sleep 1
-done
-echo "SERVING after $(( $(date +%s) - start )) s"
+wait_serving $SERVER "$OUT/server.log"
 if [ -n "${STACKS_AT:-}" ]; then  # every worker's thread stacks into server.log then
     (sleep "$STACKS_AT"; kill -USR1 "$SERVER" 2>/dev/null) &
 fi
@@ -53,9 +49,6 @@ python3 bench/bench_model_swap.py --target localhost:50051 --repo "$DATA/models"
     --out "$OUT/model_swap.json" > "$OUT/bench.log" 2>&1
 rc=$?
 tail -45 "$OUT/bench.log"
-for ((i = 0; i < ${WORKERS:-1}; i++)); do  # worker i serves metrics on 9464 + i
-    python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:$((9464 + i))/metrics').read().decode())" \
-        > "$OUT/metrics_w$i.prom" 2>/dev/null
-done
+scrape_workers "${WORKERS:-1}" "$OUT/metrics"  # worker i serves metrics on 9464 + i
 grep -E "grace.rollout|CUDA graphs" "$OUT/server.log" | tail -12
 exit $rc

@@ -13,6 +13,7 @@
 # Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu WORKERS=1 \
 #   bash bench/gpu_overload.sh /tmp/ovl "40 80" 5 1000
 set -uo pipefail
+. "$(dirname "$0")/serve_lib.sh"
 OUT=${1:?output directory}; RATES=${2:-"1000 2000"}; DURATION=${3:-20}; DEADLINE_MS=${4:-100}
 ADS=${ADS:-30000000}; PROFILE=${PROFILE:-paper}; DEVICE=${DEVICE:-cuda}; WORKERS=${WORKERS:-3}
 PROCS=${GEN_PROCESSES:-4}; CHANNELS=${GEN_CHANNELS:-16}  # 64 client connections
@@ -32,18 +33,9 @@ fi
     --device "$DEVICE" --no-progress --workers "$WORKERS" > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
-start=$(date +%s)
-until "${GRACE[@]}" health --target localhost:50051 --timeout 2 >/dev/null 2>&1; do
-    kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -20 "$OUT/server.log"; exit 1; }
-    sleep 1
-done
-echo "SERVING after $(( $(date +%s) - start )) s ($WORKERS worker(s))"
-metrics() {  # every worker's Prometheus text (worker i serves metrics on 9464 + i)
-    for ((i = 0; i < WORKERS; i++)); do
-        python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:$((9464 + i))/metrics').read().decode())" \
-            > "$OUT/metrics_$1_w$i.prom" 2>/dev/null
-    done
-}
+wait_serving $SERVER "$OUT/server.log"
+echo "($WORKERS worker(s))"
+metrics() { scrape_workers "$WORKERS" "$OUT/metrics_$1"; }  # worker i on 9464 + i
 load() {  # rate seconds deadline_ms name
     python3 -m loadtest.overload --target localhost:50051 --replay "$DATA/requests.jsonl" \
         --rate "$1" --seconds "$2" --deadline-ms "$3" --processes "$PROCS" \
