@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import torch
 
 from index_builder.build import build_index
@@ -17,6 +18,7 @@ from service.model.checkpoint import save_checkpoint
 from service.model.config import PROFILES
 from service.model.retriever import GenerativeRetriever
 from service.settings import ServerSettings, load_settings
+from tests.helpers.oracle import Ad
 
 
 def make_serving_data(root: Path, seed: int = 2) -> Path:
@@ -36,3 +38,19 @@ def serving_settings(root: Path, **overrides: Any) -> ServerSettings:
     base = {"port": 0, "metrics_port": 0, "host": "127.0.0.1", "data_dir": root,
             "device": "cpu", "index_poll_seconds": 0.1, "drain_seconds": 2.0}  # fmt: skip
     return load_settings(base | overrides)
+
+
+def catalog_ads(root: Path) -> dict[int, Ad]:
+    """The served world's ads as the oracle reads them (targeting only: SIDs unused)."""
+    rows = pq.read_table(root / "world" / "catalog.parquet").to_pylist()
+    return {
+        r["ad_id"]: Ad(
+            r["ad_id"],
+            (0, 0, 0, 0),
+            tuple(r["countries"] or ()),
+            tuple(r["age_buckets"] or ()),
+            tuple(r["genders"] or ()),
+            tuple(r["locations"] or ()),
+        )
+        for r in rows
+    }

@@ -32,9 +32,9 @@ from service.model.repository import list_versions, publish_model
 from service.model.retriever import GenerativeRetriever
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from tests.helpers.indexes import flip_byte
-from tests.helpers.oracle import Ad, eligible
+from tests.helpers.oracle import eligible
 from tests.helpers.server_process import ServerProcess
-from tests.helpers.serving import make_serving_data, serving_settings
+from tests.helpers.serving import catalog_ads, make_serving_data, serving_settings
 
 pytestmark = pytest.mark.slow
 
@@ -59,13 +59,6 @@ def sid_catalog(data: Path, out: Path) -> Path:
     sids = np.stack([i % 8, (i // 8) % 8, (i // 64) % 8, i % 512], axis=1).tolist()
     pq.write_table(table.append_column("sid", pa.array(sids, pa.list_(pa.int64()))), out)
     return out
-
-
-def ads_of(data: Path) -> dict[int, Ad]:
-    rows = pq.read_table(data / "world" / "catalog.parquet").to_pylist()
-    return {r["ad_id"]: Ad(r["ad_id"], (0, 0, 0, 0), tuple(r["countries"] or ()),
-                           tuple(r["age_buckets"] or ()), tuple(r["genders"] or ()),
-                           tuple(r["locations"] or ())) for r in rows}  # fmt: skip
 
 
 def sample(app: App, name: str, labels: dict[str, str] | None = None) -> float:
@@ -138,7 +131,7 @@ def test_a_model_hot_swaps_under_load_and_an_incompatible_one_is_refused(
     m1 = checkpoint(data, data / "model-copy", seed=0)  # the world's model: same weights
     m2 = checkpoint(data, tmp_path / "m2", seed=7)
     other = checkpoint(data, tmp_path / "other", seed=8, sid_space="other-v1")
-    world, ads = load_world(data / "world"), ads_of(data)
+    world, ads = load_world(data / "world"), catalog_ads(data)
 
     async def run() -> Load:
         app = await start(serving_settings(data, model_dir=repo))
@@ -188,7 +181,7 @@ def test_a_model_of_a_new_sid_space_rolls_out_with_its_index(data: Path, tmp_pat
     m1 = checkpoint(data, tmp_path / "m1", seed=0)
     m2 = checkpoint(data, tmp_path / "m2", seed=3, sid_space="rollout-v2")
     catalog = sid_catalog(data, tmp_path / "catalog-v2.parquet")
-    world, ads = load_world(data / "world"), ads_of(data)
+    world, ads = load_world(data / "world"), catalog_ads(data)
     new_index: list[str] = []
 
     async def run() -> Load:

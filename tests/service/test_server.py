@@ -27,30 +27,13 @@ from service.pipeline.stages import Stages, graph_buckets
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.server import SERVICE, Abort, RetrievalServicer
 from service.validation import Limits
-from tests.helpers.oracle import Ad, eligible
-from tests.helpers.serving import make_serving_data, serving_settings
+from tests.helpers.oracle import eligible
+from tests.helpers.serving import catalog_ads, make_serving_data, serving_settings
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_serving_data(tmp_path_factory.mktemp("serve"))
-
-
-def catalog_ads(root: Path) -> dict[int, Ad]:
-    import pyarrow.parquet as pq
-
-    rows = pq.read_table(root / "world" / "catalog.parquet").to_pylist()
-    return {
-        r["ad_id"]: Ad(
-            r["ad_id"],
-            (0, 0, 0, 0),
-            tuple(r["countries"] or ()),
-            tuple(r["age_buckets"] or ()),
-            tuple(r["genders"] or ()),
-            tuple(r["locations"] or ()),
-        )
-        for r in rows
-    }
 
 
 async def retrieve_users(port: int, root: Path, users: range) -> list:
