@@ -11,8 +11,8 @@
 # Usage: bash bench/gpu_model_swap.sh OUT [RATE] [DURATION]; DATA=DIR keeps the world,
 # index and models (default /tmp/paper, shared with bench/gpu_loadtest.sh); WORKERS=N
 # serves with `grace serve --workers N` (one process serves ~660 req/s at this shape: the
-# 1,000 req/s figure needs 3, docs/PERFORMANCE.md); STACKS_AT=S sends SIGUSR1 to the
-# server S seconds after the bench starts (each worker writes its threads' stacks to
+# 1,000 req/s figure needs 3, docs/PERFORMANCE.md); STACKS_AT="S ..." sends SIGUSR1 to the
+# server S seconds after the bench starts, for each S (each worker writes its threads' stacks to
 # server.log; publishing starts 30 s after the bench does, and for the paper model CURRENT
 # moves ~20 s later).
 # Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu DATA=/tmp/ms bash \
@@ -39,9 +39,9 @@ GRACE_PROFILE=$PROFILE GRACE_QUEUE_CAPACITY=${GRACE_QUEUE_CAPACITY:-128} "${GRAC
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
 wait_serving $SERVER "$OUT/server.log"
-if [ -n "${STACKS_AT:-}" ]; then  # every worker's thread stacks into server.log then
-    (sleep "$STACKS_AT"; kill -USR1 "$SERVER" 2>/dev/null) &
-fi
+for at in ${STACKS_AT:-}; do  # every worker's thread stacks into server.log then
+    (sleep "$at"; kill -USR1 "$SERVER" 2>/dev/null) &
+done
 name=$(python3 -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')")
 python3 bench/bench_model_swap.py --target localhost:50051 --repo "$DATA/models" \
     --checkpoint "$DATA/model-1" --world "$DATA/world" --rate "$RATE" --seconds "$DURATION" \

@@ -24,7 +24,6 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,10 +246,10 @@ def _rollout(
 
     failures = {"model": metrics.model_swap_failures, "index": metrics.swap_failures}
     backoff = max(settings.index_poll_seconds, 1.0)
-    one_at_a_time: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
-    if settings.workers > 1:  # workers sharing the GPU swap one after the other
-        lock = swap_lock_path(Path(settings.model_dir), Path(settings.index_root))
-        one_at_a_time = functools.partial(host_lock, lock)
+    # the servers of one host following these roots (the workers of `--workers N`, each a
+    # server of its own with workers = 1) swap one after the other
+    lock = swap_lock_path(Path(settings.model_dir), Path(settings.index_root))
+    one_at_a_time = functools.partial(host_lock, lock)
     dtype = getattr(torch, settings.resolve_dtype(device))
     return Rollout(
         model_follower(Path(settings.model_dir), stages, dtype, served=served("model"),

@@ -15,6 +15,16 @@ nobody reads. `on_dispatch(batch)` sees every batch as it enters; `on_batch_done
 dispatched, service)` tells the batcher a batch has left and, when it ran every stage,
 what they cost (the admission estimate learns from it; None for a batch that failed or
 was dropped part-way).
+
+Device memory: a record's tensors are allocated on its stage's stream and read by the
+later stages' streams. The CUDA caching allocator hands a freed block to the next
+allocation on the stream that allocated it, without waiting for other streams, so a
+stage-1 buffer freed as soon as stage 2 has queued its kernels could be refilled with
+the next batch's inputs before stage 2's stream has read it (wrong features, on the H200
+an out-of-range embedding index and a dead CUDA context). Every record of a batch
+therefore lives until the batch leaves the pipeline, after its last stage's event is
+complete (`_finish`: the post stage has waited for it; a batch failed or dropped
+part-way waits there).
 """
 
 from __future__ import annotations
@@ -45,7 +55,13 @@ class _Flight:
     batch: Batch
     live: list[bool]  # per request: still to be answered
     stage_ms: dict[str, float] = field(default_factory=dict)  # wall time of each stage run
-    out: Packed | Embedded | Decoded | None = None  # the last stage's record
+    # every stage's record so far: their device buffers live until the batch leaves
+    records: list[Packed | Embedded | Decoded] = field(default_factory=list)
+
+    @property
+    def out(self) -> Packed | Embedded | Decoded | None:
+        """The last stage's record (what the next stage reads)."""
+        return self.records[-1] if self.records else None
 
     @property
     def live_rows(self) -> list[int]:
@@ -144,7 +160,7 @@ class Pipeline:
                 log.exception("stage %s failed for a batch of %d", name, len(flight.live))
                 for p in flight.batch.pending:
                     p.fail(exc)
-                self._finish(flight)
+                self._finish(flight, failed=i)
                 continue
             seconds = time.perf_counter() - t
             with self._lock:
@@ -152,7 +168,7 @@ class Pipeline:
             flight.stage_ms[name] = seconds * 1e3
             self._observe(name, seconds)
             if i + 1 < len(STAGES):
-                flight.out = out  # type: ignore[assignment]
+                flight.records.append(out)  # type: ignore[arg-type]
                 self._queues[i + 1].put(flight)
                 continue
             for row, result in zip(flight.live_rows, out, strict=True):  # type: ignore[call-overload]
@@ -169,7 +185,15 @@ class Pipeline:
             self._on_dropped(stage, "cancelled", abandoned)
         return any(flight.live)
 
-    def _finish(self, flight: _Flight, service: float | None = None) -> None:
+    def _finish(
+        self, flight: _Flight, service: float | None = None, failed: int | None = None
+    ) -> None:
+        """The batch leaves, once the device is done with its buffers (module docstring;
+        `failed`: the stage that raised, whose own queued work is waited for too)."""
+        try:
+            self.stages.settle(flight.out, failed)
+        except Exception:  # a dead CUDA context: the stall watchdog ends the process
+            log.exception("waiting for a batch's device work failed")
         with self._lock:
             self.in_flight -= 1
             self._progress_at = time.monotonic()

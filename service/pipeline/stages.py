@@ -107,6 +107,15 @@ class Stages:
         (`grace_batch_padding_total`): each runs padded to its own bucket."""
         return sum(bucket_of(self.buckets, len(g.rows)) - len(g.rows) for g in groups)
 
+    def settle(self, record: Packed | Embedded | Decoded | None, failed: int | None = None) -> None:
+        """Wait until the device has run the stage that made `record` (and so every stage
+        before it) and, for a batch whose stage `failed` raised, what that stage queued:
+        then nothing on the device reads the batch's buffers any more."""
+        if record is not None and record.event is not None:
+            record.event.synchronize()
+        if failed is not None and (event := self._event(failed)) is not None:
+            event.synchronize()
+
     def _on(self, stage: int, event: torch.cuda.Event | None) -> AbstractContextManager[object]:
         stream = self.streams[stage]
         if stream is None:

@@ -8,6 +8,7 @@ model serves the previous valid one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -263,3 +264,53 @@ def test_a_restart_with_current_on_a_refused_model_serves_the_previous_one(
         assert "corrupt or truncated" in log and f"serving {good}" in log
     finally:
         server.stop()
+
+
+def test_a_worker_swaps_models_under_the_host_lock(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers of `grace serve --workers N` (each a server with workers = 1) sharing a
+    GPU swap one after the other: every server loads a newcomer holding the host-wide
+    lock of its roots, so a worker's swap is not another's slowdown."""
+    from service import app as app_module
+    from service.rollout.host_lock import host_lock, swap_lock_path
+
+    repo = tmp_path / "models"
+    publish_model(data / "model", repo)
+    checkpoint(data, tmp_path / "m2", seed=5)
+    held: list[Path] = []
+    loads_under_lock: list[bool] = []
+
+    @contextlib.contextmanager
+    def recording_lock(path: Path):
+        with host_lock(path):
+            held.append(path)
+            try:
+                yield
+            finally:
+                held.pop()
+
+    real_load = app_module.model_follower
+
+    def follower(*args, **kwargs):
+        f = real_load(*args, **kwargs)
+        load = f._load
+        f._load = lambda p, v: (loads_under_lock.append(bool(held)), load(p, v))[1]
+        return f
+
+    monkeypatch.setattr(app_module, "host_lock", recording_lock)
+    monkeypatch.setattr(app_module, "model_follower", follower)
+    settings = serving_settings(data, model_dir=repo)  # workers = 1, as each worker's are
+
+    async def run() -> None:
+        app = await start(settings)
+        try:
+            second = publish_model(tmp_path / "m2", repo)
+            await until(lambda: app.servicer.serving.current.model.version == second, "the swap")
+        finally:
+            await app.drain()
+
+    asyncio.run(run())
+    lock = swap_lock_path(repo, data / "index")
+    assert loads_under_lock == [False, True]  # start-up loads alone; the newcomer under the lock
+    assert not held and lock.exists()

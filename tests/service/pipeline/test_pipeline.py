@@ -235,6 +235,51 @@ def test_a_failing_batch_fails_alone(model, stage: str) -> None:
     assert all(not isinstance(r, Exception) for r in results[4:])  # later batches served
 
 
+def test_every_record_of_a_batch_lives_until_the_device_is_done_with_it(model) -> None:
+    """Later stages' streams read a record's device buffers after its stage has returned
+    (service/pipeline/runner.py): the records of a batch live until it leaves, and it
+    leaves only through `settle` — after its last stage, or after the stage that failed."""
+    import gc
+    import weakref
+
+    ads, index = world(0)
+    stages = Stages("cpu")
+    records: dict[int, list[weakref.ref]] = {}
+    alive_in_post: list[bool] = []
+    settled: list[tuple[str, int | None]] = []
+    features, compute, post, settle = stages.features, stages.compute, stages.post, stages.settle
+
+    def keep(batch, record):
+        records.setdefault(id(batch), []).append(weakref.ref(record))
+        return record
+
+    stages.input = lambda batch, original=stages.input: keep(batch, original(batch))
+    stages.features = lambda batch, packed: keep(batch, features(batch, packed))
+
+    def failing_compute(batch, embedded, live):
+        if any(r.user_id == 0 for r in batch.requests):
+            raise RuntimeError("boom")
+        return keep(batch, compute(batch, embedded, live))
+
+    def checked_post(batch, decoded, rows, stage_ms):
+        gc.collect()
+        alive_in_post.append(all(ref() is not None for ref in records[id(batch)]))
+        return post(batch, decoded, rows, stage_ms)
+
+    def recorded_settle(record, failed=None):
+        settled.append((type(record).__name__, failed))
+        settle(record, failed)
+
+    stages.compute, stages.post = failing_compute, checked_post  # type: ignore[method-assign]
+    stages.settle = recorded_settle  # type: ignore[method-assign]
+    results = asyncio.run(serve(ServingHolder(pair(model, index, stages)), requests(12, ads),
+                                stages=stages))  # fmt: skip
+    assert isinstance(results[0], RuntimeError)
+    assert alive_in_post and all(alive_in_post)  # Packed and Embedded, still there
+    assert ("Embedded", 2) in settled  # the failed batch: after what stage 3 queued
+    assert settled.count(("Decoded", None)) == len(alive_in_post)
+
+
 def test_a_swapped_out_index_is_released_once_no_batch_holds_it(model) -> None:
     import gc
     import weakref
