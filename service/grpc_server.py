@@ -11,7 +11,8 @@ its turn, and one that would wait longer than `HEALTH_CHECK_MAX_WAIT_SECONDS` is
 RESOURCE_EXHAUSTED after that long (not at once: a caller in a loop would just ask again)
 — so probes in tight loops cannot take the event loop from Retrieve; at most
 `MAX_HEALTH_WATCHES` Watch streams are open at once. Reflection on an aio
-server is asyncio too.
+server is asyncio too, as grpc.reflection.v1 (what grpcurl and current clients ask
+first) and v1alpha.
 
 Each connection may hold `MAX_CONCURRENT_STREAMS` streams; gRPC's overload protection
 counts a stream until the server has released it, so a client that opens and resets
@@ -27,13 +28,16 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha._async import ReflectionServicer  # the aio servicer
 
 from service.rpc.grace.v1 import retrieval_pb2
 from service.settings import ServerSettings
 
 SERVICE = retrieval_pb2.DESCRIPTOR.services_by_name["AdRetrieval"].full_name
+REFLECTION_V1 = "grpc.reflection.v1"
 DRAIN_NOTICE_SECONDS = 0.5  # NOT_SERVING is visible this long before the port closes
 # gRPC's own receive limit is this many times the largest valid request: longer messages
 # are refused by the transport (RESOURCE_EXHAUSTED) before any handler runs; shorter ones
@@ -107,12 +111,50 @@ async def set_health(servicer: HealthServicer, serving: bool) -> None:
 
 
 def add_health_and_reflection(server: grpc.aio.Server, servicer: HealthServicer) -> None:
-    """Register grpc.health.v1 (answered by `servicer`) and server reflection for
-    AdRetrieval, health and reflection itself."""
+    """Register grpc.health.v1 (answered by `servicer`) and server reflection — as
+    grpc.reflection.v1 and v1alpha — for AdRetrieval, health and reflection itself."""
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    v1 = _reflection_v1_service()
     names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME)  # fmt: skip
+             v1, reflection.SERVICE_NAME)  # fmt: skip
     reflection.enable_server_reflection(names, server)
+    # grpcio-reflection serves v1alpha only; v1 is the same protocol under another
+    # package (field for field), so the v1alpha servicer answers it with its messages
+    answer = ReflectionServicer(names).ServerReflectionInfo
+    method = grpc.stream_stream_rpc_method_handler(
+        answer,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(v1, {"ServerReflectionInfo": method}),)
+    )
+
+
+def _reflection_v1_service() -> str:
+    """grpc.reflection.v1's file in the default descriptor pool (made from v1alpha's by
+    renaming its package, unless a grpcio-reflection with v1 put it there), so reflection
+    can describe itself under both names; returns v1's service name."""
+    pool = descriptor_pool.Default()
+    name = REFLECTION_V1 + ".ServerReflection"
+    try:
+        pool.FindServiceByName(name)
+        return name
+    except KeyError:
+        pass
+    old = "." + reflection_pb2.DESCRIPTOR.package
+    proto = descriptor_pb2.FileDescriptorProto.FromString(reflection_pb2.DESCRIPTOR.serialized_pb)
+    proto.name, proto.package = "grpc/reflection/v1/reflection.proto", REFLECTION_V1
+    for message in proto.message_type:
+        for f in message.field:
+            if f.type_name.startswith(old + "."):
+                f.type_name = "." + REFLECTION_V1 + f.type_name[len(old) :]
+    for service in proto.service:
+        for m in service.method:
+            m.input_type = "." + REFLECTION_V1 + m.input_type[len(old) :]
+            m.output_type = "." + REFLECTION_V1 + m.output_type[len(old) :]
+    pool.AddSerializedFile(proto.SerializeToString())
+    return name
 
 
 def add_retrieval(server: grpc.aio.Server, retrieve: RawHandler) -> None:
