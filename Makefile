@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: help install test ops-tools lint format serve bench loadtest clean
+.PHONY: help install test ops-tools lint format serve bench loadtest clean image image-smoke
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -19,7 +19,7 @@ ifeq ($(HAS_GPU),)
 	@echo "no NVIDIA GPU found: installing the CPU build of torch $(TORCH_VERSION)"
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 endif
-	$(PY) -m pip install -q -e ".[dev,loadtest]"
+	$(PY) -m pip install -q -e ".[dev,loadtest,gpu,otlp]"
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv and install the project with dev extras
@@ -56,8 +56,31 @@ loadtest: install  ## locust against a local server (make serve): 4 users, 30 s,
 	  -t 30s --only-summary --csv build/loadtest/grace --html build/loadtest/grace.html \
 	  --grace-p99-ms 300 --grace-fail-ratio 0.01 --grace-rps 20
 
+# The CPU image (docs/ops/container.md). Where no registry can be reached the base is
+# made locally (deploy/image/base.sh, mmdebstrap) and torch comes from a local wheel
+# directory: TORCH_WHEELS, mounted into the build, with pip's find-links on it and the
+# exact `+cpu` version, so PyPI (the index then) cannot hand it a CUDA build.
+ENGINE ?= podman
+IMAGE ?= grace-serving:cpu
+BASE_IMAGE ?= localhost/grace-base:bookworm
+TORCH_WHEELS ?= $(firstword $(wildcard /opt/wheels))
+# the host's CA bundle for pip in the build, where the host trusts CAs of its own (a
+# TLS-intercepting proxy); the image itself never gets it
+BUILD_CA ?= $(if $(wildcard /usr/local/share/ca-certificates/*.crt),/etc/ssl/certs/ca-certificates.crt)
+IMAGE_BUILD_ARGS ?= --build-arg VARIANT=cpu --build-arg CPU_IMAGE=$(BASE_IMAGE) \
+  $(if $(TORCH_WHEELS),-v $(abspath $(TORCH_WHEELS)):/wheels:ro --build-arg PIP_FIND_LINKS=/wheels \
+    --build-arg TORCH_INDEX=https://pypi.org/simple --build-arg TORCH_VERSION=$(TORCH_VERSION)+cpu) \
+  $(if $(BUILD_CA),-v $(BUILD_CA):/run/build-ca.crt:ro --build-arg PIP_CERT=/run/build-ca.crt)
+image:  ## build the CPU image with podman (ENGINE); its base with mmdebstrap if missing
+	@$(ENGINE) image exists $(BASE_IMAGE) 2>/dev/null || ENGINE=$(ENGINE) BASE_IMAGE=$(BASE_IMAGE) sh deploy/image/base.sh
+	$(ENGINE) build --format docker --network host $(IMAGE_BUILD_ARGS) -t $(IMAGE) .
+	@$(ENGINE) image inspect $(IMAGE) --format '$(IMAGE): {{.Size}} bytes'
+
+image-smoke:  ## run the image as CI cannot: read-only, non-root, query, hot swap, SIGTERM
+	ENGINE=$(ENGINE) IMAGE=$(IMAGE) sh deploy/image/smoke.sh
+
 .PHONY: proto
-proto: install  ## regenerate the gRPC stubs in service/rpc from proto/
+proto: install  ## regenerate the gRPC stubs (service/rpc, clients/python) from proto/
 	$(PY) -m tools.proto_stubs
 
 clean:  ## remove the venv and caches

@@ -71,10 +71,12 @@ def version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from service.logs import LOG_FORMATS, configure_logging
+
+    # `grace serve` sets it again from its settings (a config file may name it too)
+    fmt = os.environ.get("GRACE_LOG_FORMAT", "text")
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO,
+                      fmt if fmt in LOG_FORMATS else "text")  # fmt: skip
     from index_builder.publish import PublishError
     from service.errors import StartupError
 

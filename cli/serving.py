@@ -24,8 +24,14 @@ def _serve(args: argparse.Namespace) -> int:
             "workers": args.workers,
             "mps": args.mps,
             "balance": args.balance,
+            "log_format": args.log_format,
         }
     )
+    import logging
+
+    from service.logs import configure_logging
+
+    configure_logging(logging.getLogger().getEffectiveLevel(), settings.log_format)
     if settings.mps:  # fail before building anything
         from service.mps import check_mps
 
@@ -87,6 +93,8 @@ def register(add: AddCommand) -> None:
                    "the driver's nvidia-cuda-mps-control is on PATH and no MPS daemon is "
                    "configured already; --mps: required; --no-mps: off")  # fmt: skip
     p.add_argument("--config", help="settings file (.toml, .json, .yaml)")
+    p.add_argument("--log-format", choices=["text", "json"],
+                   help="log lines as text (default) or one JSON object each")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
 
     p = add(

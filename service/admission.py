@@ -33,7 +33,8 @@ the prediction's error: without it, about half of those marginal requests would 
 their deadline after being computed. A request whose deadline is shorter than the
 fastest recent service time is hopeless (DEADLINE_EXCEEDED at once); one that does not
 fit behind the work ahead is refused with RESOURCE_EXHAUSTED at once, so the client can
-retry elsewhere while it still has time. The queue itself is FIFO; the batcher drops
+retry elsewhere while it still has time; its RetryInfo (`Admission.retry_after`) says when
+this server would have room for it. The queue itself is FIFO; the batcher drops
 a queued request whose remaining time has fallen below the service time before it is
 batched (service/batcher.py), and the pipeline drops expired requests at every stage
 hand-off (service/pipeline/runner.py).
@@ -52,6 +53,10 @@ FLOOR_WINDOW = 64  # batches over which the fastest service time is taken
 RATE_WINDOW = 32  # batches the cost line is fitted over
 MIN_SIZE_VARIANCE = 0.5  # per batch: below it the sizes are too alike to fit a line
 HEADROOM = 0.8  # admit when the prediction is at most this share of the time left
+# RetryInfo on a refusal (service/server.py): when the same request may be sent again to
+# this server, bounded so a cold estimate never asks for nothing or for seconds
+RETRY_MIN_SECONDS = 0.01
+RETRY_MAX_SECONDS = 1.0
 
 
 class Verdict(enum.Enum):
@@ -120,6 +125,22 @@ class Admission:
     def predicted_ms(self, queued: int, in_flight: int) -> float:
         """The prediction a refusal message quotes, in milliseconds."""
         return 1e3 * (self.wait + self.estimate.predict(queued + in_flight))
+
+    def retry_after(
+        self, queue_full: bool, remaining: float | None, queued: int, in_flight: int
+    ) -> float:
+        """Seconds a refused request should wait before it is sent to this server again:
+        refused as overloaded (`remaining` seconds of deadline left), until the work ahead
+        has shrunk by what its prediction overshot the admitted share of the deadline;
+        refused by a full queue, until one batch has left it. Within RETRY_MIN..MAX_SECONDS."""
+        e = self.estimate
+        if not queue_full and remaining is not None:
+            delay = self.wait + e.predict(queued + in_flight) - HEADROOM * remaining
+        elif e.per_request is not None:
+            delay = e.per_batch + e.max_batch * e.per_request
+        else:
+            delay = 0.0
+        return min(max(delay, RETRY_MIN_SECONDS), RETRY_MAX_SECONDS)
 
 
 def _ewma(old: float | None, new: float) -> float:

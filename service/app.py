@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from service.grpc_server import (
     server_options,
     set_health,
 )
+from service.logs import AccessLog
 from service.metrics import Metrics
 from service.mps import mps_client
 from service.pipeline.records import Batch, group_key
@@ -55,6 +57,7 @@ from service.rollout.rollout import Rollout
 from service.rollout.sources import index_follower, model_follower
 from service.server import RetrievalServicer
 from service.settings import ServerSettings
+from service.tracing import Tracing
 from service.validation import Limits, ValidatedRequest
 from service.watchdog import Watchdog, wedged
 
@@ -77,6 +80,7 @@ class App:
     metrics: Metrics
     settings: ServerSettings
     watchdog: Watchdog | None  # None: stall_seconds = 0
+    tracing: Tracing
 
     async def drain(self) -> None:
         """Stop accepting, finish what is in flight, stop the threads. Watch streams end
@@ -94,6 +98,7 @@ class App:
         await loop.run_in_executor(None, self.pipeline.stop, DRAIN_SLACK_SECONDS)
         if self.servicer.request_log is not None:
             await loop.run_in_executor(None, self.servicer.request_log.close)
+        await loop.run_in_executor(None, self.tracing.shutdown)  # export the last spans
         self.metrics.close()
 
 
@@ -133,6 +138,8 @@ async def start(
         metrics.batch_size.observe(len(batch.pending))
         metrics.padding.inc(stages.padding(batch.groups))
 
+    instance = {"service.instance.id": f"{socket.gethostname()}:{os.getpid()}"}
+    tracing = Tracing.from_settings(settings.tracing, settings.tracing_sample_ratio, **instance)
     pipeline = Pipeline(
         stages,
         serving,
@@ -140,6 +147,7 @@ async def start(
         observe,
         dropped,
         dispatched,
+        tracing,
     )
 
     batcher = Batcher(
@@ -170,8 +178,9 @@ async def start(
                                  max_bytes=int(settings.request_log_max_mb * 2**20))  # fmt: skip
         metrics.track_request_log(request_log)
     servicer = RetrievalServicer(
-        batcher, Limits.from_settings(settings), serving, metrics, request_log
-    )
+        batcher, Limits.from_settings(settings), serving, metrics, request_log,
+        AccessLog(settings.access_log_sample), tracing,
+    )  # fmt: skip
     # connection ageing rebalances clients over replicas; the front's private hop to a
     # worker has nothing to rebalance
     options = server_options(settings, servicer.max_request_bytes)
@@ -210,7 +219,7 @@ async def start(
         time.perf_counter() - t0,
     )  # fmt: skip
     return App(server, port, metrics_port, health_servicer, servicer, batcher, pipeline, rollout,
-               metrics, settings, watchdog)  # fmt: skip
+               metrics, settings, watchdog, tracing)  # fmt: skip
 
 
 def _bind(server: grpc.aio.Server, address: str) -> int:

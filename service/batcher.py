@@ -73,6 +73,7 @@ class Pending(Generic[P]):
     deadline: float | None  # time.monotonic() by which it must be answered; None = none
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
+    trace: Any = None  # its RPC span's context, for the batch span to link (service/tracing.py)
 
     def expired(self, now: float, margin: float = 0.0) -> bool:
         """Its deadline has passed, or passes within `margin` seconds."""
@@ -175,12 +176,13 @@ class Batcher:
             f"overloaded: predicted {predicted:.0f} ms to answer, deadline {1e3 * timeout:.0f} ms"
         )
 
-    async def submit(self, payload: Any, timeout: float | None = None) -> Any:
-        """Admit (see `admit`), queue the request and wait for its result."""
+    async def submit(self, payload: Any, timeout: float | None = None, trace: Any = None) -> Any:
+        """Admit (see `admit`), queue the request and wait for its result; `trace`: the
+        request's span context (service/tracing.py), carried to its batch."""
         self.admit(timeout)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else time.monotonic() + timeout
-        pending = Pending(payload, deadline, loop.create_future(), loop)
+        pending = Pending(payload, deadline, loop.create_future(), loop, trace)
         self._queue.append(pending)
         self._arrived.set()
         return await pending.future

@@ -18,7 +18,12 @@ reply's bytes, so every refusal is cheap and counted — in order:
 A call the client abandons is counted DEADLINE_EXCEEDED when its deadline had (all but)
 passed, CANCELLED otherwise. Every outcome lands in the standard `grpc_server_*` metrics;
 refusals and failures are logged as one short line per status code at most every
-`LOG_EVERY_SECONDS`, with the number of others since.
+`LOG_EVERY_SECONDS`, with the number of others since, and each call may get an access-log
+line (service/logs.py). Every call has a request id (service/request_id.py): on its log
+lines, in the reply's `request_id` and in the trailing metadata `x-request-id`. Errors
+carry a `google.rpc.Status` in the trailers (grpcio-status) besides the plain message:
+INVALID_ARGUMENT a `BadRequest` naming every bad field, RESOURCE_EXHAUSTED from admission
+and UNAVAILABLE a `RetryInfo` saying when this server may take the call again.
 """
 
 from __future__ import annotations
@@ -26,22 +31,37 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import DecodeError, Message
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from opentelemetry.trace import Span, Status, StatusCode
 from prometheus_client import Counter
 
 from service.batcher import Batcher, DeadlineExpired, Overloaded
 from service.grpc_server import SERVICE
+from service.logs import AccessLog
 from service.metrics import Metrics
 from service.pipeline.records import RetrievalResult
 from service.pipeline.runtime import ServingHolder
 from service.post import encode_ads
+from service.request_id import (
+    METADATA_KEY,
+    call_request_id,
+    current_request_id,
+    for_metadata,
+    usable,
+)
 from service.request_log import RequestLog
 from service.rpc.grace.v1 import retrieval_pb2
+from service.tracing import Tracing
 from service.validation import InvalidRequest, Limits, validate_request
 
 log = logging.getLogger("grace.server")
+RETRIEVE_METHOD = f"/{SERVICE}/Retrieve"  # the RPC span's name, less the slash
 LOG_EVERY_SECONDS = 10.0
 # The client's deadline reaches the server late (the headers wait for the event loop), so
 # a client that gives up at its deadline is seen cancelling a little before the server's
@@ -49,12 +69,59 @@ LOG_EVERY_SECONDS = 10.0
 # DEADLINE_EXCEEDED.
 DEADLINE_SKEW_SHARE = 0.1
 DEADLINE_SKEW_MIN = 0.02
+# RetryInfo of UNAVAILABLE: a draining server's port closes within moments (retry on a new
+# connection, which lands on another replica); loading a model and index takes seconds
+RETRY_DRAINING_SECONDS = 0.1
+RETRY_LOADING_SECONDS = 1.0
 
 
 class Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    """A call ends with `code` and `message`; `details` go in its google.rpc.Status."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, details: tuple[Message, ...] = ()
+    ) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.details = code, message, details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        """The google.rpc.Status trailer (`grpc-status-details-bin`), when there are details."""
+        if not self.details:
+            return ()
+        status = status_pb2.Status(code=self.code.value[0], message=self.message)
+        for detail in self.details:
+            packed = any_pb2.Any()
+            packed.Pack(detail)
+            status.details.append(packed)
+        return tuple(rpc_status.to_status(status).trailing_metadata)
+
+
+@dataclass
+class _Call:
+    """One Retrieve call's facts, filled in as it goes (its log lines and access line)."""
+
+    request_id: str  # the reply's request_id
+    result: RetrievalResult | None = None  # an answered call's
+
+    @property
+    def log_id(self) -> str:
+        """The id on log lines and in the trailer: percent-encoded beyond printable ASCII."""
+        return for_metadata(self.request_id)
+
+
+def retry_info(seconds: float) -> error_details_pb2.RetryInfo:
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(round(seconds * 1e9))
+    return error_details_pb2.RetryInfo(retry_delay=delay)
+
+
+def bad_request(error: InvalidRequest) -> error_details_pb2.BadRequest:
+    return error_details_pb2.BadRequest(
+        field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+            for v in error.violations
+        ]
+    )
 
 
 class RateLimitedLog:
@@ -65,7 +132,9 @@ class RateLimitedLog:
         self._last: dict[object, float] = {}
         self._held: dict[object, int] = {}
 
-    def log(self, level: int, key: object, message: str) -> None:
+    def log(self, level: int, key: object, message: str, request_id: str | None = None) -> None:
+        """`message` at `level` unless one of `key` went out less than `every` s ago;
+        `request_id`: the call's (on the line as its field)."""
         now = time.monotonic()
         if now - self._last.get(key, -self.every) < self.every:
             self._held[key] = self._held.get(key, 0) + 1
@@ -73,7 +142,7 @@ class RateLimitedLog:
         held = self._held.pop(key, 0)
         self._last[key] = now
         more = f" (and {held} more in the last {self.every:.0f} s)" if held else ""
-        self.logger.log(level, "%s%s", message, more)
+        self.logger.log(level, "%s%s", message, more, extra={"request_id": request_id})
 
 
 class RetrievalServicer:
@@ -84,9 +153,13 @@ class RetrievalServicer:
         serving: ServingHolder,
         metrics: Metrics,
         request_log: RequestLog | None = None,  # settings.request_log; queues, never blocks
+        access_log: AccessLog | None = None,  # settings.access_log_sample; None: none
+        tracing: Tracing | None = None,  # settings.tracing; None: off
     ) -> None:
         self.batcher, self.limits, self.serving, self.metrics = batcher, limits, serving, metrics
+        self.tracing = tracing or Tracing()
         self.request_log = request_log
+        self.access_log = access_log if access_log is not None else AccessLog(0.0)
         self.max_request_bytes = limits.max_request_bytes()
         self.draining = False
         labels = self._labels = ("unary", SERVICE, "Retrieve")
@@ -97,19 +170,31 @@ class RetrievalServicer:
         self._log = RateLimitedLog(log)
 
     async def Retrieve(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """One call, in its trace span when tracing is on (service/tracing.py)."""
+        with self.tracing.rpc(RETRIEVE_METHOD, context.invocation_metadata()) as span:
+            return await self._call(request, context, span)
+
+    async def _call(
+        self, request: bytes, context: grpc.aio.ServicerContext, span: Span | None
+    ) -> bytes:
         m, t0 = self.metrics, time.perf_counter()
         self._started.inc()
         m.inflight.inc()
+        call = _Call(call_request_id(request, context.invocation_metadata()))
+        logged = current_request_id.set(call.log_id)  # this call's task only
         timeout = context.time_remaining()
         deadline = None if timeout is None else time.monotonic() + timeout
         code = grpc.StatusCode.OK
         try:
-            return await self._retrieve(request, deadline)
+            reply = await self._retrieve(request, deadline, call)
+            context.set_trailing_metadata(((METADATA_KEY, call.log_id),))
+            return reply
         except Abort as exc:
             code = exc.code
             level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.WARNING
-            self._log.log(level, code, f"Retrieve {code.name}: {exc.message}")
-            await context.abort(exc.code, exc.message)
+            self._log.log(level, code, f"Retrieve {code.name}: {exc.message}", call.log_id)
+            trailer = (*exc.trailing_metadata(), (METADATA_KEY, call.log_id))
+            await context.abort(exc.code, exc.message, trailing_metadata=trailer)
             raise  # unreachable: abort raises
         except asyncio.CancelledError:
             # grpc cancels the handler when the client's deadline passes or it cancels:
@@ -126,14 +211,38 @@ class RetrievalServicer:
             if handled is None:
                 handled = self._handled[code] = m.handled.labels(*self._labels, code.name)
             handled.inc()
-            self._handling.observe(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            self._handling.observe(seconds)
+            if self.access_log.wants(code == grpc.StatusCode.OK):
+                self._access(call, code, seconds, context)
+            if span is not None:
+                _annotate(span, call, code)
+            current_request_id.reset(logged)
 
-    async def _retrieve(self, raw: bytes, deadline: float | None) -> bytes:
+    def _access(
+        self, call: _Call, code: grpc.StatusCode, seconds: float, context: grpc.aio.ServicerContext
+    ) -> None:
+        r = call.result
+        self.access_log.record(
+            request_id=call.log_id,
+            code=code.name,
+            latency_ms=seconds * 1e3,
+            peer=context.peer(),
+            batch_size=None if r is None else r.batch_size,
+            index_version=None if r is None else r.index_version,
+            model_version=None if r is None else r.model_version,
+            ads=None if r is None or code != grpc.StatusCode.OK else len(r.post.ad_ids),
+        )
+
+    async def _retrieve(self, raw: bytes, deadline: float | None, call: _Call) -> bytes:
+        unavailable = grpc.StatusCode.UNAVAILABLE
         if self.draining:
-            raise Abort(grpc.StatusCode.UNAVAILABLE, "server is draining")
+            raise Abort(unavailable, "server is draining", (retry_info(RETRY_DRAINING_SECONDS),))
         if not self.serving.ready:
-            raise Abort(grpc.StatusCode.UNAVAILABLE, "no model and index loaded yet")
-        if len(raw) > self.max_request_bytes:
+            raise Abort(
+                unavailable, "no model and index loaded yet", (retry_info(RETRY_LOADING_SECONDS),)
+            )
+        if len(raw) > self.max_request_bytes:  # no RetryInfo: it would be refused again
             raise Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"request of {len(raw)} bytes exceeds the largest valid one "
@@ -143,7 +252,7 @@ class RetrievalServicer:
             self.batcher.admit(_left(deadline))
         except Overloaded as exc:
             self.metrics.refused.labels(exc.reason).inc()
-            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+            raise self._refused(exc, deadline) from None
         except DeadlineExpired as exc:
             self.metrics.refused.labels("hopeless").inc()
             raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
@@ -154,27 +263,42 @@ class RetrievalServicer:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"the {len(raw)} bytes received are not a grace.v1.RetrieveRequest",
             ) from None
+        own = usable(request.request_id)
+        if own is not None and own != call.request_id:  # its field 1 was not first on the wire
+            call.request_id = own
+            current_request_id.set(call.log_id)
         try:
             req = validate_request(request, self.limits)
         except InvalidRequest as exc:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), (bad_request(exc),)) from None
         if self.request_log is not None:
             self.request_log.append(request)
         try:
-            result: RetrievalResult = await self.batcher.submit(req, _left(deadline))
+            result: RetrievalResult = await self.batcher.submit(
+                req, _left(deadline), self.tracing.current()
+            )
         except Overloaded as exc:
             self.metrics.refused.labels(exc.reason).inc()
-            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+            raise self._refused(exc, deadline) from None
         except DeadlineExpired as exc:
             raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
         except Exception as exc:
             raise Abort(grpc.StatusCode.INTERNAL, f"retrieval failed: {exc}") from None
+        call.result = result
         try:
-            return self._response(result, req.include_sids)
+            return self._response(result, req.include_sids, call.request_id)
         except Exception as exc:  # counted as INTERNAL, not as an OK the client never got
             raise Abort(grpc.StatusCode.INTERNAL, f"building the reply failed: {exc}") from None
 
-    def _response(self, r: RetrievalResult, include_sids: bool) -> bytes:
+    def _refused(self, exc: Overloaded, deadline: float | None) -> Abort:
+        """RESOURCE_EXHAUSTED for an admission refusal, with when to come back."""
+        b = self.batcher
+        delay = b.admission.retry_after(
+            exc.reason == "queue_full", _left(deadline), b.depth, b.inflight_requests
+        )
+        return Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (retry_info(delay),))
+
+    def _response(self, r: RetrievalResult, include_sids: bool, request_id: str) -> bytes:
         p = r.post
         self.metrics.sids.inc(r.sids_generated)
         self.metrics.expanded.inc(p.ads_expanded)
@@ -191,9 +315,23 @@ class RetrievalServicer:
                 ads_eligible=p.ads_eligible,
                 stage_ms=r.stage_ms,
             ),
+            request_id=request_id,
         )
         # concatenated messages merge: the ads (field 1) and the rest are one reply
         return ads + rest.SerializeToString()
+
+
+def _annotate(span: Span, call: _Call, code: grpc.StatusCode) -> None:
+    """An RPC span's outcome: its code, request id and, answered, what answered it."""
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    span.set_attribute("grace.request_id", call.log_id)
+    r = call.result
+    if r is not None:
+        span.set_attribute("grace.index_version", r.index_version)
+        span.set_attribute("grace.model_version", r.model_version)
+        span.set_attribute("grace.ads_returned", len(r.post.ad_ids))
+    if code != grpc.StatusCode.OK:
+        span.set_status(Status(StatusCode.ERROR, code.name))
 
 
 def _left(deadline: float | None) -> float | None:

@@ -208,6 +208,33 @@ class ServerSettings(BaseSettings):
         description="Rotate the request log when it reaches this many MiB: the file becomes "
         "<file>.1 (older ones <file>.2, <file>.3; the oldest is removed). 0: never rotate.",
     )
+    tracing: Literal["off", "console", "otlp"] = Field(
+        "off",
+        description="OpenTelemetry spans per Retrieve RPC, per batch and per pipeline stage "
+        "(service/tracing.py): 'console' writes them to stderr, 'otlp' exports them over "
+        "OTLP/gRPC (the `otlp` extra; endpoint from OTEL_EXPORTER_OTLP_ENDPOINT, default "
+        "localhost:4317). A caller's W3C traceparent metadata makes them part of its trace.",
+    )
+    tracing_sample_ratio: float = Field(
+        1.0,
+        description="The share of new traces kept (0..1) when tracing is on; a trace the "
+        "caller started follows the caller's sampling decision.",
+    )
+
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Log lines: 'text' (one readable line each) or 'json' (one JSON object "
+        "per line: ts, level, logger, message, worker, request_id, exc, and the access "
+        "log's fields — service/logs.py). Env: GRACE_LOG_FORMAT; grace serve --log-format.",
+    )
+    access_log_sample: float = Field(
+        0.0,
+        description="Share of OK Retrieve calls that get an access-log line (logger "
+        "grace.access: request id, code, latency, batch size, versions, ads, peer); every "
+        "failed call gets one while this is above 0. 0 (the default): no access log — a "
+        "line is ~250 bytes and ~10 us of the event loop, so at 1,000 req/s one worker "
+        "would write ~20 GB a day of what the metrics already count (docs/SERVICE.md).",
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -287,6 +314,20 @@ class ServerSettings(BaseSettings):
     def _non_negative_time(cls, v: float) -> float:
         if not v >= 0:  # also refuses NaN
             raise ValueError(f"must be >= 0, got {v}")
+        return v
+
+    @field_validator("tracing_sample_ratio")
+    @classmethod
+    def _ratio(cls, v: float) -> float:
+        if not 0 <= v <= 1:
+            raise ValueError(f"must be in [0, 1], got {v}")
+        return v
+
+    @field_validator("access_log_sample")
+    @classmethod
+    def _share(cls, v: float) -> float:
+        if not 0.0 <= v <= 1.0:  # also refuses NaN
+            raise ValueError(f"must be a share in 0..1, got {v}")
         return v
 
     @field_validator("index_poll_seconds")

@@ -3,10 +3,14 @@
     RetrieveRequest (proto) ──validate_request(req, limits)──► ValidatedRequest ──► batcher
 
 Every field a client can set is checked here, so nothing later in the pipeline sees a
-value outside the contract. A bad field raises `InvalidRequest(field, message)` — the
-server answers INVALID_ARGUMENT with `str(error)`, which starts with the field's proto
-path (`targeting.gender`, `options.beam_widths[2]`, `user.history[3].type`). Nothing a
-client sends raises anything else (tests/service/test_validation.py fuzzes this).
+value outside the contract. A bad request raises `InvalidRequest` listing every bad field
+(`violations`: each field's proto path, `targeting.gender`, `options.beam_widths[2]`,
+`user.history[3].type`, and what is wrong) — the server answers INVALID_ARGUMENT with a
+`google.rpc.BadRequest` of them all and `str(error)` as the message, which starts with the
+first bad field's path and lists the others'. Each field gets at most one violation (a
+repeated field's elements one each, the first `MAX_ELEMENT_VIOLATIONS`); the beam growth
+rule is asked only of widths each within bounds. Nothing a client sends raises anything
+else (tests/service/test_validation.py fuzzes this).
 
 Decisions on values the proto allows but the contract leaves open:
 
@@ -42,6 +46,8 @@ from service.settings import ServerSettings
 
 MAX_AGE = 150
 MAX_REQUEST_ID_BYTES = 128
+MAX_ELEMENT_VIOLATIONS = 8  # bad elements of one repeated field named one by one
+MAX_SHOWN_CHARS = 32  # of a bad string value quoted in its violation
 UNKNOWN_FIELDS_BYTES = 64 * 1024  # room for fields a newer client may add (docs/ARCHITECTURE.md §5)
 _EVENT_TYPES = np.array([pb.VIEW, pb.CLICK, pb.CONVERSION])
 _FILTER_MODES = {
@@ -51,13 +57,35 @@ _FILTER_MODES = {
 }
 
 
-class InvalidRequest(ValueError):
-    """A client error; `field` is the proto path of the offending field."""
+@dataclass(frozen=True)
+class Violation:
+    """One bad field: its proto path and what is wrong with it."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+    field: str  # e.g. "targeting.gender", "options.beam_widths[2]", "user.history[3].type"
+    description: str
+
+
+class InvalidRequest(ValueError):
+    """A client error naming every bad field (`violations`, in field order); `field` and
+    `message` are the first's. `str()` is `"field: message"`, plus the other fields'
+    paths when there are more."""
+
+    def __init__(self, violations: Sequence[Violation]) -> None:
+        assert violations, "an invalid request has at least one bad field"
+        self.violations = tuple(violations)
+        first, others = self.violations[0], self.violations[1:]
+        self.field, self.message = first.field, first.description
+        text = f"{first.field}: {first.description}"
+        if others:
+            text += f" (and {len(others)} more: {', '.join(v.field for v in others)})"
+        super().__init__(text)
+
+
+class _Violations(list[Violation]):
+    """What one validation pass has found so far."""
+
+    def add(self, field: str, description: str) -> None:
+        self.append(Violation(field, description))
 
 
 @dataclass(frozen=True)
@@ -121,118 +149,163 @@ class ValidatedRequest:
 
 
 def validate_request(req: pb.RetrieveRequest, limits: Limits) -> ValidatedRequest:
-    """Check every field of `req`; raise InvalidRequest naming the first bad one."""
+    """Check every field of `req`; raise InvalidRequest naming every bad one (at most
+    `MAX_ELEMENT_VIOLATIONS` elements of one repeated field, then the field itself)."""
+    bad = _Violations()
     request_id = req.request_id
-    if _utf8_len("request_id", request_id) > MAX_REQUEST_ID_BYTES:
-        raise InvalidRequest("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes")
-    ad_ids, types, ts = _history(req.user.history, limits.max_history)
+    length = _utf8_len(request_id)
+    if length is None:
+        bad.add("request_id", "not valid UTF-8")
+    elif length > MAX_REQUEST_ID_BYTES:
+        bad.add("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes")
+    ad_ids, types, ts = _history(bad, req.user.history, limits.max_history)
+    targeting = _targeting(bad, req.targeting)
     opts = req.options
+    max_ads = _max_ads(bad, opts.max_ads, limits)
+    beams = _beams(bad, list(opts.beam_widths), limits)
+    filter_mode = _filter_mode(bad, opts.filter_mode)
+    if bad:
+        raise InvalidRequest(bad)
     return ValidatedRequest(
         request_id=request_id,
         user_id=req.user.user_id,
-        targeting=_targeting(req.targeting),
+        targeting=targeting,
         history_ad_ids=ad_ids,
         history_types=types,
         history_ts_ms=ts,
-        max_ads=_max_ads(opts.max_ads, limits),
-        beams=_beams(list(opts.beam_widths), limits),
-        filter_mode=_filter_mode(opts.filter_mode),
+        max_ads=max_ads,
+        beams=beams,
+        filter_mode=filter_mode,
         include_sids=opts.include_sids,
     )
 
 
-def _utf8_len(field: str, s: str) -> int:
+def _utf8_len(s: str) -> int | None:
+    """UTF-8 length of `s`; None when it has none."""
     try:
         return len(s.encode("utf-8"))
     except UnicodeEncodeError:  # lone surrogates can be set from Python, not sent on the wire
-        raise InvalidRequest(field, "not valid UTF-8") from None
+        return None
 
 
-def _targeting(t: pb.Targeting) -> Targeting:
+def _targeting(bad: _Violations, t: pb.Targeting) -> Targeting:
     country = t.country
     if country and not (len(country) == 2 and country.isascii() and country.isalpha()):
-        raise InvalidRequest(
-            "targeting.country", f"expected an ISO 3166-1 alpha-2 code or '', got {country!r}"
+        bad.add(
+            "targeting.country", f"expected an ISO 3166-1 alpha-2 code or '', got {_shown(country)}"
         )
     country = country.upper()  # a code outside COUNTRIES is kept: it encodes as unknown
     if not 0 <= t.age <= MAX_AGE:
-        raise InvalidRequest("targeting.age", f"must be in 0..{MAX_AGE} (0 = unknown), got {t.age}")
+        bad.add("targeting.age", f"must be in 0..{MAX_AGE} (0 = unknown), got {t.age}")
     if t.gender not in ("", *GENDERS):
-        raise InvalidRequest(
-            "targeting.gender", f"expected one of {['', *GENDERS]}, got {t.gender!r}"
-        )
+        bad.add("targeting.gender", f"expected one of {['', *GENDERS]}, got {_shown(t.gender)}")
     if len(t.locations) > MAX_REQUEST_LOCATIONS:
-        raise InvalidRequest(
+        bad.add(
             "targeting.locations",
             f"at most {MAX_REQUEST_LOCATIONS} allowed, got {len(t.locations)}",
         )
-    for i, loc in enumerate(t.locations):
-        field = f"targeting.locations[{i}]"
-        if not loc:
-            raise InvalidRequest(field, "must not be empty")
-        if _utf8_len(field, loc) > MAX_LOCATION_BYTES:
-            raise InvalidRequest(field, f"at most {MAX_LOCATION_BYTES} bytes")
+    else:
+        elements = _Elements(bad, "targeting.locations", "locations")
+        for i, loc in enumerate(t.locations):
+            length = _utf8_len(loc)
+            if not loc:
+                elements.add(i, "", "must not be empty")
+            elif length is None:
+                elements.add(i, "", "not valid UTF-8")
+            elif length > MAX_LOCATION_BYTES:
+                elements.add(i, "", f"at most {MAX_LOCATION_BYTES} bytes")
+        elements.close()
     return Targeting(country=country, age=t.age, gender=t.gender, locations=tuple(t.locations))
 
 
+class _Elements:
+    """The bad elements of one repeated field: the first `MAX_ELEMENT_VIOLATIONS` are
+    named one by one, any beyond are counted on the repeated field itself (a reply
+    naming 10,000 events would not fit in gRPC's trailing metadata)."""
+
+    def __init__(self, bad: _Violations, field: str, noun: str) -> None:
+        self.bad, self.field, self.noun = bad, field, noun
+        self.local = _Violations()
+        self.elements: set[int] = set()
+        self.more: set[int] = set()
+
+    def add(self, i: int, suffix: str, description: str) -> None:
+        if i in self.elements or len(self.elements) < MAX_ELEMENT_VIOLATIONS:
+            self.elements.add(i)
+            self.local.add(f"{self.field}[{i}]{suffix}", description)
+        else:
+            self.more.add(i)
+
+    def close(self) -> None:
+        """Hand the violations found (added in element order) to the request's."""
+        self.bad.extend(self.local)
+        if self.more:
+            self.bad.add(self.field, f"{len(self.more)} more {self.noun} are invalid (not listed)")
+
+
 def _history(
-    events: Sequence[pb.Event], max_history: int
+    bad: _Violations, events: Sequence[pb.Event], max_history: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = len(events)
     if n > max_history:
-        raise InvalidRequest("user.history", f"at most {max_history} events, got {n}")
+        bad.add("user.history", f"at most {max_history} events, got {n}")
+        n, events = 0, ()  # not read: the request is refused
     ad_ids = np.fromiter((e.ad_id for e in events), dtype=np.int64, count=n)
     types = np.fromiter((e.type for e in events), dtype=np.int64, count=n)
     ts = np.fromiter((e.timestamp_ms for e in events), dtype=np.int64, count=n)
-    bad = np.flatnonzero(~np.isin(types, _EVENT_TYPES))
-    if len(bad):
-        i = int(bad[0])
-        raise InvalidRequest(
-            f"user.history[{i}].type",
-            f"expected VIEW, CLICK or CONVERSION, got {_event_type_name(int(types[i]))}",
-        )
-    bad = np.flatnonzero(ts < 0)
-    if len(bad):
-        i = int(bad[0])
-        raise InvalidRequest(f"user.history[{i}].timestamp_ms", f"must be >= 0, got {ts[i]}")
+    bad_type = set(np.flatnonzero(~np.isin(types, _EVENT_TYPES)).tolist())
+    bad_ts = set(np.flatnonzero(ts < 0).tolist())
+    elements = _Elements(bad, "user.history", "events")
+    for i in sorted(bad_type | bad_ts):  # event by event: its type, then its timestamp
+        if i in bad_type:
+            name = _event_type_name(int(types[i]))
+            elements.add(i, ".type", f"expected VIEW, CLICK or CONVERSION, got {name}")
+        if i in bad_ts:
+            elements.add(i, ".timestamp_ms", f"must be >= 0, got {ts[i]}")
+    elements.close()
     for a in (ad_ids, types, ts):
         a.flags.writeable = False
     return ad_ids, types, ts
 
 
-def _max_ads(max_ads: int, limits: Limits) -> int:
+def _max_ads(bad: _Violations, max_ads: int, limits: Limits) -> int:
     if max_ads == 0:
         return limits.default_max_ads
     if not 1 <= max_ads <= limits.max_ads_limit:
-        raise InvalidRequest(
+        bad.add(
             "options.max_ads",
             f"must be in 1..{limits.max_ads_limit} (0 = server default), got {max_ads}",
         )
     return max_ads
 
 
-def _beams(widths: list[int], limits: Limits) -> tuple[int, ...]:
+def _beams(bad: _Violations, widths: list[int], limits: Limits) -> tuple[int, ...]:
     if not widths:
         return limits.default_beams
     field = "options.beam_widths"
     if len(widths) != SID_LENGTH:
-        raise InvalidRequest(
+        bad.add(
             field, f"expected {SID_LENGTH} values (M_1..M_{SID_LENGTH}) or none, got {len(widths)}"
         )
+        return limits.default_beams
+    steps = _Violations()
     if widths[0] != 1:
-        raise InvalidRequest(f"{field}[0]", f"M_1 must be 1, got {widths[0]}")
+        steps.add(f"{field}[0]", f"M_1 must be 1, got {widths[0]}")
     for t, (m, most) in enumerate(zip(widths, limits.beam_max, strict=True)):
+        if t == 0 and m != 1:
+            continue
         if m < 1:
-            raise InvalidRequest(f"{field}[{t}]", f"must be >= 1, got {m}")
-        if m > most:
-            raise InvalidRequest(
-                f"{field}[{t}]", f"{m} exceeds the server maximum {most} for M_{t + 1}"
-            )
+            steps.add(f"{field}[{t}]", f"must be >= 1, got {m}")
+        elif m > most:
+            steps.add(f"{field}[{t}]", f"{m} exceeds the server maximum {most} for M_{t + 1}")
     beams = tuple(widths)
+    if steps:  # the growth rule is asked only of values each within bounds
+        bad.extend(steps)
+        return limits.default_beams
     try:
         check_schedule(beams, SID_LENGTH, VOCAB_SIZE)
     except ValueError as e:
-        raise InvalidRequest(f"{field}[{_first_bad_step(beams)}]", str(e)) from None
+        bad.add(f"{field}[{_first_bad_step(beams)}]", str(e))
     return beams
 
 
@@ -247,13 +320,22 @@ def _first_bad_step(beams: tuple[int, ...]) -> int:
     return 0
 
 
-def _filter_mode(mode: int) -> FilterMode:
+def _filter_mode(bad: _Violations, mode: int) -> FilterMode:
     if mode not in _FILTER_MODES:
-        raise InvalidRequest(
+        bad.add(
             "options.filter_mode",
             f"expected FILTER_MODE_UNSPECIFIED, CD_ONLY or CD_GTM, got {mode}",
         )
+        return FilterMode.CD_GTM
     return _FILTER_MODES[mode]
+
+
+def _shown(value: str) -> str:
+    """`value` as an error quotes it: at most `MAX_SHOWN_CHARS` (the details travel in
+    gRPC's trailers, which a client caps at 8 KiB by default)."""
+    if len(value) <= MAX_SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:MAX_SHOWN_CHARS]!r}… ({len(value)} characters)"
 
 
 def _event_type_name(value: int) -> str:

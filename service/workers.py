@@ -37,11 +37,11 @@ import threading
 import time
 
 from service.balancer import FrontThread
+from service.logs import configure_logging
 from service.mps import MpsError, check_mps, gpu_ordinal, mps_daemon, resolve_mps
 from service.settings import ServerSettings
 
 log = logging.getLogger("grace.workers")
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[worker {i}]: %(message)s"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, with its terminating NUL
 
@@ -53,7 +53,7 @@ def worker_settings(settings: ServerSettings, i: int) -> ServerSettings:
 
 
 def _worker(settings: ServerSettings, i: int, level: int, parent: int, address: str | None) -> None:
-    logging.basicConfig(level=level, format=LOG_FORMAT.format(i=i))
+    configure_logging(level, settings.log_format, worker=i)  # each line says which worker
     _die_with(parent)
     from service.app import run
 

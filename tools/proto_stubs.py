@@ -2,13 +2,16 @@
 developer tool, not installed with the service (it needs the `dev` extras' grpcio-tools).
 
     proto/grace/v1/retrieval.proto ──protoc──► service/rpc/grace/v1/retrieval_pb2{.py,.pyi,_grpc.py}
+                                   └─protoc──► clients/python/grace_client/rpc/grace/v1/…
 
 protoc writes imports relative to the proto root (`from grace.v1 import retrieval_pb2`);
-the stubs live inside the `service.rpc` package, so that one import is rewritten here and
-the output is importable as `service.rpc.grace.v1`. The protoc bundled with grpcio-tools
-decides the exact bytes, so generation refuses any grpcio-tools but the version pinned in
-pyproject's `dev` extras; `tests/service/rpc/test_stubs.py` regenerates into a temporary
-directory and fails when the committed stubs differ.
+each copy of the stubs lives inside a package of its own (`TARGETS`: the service's
+`service.rpc`, the light client's `grace_client.rpc`), so that one import is rewritten
+per target and the output is importable as `service.rpc.grace.v1` or
+`grace_client.rpc.grace.v1`. The protoc bundled with grpcio-tools decides the exact bytes,
+so generation refuses any grpcio-tools but the version pinned in pyproject's `dev` extras;
+`tests/service/rpc/test_stubs.py` regenerates every target into a temporary directory and
+fails when the committed stubs differ.
 """
 
 from __future__ import annotations
@@ -18,14 +21,29 @@ import shutil
 import sys
 import tempfile
 import tomllib
+from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = ROOT / "proto"
 PROTOS = ("grace/v1/retrieval.proto",)
-STUB_ROOT = ROOT / "service" / "rpc"  # stubs land in STUB_ROOT/grace/v1/
-PACKAGE = "service.rpc"
+
+
+@dataclass(frozen=True)
+class StubTarget:
+    """One copy of the stubs: they land in `root/grace/v1/`, importable as `package`."""
+
+    root: Path
+    package: str
+
+
+TARGETS = (
+    StubTarget(ROOT / "service" / "rpc", "service.rpc"),
+    # the light client (clients/python): its own copy, so it never imports the service
+    StubTarget(ROOT / "clients" / "python" / "grace_client" / "rpc", "grace_client.rpc"),
+)
+STUB_ROOT, PACKAGE = TARGETS[0].root, TARGETS[0].package  # the service's
 # Package markers written next to the stubs so `service.rpc.grace.v1` imports.
 _INIT = '"""Generated gRPC stubs of `proto/grace/v1` (regenerate with `make proto`)."""\n'
 
@@ -62,15 +80,16 @@ def expected_files() -> list[Path]:
     return sorted(out + [p / "__init__.py" for p in packages])
 
 
-def _fix_imports(text: str) -> str:
+def _fix_imports(text: str, package: str) -> str:
     # `from grace.v1 import retrieval_pb2 as ...` -> `from service.rpc.grace.v1 import ...`
     roots = sorted({Path(p).parts[0] for p in PROTOS})
     pattern = rf"^from ((?:{'|'.join(map(re.escape, roots))})(?:\.\w+)*) import "
-    return re.sub(pattern, rf"from {PACKAGE}.\1 import ", text, flags=re.M)
+    return re.sub(pattern, rf"from {package}.\1 import ", text, flags=re.M)
 
 
-def generate(out_root: Path) -> list[Path]:
-    """Write the stubs (and package `__init__.py` files) under `out_root`; return the paths."""
+def generate(out_root: Path, package: str = PACKAGE) -> list[Path]:
+    """Write the stubs (and package `__init__.py` files) under `out_root`, their imports
+    rooted at `package`; return the paths."""
     pinned, installed = pinned_tools_version(), installed_tools_version()
     if installed != pinned:
         raise GenerationError(
@@ -96,7 +115,7 @@ def generate(out_root: Path) -> list[Path]:
         for rel in expected_files():
             src, dst = Path(tmp) / rel, out_root / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
-            text = _INIT if rel.name == "__init__.py" else _fix_imports(src.read_text())
+            text = _INIT if rel.name == "__init__.py" else _fix_imports(src.read_text(), package)
             dst.write_text(text)
             written.append(dst)
     return written
@@ -104,12 +123,17 @@ def generate(out_root: Path) -> list[Path]:
 
 def main() -> int:
     try:
-        with tempfile.TemporaryDirectory() as tmp:  # all or nothing: a failure keeps the old stubs
-            for path in generate(Path(tmp)):
-                rel = path.relative_to(tmp)
-                (STUB_ROOT / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(path, STUB_ROOT / rel)
-                print(f"wrote {(STUB_ROOT / rel).relative_to(ROOT)}")
+        # all or nothing: every target is generated before any committed stub is replaced
+        with tempfile.TemporaryDirectory() as tmp:
+            staged = []
+            for i, target in enumerate(TARGETS):
+                out = Path(tmp) / str(i)
+                staged += [(p, target.root / p.relative_to(out))
+                           for p in generate(out, target.package)]  # fmt: skip
+            for src, dst in staged:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dst)
+                print(f"wrote {dst.relative_to(ROOT)}")
     except GenerationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class LoadedModel:
     tokenizer: SIDTokenizer | None  # None: a named SID space, SIDs made outside
     model_version: str
     meta: dict[str, Any]  # config.json as stored
+    seconds: dict[str, float] = field(default_factory=dict)  # per load phase: verify, read, ...
 
     @property
     def sid_space(self) -> str:
@@ -132,7 +134,16 @@ def load_checkpoint(
     whose fingerprint differs from the stored one, or weights that do not fit the config.
     """
     path = Path(path)
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+
+    def phase(name: str) -> None:  # the load's phases, for the log line of a swap
+        nonlocal t
+        now = time.perf_counter()
+        seconds[name], t = now - t, now
+
     meta, config, tokenizer = _verified(path)
+    phase("verify")
     try:
         weights = load_file(str(path / WEIGHTS_FILE), device="cpu")
     except Exception as e:  # safetensors raises its own error types for corrupt files
@@ -147,6 +158,7 @@ def load_checkpoint(
     own = torch.device(device).type == "cpu"
     weights = {k: v.to(expected[k].dtype, copy=own) for k, v in weights.items()}
     model.load_state_dict(weights, strict=True, assign=True)
+    phase("read")
     loaded = _fingerprint(model)
     for module in model.modules():
         if hasattr(module, "reset_buffers"):  # the buffers no checkpoint holds
@@ -161,7 +173,8 @@ def load_checkpoint(
     if left:  # a module with state outside the checkpoint and no reset_buffers
         raise CheckpointError(f"checkpoint {path}: the model has state it does not hold: {left}")
     model.to(device).eval()
-    return LoadedModel(model, config, tokenizer, str(meta["model_version"]), meta)
+    phase("to_device")
+    return LoadedModel(model, config, tokenizer, str(meta["model_version"]), meta, seconds)
 
 
 def verify_checkpoint(

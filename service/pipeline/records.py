@@ -137,3 +137,4 @@ class RetrievalResult:
     index_version: str
     model_version: str
     stage_ms: dict[str, float]  # per stage, for this request's batch
+    batch_size: int = 0  # requests in this request's batch as dispatched (the access log's)

@@ -35,12 +35,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from service.batcher import DeadlineExpired, Pending
 from service.pipeline.records import Batch, Decoded, Embedded, Packed
 from service.pipeline.runtime import ServingHolder
 from service.pipeline.stages import Stages
+from service.tracing import Tracing
 
 log = logging.getLogger("grace.pipeline")
 STAGES = ("input", "features", "compute", "post")
@@ -57,6 +58,7 @@ class _Flight:
     stage_ms: dict[str, float] = field(default_factory=dict)  # wall time of each stage run
     # every stage's record so far: their device buffers live until the batch leaves
     records: list[Packed | Embedded | Decoded] = field(default_factory=list)
+    span: Any = None  # the batch's trace span (service/tracing.py), None untraced
 
     @property
     def out(self) -> Packed | Embedded | Decoded | None:
@@ -94,8 +96,10 @@ class Pipeline:
         observe: Callable[[str, float], None] = lambda stage, seconds: None,
         on_dropped: Callable[[str, str, int], None] = lambda stage, reason, n: None,
         on_dispatch: Callable[[Batch], None] = lambda batch: None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.stages, self.serving = stages, serving
+        self._tracing = tracing or Tracing()
         self._done = on_batch_done
         self._observe = observe
         self._on_dropped = on_dropped
@@ -131,7 +135,15 @@ class Pipeline:
             if self.in_flight == 0:
                 self._progress_at = time.monotonic()
             self.in_flight += 1
-        self._queues[0].put(_Flight(batch, [True] * len(pending)))
+        flight = _Flight(batch, [True] * len(pending))
+        if self._tracing.enabled:
+            pair = batch.serving
+            flight.span = self._tracing.batch([p.trace for p in pending], {
+                "grace.batch.size": len(pending), "grace.batch.decode_groups": len(batch.groups),
+                "grace.index_version": pair.index.version,
+                "grace.model_version": pair.model.model_version,
+            })  # fmt: skip
+        self._queues[0].put(flight)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Finish the batches already dispatched, then end the threads (waiting at most
@@ -155,7 +167,8 @@ class Pipeline:
                 continue
             t = time.perf_counter()
             try:
-                out = body(flight)
+                with self._tracing.stage(flight.span, name):
+                    out = body(flight)
             except Exception as exc:  # one batch fails, the pipeline goes on
                 log.exception("stage %s failed for a batch of %d", name, len(flight.live))
                 for p in flight.batch.pending:
@@ -194,6 +207,9 @@ class Pipeline:
             self.stages.settle(flight.out, failed)
         except Exception:  # a dead CUDA context: the stall watchdog ends the process
             log.exception("waiting for a batch's device work failed")
+        if flight.span is not None:
+            error = None if failed is None else f"stage {STAGES[failed]} failed"
+            Tracing.end(flight.span, error, **{"grace.batch.answered": sum(flight.live)})
         with self._lock:
             self.in_flight -= 1
             self._progress_at = time.monotonic()

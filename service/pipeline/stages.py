@@ -230,6 +230,7 @@ class Stages:
                 index_version=index.version,
                 model_version=batch.serving.model.model_version,
                 stage_ms=dict(stage_ms),
+                batch_size=len(batch.pending),
             )
             for p, i in zip(posts, rows, strict=True)
         ]

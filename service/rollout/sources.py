@@ -42,11 +42,14 @@ def model_follower(
     def load(path: Path, version: str) -> ModelRuntime:
         t0 = time.perf_counter()
         loaded = load_checkpoint(path, stages.device)
+        t1 = time.perf_counter()
         loaded.model.to(dtype)
         runtime = stages.runtime(loaded.model, version=version, model_version=loaded.model_version,
                                  sid_space=loaded.sid_space, meta=loaded.meta)  # fmt: skip
-        log.info("model %s (%s) loaded and verified on %s in %.1f s", loaded.model_version,
-                 path, stages.device, time.perf_counter() - t0)  # fmt: skip
+        phases = {**loaded.seconds, "cast": time.perf_counter() - t1}
+        log.info("model %s (%s) loaded and verified on %s in %.1f s (%s)", loaded.model_version,
+                 path, stages.device, time.perf_counter() - t0,
+                 ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))  # fmt: skip
         return runtime
 
     model_dir = Path(model_dir)

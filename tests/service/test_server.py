@@ -99,7 +99,8 @@ def test_graph_buckets_and_busy_batches_reach_the_server(
         finally:
             await app.drain()
         for step in (
-            r"model \S+ \(\S+\) loaded and verified on cpu in [\d.]+ s",
+            r"model \S+ \(\S+\) loaded and verified on cpu in [\d.]+ s \(verify [\d.]+ s, "
+            r"read [\d.]+ s, to_device [\d.]+ s, cast [\d.]+ s\)",  # the load's phases
             r"index \S+ loaded and validated in [\d.]+ s",
             r"ready in [\d.]+ s",
         ):
@@ -429,8 +430,10 @@ def test_an_overloaded_server_sheds_before_parsing_the_request() -> None:
     """Under overload a refusal costs no parsing or validation: even bytes that are no
     request are answered RESOURCE_EXHAUSTED while admission refuses (and INVALID_ARGUMENT
     once it admits)."""
+    from service.admission import Admission
     from service.batcher import Overloaded
     from service.metrics import Metrics
+    from service.server import _Call
 
     overloaded = [True]
 
@@ -438,18 +441,18 @@ def test_an_overloaded_server_sheds_before_parsing_the_request() -> None:
         if overloaded[0]:
             raise Overloaded("overloaded: predicted 900 ms to answer, deadline 100 ms")
 
-    batcher = SimpleNamespace(admit=admit)
+    batcher = SimpleNamespace(admit=admit, admission=Admission(), depth=0, inflight_requests=0)
     limits = Limits(1000, 10_000, (1, 4, 8, 8), (1, 8, 16, 16))
     servicer = RetrievalServicer(batcher, limits, SimpleNamespace(ready=True), Metrics())  # type: ignore[arg-type]
     bad = retrieval_pb2.RetrieveRequest(targeting=retrieval_pb2.Targeting(gender="robot"))
     for raw in (bad.SerializeToString(), b"\xff\xff\xff garbage"):
         overloaded[0] = True
         with pytest.raises(Abort) as shed:
-            asyncio.run(servicer._retrieve(raw, None))
+            asyncio.run(servicer._retrieve(raw, None, _Call("r")))
         assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         overloaded[0] = False
         with pytest.raises(Abort) as invalid:
-            asyncio.run(servicer._retrieve(raw, None))
+            asyncio.run(servicer._retrieve(raw, None, _Call("r")))
         assert invalid.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 

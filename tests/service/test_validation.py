@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -194,6 +195,109 @@ def test_limits_from_settings() -> None:
         )
 
 
+# Each entry breaks one field of `_good()` (the value, then the path it is reported at).
+BREAKS = {
+    "request_id": ("x" * 129, "request_id"),
+    "targeting.country": ("USA", "targeting.country"),
+    "targeting.age": (-1, "targeting.age"),
+    "targeting.gender": ("other", "targeting.gender"),
+    "options.max_ads": (-1, "options.max_ads"),
+    "options.beam_widths": ([1, 8, 16], "options.beam_widths"),
+    "options.filter_mode": (7, "options.filter_mode"),
+}
+# the order validation reports them in: the proto's, element by element
+ORDER = [
+    "request_id",
+    "user.history",
+    "targeting.country",
+    "targeting.age",
+    "targeting.gender",
+    "targeting.locations",
+    "options.max_ads",
+    "options.beam_widths",
+    "options.filter_mode",
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    fields=st.sets(st.sampled_from(sorted(BREAKS))),
+    locations=st.sets(st.integers(0, 3)),
+    types=st.sets(st.integers(0, 2)),
+    stamps=st.sets(st.integers(0, 2)),
+)
+def test_every_broken_field_is_reported_and_only_those(
+    fields: set[str], locations: set[int], types: set[int], stamps: set[int]
+) -> None:
+    req = _good()
+    req.targeting.locations[:] = ["a", "b", "c", "d"]
+    expected = []
+    for name in fields:
+        value, path = BREAKS[name]
+        _set(name, value)(req)
+        expected.append(path)
+    for i in locations:
+        req.targeting.locations[i] = ""
+    for i in sorted(types | stamps):
+        if i in types:
+            req.user.history[i].type = pb.EVENT_TYPE_UNSPECIFIED
+            expected.append(f"user.history[{i}].type")
+        if i in stamps:
+            req.user.history[i].timestamp_ms = -1
+            expected.append(f"user.history[{i}].timestamp_ms")
+    expected += [f"targeting.locations[{i}]" for i in sorted(locations)]
+    expected.sort(key=lambda f: ORDER.index(f.split("[")[0]))  # stable: elements stay in order
+    if not expected:
+        validate_request(req, LIMITS)
+        return
+    with pytest.raises(InvalidRequest) as e:
+        validate_request(req, LIMITS)
+    assert [v.field for v in e.value.violations] == expected
+    assert (e.value.field, e.value.message) == (expected[0], e.value.violations[0].description)
+    assert str(e.value).startswith(f"{expected[0]}: ")
+    if len(expected) > 1:
+        assert str(e.value).endswith(f"(and {len(expected) - 1} more: {', '.join(expected[1:])})")
+
+
+def test_a_repeated_field_names_its_first_bad_elements_then_counts_the_rest() -> None:
+    req = pb.RetrieveRequest()
+    req.user.history.extend(pb.Event(type=pb.VIEW, timestamp_ms=-1) for _ in range(20))
+    with pytest.raises(InvalidRequest) as e:
+        validate_request(req, LIMITS)
+    fields = [v.field for v in e.value.violations]
+    assert fields == [f"user.history[{i}].timestamp_ms" for i in range(8)] + ["user.history"]
+    assert e.value.violations[-1].description == "12 more events are invalid (not listed)"
+
+
+def test_the_worst_request_s_details_fit_in_grpc_s_default_metadata_limit() -> None:
+    """Every field bad at its longest: the BadRequest and the message (both go in the
+    trailers) stay under the 8 KiB a gRPC client accepts by default."""
+    from service.server import Abort, bad_request
+
+    req = pb.RetrieveRequest(
+        request_id="x" * 100_000,
+        user=pb.User(history=[pb.Event(type=99, timestamp_ms=-(2**63))] * 100),
+        targeting=pb.Targeting(
+            country="Q" * 100_000, age=-(2**31), gender="g" * 100_000, locations=[""] * 64
+        ),
+        options=pb.Options(max_ads=-(2**31), beam_widths=[-(2**31)] * 4, filter_mode=-(2**31)),
+    )
+    with pytest.raises(InvalidRequest) as e:
+        validate_request(req, LIMITS)
+    # id; 8 events x (type, time) + the rest; country, age, gender; 8 + 1 locations; options
+    assert len(e.value.violations) == 1 + (16 + 1) + 3 + (8 + 1) + (1 + 4 + 1)
+    abort = Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e.value), (bad_request(e.value),))
+    size = sum(len(k) + len(v) for k, v in abort.trailing_metadata()) + len(abort.message)
+    assert size < 8 * 1024, size
+
+
+def test_beam_bounds_are_each_reported_before_the_growth_rule() -> None:
+    req = pb.RetrieveRequest(options=pb.Options(beam_widths=[2, 0, 129, 1000]))
+    with pytest.raises(InvalidRequest) as e:
+        validate_request(req, LIMITS)
+    assert [v.field for v in e.value.violations] == [f"options.beam_widths[{t}]" for t in range(4)]
+
+
 # --------------------------------------------------------------------------- fuzz
 
 # Each field mixes plausible values with garbage, so both outcomes stay frequent.
@@ -250,6 +354,8 @@ def _check(req: pb.RetrieveRequest) -> None:
         v = validate_request(req, LIMITS)
     except InvalidRequest as e:
         assert e.field and str(e).startswith(e.field)
+        fields = [v.field for v in e.violations]
+        assert fields[0] == e.field and len(fields) == len(set(fields))
         return
     # anything admitted is usable downstream
     assert 1 <= v.max_ads <= LIMITS.max_ads_limit

@@ -1,4 +1,5 @@
-"""The committed gRPC stubs are exactly what `make proto` generates from proto/."""
+"""The committed gRPC stubs — the service's (service/rpc) and the light client's
+(clients/python/grace_client/rpc) — are exactly what `make proto` generates from proto/."""
 
 from __future__ import annotations
 
@@ -9,19 +10,20 @@ import pytest
 from tools import proto_stubs as generate
 
 
-def test_committed_stubs_are_current(tmp_path: Path) -> None:
+@pytest.mark.parametrize("target", generate.TARGETS, ids=lambda t: t.package)
+def test_committed_stubs_are_current(tmp_path: Path, target: generate.StubTarget) -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools not installed (pip install -e '.[dev]')")
     pinned, installed = generate.pinned_tools_version(), generate.installed_tools_version()
     assert installed == pinned, (
         f"grpcio-tools {installed} is installed but pyproject pins {pinned}; the stub bytes "
         f"depend on its protoc, so install the pin (pip install -e '.[dev]')"
     )
-    generate.generate(tmp_path)
+    generate.generate(tmp_path, target.package)
     stale = [
-        str(rel)
+        str(target.root.relative_to(generate.ROOT) / rel)
         for rel in generate.expected_files()
-        if not (generate.STUB_ROOT / rel).is_file()
-        or (generate.STUB_ROOT / rel).read_bytes() != (tmp_path / rel).read_bytes()
+        if not (target.root / rel).is_file()
+        or (target.root / rel).read_bytes() != (tmp_path / rel).read_bytes()
     ]
     assert not stale, f"stale or missing stubs {stale}: run `make proto` and commit the result"
 
@@ -37,6 +39,16 @@ def test_stubs_import_as_a_package() -> None:
     assert service.full_name == "grace.v1.AdRetrieval"
     assert service.methods_by_name["Retrieve"].input_type.name == "RetrieveRequest"
     assert retrieval_pb2.FilterMode.Name(0) == "FILTER_MODE_UNSPECIFIED"
+
+
+def test_client_stubs_import_inside_grace_client() -> None:
+    from grace_client.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+
+    grpc_source = Path(retrieval_pb2_grpc.__file__).read_text()
+    assert "from grace_client.rpc.grace.v1 import retrieval_pb2" in grpc_source
+    assert "from grace.v1 import" not in grpc_source and "service.rpc" not in grpc_source
+    service = retrieval_pb2.DESCRIPTOR.services_by_name["AdRetrieval"]
+    assert service.full_name == "grace.v1.AdRetrieval"
 
 
 def test_generation_detects_an_edited_proto(tmp_path: Path, monkeypatch) -> None:

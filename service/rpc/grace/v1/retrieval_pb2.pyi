@@ -82,16 +82,18 @@ class Options(_message.Message):
     def __init__(self, max_ads: _Optional[int] = ..., beam_widths: _Optional[_Iterable[int]] = ..., filter_mode: _Optional[_Union[FilterMode, str]] = ..., include_sids: _Optional[bool] = ...) -> None: ...
 
 class RetrieveResponse(_message.Message):
-    __slots__ = ("ads", "index_version", "model_version", "stats")
+    __slots__ = ("ads", "index_version", "model_version", "stats", "request_id")
     ADS_FIELD_NUMBER: _ClassVar[int]
     INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ads: _containers.RepeatedCompositeFieldContainer[Ad]
     index_version: str
     model_version: str
     stats: Stats
-    def __init__(self, ads: _Optional[_Iterable[_Union[Ad, _Mapping]]] = ..., index_version: _Optional[str] = ..., model_version: _Optional[str] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, ads: _Optional[_Iterable[_Union[Ad, _Mapping]]] = ..., index_version: _Optional[str] = ..., model_version: _Optional[str] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Ad(_message.Message):
     __slots__ = ("ad_id", "score", "sid")

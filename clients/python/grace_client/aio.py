@@ -1,0 +1,98 @@
+"""`AsyncGraceClient`: client.py's GraceClient on `grpc.aio` for asyncio callers — the
+same deadlines, retries (retry.py), health and `GraceError`s; it waits with
+`asyncio.sleep` and closes with `await close()` or `async with`."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+from typing import Any, Unpack
+
+import grpc
+
+from grace_client import _wire
+from grace_client.client import (
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT,
+    Metadata,
+    ServingStatus,
+    make_channel,
+    request_of,
+)
+from grace_client.errors import GraceError
+from grace_client.request import RequestFields
+from grace_client.retry import Backoff, Schedule
+from grace_client.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+
+
+class AsyncGraceClient:
+    """GraceClient for asyncio: make it inside the event loop that uses it."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        retries: int = DEFAULT_RETRIES,
+        backoff: Backoff = Backoff(),  # noqa: B008 - frozen, so one shared default is fine
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.target, self.timeout, self.retries, self.backoff = target, timeout, retries, backoff
+        self._rng = random.Random()
+        self._channel: grpc.aio.Channel = make_channel(target, credentials, options, aio=True)
+        self._stub = retrieval_pb2_grpc.AdRetrievalStub(self._channel)
+        self._check = self._channel.unary_unary(
+            _wire.HEALTH_CHECK,
+            request_serializer=_wire.HealthCheckRequest.SerializeToString,
+            response_deserializer=_wire.HealthCheckResponse.FromString,
+        )
+
+    async def retrieve(
+        self,
+        request: retrieval_pb2.RetrieveRequest | None = None,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **fields: Unpack[RequestFields],
+    ) -> retrieval_pb2.RetrieveResponse:
+        """As GraceClient.retrieve."""
+        message = request_of(request, fields)
+        schedule = Schedule(self.retries, self.backoff, self._timeout(timeout), self._rng)
+        while True:
+            try:
+                return await self._stub.Retrieve(
+                    message, timeout=schedule.attempt(), metadata=metadata
+                )
+            except grpc.aio.AioRpcError as exc:
+                error = GraceError.from_rpc_error(exc, schedule.attempts)
+                pause = schedule.pause(error)
+                if pause is None:
+                    raise error from exc
+            await asyncio.sleep(pause)
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> ServingStatus:
+        """As GraceClient.health."""
+        try:
+            reply = await self._check(
+                _wire.HealthCheckRequest(service=service), timeout=self._timeout(timeout)
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise GraceError.from_rpc_error(exc) from exc
+        return ServingStatus(reply.status)
+
+    async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncGraceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout

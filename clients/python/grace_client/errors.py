@@ -1,0 +1,61 @@
+"""The one exception the client raises (`GraceError`) and which status codes it retries.
+
+Every failed call — refused, timed out, unreachable or malformed — surfaces as a
+`GraceError` carrying the gRPC status code and the server's message, plus what the retry
+loop saw (how many attempts, the server's RetryInfo delay if any) and the BadRequest
+field violations of an INVALID_ARGUMENT. The codes the service
+answers and why are in docs/SERVICE.md (and service/server.py's docstring).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from grace_client import _wire
+
+# The service's "try again" answers: RESOURCE_EXHAUSTED (admission refused: queue full, or
+# the deadline leaves no room for the predicted wait) and UNAVAILABLE (draining, still
+# loading, or no connection). Nothing else is retried: INVALID_ARGUMENT would fail again,
+# DEADLINE_EXCEEDED has spent the caller's budget, INTERNAL may not be idempotent to repeat.
+RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+
+
+class GraceError(Exception):
+    """A call that failed: `code` (grpc.StatusCode), `message` (the server's details),
+    `attempts` (calls made, retries included), `retry_delay` (seconds the server asked
+    for through RetryInfo, or None) and `field_violations` ((field, description) pairs of
+    a BadRequest: what an INVALID_ARGUMENT found wrong)."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        *,
+        attempts: int = 1,
+        retry_delay: float | None = None,
+        field_violations: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        super().__init__(f"{code.name}: {message}" if message else code.name)
+        self.code, self.message = code, message
+        self.attempts, self.retry_delay = attempts, retry_delay
+        self.field_violations = field_violations
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the code is one the client retries (the attempts may be used up)."""
+        return self.code in RETRYABLE
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError, attempts: int = 1) -> GraceError:
+        """The GraceError of a failed call (sync `grpc.RpcError` or `grpc.aio.AioRpcError`)."""
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        details = error.details() if hasattr(error, "details") else str(error)
+        trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else ()
+        extra = _wire.error_details(trailers)
+        return cls(
+            code or grpc.StatusCode.UNKNOWN,
+            details or "",
+            attempts=attempts,
+            retry_delay=extra.retry_delay,
+            field_violations=extra.field_violations,
+        )

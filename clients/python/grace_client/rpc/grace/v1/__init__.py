@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of `proto/grace/v1` (regenerate with `make proto`)."""

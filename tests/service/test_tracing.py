@@ -1,0 +1,191 @@
+"""Tracing over real gRPC (service/tracing.py): a span per Retrieve RPC in the caller's
+trace (W3C traceparent metadata), a batch span linked to the RPC spans of its requests,
+a span per pipeline stage under it; off by default; sampling follows the caller; OTLP
+export to a real collector."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from service import tracing as tracing_module
+from service.app import start
+from service.client import request_for_user
+from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from service.tracing import Tracing, TracingError, exporter_for
+from tests.helpers.serving import make_serving_data, serving_settings
+
+STAGES = ["input", "features", "compute", "post"]
+RETRIEVE = "grace.v1.AdRetrieval/Retrieve"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_serving_data(tmp_path_factory.mktemp("tracing"))
+
+
+@pytest.fixture
+def spans(monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExporter:
+    """Every span the server exports, in memory (whatever exporter the setting names)."""
+    exporter = InMemorySpanExporter()
+    monkeypatch.setattr(tracing_module, "exporter_for", lambda kind: exporter)
+    return exporter
+
+
+def traceparent(i: int, sampled: bool = True) -> tuple[str, int, int]:
+    """A caller's W3C traceparent header and its trace and span ids."""
+    trace_id, span_id = 0xABC0 + i, 0x1230 + i
+    return f"00-{trace_id:032x}-{span_id:016x}-{'01' if sampled else '00'}", trace_id, span_id
+
+
+async def call(app, data: Path, n: int, metadata=lambda i: ()) -> list:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+        stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+        reqs = [request_for_user(data / "world", i, 10, retrieval_pb2.CD_GTM) for i in range(n)]
+        return await asyncio.gather(
+            *(stub.Retrieve(r, metadata=metadata(i), timeout=30) for i, r in enumerate(reqs)),
+            return_exceptions=True,
+        )
+
+
+def test_each_rpc_joins_its_callers_trace_and_links_to_its_batch(data: Path, spans) -> None:
+    async def main() -> list:
+        app = await start(serving_settings(data, tracing="console", max_wait_ms=20.0))
+        try:
+            return await call(app, data, 6, lambda i: (("traceparent", traceparent(i)[0]),))
+        finally:
+            await app.drain()  # the drain exports what is left
+
+    replies = asyncio.run(main())
+    assert all(isinstance(r, retrieval_pb2.RetrieveResponse) for r in replies)
+    finished = spans.get_finished_spans()
+    rpcs = [s for s in finished if s.name == RETRIEVE]
+    assert len(rpcs) == 6
+    callers = {traceparent(i)[1:] for i in range(6)}
+    assert {(s.context.trace_id, s.parent.span_id) for s in rpcs} == callers  # callers' traces
+    assert all(s.kind == SpanKind.SERVER and s.attributes["rpc.system"] == "grpc" for s in rpcs)
+    assert all(s.attributes["rpc.grpc.status_code"] == 0 for s in rpcs)
+    batches = [s for s in finished if s.name == "batch"]  # the start-up warm-up has none
+    linked = [(link.context.trace_id, link.context.span_id) for b in batches for link in b.links]
+    ids = {(s.context.trace_id, s.context.span_id) for s in rpcs}
+    assert sorted(linked) == sorted(ids)  # every request, once
+    assert sum(b.attributes["grace.batch.size"] for b in batches) == 6
+    assert {(b.context.trace_id, b.parent.span_id) for b in batches} <= ids  # under its first
+    for b in batches:
+        children = [s for s in finished if s.parent is not None
+                    and s.parent.span_id == b.context.span_id]  # fmt: skip
+        assert sorted(s.name for s in children) == sorted(STAGES)
+        assert all(s.context.trace_id == b.context.trace_id for s in children)
+        assert all(b.start_time <= s.start_time and s.end_time <= b.end_time for s in children)
+
+
+def test_a_refused_rpc_is_a_failed_span(data: Path, spans) -> None:
+    async def main() -> list:
+        app = await start(serving_settings(data, tracing="console"))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+                stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+                bad = retrieval_pb2.RetrieveRequest(targeting=retrieval_pb2.Targeting(age=999))
+                return await asyncio.gather(stub.Retrieve(bad, timeout=30), return_exceptions=True)
+        finally:
+            await app.drain()
+
+    [error] = asyncio.run(main())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    [rpc] = [s for s in spans.get_finished_spans() if s.name == RETRIEVE]
+    assert rpc.status.status_code == StatusCode.ERROR
+    assert rpc.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert not [s for s in spans.get_finished_spans() if s.name == "batch"]  # never batched
+
+
+def test_sampling_follows_the_caller_and_the_ratio_for_new_traces(data: Path, spans) -> None:
+    async def main() -> None:
+        app = await start(serving_settings(data, tracing="console", tracing_sample_ratio=0.0))
+        try:
+            await call(app, data, 2)  # new traces, ratio 0: none kept
+            await call(app, data, 2, lambda i: (("traceparent", traceparent(i, sampled=False)[0]),))
+            await call(app, data, 2, lambda i: (("traceparent", traceparent(i, sampled=True)[0]),))
+        finally:
+            await app.drain()
+
+    asyncio.run(main())
+    finished = spans.get_finished_spans()
+    kept = {traceparent(i)[1] for i in range(2)}  # the sampled callers' traces, whole
+    assert sorted(s.context.trace_id for s in finished if s.name == RETRIEVE) == sorted(kept)
+    batches = [s for s in finished if s.name == "batch"]
+    assert batches and {s.context.trace_id for s in finished} == kept
+
+
+def test_tracing_is_off_by_default(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[str] = []
+    monkeypatch.setattr(tracing_module, "exporter_for", lambda kind: made.append(kind))
+
+    async def main() -> list:
+        app = await start(serving_settings(data))
+        try:
+            assert not app.tracing.enabled
+            return await call(app, data, 2, lambda i: (("traceparent", traceparent(i)[0]),))
+        finally:
+            await app.drain()
+
+    assert all(isinstance(r, retrieval_pb2.RetrieveResponse) for r in asyncio.run(main()))
+    assert made == []
+
+
+def test_a_bad_tracing_setting_is_one_line() -> None:
+    with pytest.raises(TracingError, match="tracing must be one of off, console, otlp"):
+        exporter_for("jaeger")
+    with pytest.raises(ValueError, match="tracing"):
+        serving_settings(Path("/nonexistent"), tracing="jaeger")
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        serving_settings(Path("/nonexistent"), tracing_sample_ratio=1.5)
+    assert not Tracing().enabled and Tracing().flush()
+
+
+def test_otlp_exports_to_a_collector(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tracing = "otlp"` sends the spans over OTLP/gRPC to the collector that the
+    standard OTEL_EXPORTER_OTLP_ENDPOINT names (a real gRPC collector here)."""
+    trace_service = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+    trace_grpc = pytest.importorskip(
+        "opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc"
+    )
+    received: list[str] = []
+    got = threading.Event()
+
+    class Collector(trace_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            for resource in request.resource_spans:
+                for scope in resource.scope_spans:
+                    received.extend(s.name for s in scope.spans)
+            got.set()
+            return trace_service.ExportTraceServiceResponse()
+
+    collector = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_grpc.add_TraceServiceServicer_to_server(Collector(), collector)
+    port = collector.add_insecure_port("127.0.0.1:0")
+    collector.start()
+    monkeypatch.setitem(os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setitem(os.environ, "OTEL_EXPORTER_OTLP_INSECURE", "true")
+
+    async def main() -> list:
+        app = await start(serving_settings(data, tracing="otlp"))
+        try:
+            return await call(app, data, 3)
+        finally:
+            await app.drain()  # shuts the exporter down: everything is sent
+
+    try:
+        assert all(isinstance(r, retrieval_pb2.RetrieveResponse) for r in asyncio.run(main()))
+        assert got.wait(30)
+    finally:
+        collector.stop(0)
+    assert received.count(RETRIEVE) == 3
+    assert set(STAGES) <= set(received) and "batch" in received
