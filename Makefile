@@ -59,7 +59,8 @@ loadtest: install  ## locust against a local server (make serve): 4 users, 30 s,
 # The CPU image (docs/ops/container.md). Where no registry can be reached the base is
 # made locally (deploy/image/base.sh, mmdebstrap) and torch comes from a local wheel
 # directory: TORCH_WHEELS, mounted into the build, with pip's find-links on it and the
-# exact `+cpu` version, so PyPI (the index then) cannot hand it a CUDA build.
+# exact `+cpu` version, so PyPI (the index then) cannot hand it a CUDA build. podman
+# only: `docker build` has neither -v nor --format (use the Dockerfile's own commands).
 ENGINE ?= podman
 IMAGE ?= grace-serving:cpu
 BASE_IMAGE ?= localhost/grace-base:bookworm
@@ -72,7 +73,7 @@ IMAGE_BUILD_ARGS ?= --build-arg VARIANT=cpu --build-arg CPU_IMAGE=$(BASE_IMAGE) 
     --build-arg TORCH_INDEX=https://pypi.org/simple --build-arg TORCH_VERSION=$(TORCH_VERSION)+cpu) \
   $(if $(BUILD_CA),-v $(BUILD_CA):/run/build-ca.crt:ro --build-arg PIP_CERT=/run/build-ca.crt)
 image:  ## build the CPU image with podman (ENGINE); its base with mmdebstrap if missing
-	@$(ENGINE) image exists $(BASE_IMAGE) 2>/dev/null || ENGINE=$(ENGINE) BASE_IMAGE=$(BASE_IMAGE) sh deploy/image/base.sh
+	@$(ENGINE) image inspect $(BASE_IMAGE) >/dev/null 2>&1 || ENGINE=$(ENGINE) BASE_IMAGE=$(BASE_IMAGE) sh deploy/image/base.sh
 	$(ENGINE) build --format docker --network host $(IMAGE_BUILD_ARGS) -t $(IMAGE) .
 	@$(ENGINE) image inspect $(IMAGE) --format '$(IMAGE): {{.Size}} bytes'
 

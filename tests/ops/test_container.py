@@ -1,5 +1,6 @@
-"""The container and the local compose stack, checked without a Docker daemon (none here
-or in CI): the Dockerfile parsed (dockerfile-parse) and linted (hadolint), its COPY
+"""The container and the local compose stack, checked without a container engine (CI has
+none; `make image-smoke` runs the image by hand, tests/ops/test_image.py checks its
+inputs): the Dockerfile parsed (dockerfile-parse) and linted (hadolint), its COPY
 sources against the repo and .dockerignore, compose.yaml validated against the Compose
 Specification (check-jsonschema) and cross-checked with the server's settings, CLI,
 Prometheus config and Grafana provisioning; `docker compose config` where the plugin is."""
@@ -421,8 +422,10 @@ def test_server_healthcheck_probes_grace_health(monkeypatch) -> None:
     argv = parse_cli(server["command"])
     assert argv.command == "serve"
     test = server["healthcheck"]["test"]
-    assert test[0] == "CMD" and test[1:3] == ["grace", "health"], test
-    probe = parse_cli(test[2:])
+    assert test[0] == "CMD-SHELL", test  # test_every_healthcheck_is_a_shell_command
+    argv = shlex.split(test[1])
+    assert argv[:2] == ["grace", "health"], test
+    probe = parse_cli(argv[1:])
     assert seconds(server["healthcheck"]["timeout"]) > probe.timeout
     assert seconds(server["healthcheck"]["start_period"]) >= 300
     settings = server_settings(server.get("environment", {}), monkeypatch)
@@ -439,7 +442,7 @@ def test_builder_publishes_into_the_index_root_the_server_watches(monkeypatch) -
     data_volume = named_volumes(server)[str(settings.data_dir)]
     assert named_volumes(builder)[str(settings.data_dir)] == data_volume  # one shared volume
     # the builder's own health, not the image's gRPC probe (nothing listens in it)
-    assert "health" not in builder["healthcheck"]["test"]
+    assert "grace health" not in " ".join(builder["healthcheck"]["test"])
 
     assert builder["entrypoint"] == ["/bin/sh", "-c"]
     (script,) = builder["command"]
@@ -591,6 +594,36 @@ def test_the_dashboard_uses_the_provisioned_datasource() -> None:
     assert not problems, problems
 
 
+@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_GPU]], ids=["cpu", "gpu"])
+def test_every_healthcheck_is_a_shell_command(files: list[Path]) -> None:
+    # podman's Docker API (docker-compose over podman.socket) breaks exec-form tests;
+    # ["CMD-SHELL", "one command line"] works with Docker, podman and Kubernetes alike
+    for name, service in compose(*files)["services"].items():
+        test = service.get("healthcheck", {}).get("test")
+        if test is None:
+            continue
+        assert isinstance(test, list) and test[0] == "CMD-SHELL" and len(test) == 2, (name, test)
+        assert shlex.split(test[1]), (name, test)  # one well-quoted shell command line
+
+
+@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU], ids=lambda p: p.name)
+def test_no_top_level_name(path: Path) -> None:
+    # docker-compose 1.29 (Debian's) rejects it; the project name is the directory's or -p
+    assert "name" not in yaml.safe_load(path.read_text())
+
+
+def test_builder_healthcheck_runs_in_the_image() -> None:
+    # the shell command's Python runs where the image's venv is; its import must exist
+    (_, line) = compose()["services"]["builder"]["healthcheck"]["test"]
+    argv = shlex.split(line)
+    assert argv[:2] == ["python3", "-c"], argv
+    code = argv[2]
+    match = re.search(r"from ([\w.]+) import (\w+)", code)
+    module = __import__(match[1], fromlist=[match[2]])
+    assert callable(getattr(module, match[2]))
+    compile(code, "<healthcheck>", "exec")
+
+
 def test_gpu_override_reserves_a_gpu_for_the_cuda_image(monkeypatch) -> None:
     doc = compose(COMPOSE, COMPOSE_GPU)
     server, builder = doc["services"]["server"], doc["services"]["builder"]
@@ -611,6 +644,18 @@ def test_compose_files_follow_the_compose_specification(files: list[Path]) -> No
     proc = subprocess.run([checker, "--builtin-schema", "vendor.compose-spec", *map(str, files)],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_docker_compose_v1_accepts_the_stack(tmp_path: Path) -> None:
+    # Debian's docker-compose 1.29 (the Compose Specification without `name`), which also
+    # drives podman through its Docker API
+    docker_compose = tool("docker-compose")
+    if docker_compose is None:
+        pytest.skip("docker-compose not installed (apt-get install docker-compose)")
+    for files in ([COMPOSE], [COMPOSE, COMPOSE_GPU]):
+        cmd = [docker_compose, *(a for f in files for a in ("-f", str(f))), "config", "-q"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_docker_compose_config_accepts_the_stack(tmp_path: Path) -> None:
