@@ -1,24 +1,44 @@
-"""What tracing costs the event loop and the stage threads per call (docs/ops/tracing.md):
-the hooks of one Retrieve (its RPC span, its context for the batch) and of one batch of
-16 (the batch span linked to 16 calls, four stage spans), with tracing off and on (the
-SDK's batch processor and an exporter that drops the spans), on this machine's CPU.
+"""What tracing costs (docs/ops/tracing.md), on this machine's CPU:
 
-    python bench/bench_tracing.py [--calls 20000] [--json OUT]
+* hooks: the tracing calls of one Retrieve (its RPC span, its context for the batch) and
+  its share of a batch of 16 (the batch span linked to 16 calls, four stage spans), off
+  and on (the SDK's batch processor, an exporter that drops the spans);
+* gRPC: Retrieve P50/P99 and throughput of the CPU demo stack (tiny profile,
+  bench/bench_serve_cpu.py's world) at concurrency 16, closed loop, with `tracing` off and
+  `otlp` at 100 % sampling exporting to a collector on localhost, rounds interleaved
+  side by side so a busy machine slows both alike.
+
+    python bench/bench_tracing.py [--calls 20000] [--rounds 5] [--requests 480] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import platform
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from concurrent import futures
+from pathlib import Path
 
+import grpc
+import numpy as np
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_serve_cpu import prepare
 from service import tracing as tracing_module
+from service.app import start
+from service.client import request_for_user
+from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from service.settings import load_settings
 from service.tracing import Tracing
 
 BATCH = 16
@@ -46,28 +66,112 @@ def per_call_us(tr: Tracing, calls: int) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def collector() -> tuple[grpc.Server, list[int]]:
+    """An OTLP/gRPC trace collector on localhost that counts and drops what it gets."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received = [0]
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            received[0] += sum(len(s.spans) for r in request.resource_spans
+                               for s in r.scope_spans)  # fmt: skip
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{port}"
+    os.environ["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
+    return server, received
+
+
+async def one_round(root: Path, tracing: str, requests: int, concurrency: int) -> tuple:
+    """Latencies (ms) and throughput of `requests` calls at `concurrency` on a fresh server."""
+    settings = {"port": 0, "metrics_port": 0, "host": "127.0.0.1", "data_dir": root,
+                "device": "cpu", "tracing": tracing}  # fmt: skip
+    app = await start(load_settings(settings))
+    reqs = [request_for_user(root / "world", u, 100, retrieval_pb2.CD_GTM) for u in range(64)]
+    latencies: list[float] = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            for r in reqs[:8]:  # warm-up
+                await stub.Retrieve(r)
+            per = requests // concurrency
+
+            async def client(c: int) -> None:
+                for i in range(per):
+                    t = time.perf_counter()
+                    await stub.Retrieve(reqs[(c * per + i) % len(reqs)])
+                    latencies.append((time.perf_counter() - t) * 1e3)
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(client(c) for c in range(concurrency)))
+            wall = time.perf_counter() - t0
+    finally:
+        await app.drain()
+    return latencies, len(latencies) / wall
+
+
+def grpc_figures(rounds: int, requests: int, concurrency: int = 16) -> dict:
+    server, received = collector()
+    lat: dict[str, list[float]] = {"off": [], "otlp": []}
+    rps: dict[str, list[float]] = {"off": [], "otlp": []}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            prepare(root)
+            for r in range(rounds):
+                for mode in ("off", "otlp") if r % 2 == 0 else ("otlp", "off"):
+                    got, rate = asyncio.run(one_round(root, mode, requests, concurrency))
+                    lat[mode] += got
+                    rps[mode].append(rate)
+                    print(f"round {r} {mode}: P50 {statistics.median(got):.1f} ms, "
+                          f"{rate:.0f} req/s", flush=True)  # fmt: skip
+    finally:
+        server.stop(0)
+    out = {
+        mode: {"calls": len(v), "p50_ms": round(statistics.median(v), 1),
+               "p99_ms": round(float(np.percentile(v, 99)), 1),
+               "throughput_rps_median": round(statistics.median(rps[mode]), 1)}
+        for mode, v in lat.items()
+    }  # fmt: skip
+    out["spans_received_by_the_collector"] = received[0]
+    out["concurrency"], out["rounds"] = concurrency, rounds
+    return out
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=20000)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--calls", type=int, default=20000, help="hook benchmark: calls per run")
+    ap.add_argument("--repeats", type=int, default=5, help="hook benchmark: runs per mode")
+    ap.add_argument("--rounds", type=int, default=5, help="gRPC benchmark: rounds per mode")
+    ap.add_argument("--requests", type=int, default=480, help="gRPC benchmark: calls per round")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
+    real_exporter_for = tracing_module.exporter_for
     tracing_module.exporter_for = lambda kind: Dropped()  # type: ignore[assignment]
     off, on = Tracing(), Tracing.from_settings("console")
-    runs = {"off": [], "on": []}
+    runs: dict[str, list[float]] = {"off": [], "on": []}
     for _ in range(args.repeats):  # interleaved: a busy machine slows both alike
         runs["off"].append(per_call_us(off, args.calls))
         runs["on"].append(per_call_us(on, args.calls))
     on.shutdown()
-    figures = {k: round(statistics.median(v), 2) for k, v in runs.items()}
+    tracing_module.exporter_for = real_exporter_for
+    hooks = {k: round(statistics.median(v), 2) for k, v in runs.items()}
+    print(f"tracing hooks per call (median of {args.repeats}): off {hooks['off']} us, "
+          f"on {hooks['on']} us", flush=True)  # fmt: skip
+    served = grpc_figures(args.rounds, args.requests)
+    print(json.dumps(served, indent=1))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
     out = {"command": "python bench/bench_tracing.py", "git_commit": commit,
-           "device": f"{platform.processor() or platform.machine()} CPU",
+           "device": f"{platform.machine()} CPU, {os.cpu_count()} cores (shared)",
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "figures": {"hooks_us_per_call_median": figures, "runs_us": runs}}  # fmt: skip
-    print(f"tracing hooks per call (median of {args.repeats}): off {figures['off']} us, "
-          f"on {figures['on']} us")  # fmt: skip
+           "figures": {"hooks_us_per_call_median": hooks, "hook_runs_us": runs,
+                       "grpc_tiny_cpu_concurrency_16": served}}  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

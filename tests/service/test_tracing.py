@@ -87,6 +87,31 @@ def test_each_rpc_joins_its_callers_trace_and_links_to_its_batch(data: Path, spa
         assert all(b.start_time <= s.start_time and s.end_time <= b.end_time for s in children)
 
 
+def test_a_traced_request_gets_its_rpc_span_and_four_stage_spans_in_its_trace(
+    data: Path, spans
+) -> None:
+    header, trace_id, caller = traceparent(7)
+
+    async def main() -> list:
+        app = await start(serving_settings(data, tracing="console"))
+        try:
+            return await call(app, data, 1, lambda i: (("traceparent", header),))
+        finally:
+            await app.drain()
+
+    [reply] = asyncio.run(main())
+    assert isinstance(reply, retrieval_pb2.RetrieveResponse)
+    finished = spans.get_finished_spans()
+    [rpc] = [s for s in finished if s.name == RETRIEVE]
+    [batch] = [s for s in finished if s.name == "batch"]
+    stages = [s for s in finished if s.name in STAGES]
+    assert rpc.parent.span_id == caller and batch.parent.span_id == rpc.context.span_id
+    assert sorted(s.name for s in stages) == sorted(STAGES)
+    assert {s.context.trace_id for s in (rpc, batch, *stages)} == {trace_id}
+    assert rpc.attributes["grace.request_id"] == reply.request_id
+    assert rpc.attributes["grace.ads_returned"] == len(reply.ads)
+
+
 def test_a_refused_rpc_is_a_failed_span(data: Path, spans) -> None:
     async def main() -> list:
         app = await start(serving_settings(data, tracing="console"))
