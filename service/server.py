@@ -29,6 +29,7 @@ and UNAVAILABLE a `RetryInfo` saying when this server may take the call again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -273,6 +274,8 @@ class RetrievalServicer:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), (bad_request(exc),)) from None
         if self.request_log is not None:
             self.request_log.append(request)
+        if req.request_id != call.request_id:  # the call's id (metadata or made) from here on
+            req = dataclasses.replace(req, request_id=call.request_id)
         try:
             result: RetrievalResult = await self.batcher.submit(
                 req, _left(deadline), self.tracing.current()

@@ -36,6 +36,7 @@ from service.post import PostResult
 class RetrievalRequest(Protocol):
     """What the pipeline reads from a validated request (service/validation.py)."""
 
+    request_id: str  # the call's (service/request_id.py): on the log lines about it
     user_id: int
     targeting: Targeting
     history_ad_ids: np.ndarray  # int64 [n]

@@ -41,6 +41,7 @@ from service.batcher import DeadlineExpired, Pending
 from service.pipeline.records import Batch, Decoded, Embedded, Packed
 from service.pipeline.runtime import ServingHolder
 from service.pipeline.stages import Stages
+from service.request_id import for_metadata
 from service.tracing import Tracing
 
 log = logging.getLogger("grace.pipeline")
@@ -170,7 +171,9 @@ class Pipeline:
                 with self._tracing.stage(flight.span, name):
                     out = body(flight)
             except Exception as exc:  # one batch fails, the pipeline goes on
-                log.exception("stage %s failed for a batch of %d", name, len(flight.live))
+                ids = " ".join(for_metadata(r.request_id) for r in flight.batch.requests)
+                log.exception("stage %s failed for a batch of %d (request ids %s)", name,
+                              len(flight.live), ids)  # fmt: skip
                 for p in flight.batch.pending:
                     p.fail(exc)
                 self._finish(flight, failed=i)

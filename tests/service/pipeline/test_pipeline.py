@@ -5,6 +5,7 @@ failing batch fails alone."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -48,6 +49,7 @@ class Req:
     max_ads: int = 50
     beams: tuple[int, ...] = BEAMS
     filter_mode: FilterMode = FilterMode.CD_GTM
+    request_id: str = ""
 
 
 def world(seed: int) -> tuple[list[Ad], LoadedIndex]:
@@ -226,13 +228,15 @@ def test_every_batch_uses_one_model_across_a_model_swap(model) -> None:
 
 
 @pytest.mark.parametrize("stage", ["input", "compute", "post"])
-def test_a_failing_batch_fails_alone(model, stage: str) -> None:
+def test_a_failing_batch_fails_alone(model, stage: str, caplog) -> None:
     ads, index = world(0)
-    results = asyncio.run(serve(ServingHolder(pair(model, index)), requests(12, ads),
-                                fail_stage=stage))  # fmt: skip
+    reqs = [dataclasses.replace(r, request_id=f"id-{i}") for i, r in enumerate(requests(12, ads))]
+    results = asyncio.run(serve(ServingHolder(pair(model, index)), reqs, fail_stage=stage))
     failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
     assert 0 in failed and len(failed) < len(results)
     assert all(not isinstance(r, Exception) for r in results[4:])  # later batches served
+    [line] = [r.getMessage() for r in caplog.records if "failed for a batch" in r.getMessage()]
+    assert all(f"id-{i}" in line for i in failed)  # the line names each call it failed
 
 
 def test_every_record_of_a_batch_lives_until_the_device_is_done_with_it(model) -> None:
