@@ -48,34 +48,46 @@ def prepare(root: Path) -> None:
                 tokenizer_path=root / "model" / "tokenizer", progress=False)  # fmt: skip
 
 
-async def load(root: Path, concurrency: int, per_client: int, device: str) -> dict[str, float]:
+async def closed_loop(
+    root: Path, concurrency: int, per_client: int, device: str, **overrides: object
+) -> tuple[list[float], float]:
+    """A fresh server on `root` (settings `overrides`), 8 warm-up calls, then `concurrency`
+    clients of `per_client` calls each back to back: every call's latency (ms) and the
+    calls per second."""
     t0 = time.perf_counter()
     app = await start(load_settings({"port": 0, "metrics_port": 0, "host": "127.0.0.1",
-                                     "data_dir": root, "device": device}))  # fmt: skip
+                                     "data_dir": root, "device": device, **overrides}))  # fmt: skip
     print(f"server SERVING after {time.perf_counter() - t0:.1f} s", flush=True)
     requests = [request_for_user(root / "world", u, 100, retrieval_pb2.CD_GTM) for u in range(64)]
     latencies: list[float] = []
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
-        stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
-        for r in requests[:8]:  # warm-up
-            await stub.Retrieve(r)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            for r in requests[:8]:  # warm-up
+                await stub.Retrieve(r)
 
-        async def client(c: int) -> None:
-            for i in range(per_client):
-                t = time.perf_counter()
-                await stub.Retrieve(requests[(c * per_client + i) % len(requests)])
-                latencies.append((time.perf_counter() - t) * 1e3)
+            async def client(c: int) -> None:
+                for i in range(per_client):
+                    t = time.perf_counter()
+                    await stub.Retrieve(requests[(c * per_client + i) % len(requests)])
+                    latencies.append((time.perf_counter() - t) * 1e3)
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(c) for c in range(concurrency)))
-        wall = time.perf_counter() - t0
-    await app.drain()
+            t0 = time.perf_counter()
+            await asyncio.gather(*(client(c) for c in range(concurrency)))
+            wall = time.perf_counter() - t0
+    finally:
+        await app.drain()
+    return latencies, len(latencies) / wall
+
+
+async def load(root: Path, concurrency: int, per_client: int, device: str) -> dict[str, float]:
+    latencies, rate = await closed_loop(root, concurrency, per_client, device)
     return {
         "concurrency": concurrency,
         "requests": len(latencies),
         "p50_ms": round(statistics.median(latencies), 1),
         "p99_ms": round(float(np.percentile(latencies, 99)), 1),
-        "throughput_rps": round(len(latencies) / wall, 1),
+        "throughput_rps": round(rate, 1),
     }
 
 

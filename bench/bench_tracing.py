@@ -33,12 +33,8 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_serve_cpu import prepare
+from bench.bench_serve_cpu import closed_loop, prepare
 from service import tracing as tracing_module
-from service.app import start
-from service.client import request_for_user
-from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
-from service.settings import load_settings
 from service.tracing import Tracing
 
 BATCH = 16
@@ -87,34 +83,6 @@ def collector() -> tuple[grpc.Server, list[int]]:
     return server, received
 
 
-async def one_round(root: Path, tracing: str, requests: int, concurrency: int) -> tuple:
-    """Latencies (ms) and throughput of `requests` calls at `concurrency` on a fresh server."""
-    settings = {"port": 0, "metrics_port": 0, "host": "127.0.0.1", "data_dir": root,
-                "device": "cpu", "tracing": tracing}  # fmt: skip
-    app = await start(load_settings(settings))
-    reqs = [request_for_user(root / "world", u, 100, retrieval_pb2.CD_GTM) for u in range(64)]
-    latencies: list[float] = []
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
-            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
-            for r in reqs[:8]:  # warm-up
-                await stub.Retrieve(r)
-            per = requests // concurrency
-
-            async def client(c: int) -> None:
-                for i in range(per):
-                    t = time.perf_counter()
-                    await stub.Retrieve(reqs[(c * per + i) % len(reqs)])
-                    latencies.append((time.perf_counter() - t) * 1e3)
-
-            t0 = time.perf_counter()
-            await asyncio.gather(*(client(c) for c in range(concurrency)))
-            wall = time.perf_counter() - t0
-    finally:
-        await app.drain()
-    return latencies, len(latencies) / wall
-
-
 def grpc_figures(rounds: int, requests: int, concurrency: int = 16) -> dict:
     server, received = collector()
     lat: dict[str, list[float]] = {"off": [], "otlp": []}
@@ -125,7 +93,10 @@ def grpc_figures(rounds: int, requests: int, concurrency: int = 16) -> dict:
             prepare(root)
             for r in range(rounds):
                 for mode in ("off", "otlp") if r % 2 == 0 else ("otlp", "off"):
-                    got, rate = asyncio.run(one_round(root, mode, requests, concurrency))
+                    per = requests // concurrency
+                    got, rate = asyncio.run(
+                        closed_loop(root, concurrency, per, "cpu", tracing=mode)
+                    )
                     lat[mode] += got
                     rps[mode].append(rate)
                     print(f"round {r} {mode}: P50 {statistics.median(got):.1f} ms, "

@@ -31,6 +31,9 @@ At ~360 lines this is longer than the house's modules: it is the one place where
 on-disk format lives (array specs, manifest keys and their checks, writer and reader), so
 that builder, server and validator cannot drift apart; reading one `.npy` into private
 memory is `npy_private.py`'s.
+
+The whole on-disk format (writer, reader, manifest keys) stays in this one module: it is
+the format's one home.
 """
 
 from __future__ import annotations

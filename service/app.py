@@ -11,6 +11,9 @@ executor with gRPC (health and reflection are asyncio servicers). SIGTERM always
 process: a drain that has not finished `drain_seconds` + `DRAIN_SLACK_SECONDS` after the
 notice exits 1 anyway. With `workers > 1` a supervisor runs that many such processes on
 one port (`service/workers.py`); `grace serve` (cli/serving.py) chooses.
+
+It is the one place that wires the pieces together (each lives in its own module), so
+it reads top to bottom as the start-up order.
 """
 
 from __future__ import annotations

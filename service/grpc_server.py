@@ -24,6 +24,7 @@ sheds at random across all connections (other clients saw CANCELLED).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -137,11 +138,9 @@ def _reflection_v1_service() -> str:
     can describe itself under both names; returns v1's service name."""
     pool = descriptor_pool.Default()
     name = REFLECTION_V1 + ".ServerReflection"
-    try:
+    with contextlib.suppress(KeyError):  # KeyError: not there yet
         pool.FindServiceByName(name)
         return name
-    except KeyError:
-        pass
     old = "." + reflection_pb2.DESCRIPTOR.package
     proto = descriptor_pb2.FileDescriptorProto.FromString(reflection_pb2.DESCRIPTOR.serialized_pb)
     proto.name, proto.package = "grpc/reflection/v1/reflection.proto", REFLECTION_V1

@@ -21,7 +21,7 @@ refusals and failures are logged as one short line per status code at most every
 `LOG_EVERY_SECONDS`, with the number of others since, and each call may get an access-log
 line (service/logs.py). Every call has a request id (service/request_id.py): on its log
 lines, in the reply's `request_id` and in the trailing metadata `x-request-id`. Errors
-carry a `google.rpc.Status` in the trailers (grpcio-status) besides the plain message:
+carry a `google.rpc.Status` in the trailers (service/rpc_status.py) besides the plain message:
 INVALID_ARGUMENT a `BadRequest` naming every bad field, RESOURCE_EXHAUSTED from admission
 and UNAVAILABLE a `RetryInfo` saying when this server may take the call again.
 """
@@ -35,10 +35,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf import any_pb2, duration_pb2
-from google.protobuf.message import DecodeError, Message
-from google.rpc import error_details_pb2, status_pb2
-from grpc_status import rpc_status
+from google.protobuf.message import DecodeError
 from opentelemetry.trace import Span, Status, StatusCode
 from prometheus_client import Counter
 
@@ -58,6 +55,7 @@ from service.request_id import (
 )
 from service.request_log import RequestLog
 from service.rpc.grace.v1 import retrieval_pb2
+from service.rpc_status import Abort, bad_request, retry_info
 from service.tracing import Tracing
 from service.validation import InvalidRequest, Limits, validate_request
 
@@ -76,27 +74,6 @@ RETRY_DRAINING_SECONDS = 0.1
 RETRY_LOADING_SECONDS = 1.0
 
 
-class Abort(Exception):
-    """A call ends with `code` and `message`; `details` go in its google.rpc.Status."""
-
-    def __init__(
-        self, code: grpc.StatusCode, message: str, details: tuple[Message, ...] = ()
-    ) -> None:
-        super().__init__(message)
-        self.code, self.message, self.details = code, message, details
-
-    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
-        """The google.rpc.Status trailer (`grpc-status-details-bin`), when there are details."""
-        if not self.details:
-            return ()
-        status = status_pb2.Status(code=self.code.value[0], message=self.message)
-        for detail in self.details:
-            packed = any_pb2.Any()
-            packed.Pack(detail)
-            status.details.append(packed)
-        return tuple(rpc_status.to_status(status).trailing_metadata)
-
-
 @dataclass
 class _Call:
     """One Retrieve call's facts, filled in as it goes (its log lines and access line)."""
@@ -108,21 +85,6 @@ class _Call:
     def log_id(self) -> str:
         """The id on log lines and in the trailer: percent-encoded beyond printable ASCII."""
         return for_metadata(self.request_id)
-
-
-def retry_info(seconds: float) -> error_details_pb2.RetryInfo:
-    delay = duration_pb2.Duration()
-    delay.FromNanoseconds(round(seconds * 1e9))
-    return error_details_pb2.RetryInfo(retry_delay=delay)
-
-
-def bad_request(error: InvalidRequest) -> error_details_pb2.BadRequest:
-    return error_details_pb2.BadRequest(
-        field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-            for v in error.violations
-        ]
-    )
 
 
 class RateLimitedLog:

@@ -29,6 +29,9 @@ Decisions on values the proto allows but the contract leaves open:
 `Limits.max_request_bytes` is the size of the largest valid request, serialised, plus room
 for fields this server does not know yet (a newer client): the server refuses longer
 messages before parsing them (service/server.py).
+
+Every rule of the request contract lives here, one function per message, so a reader
+finds the whole contract in one file.
 """
 
 from __future__ import annotations

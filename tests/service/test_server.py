@@ -25,7 +25,8 @@ from service.app import start
 from service.client import request_for_user
 from service.pipeline.stages import Stages, graph_buckets
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
-from service.server import SERVICE, Abort, RetrievalServicer
+from service.rpc_status import Abort
+from service.server import SERVICE, RetrievalServicer
 from service.validation import Limits
 from tests.helpers.oracle import eligible
 from tests.helpers.serving import catalog_ads, make_serving_data, serving_settings

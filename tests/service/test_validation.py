@@ -272,7 +272,7 @@ def test_a_repeated_field_names_its_first_bad_elements_then_counts_the_rest() ->
 def test_the_worst_request_s_details_fit_in_grpc_s_default_metadata_limit() -> None:
     """Every field bad at its longest: the BadRequest and the message (both go in the
     trailers) stay under the 8 KiB a gRPC client accepts by default."""
-    from service.server import Abort, bad_request
+    from service.rpc_status import Abort, bad_request
 
     req = pb.RetrieveRequest(
         request_id="x" * 100_000,
