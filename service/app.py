@@ -66,6 +66,7 @@ from service.watchdog import Watchdog, wedged
 
 log = logging.getLogger("grace.serve")
 DRAIN_SLACK_SECONDS = 5.0  # beyond drain_seconds for the threads and the metrics port
+TRACING_FLUSH_SECONDS = 2.0  # of that slack, for exporting the last spans
 
 
 @dataclass
@@ -101,7 +102,11 @@ class App:
         await loop.run_in_executor(None, self.pipeline.stop, DRAIN_SLACK_SECONDS)
         if self.servicer.request_log is not None:
             await loop.run_in_executor(None, self.servicer.request_log.close)
-        await loop.run_in_executor(None, self.tracing.shutdown)  # export the last spans
+        # the last spans, within TRACING_FLUSH_SECONDS: a collector that does not answer
+        # must not turn the drain into a kill
+        if not await loop.run_in_executor(None, self.tracing.shutdown, TRACING_FLUSH_SECONDS):
+            log.warning("tracing: the last spans were not exported within %.0f s",
+                        TRACING_FLUSH_SECONDS)  # fmt: skip
         self.metrics.close()
 
 
@@ -112,6 +117,9 @@ async def start(
     only once SERVING, so the kernel never hands a connection to a worker still loading.
     `address` (a worker behind the request front): listen there, not on host:port."""
     t0 = time.perf_counter()
+    instance = {"service.instance.id": f"{socket.gethostname()}:{os.getpid()}"}
+    # first: a tracing setting that cannot work fails now, not after minutes of loading
+    tracing = Tracing.from_settings(settings.tracing, settings.tracing_sample_ratio, **instance)
     device = settings.resolve_device()
     metrics = Metrics()
     health_servicer = HealthServicer()
@@ -141,8 +149,6 @@ async def start(
         metrics.batch_size.observe(len(batch.pending))
         metrics.padding.inc(stages.padding(batch.groups))
 
-    instance = {"service.instance.id": f"{socket.gethostname()}:{os.getpid()}"}
-    tracing = Tracing.from_settings(settings.tracing, settings.tracing_sample_ratio, **instance)
     pipeline = Pipeline(
         stages,
         serving,

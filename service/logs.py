@@ -15,6 +15,7 @@ Imports nothing heavy: `grace --help` configures logging too.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import sys
@@ -93,7 +94,10 @@ class JsonFormatter(logging.Formatter):
             out["exc"] = self.formatException(record.exc_info)
         if record.stack_info:
             out["stack"] = self.formatStack(record.stack_info)
-        return orjson.dumps(out, default=str).decode()
+        try:
+            return orjson.dumps(out, default=str).decode()
+        except TypeError:  # lone surrogates (undecodable paths), huge ints, odd dict keys
+            return json.dumps(out, default=repr, ensure_ascii=True)
 
 
 class _Handler(logging.StreamHandler):  # type: ignore[type-arg]

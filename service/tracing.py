@@ -17,15 +17,20 @@ children. The batcher carries each request's span context from the RPC to the ba
 (`Pending.trace`); a batch with no traced request has no span.
 
 Off by default (`tracing = "off"`): nothing is created, the hooks return at once. `console`
-writes finished spans to stderr (a quick look); `otlp` exports them over OTLP/gRPC to a
-collector (the `otlp` extra: `pip install 'grace-serving[otlp]'`; where to, from the
-standard OTEL_EXPORTER_OTLP_* variables, default localhost:4317). `tracing_sample_ratio`
-keeps that share of new traces, and follows the caller's decision for traces it started.
+writes finished spans to stderr, one JSON object per line (a quick look); `otlp` exports
+them over OTLP/gRPC to a collector (the `otlp` extra, in the image too; where to, from
+the standard OTEL_EXPORTER_OTLP_* variables, default localhost:4317), each export giving
+up after `EXPORT_TIMEOUT_SECONDS` and the drain's last flush after `shutdown`'s timeout.
+`tracing_sample_ratio` keeps that share of new traces, and follows the caller's decision
+for traces it started. A setting that cannot work is a one-line `TracingError` at the
+very start, before the model and index load.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -38,18 +43,23 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from service.errors import StartupError
+
 EXPORTERS = ("off", "console", "otlp")
+EXPORT_TIMEOUT_SECONDS = 5.0  # one export to an unreachable collector gives up after this
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
-class TracingError(RuntimeError):
+class TracingError(StartupError):
     """Tracing cannot start as configured (one line: the setting and what to do)."""
 
 
 def exporter_for(kind: str) -> SpanExporter:
     """The span exporter of the `tracing` setting (tests put an in-memory one here)."""
-    if kind == "console":
-        return ConsoleSpanExporter()
+    if kind == "console":  # one JSON object per line, on stderr beside the logs
+        return ConsoleSpanExporter(
+            out=sys.stderr, formatter=lambda s: s.to_json(indent=None) + "\n"
+        )
     if kind == "otlp":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -57,8 +67,12 @@ def exporter_for(kind: str) -> SpanExporter:
             raise TracingError(
                 "tracing = 'otlp' needs the OTLP exporter: pip install 'grace-serving[otlp]'"
             ) from exc
-        return OTLPSpanExporter()
+        return OTLPSpanExporter(timeout=EXPORT_TIMEOUT_SECONDS)
     raise TracingError(f"tracing must be one of {', '.join(EXPORTERS)}, got {kind!r}")
+
+
+def _one_line(span: Any) -> str:
+    return span.to_json(indent=None) + "\n"
 
 
 class Tracing:
@@ -78,7 +92,10 @@ class Tracing:
             resource=Resource.create({"service.name": "grace-serving", **resource}),
             sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
         )
-        provider.add_span_processor(BatchSpanProcessor(exporter_for(kind)))
+        timeout_ms = int(EXPORT_TIMEOUT_SECONDS * 1e3)
+        provider.add_span_processor(
+            BatchSpanProcessor(exporter_for(kind), export_timeout_millis=timeout_ms)
+        )
         return cls(provider)
 
     @contextlib.contextmanager
@@ -150,7 +167,18 @@ class Tracing:
         """Export what is finished (tests; a drain calls `shutdown`)."""
         return self.provider is None or self.provider.force_flush(int(timeout_s * 1e3))
 
-    def shutdown(self) -> None:
-        """Export what is left and stop the exporter (at the end of a drain)."""
-        if self.provider is not None:
-            self.provider.shutdown()
+    def shutdown(self, timeout_s: float = 2.0) -> bool:
+        """Export what is left and stop the exporter, at the end of a drain, within
+        `timeout_s` (a collector that does not answer must not hold the exit); False
+        when the time ran out and spans may be lost."""
+        if self.provider is None:
+            return True
+        provider = self.provider
+        done = threading.Event()
+
+        def stop() -> None:
+            provider.shutdown()
+            done.set()
+
+        threading.Thread(target=stop, name="grace-tracing-shutdown", daemon=True).start()
+        return done.wait(timeout_s)

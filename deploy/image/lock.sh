@@ -1,7 +1,8 @@
 #!/bin/sh
 # Regenerates requirements/image.txt, the image's lock (docs/ops/container.md "The lock"):
 # a clean venv on the image's Python (3.11), the CPU build of torch, the project's base
-# dependencies (pyproject.toml, no extras) and its build requirements, then `pip freeze`.
+# dependencies (pyproject.toml), its `otlp` extra (so `tracing = "otlp"` works in the
+# image) and its build requirements, then `pip freeze`.
 # torch itself is left out: its version is the Dockerfile's TORCH_VERSION and its build
 # (CPU or CUDA) the variant's wheel index. Run from the repository root:
 #
@@ -21,7 +22,9 @@ import tomllib
 
 with open("pyproject.toml", "rb") as f:
     doc = tomllib.load(f)
-print("\n".join(doc["project"]["dependencies"] + doc["build-system"]["requires"]))
+project = doc["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["otlp"]
+                + doc["build-system"]["requires"]))
 PY
 "$pip" install -q -r "$venv/requirements.txt"
 "$pip" check

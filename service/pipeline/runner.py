@@ -212,7 +212,8 @@ class Pipeline:
             log.exception("waiting for a batch's device work failed")
         if flight.span is not None:
             error = None if failed is None else f"stage {STAGES[failed]} failed"
-            Tracing.end(flight.span, error, **{"grace.batch.answered": sum(flight.live)})
+            answered = 0 if failed is not None else sum(flight.live)  # a failed batch: none
+            Tracing.end(flight.span, error, **{"grace.batch.answered": answered})
         with self._lock:
             self.in_flight -= 1
             self._progress_at = time.monotonic()

@@ -9,10 +9,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+log = logging.getLogger("grace.rollout")
+_unlockable: set[Path] = set()  # lock files found impossible to make (warned once each)
 
 
 def swap_lock_path(*roots: Path) -> Path:
@@ -25,8 +29,18 @@ def swap_lock_path(*roots: Path) -> Path:
 
 @contextlib.contextmanager
 def host_lock(path: Path) -> Iterator[None]:
-    """Hold the exclusive lock on `path` (made if missing), waiting for it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    """Hold the exclusive lock on `path` (made if missing), waiting for it. Where the file
+    cannot be made (a read-only root with no writable temp directory) the swap goes on
+    without it, said once: serialising swaps is worth less than making them."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        if path not in _unlockable:
+            _unlockable.add(path)
+            log.warning("swap lock %s cannot be made (%s): the workers of this host may "
+                        "swap at the same time", path, exc.strerror or exc)  # fmt: skip
+        yield
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

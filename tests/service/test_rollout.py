@@ -511,3 +511,16 @@ def test_the_host_lock_lets_one_holder_in_at_a_time(tmp_path: Path) -> None:
     for t in threads:
         t.join(60)
     assert order == ["a in", "a out", "b in"]
+
+
+def test_a_host_lock_that_cannot_be_made_lets_the_swap_go_on(tmp_path: Path, caplog) -> None:
+    """A read-only root without a writable temp directory: the swap is not blocked, and
+    the one warning says the workers may swap at once."""
+    path = tmp_path / "missing-dir" / "grace-swap.lock"  # its directory does not exist
+    entered = []
+    for _ in range(2):
+        with host_lock(path):
+            entered.append(True)
+    assert entered == [True, True]
+    warnings = [r for r in caplog.records if "cannot be made" in r.getMessage()]
+    assert len(warnings) == 1 and not path.exists()

@@ -19,6 +19,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from service import tracing as tracing_module
 from service.app import start
 from service.client import request_for_user
+from service.errors import StartupError
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.tracing import Tracing, TracingError, exporter_for
 from tests.helpers.serving import make_serving_data, serving_settings
@@ -214,3 +215,60 @@ def test_otlp_exports_to_a_collector(data: Path, monkeypatch: pytest.MonkeyPatch
         collector.stop(0)
     assert received.count(RETRIEVE) == 3
     assert set(STAGES) <= set(received) and "batch" in received
+
+
+def test_a_tracing_setting_that_cannot_work_fails_before_anything_loads(
+    data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missing OTLP exporter is a one-line StartupError at once (the CLI prints it), not
+    a traceback after the model and index have loaded."""
+    import service.app
+
+    def missing(kind: str):
+        raise TracingError("tracing = 'otlp' needs the OTLP exporter: pip install 'x[otlp]'")
+
+    def never(*args, **kwargs):
+        raise AssertionError("the rollout was made: loading began before tracing was checked")
+
+    monkeypatch.setattr(tracing_module, "exporter_for", missing)
+    monkeypatch.setattr(service.app, "_rollout", never)
+    with pytest.raises(StartupError, match="needs the OTLP exporter"):
+        asyncio.run(start(serving_settings(data, tracing="otlp")))
+
+
+def test_the_last_flush_to_a_collector_that_does_not_answer_is_bounded() -> None:
+    """A drain's `shutdown` returns within its timeout when the exporter hangs (False:
+    spans may be lost), so SIGTERM still exits cleanly."""
+    release = threading.Event()
+
+    class Hanging(InMemorySpanExporter):
+        def export(self, spans):
+            release.wait(60)
+            return super().export(spans)
+
+    original = tracing_module.exporter_for
+    tracing_module.exporter_for = lambda kind: Hanging()
+    try:
+        tr = Tracing.from_settings("console")
+    finally:
+        tracing_module.exporter_for = original
+    with tr.rpc("/grace.v1.AdRetrieval/Retrieve", ()):
+        pass
+    try:
+        assert tr.shutdown(timeout_s=0.2) is False
+    finally:
+        release.set()
+
+
+def test_console_spans_are_one_json_object_per_line_on_stderr(capsys) -> None:
+    import json
+
+    tr = Tracing.from_settings("console")
+    for _ in range(2):
+        with tr.rpc("/grace.v1.AdRetrieval/Retrieve", ()):
+            pass
+    assert tr.shutdown(timeout_s=10)
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 2 and all(json.loads(x)["name"] == RETRIEVE for x in lines)

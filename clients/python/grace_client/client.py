@@ -66,9 +66,10 @@ class GraceClient:
     """A client of one GRACE serving target (`host:port`, or any gRPC target string).
 
     `timeout` is each call's budget in seconds, retries included (None: no deadline);
-    `retries` how many times a RESOURCE_EXHAUSTED or UNAVAILABLE answer is retried, after
-    `backoff` or the server's RetryInfo delay. Use it as a context manager, or `close()`
-    it: the channel is the client's. Thread-safe, like the channel under it.
+    `retries` how many times an UNAVAILABLE answer, or a RESOURCE_EXHAUSTED with a
+    RetryInfo, is retried, after `backoff` or the server's RetryInfo delay. Use it as a
+    context manager, or `close()` it: the channel is the client's. Thread-safe, like the
+    channel under it.
     """
 
     def __init__(

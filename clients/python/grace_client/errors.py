@@ -13,10 +13,12 @@ import grpc
 
 from grace_client import _wire
 
-# The service's "try again" answers: RESOURCE_EXHAUSTED (admission refused: queue full, or
-# the deadline leaves no room for the predicted wait) and UNAVAILABLE (draining, still
-# loading, or no connection). Nothing else is retried: INVALID_ARGUMENT would fail again,
-# DEADLINE_EXCEEDED has spent the caller's budget, INTERNAL may not be idempotent to repeat.
+# The service's "try again" answers: RESOURCE_EXHAUSTED from admission (queue full, or the
+# deadline leaves no room for the predicted wait: it carries a RetryInfo) and UNAVAILABLE
+# (draining, still loading, or no connection). A RESOURCE_EXHAUSTED without RetryInfo is a
+# request too large for the server or the transport: it would be refused again. Nothing
+# else is retried: INVALID_ARGUMENT would fail again, DEADLINE_EXCEEDED has spent the
+# caller's budget, INTERNAL may not be idempotent to repeat.
 RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 
 
@@ -42,7 +44,10 @@ class GraceError(Exception):
 
     @property
     def retryable(self) -> bool:
-        """Whether the code is one the client retries (the attempts may be used up)."""
+        """Whether the client retries this answer (the attempts may be used up):
+        UNAVAILABLE, and RESOURCE_EXHAUSTED when the server said when to retry."""
+        if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return self.retry_delay is not None
         return self.code in RETRYABLE
 
     @classmethod

@@ -3,7 +3,7 @@
 
 A call has one budget, the client's `timeout` (or the call's own): every attempt runs with
 the time still left as its gRPC deadline, so retries never stretch a call past it. After
-a retryable failure (errors.RETRYABLE) the next attempt waits the server's RetryInfo delay
+a retryable failure (`GraceError.retryable`) the next attempt waits the server's RetryInfo delay
 when the error carries one, else an exponential backoff with jitter; when that wait would
 end at or past the deadline, or the retries are used up, the call fails with the error.
 """
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from grace_client.errors import RETRYABLE, GraceError
+from grace_client.errors import GraceError
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Schedule:
 
     def pause(self, error: GraceError) -> float | None:
         """How long to wait before retrying after `error`, or None when it is final."""
-        if error.code not in RETRYABLE or self.attempts > self.retries:
+        if not error.retryable or self.attempts > self.retries:
             return None
         if error.retry_delay is not None:  # the server knows when it can take the call
             wait = error.retry_delay

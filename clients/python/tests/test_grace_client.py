@@ -58,14 +58,25 @@ def test_retrieve_takes_a_request_message_but_not_both(served: Served) -> None:
 
 @pytest.mark.parametrize("code", [RE, UNAVAILABLE])
 def test_refusals_are_retried_until_an_answer(served: Served, code: grpc.StatusCode) -> None:
-    served.fake.answer(Answer(code, "busy"), Answer(code, "busy"))
+    delay = 0.01 if code == RE else None  # admission's refusals say when (RetryInfo)
+    served.fake.answer(*[Answer(code, "busy", retry_delay=delay)] * 2)
     with GraceClient(served.target, retries=2, backoff=FAST) as client:
         assert client.retrieve(user_id=1) == REPLY
     assert len(served.fake.calls) == 3
 
 
+def test_a_resource_exhausted_without_retry_info_is_final(served: Served) -> None:
+    """A request too large for the server (no RetryInfo) would be refused again."""
+    served.fake.answer(Answer(RE, "request of 9999999 bytes exceeds the largest valid one"))
+    client = GraceClient(served.target, retries=3, backoff=FAST)
+    with client, pytest.raises(GraceError) as err:
+        client.retrieve(user_id=1)
+    assert (err.value.code, err.value.attempts, err.value.retryable) == (RE, 1, False)
+    assert len(served.fake.calls) == 1
+
+
 def test_retries_are_bounded_and_the_last_error_says_so(served: Served) -> None:
-    served.fake.answer(*[Answer(RE, "queue full")] * 5)
+    served.fake.answer(*[Answer(RE, "queue full", retry_delay=0.01)] * 5)
     client = GraceClient(served.target, retries=3, backoff=FAST)
     with client, pytest.raises(GraceError) as err:
         client.retrieve(user_id=1)

@@ -18,7 +18,9 @@ FAST = Backoff(initial=0.01, maximum=0.02)
 
 
 def test_retries_then_answers(served: Served) -> None:
-    served.fake.answer(*[Answer(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")] * 2)
+    served.fake.answer(
+        *[Answer(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", retry_delay=0.01)] * 2
+    )
 
     async def run() -> object:
         async with AsyncGraceClient(served.target, retries=2, backoff=FAST) as client:
