@@ -198,7 +198,7 @@ def register(add: AddCommand) -> None:
         "heldout.parquet and world.json into OUT. For paper scale (30 M ads) use "
         "`--profile paper --users 1000 --no-jsonl` on many cores (docs/PERFORMANCE.md).",
     )
-    p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="tiny")
+    p.add_argument("--profile", choices=["tiny", "demo", "study", "paper"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--ads", type=int, help="override the profile's number of ads")

@@ -6,7 +6,11 @@ RAM plus one float32 embedding row in a memory-mapped file:
 
     ad i = advertiser[i], its age range (age_lo/age_hi, jittered), gender rule, `keep`
            bits (which of the advertiser's country/location slots this ad uses; slot 0
-           always), popularity, ad_id, embedding (advertiser vector + noise).
+           always), popularity, ad_id, embedding (advertiser vector + noise), and a
+           campaign market (geo_country/geo_loc) replacing the advertiser's geo rule.
+
+With creatives (`campaigns.py`) the embedding is the creative's vector + noise instead,
+and a share of ads draws its own market and age / gender band.
 
 `rules_of(...)` turns any subset of ads back into `targeting.Ragged` rule lists, the
 contract's vectorised input: the writer uses it to emit catalog rows, the history
@@ -23,6 +27,7 @@ import numpy as np
 
 from contracts.targeting import AGE_BUCKETS, BITMASK_WORDS, COUNTRIES, Ragged, ad_bitmasks
 from index_builder.synth.advertisers import SLOTS, Advertisers
+from index_builder.synth.campaigns import Creatives, Markets, draw_variants
 from index_builder.synth.profiles import NATIONAL, WorldProfile
 
 _MASK48 = np.uint64((1 << 48) - 1)
@@ -49,6 +54,8 @@ class AdState:
     gender: np.ndarray  # int8 [N], -1 = no gender rule
     keep: np.ndarray  # uint8 [N]: bit j = slot j in use
     popularity: np.ndarray  # float32 [N]
+    geo_country: np.ndarray  # int16 [N]: campaign market country (COUNTRIES), -1 = none
+    geo_loc: np.ndarray  # int32 [N]: campaign market location id, -1 = none
     embedding: np.ndarray  # float32 [N, d] (memory-mapped)
 
     @property
@@ -70,17 +77,30 @@ def allocate_ads(
         gender=np.empty(n, dtype=np.int8),
         keep=np.empty(n, dtype=np.uint8),
         popularity=np.empty(n, dtype=np.float32),
+        geo_country=np.full(n, -1, dtype=np.int16),
+        geo_loc=np.full(n, -1, dtype=np.int32),
         embedding=embedding,
     )
 
 
 def fill_chunk(
-    p: WorldProfile, adv: Advertisers, ads: AdState, lo: int, hi: int, rng: np.random.Generator
+    p: WorldProfile,
+    adv: Advertisers,
+    ads: AdState,
+    lo: int,
+    hi: int,
+    rng: np.random.Generator,
+    creatives: Creatives | None = None,
+    markets: Markets | None = None,
 ) -> None:
     """Draw the per-ad variation of ads [lo, hi) in place."""
     n = hi - lo
     a = ads.advertiser[lo:hi]
-    emb = adv.vector[a] + (p.ad_noise / np.sqrt(p.embedding_dim)) * rng.standard_normal(
+    if creatives is None:
+        base, noise = adv.vector[a], p.ad_noise
+    else:
+        base, noise = creatives.vector[creatives.creative[lo:hi]], p.creative_noise
+    emb = base + (noise / np.sqrt(p.embedding_dim)) * rng.standard_normal(
         (n, p.embedding_dim), dtype=np.float32
     )
     ads.embedding[lo:hi] = emb
@@ -104,6 +124,12 @@ def fill_chunk(
     bits = (rng.random((n, SLOTS)) < p.slot_keep).astype(np.uint8)
     bits[:, 0] = 1
     ads.keep[lo:hi] = (bits << np.arange(SLOTS, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
+    if markets is not None:  # drawn last: the draws above stay those of a plain world
+        v = draw_variants(p, markets, adv, a, rng)
+        ads.geo_country[lo:hi], ads.geo_loc[lo:hi] = v.geo_country, v.geo_loc
+        for name in ("age_lo", "age_hi", "gender"):
+            mine = getattr(ads, name)[lo:hi]
+            mine[v.demo] = getattr(v, name)[v.demo]
 
 
 def _ragged(slots: np.ndarray, mask: np.ndarray) -> Ragged:
@@ -142,12 +168,19 @@ def rules_of(adv: Advertisers, ads: AdState, idx: np.ndarray | slice) -> AdRules
     """The targeting rules of ads `idx` (positions or a slice), in that order."""
     a = ads.advertiser[idx]
     keep = ((ads.keep[idx][:, None] >> np.arange(SLOTS, dtype=np.uint8)) & 1) > 0
-    c_slots = adv.country_slots[a]
+    c_slots, l_slots = adv.country_slots[a], adv.loc_slots[a]  # copies: fancy indexing
+    slot_key = a.astype(np.int64) << 8 | ads.keep[idx]  # the slots depend on these only
+    gc, gl = ads.geo_country[idx], ads.geo_loc[idx]
+    market = gc >= 0
+    if market.any():  # a campaign market replaces the advertiser's geo rule entirely
+        c_slots[market], l_slots[market] = -1, -1
+        c_slots[market, 0], l_slots[market, 0] = gc[market], gl[market]
+        keep |= market[:, None]
+        own = (gc[market].astype(np.int64) + 1) << 32 | (gl[market].astype(np.int64) + 1)
+        slot_key[market] = 1 << 62 | own  # apart from every advertiser's (a << 8 | keep)
     c_mask = (c_slots >= 0) & (keep | (adv.style[a] != NATIONAL)[:, None])
-    l_slots = adv.loc_slots[a]
     g = ads.gender[idx]
     has_g = g >= 0
-    slot_key = a.astype(np.int64) << 8 | ads.keep[idx]  # the slots depend on these only
     age_key = (ads.age_lo[idx].astype(np.int64) + 1) << 4 | (ads.age_hi[idx] + 1)
     return AdRules(
         countries=_ragged(c_slots, c_mask),

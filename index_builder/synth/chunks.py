@@ -26,11 +26,12 @@ import numpy as np
 
 from index_builder.synth.ads import AdRules, AdState, fill_chunk, pool_keys, rules_of
 from index_builder.synth.advertisers import Advertisers
+from index_builder.synth.campaigns import Creatives, Markets
 from index_builder.synth.profiles import WorldProfile, stream
 from index_builder.synth.writer import jsonl_chunk
 
 # AdState fields that `fill_chunk` draws, in `Chunk.fields` order
-FIELDS = ("age_lo", "age_hi", "gender", "keep", "popularity")
+FIELDS = ("age_lo", "age_hi", "gender", "keep", "popularity", "geo_country", "geo_loc")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class AdJob:
     seed: int
     n_locations: int  # size of the location vocabulary (pool keys after it)
     location_names: np.ndarray | None  # object [V]; None = no JSONL catalog
+    creatives: Creatives | None = None  # None: every ad its own content
+    markets: Markets | None = None  # None: no ad varies its advertiser's targeting
 
     @property
     def n_chunks(self) -> int:
@@ -68,7 +71,8 @@ def draw_chunk(job: AdJob, k: int) -> Chunk:
     p = job.profile
     lo = k * p.chunk_ads
     hi = min(p.n_ads, lo + p.chunk_ads)
-    fill_chunk(p, job.adv, job.ads, lo, hi, stream(job.seed, "ads", k))
+    rng = stream(job.seed, "ads", k)
+    fill_chunk(p, job.adv, job.ads, lo, hi, rng, job.creatives, job.markets)
     rules = rules_of(job.adv, job.ads, slice(lo, hi))
     keys, positions = pool_keys(rules, np.arange(lo, hi, dtype=np.int64), job.n_locations)
     jsonl = None

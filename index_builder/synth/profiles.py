@@ -67,6 +67,11 @@ class WorldProfile:
     female_rule_share: float = 0.6  # of gender rules, the share targeting women
     rule_jitter: float = 0.10  # per ad: age range shifted by one bucket / gender rule dropped
     slot_keep: float = 0.8  # per ad: keep each non-first location / neighbour-country slot
+    # --- creatives and campaigns (campaigns.py; the neutral values give the world without)
+    ads_per_creative: float = 1.0  # mean ads sharing one creative (1 = no creatives)
+    creative_noise: float = 0.0  # ad embedding = creative vector + this noise
+    campaign_geo_share: float = 0.0  # ads targeting their own market, not the advertiser's
+    campaign_demo_share: float = 0.0  # ads drawing their own age band / gender rule
     # --- users
     age_bucket_weights: tuple[float, ...] = (0.06, 0.20, 0.28, 0.19, 0.13, 0.08, 0.06)
     unknown_age_share: float = 0.05
@@ -98,6 +103,11 @@ class WorldProfile:
             raise ValueError(f"{self.name}: age_bucket_weights needs {len(AGE_BUCKETS)} entries")
         if not 2 <= self.history_len_min <= self.history_len_median <= self.history_len_max:
             raise ValueError(f"{self.name}: need 2 <= history min <= median <= max")
+        if self.ads_per_creative < 1.0 or self.creative_noise < 0.0:
+            raise ValueError(f"{self.name}: need ads_per_creative >= 1, creative_noise >= 0")
+        for share in (self.campaign_geo_share, self.campaign_demo_share):
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"{self.name}: campaign shares must lie in [0, 1]")
         for lo, hi in (self.regions_per_country, self.cities_per_region):
             if not 1 <= lo <= hi:
                 raise ValueError(f"{self.name}: ranges must satisfy 1 <= min <= max")
@@ -147,6 +157,20 @@ PROFILES: dict[str, WorldProfile] = {
             history_len_median=30,
             history_len_max=128,
             chunk_ads=65_536,
+        ),
+        # the paper's regime at a trainable size: campaigns of one advertiser share a
+        # creative (so a SID prefix holds several ads) but not their targeting
+        WorldProfile(
+            name="study",
+            n_ads=2_000_000,
+            n_users=100_000,
+            n_topics=96,
+            # more global advertisers: campaign markets narrow many of them to one country
+            style_mix=(0.50, 0.32, 0.11, 0.07),
+            ads_per_creative=8.0,
+            creative_noise=0.002,
+            campaign_geo_share=0.35,
+            campaign_demo_share=0.25,
         ),
         WorldProfile(name="paper", n_ads=30_000_000, n_users=100_000, n_topics=128),
     )

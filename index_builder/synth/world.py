@@ -23,14 +23,14 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from contracts.targeting import GENDERS, Targeting
-from index_builder.synth import writer
+from index_builder.synth import campaigns, writer
 from index_builder.synth.ads import AdState, EncodedAds, allocate_ads
 from index_builder.synth.advertisers import build_advertisers, build_topics
 from index_builder.synth.calibration import estimate_eligibility
 from index_builder.synth.chunks import AdJob, ChunkStream, store
 from index_builder.synth.geography import Geography, build_geography
 from index_builder.synth.histories import CandidateIndex, Histories, sample_histories
-from index_builder.synth.profiles import PROFILES, STYLES, stream
+from index_builder.synth.profiles import PROFILES, STYLES, WorldProfile, stream
 from index_builder.synth.users import Users, build_users
 
 WORLD_FORMAT = 1
@@ -42,7 +42,7 @@ def _style_counts(adv_style: np.ndarray, ads: AdState) -> dict[str, int]:
 
 
 def generate_world(
-    profile: str,
+    profile: str | WorldProfile,
     seed: int,
     out: Path,
     *,
@@ -52,18 +52,20 @@ def generate_world(
     workers: int = 1,
     jsonl: bool = True,
 ) -> dict[str, Any]:
-    """Write the world of `profile` (counts optionally overridden) and `seed` into `out`.
+    """Write the world of `profile` (a `PROFILES` name or a profile of its own; counts
+    optionally overridden) and `seed` into `out`.
 
     Returns the summary that is also written as `out/world.json`. The same arguments give
     the same catalog, users and held-out events, whatever `workers` (processes drawing
     ad chunks); only timings differ between runs. `jsonl=False` writes the catalog as
     Parquet only (paper scale: JSONL would add ~15 GB and most of the ads phase).
     """
-    if profile not in PROFILES:
+    if isinstance(profile, str) and profile not in PROFILES:
         raise KeyError(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
-    p = PROFILES[profile].with_counts(n_ads, n_users)
+    base = PROFILES[profile] if isinstance(profile, str) else profile
+    p = base.with_counts(n_ads, n_users)
     out = Path(out)
     timings: dict[str, float] = {}
     t0 = t = time.perf_counter()
@@ -87,8 +89,11 @@ def generate_world(
             emb_path, mode="w+", dtype=np.float32, shape=(p.n_ads, p.embedding_dim)
         )
         ads = allocate_ads(adv, emb, seed, stream(seed, "ads-layout"))
-        job = AdJob(p, adv, ads, seed, len(geo.names), geo.names if jsonl else None)
-        index, enc, rule_counts = _write_catalog(job, geo, tmp, progress, workers)
+        creatives = campaigns.build_creatives(p, adv, ads.advertiser, stream(seed, "creatives"))
+        markets = campaigns.build_markets(p, geo)
+        names = geo.names if jsonl else None
+        job = AdJob(p, adv, ads, seed, len(geo.names), names, creatives, markets)
+        index, enc, rule_counts, tkeys = _write_catalog(job, geo, tmp, progress, workers)
         style_counts = _style_counts(adv.style, ads)
         lap("ads")
 
@@ -108,7 +113,7 @@ def generate_world(
         timings["total"] = round(time.perf_counter() - t0, 3)
         summary: dict[str, Any] = {
             "format": WORLD_FORMAT,
-            "profile": profile,
+            "profile": p.name,
             "seed": seed,
             "knobs": p.knobs(),
             "counts": {
@@ -127,6 +132,11 @@ def generate_world(
                 "by_style": style_counts,
                 **{f"share_{k}": v / p.n_ads for k, v in rule_counts.items()},
             },
+            **(
+                {"creatives": campaigns.creative_summary(creatives.creative, tkeys)}
+                if creatives is not None
+                else {}
+            ),
             "eligibility": elig,
             "timings_s": timings,
             "files": [
@@ -147,11 +157,13 @@ def generate_world(
 
 def _write_catalog(
     job: AdJob, geo: Geography, directory: Path, progress: bool, workers: int
-) -> tuple[CandidateIndex, EncodedAds, dict[str, int]]:
+) -> tuple[CandidateIndex, EncodedAds, dict[str, int], np.ndarray]:
     """Draw the ads chunk by chunk (on `workers` processes), streaming each into the
-    catalog files and the pool index in chunk order."""
+    catalog files and the pool index in chunk order; also returns each ad's targeting
+    key (`campaigns.targeting_keys`; empty without creatives)."""
     p, ads = job.profile, job.ads
     keys, positions, loc_chunks = [], [], []
+    tkeys = np.zeros(p.n_ads if job.creatives else 0, dtype=np.uint64)
     enc = EncodedAds.allocate(p.n_ads)
     counts = dict.fromkeys(("country_rule", "age_rule", "gender_rule", "location_rule"), 0)
     jsonl = job.location_names is not None
@@ -164,6 +176,8 @@ def _write_catalog(
             lo, hi, rules = chunk.lo, chunk.hi, chunk.rules
             store(ads, chunk)
             enc.store(lo, chunk.bitmask, rules.locations)
+            if len(tkeys):
+                tkeys[lo:hi] = campaigns.targeting_keys(chunk.bitmask, rules.locations)
             loc_chunks.append(rules.locations.values)
             emb = ads.embedding[lo:hi]
             cat.write(ads.ad_id[lo:hi], ads.advertiser[lo:hi], emb, rules, chunk.jsonl)
@@ -175,7 +189,7 @@ def _write_catalog(
             bar.update(hi - lo)
         bar.close()
     index = CandidateIndex.build(keys, positions, len(geo.names))
-    return index, EncodedAds.finish(enc, loc_chunks), counts
+    return index, EncodedAds.finish(enc, loc_chunks), counts, tkeys
 
 
 def _write_users(

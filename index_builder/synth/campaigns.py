@@ -1,0 +1,192 @@
+"""Creatives and campaigns: ads that share content but not targeting (docs/SYNTH.md).
+
+Part of the ads stage of the synth flow (… advertisers → **ads** → users …), switched on
+by four profile knobs whose neutral values leave a world exactly as it was without them:
+
+- `ads_per_creative` > 1: each advertiser's ads are spread uniformly over
+  round(size / ads_per_creative) creatives; an ad's embedding is its creative's vector
+  plus `creative_noise` (instead of its advertiser's vector plus `ad_noise`), so the ads
+  of one creative are near-identical and RQ-KMeans gives them one SID prefix.
+- `campaign_geo_share` > 0: that share of ads (campaigns) targets its own market instead
+  of its advertiser's: one country by population (global advertisers), one country of
+  the home world region (national), one region of the home country (regional) or one
+  city of the home region (local).
+- `campaign_demo_share` > 0: that share of ads draws its own age band (`AGE_RULES`) and,
+  half of the time, its own gender rule.
+
+So the ads behind one SID differ in targeting, and which of them a user may see cannot
+be read off the content. `build_creatives` runs once before the chunks (its own stream,
+so the ad layout is unchanged); `draw_variants` runs inside `ads.fill_chunk`, after that
+chunk's existing draws; `creative_summary` describes the result for `world.json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from contracts.targeting import Ragged
+from index_builder.synth.advertisers import Advertisers
+from index_builder.synth.geography import Geography, cumulative, sample_within
+from index_builder.synth.profiles import AGE_RULES, GLOBAL, LOCAL, NATIONAL, REGIONAL, WorldProfile
+
+
+@dataclass(frozen=True)
+class Creatives:
+    """Which creative each ad shows, and the creatives' shared content vectors."""
+
+    creative: np.ndarray  # int32 [N]: creative id of each ad position
+    vector: np.ndarray  # float32 [n_creatives, d]: advertiser vector + ad_noise
+
+
+def build_creatives(
+    p: WorldProfile, adv: Advertisers, owner: np.ndarray, rng: np.random.Generator
+) -> Creatives | None:
+    """Creative layout of the ads (`owner`: int32 [N] advertiser per ad position); None
+    when `ads_per_creative` is 1 (every ad its own content, as without creatives)."""
+    if p.ads_per_creative <= 1.0:
+        return None
+    n_cre = np.maximum(1, np.rint(adv.size / p.ads_per_creative)).astype(np.int64)  # [A]
+    start = np.concatenate([[0], np.cumsum(n_cre)])
+    pick = (rng.random(len(owner)) * n_cre[owner]).astype(np.int64)
+    creative = (start[owner] + pick).astype(np.int32)
+    cre_adv = np.repeat(np.arange(adv.n), n_cre)
+    noise = rng.standard_normal((len(cre_adv), p.embedding_dim), dtype=np.float32)
+    vector = adv.vector[cre_adv] + (p.ad_noise / np.sqrt(p.embedding_dim)) * noise
+    return Creatives(creative, vector.astype(np.float32))
+
+
+@dataclass(frozen=True)
+class Markets:
+    """Sampling tables for campaign geo variants, built once from the geography."""
+
+    iso: np.ndarray  # int32 [C]: targeting.COUNTRIES index per geography country
+    country_cum: np.ndarray  # float64 [C+1]: cumulative population share
+    members: np.ndarray  # int64 [C]: countries sorted by world region
+    group_start: np.ndarray  # int64 [G+1]: countries of region g are members[start[g]:…]
+    group: np.ndarray  # int32 [C]: world region of each country
+    region_cum: np.ndarray  # float64 [R+1]
+    city_cum: np.ndarray  # float64 [K+1]
+    region_start: np.ndarray  # int64 [C+1]
+    city_start: np.ndarray  # int64 [R+1]
+    city_region: np.ndarray  # int32 [K]
+    n_countries: int
+    n_regions: int
+
+
+def build_markets(p: WorldProfile, geo: Geography) -> Markets | None:
+    """None when no ad varies its targeting (both campaign shares 0)."""
+    if p.campaign_geo_share <= 0.0 and p.campaign_demo_share <= 0.0:
+        return None
+    region_w = np.bincount(geo.city_region, weights=geo.city_weight, minlength=geo.n_regions)
+    g_size = np.bincount(geo.group)
+    return Markets(
+        iso=geo.iso_index,
+        country_cum=cumulative(geo.country_weight),
+        members=np.argsort(geo.group, kind="stable"),
+        group_start=np.concatenate([[0], np.cumsum(g_size)]),
+        group=geo.group,
+        region_cum=cumulative(region_w),
+        city_cum=cumulative(geo.city_weight),
+        region_start=geo.region_start,
+        city_start=geo.city_start,
+        city_region=geo.city_region,
+        n_countries=geo.n_countries,
+        n_regions=geo.n_regions,
+    )
+
+
+@dataclass(frozen=True)
+class Variants:
+    """Per-ad campaign targeting of one chunk; -1 / False = the advertiser's rule."""
+
+    geo_country: np.ndarray  # int16 [n]: the one targeted country (COUNTRIES index)
+    geo_loc: np.ndarray  # int32 [n]: the one targeted location id, -1 = none
+    demo: np.ndarray  # bool [n]: age and gender below replace the ad's own
+    age_lo: np.ndarray  # int8 [n]
+    age_hi: np.ndarray  # int8 [n]
+    gender: np.ndarray  # int8 [n]: GENDERS index, -1 = no rule
+
+
+def draw_variants(
+    p: WorldProfile, m: Markets, adv: Advertisers, a: np.ndarray, rng: np.random.Generator
+) -> Variants:
+    """Campaign variants of ads whose advertisers are `a` (int32 [n])."""
+    n = len(a)
+    style, home = adv.style[a], adv.home_country[a].astype(np.int64)
+    home_region = m.city_region[adv.home_city[a]].astype(np.int64)
+    u = rng.random((4, n))
+    anywhere = np.searchsorted(m.country_cum, u[0], side="right") - 1
+    g = m.group[home]
+    g_lo, g_hi = m.group_start[g], m.group_start[g + 1]
+    neighbour = m.members[g_lo + (u[1] * (g_hi - g_lo)).astype(np.int64)]
+    country = np.where(style == GLOBAL, np.clip(anywhere, 0, m.n_countries - 1), home)
+    country = np.where(style == NATIONAL, neighbour, country)
+    region = sample_within(m.region_cum, m.region_start[home], m.region_start[home + 1], u[2])
+    city = sample_within(m.city_cum, m.city_start[home_region], m.city_start[home_region + 1], u[3])
+    loc = np.where(style == REGIONAL, m.n_countries + region, -1)
+    loc = np.where(style == LOCAL, m.n_countries + m.n_regions + city, loc)
+    geo_on = rng.random(n) < p.campaign_geo_share
+
+    rules = np.array([(lo, hi) for lo, hi, _ in AGE_RULES], dtype=np.int8)
+    rule_w = np.array([w for *_, w in AGE_RULES])
+    band = rng.choice(len(rules), size=n, p=rule_w / rule_w.sum())
+    has_gender = rng.random(n) < 0.5
+    female = rng.random(n) < p.female_rule_share
+    return Variants(
+        geo_country=np.where(geo_on, m.iso[country], -1).astype(np.int16),
+        geo_loc=np.where(geo_on, loc, -1).astype(np.int32),
+        demo=rng.random(n) < p.campaign_demo_share,
+        age_lo=rules[band, 0],
+        age_hi=rules[band, 1],
+        gender=np.where(has_gender, np.where(female, 0, 1), -1).astype(np.int8),
+    )
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser: uint64 -> well-spread uint64."""
+    x = x.astype(np.uint64)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def targeting_keys(bitmask: np.ndarray, locations: Ragged) -> np.ndarray:
+    """uint64 [n]: equal for ads with equal rules (bitmask rows [n, W] are exact for
+    country / age / gender; location lists are hashed as sets)."""
+    with np.errstate(over="ignore"):
+        key = np.zeros(len(bitmask), dtype=np.uint64)
+        for w in range(bitmask.shape[1]):
+            key = _mix(key ^ _mix(bitmask[:, w] + np.uint64(w)))
+        lengths = np.diff(locations.offsets)
+        loc_hash = _mix(locations.values.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15))
+        rows = np.repeat(np.arange(len(bitmask)), lengths)
+        per_ad = np.zeros(len(bitmask), dtype=np.uint64)
+        np.add.at(per_ad, rows, loc_hash)
+        return _mix(key ^ per_ad)
+
+
+def creative_summary(creative: np.ndarray, keys: np.ndarray) -> dict[str, float | int]:
+    """Creative sizes and how often the ads of one creative differ in targeting."""
+    order = np.lexsort((keys, creative))
+    c, k = creative[order], keys[order]
+    new_c = np.r_[True, c[1:] != c[:-1]]
+    new_pair = new_c | np.r_[True, k[1:] != k[:-1]]
+    size = np.diff(np.r_[np.flatnonzero(new_c), len(c)])  # [non-empty creatives]
+    distinct = np.add.reduceat(new_pair.astype(np.int64), np.flatnonzero(new_c))
+    multi = size > 1
+    return {
+        "creatives": len(size),
+        "mean_ads_per_creative": float(size.mean()),
+        "p50_ads_per_creative": float(np.quantile(size, 0.5)),
+        "p99_ads_per_creative": float(np.quantile(size, 0.99)),
+        "max_ads_per_creative": int(size.max()),
+        "mean_targetings_per_creative": float(distinct.mean()),
+        "share_multi_targeting": float((distinct > 1).mean()),
+        "share_multi_targeting_of_multi_ad": float((distinct[multi] > 1).mean())
+        if multi.any()
+        else 0.0,
+    }

@@ -1,0 +1,176 @@
+"""Creatives and campaigns in the synthetic world (index_builder/synth/campaigns.py).
+
+With the knobs on, ads of one creative must be near-identical in content and differ in
+targeting; with the knobs at their neutral values, or with one knob group on, nothing
+else in the world may move; and the world stays deterministic however it is drawn.
+Creatives are recovered from the written catalog (near-identical embeddings of one
+advertiser), not read from the generator's state.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from index_builder.synth import PROFILES, WorldProfile, generate_world, load_world
+from tests.index_builder.test_synth import FILES, eligible
+
+SEED = 11
+TARGETING = ("countries", "age_buckets", "genders", "locations")
+TINY = PROFILES["tiny"]
+CREATIVES = {"ads_per_creative": 6.0, "creative_noise": 0.002}
+CAMPAIGNS = {"campaign_geo_share": 0.6, "campaign_demo_share": 0.4}
+TINY_STUDY = replace(TINY, name="tiny-study", **CREATIVES, **CAMPAIGNS)
+
+
+def _gen(profile: WorldProfile | str, out: Path, **kw: Any) -> dict[str, Any]:
+    return generate_world(profile, SEED, out, progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("campaigns")
+    profiles: dict[str, WorldProfile | str] = {
+        "plain": "tiny",
+        "study": TINY_STUDY,
+        "creatives": replace(TINY, name="tiny-creatives", **CREATIVES),
+        "campaigns": replace(TINY, name="tiny-campaigns", **CAMPAIGNS),
+    }
+    for name, profile in profiles.items():
+        _gen(profile, root / name)
+    return {name: root / name for name in profiles}
+
+
+def _catalog(path: Path) -> dict[str, Any]:
+    return pq.read_table(path / "catalog.parquet").to_pydict()
+
+
+def _creatives(cat: dict[str, Any]) -> list[np.ndarray]:
+    """Ad rows grouped by creative: ads of one advertiser with (near-)equal embeddings."""
+    emb = np.array(cat["embedding"], dtype=np.float64)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    adv = np.array(cat["advertiser_id"])
+    groups = []
+    for a in np.unique(adv):
+        rows = np.flatnonzero(adv == a)
+        left = set(range(len(rows)))
+        cos = emb[rows] @ emb[rows].T
+        while left:
+            i = min(left)
+            members = [j for j in left if cos[i, j] > 0.9999]
+            left -= set(members)
+            groups.append(rows[members])
+    return groups
+
+
+def test_neutral_knobs_leave_the_world_unchanged(worlds: dict[str, Path], tmp_path: Path) -> None:
+    # creative_noise only matters with creatives: at ads_per_creative = 1 it is ignored
+    neutral = replace(TINY, ads_per_creative=1.0, creative_noise=0.5, campaign_geo_share=0.0)
+    _gen(neutral, tmp_path / "neutral")
+    for name in FILES:
+        assert (tmp_path / "neutral" / name).read_bytes() == (worlds["plain"] / name).read_bytes()
+    assert "creatives" not in load_world(worlds["plain"]).summary
+
+
+def test_each_knob_group_changes_only_its_own_columns(worlds: dict[str, Path]) -> None:
+    plain = _catalog(worlds["plain"])
+    creatives, campaigns = _catalog(worlds["creatives"]), _catalog(worlds["campaigns"])
+    for col in ("ad_id", "advertiser_id", *TARGETING):  # creatives: new content only
+        assert creatives[col] == plain[col], col
+    assert creatives["embedding"] != plain["embedding"]
+    for col in ("ad_id", "advertiser_id", "embedding"):  # campaigns: new targeting only
+        assert campaigns[col] == plain[col], col
+    changed = sum(
+        any(campaigns[c][i] != plain[c][i] for c in TARGETING) for i in range(len(plain["ad_id"]))
+    )
+    assert 0.4 * len(plain["ad_id"]) < changed < 0.9 * len(plain["ad_id"])
+
+
+def test_creatives_share_content_but_not_targeting(worlds: dict[str, Path]) -> None:
+    cat = _catalog(worlds["study"])
+    groups = _creatives(cat)
+    sizes = np.array([len(g) for g in groups])
+    assert 4.0 < sizes.mean() < 7.0 and (sizes >= 3).sum() > 100
+    differ = [
+        len({tuple(tuple(cat[c][i]) for c in TARGETING) for i in g}) > 1
+        for g in groups
+        if len(g) > 1
+    ]
+    assert np.mean(differ) > 0.9  # one SID's worth of content, several targetings
+    reported = load_world(worlds["study"]).summary["creatives"]
+    assert reported["creatives"] == len(groups)
+    assert reported["share_multi_targeting_of_multi_ad"] == pytest.approx(np.mean(differ))
+
+
+def test_campaign_markets_keep_to_the_contract(worlds: dict[str, Path]) -> None:
+    world = load_world(worlds["study"])
+    cat = _catalog(worlds["study"])
+    single = 0
+    for countries, locations in zip(cat["countries"], cat["locations"], strict=True):
+        if locations:  # a location rule lies inside the ad's (first) country
+            assert all(s[:2] == countries[0] for s in locations)
+        single += len(countries) == 1 and len(locations) <= 1
+    assert single > 0.5 * len(cat["ad_id"])
+    rows = [dict(zip(cat, values, strict=True)) for values in zip(*cat.values(), strict=True)]
+    by_id = {r["ad_id"]: r for r in rows}
+    for u, t in enumerate(world.targeting):  # histories still hold eligible ads only
+        for ad_id in [*world.history(u)[0].tolist(), int(world.heldout_ad_ids[u])]:
+            assert eligible(by_id[ad_id], t), (u, ad_id, t)
+
+
+def test_same_seed_same_world_however_drawn(worlds: dict[str, Path], tmp_path: Path) -> None:
+    _gen(TINY_STUDY, tmp_path / "again")
+    _gen(TINY_STUDY, tmp_path / "forked", workers=3)  # 4 chunks on 3 processes
+    for name in FILES:
+        want = (worlds["study"] / name).read_bytes()
+        assert (tmp_path / "again" / name).read_bytes() == want, name
+        assert (tmp_path / "forked" / name).read_bytes() == want, name
+    kw: dict[str, Any] = {"n_ads": 7_500, "n_users": 40}  # 15 chunks, refilled in order
+    _gen(TINY_STUDY, tmp_path / "one", workers=1, **kw)
+    _gen(TINY_STUDY, tmp_path / "two", workers=2, **kw)
+    for name in FILES:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+
+
+def test_study_profile_is_in_the_papers_regime(tmp_path: Path) -> None:
+    """A scaled-down `study` world: creatives of several ads, about a quarter eligible."""
+    s = _gen("study", tmp_path / "study", n_ads=20_000, n_users=200, jsonl=False)
+    assert PROFILES["demo"].n_ads < PROFILES["study"].n_ads < PROFILES["paper"].n_ads
+    assert s["creatives"]["mean_ads_per_creative"] > 5
+    assert s["creatives"]["share_multi_targeting_of_multi_ad"] > 0.9
+    assert 0.15 < s["eligibility"]["mean_eligible_share"] < 0.35
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"ads_per_creative": 0.5},
+        {"creative_noise": -0.1},
+        {"campaign_geo_share": 1.5},
+        {"campaign_demo_share": -0.2},
+    ],
+)
+def test_profile_refuses_bad_campaign_knobs(knobs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        replace(TINY, **knobs)
+
+
+def test_grace_synth_offers_every_profile(tmp_path: Path) -> None:
+    """`grace synth --profile` lists every world profile (study included), and a scaled
+    study world comes out of the CLI."""
+    from cli import main
+
+    with pytest.raises(SystemExit):
+        main(["synth", "--profile", "no-such-profile", "--out", str(tmp_path / "x")])
+    assert set(PROFILES) == {"tiny", "demo", "study", "paper"}  # what the CLI offers
+    out = tmp_path / "study"
+    assert main(["synth", "--profile", "study", "--ads", "3000", "--users", "60",
+                 "--out", str(out), "--no-jsonl", "--workers", "1"]) in (0, None)  # fmt: skip
+    world = json.loads((out / "world.json").read_text())
+    assert world["profile"] == "study" and world["creatives"]["creatives"] > 0
