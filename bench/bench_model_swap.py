@@ -92,9 +92,32 @@ class Window:
     end: float
 
 
+def timeline(records: list[Record], published: float, swap_end: float,
+             margin: float = 5.0) -> list[dict]:  # fmt: skip
+    """Per second of send time, from `margin` s before CURRENT moved to `margin` s after
+    the swap: calls, failed calls (by status) and the P99, each second's `t` counted from
+    the publish and `unix` its start, to line up with the server log's timestamps (the
+    load phases a worker logs: which of them costs the refusals)."""
+    rows = []
+    for t in range(-int(margin), int(np.ceil(swap_end - published + margin))):
+        lo = published + t
+        inside = [(lat, status) for s, lat, status, _ in records if lo <= s < lo + 1]
+        if not inside:
+            continue
+        lat = np.array([x for x, _ in inside]) * 1e3
+        failed: dict[str, int] = {}
+        for _, status in inside:
+            if status != "OK":
+                failed[status] = failed.get(status, 0) + 1
+        rows.append({"t": t, "unix": round(lo, 3), "calls": len(inside), "failed": failed,
+                     "p99_ms": round(float(np.percentile(lat, 99)), 2)})  # fmt: skip
+    return rows
+
+
 def summarise(records: list[Record], published: float, old: str, new: str,
               warmup: float, start: float) -> dict:  # fmt: skip
-    """The figures of one run from its records (pure: tests/ops/test_bench_tools.py)."""
+    """The figures of one run from its records (pure: tests/ops/test_bench_tools.py):
+    `published` is when CURRENT moved (unix seconds, also written as `published_unix`)."""
     ok_new = [s + lat for s, lat, status, v in records if status == "OK" and v == new]
     first_new = min(ok_new) if ok_new else None
     old_sent = [s for s, _, status, v in records if status == "OK" and v == old and s >= published]
@@ -105,6 +128,7 @@ def summarise(records: list[Record], published: float, old: str, new: str,
                Window("after", swap_end, float("inf"))]  # fmt: skip
     out: dict = {
         "calls": len(records),
+        "published_unix": round(published, 3),
         "publish_to_first_new_answer_s": None if first_new is None else first_new - published,
         # with several workers each swaps on its own: the last old answer's call bounds
         # when the last of them did (one worker: no old answer after the first new one)
@@ -116,6 +140,7 @@ def summarise(records: list[Record], published: float, old: str, new: str,
         else sum(1 for s, _, status, v in records if status == "OK" and v == old and s > first_new),
         "windows": {},
     }
+    out["timeline"] = timeline(records, published, swap_end)
     for w in windows:
         lat = np.array([lat for s, lat, _, _ in records if w.start <= s < w.end]) * 1e3
         statuses = [status for s, _, status, _ in records if w.start <= s < w.end]

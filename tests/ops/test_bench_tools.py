@@ -17,6 +17,7 @@ import pytest
 from bench import bench_startup, bench_topk_capacity
 from bench.baselines.decode_variants import DecodeOptions
 from bench.bench_decoder_loop import FINAL_ROW, ROWS, paired, tail_spread, times_interleaved
+from bench.bench_model_swap import summarise as summarise_swap
 from contracts.index_format import VOCAB_SIZE
 from index_builder.catalog import read_catalog
 from index_builder.publish import current_path, publish
@@ -122,3 +123,24 @@ def test_decoder_loop_final_row_is_the_served_configuration() -> None:
     assert rows["naive"].advance == "eager"
     assert rows["graph_tail"] == dataclasses.replace(DecodeOptions(), advance="eager")
     assert rows["graph_compiled"] == dataclasses.replace(DecodeOptions(), advance="compiled")
+
+
+def test_model_swap_summary_times_the_swap_and_lays_out_each_second() -> None:
+    """bench/bench_model_swap.py's figures from known records: the first new answer, the
+    windows, and a per-second timeline whose refusals sit in the seconds they happened."""
+    t0, published = 1000.0, 1010.0
+    records = [(t0 + i * 0.1, 0.02, "OK", "old") for i in range(100)]  # 10 s before
+    records += [
+        (published + 0.5, 0.02, "RESOURCE_EXHAUSTED", ""),
+        (published + 1.2, 0.03, "OK", "old"),
+        (published + 2.1, 0.04, "OK", "new"),
+        (published + 3.5, 0.02, "OK", "new"),
+    ]
+    out = summarise_swap(records, published, "old", "new", warmup=1.0, start=t0)
+    assert out["publish_to_first_new_answer_s"] == pytest.approx(2.14)
+    assert out["failed_calls"] == 1 and out["answered_by"] == {"new": 2, "old": 101}
+    assert out["windows"]["during_swap"]["failed"] == 1
+    by_t = {row["t"]: row for row in out["timeline"]}
+    assert by_t[0]["failed"] == {"RESOURCE_EXHAUSTED": 1} and by_t[0]["calls"] == 1
+    assert by_t[-1]["calls"] == 10 and by_t[-1]["failed"] == {}
+    assert by_t[2]["unix"] == published + 2 and min(by_t) == -5
