@@ -5,51 +5,27 @@ same deadlines, retries (retry.py), health and `GraceError`s; it waits with
 from __future__ import annotations
 
 import asyncio
-import random
-from collections.abc import Sequence
-from typing import Any, Unpack
+from typing import Unpack
 
 import grpc
 
 from grace_client import _wire
 from grace_client.client import (
-    DEFAULT_RETRIES,
-    DEFAULT_TIMEOUT,
+    ClientCore,
     Metadata,
     ServingStatus,
-    make_channel,
     request_of,
 )
 from grace_client.errors import GraceError
 from grace_client.request import RequestFields
-from grace_client.retry import Backoff, Schedule
-from grace_client.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from grace_client.retry import Schedule
+from grace_client.rpc.grace.v1 import retrieval_pb2
 
 
-class AsyncGraceClient:
+class AsyncGraceClient(ClientCore):
     """GraceClient for asyncio: make it inside the event loop that uses it."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        retries: int = DEFAULT_RETRIES,
-        backoff: Backoff = Backoff(),  # noqa: B008 - frozen, so one shared default is fine
-        credentials: grpc.ChannelCredentials | None = None,
-        options: Sequence[tuple[str, Any]] = (),
-    ) -> None:
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
-        self.target, self.timeout, self.retries, self.backoff = target, timeout, retries, backoff
-        self._rng = random.Random()
-        self._channel: grpc.aio.Channel = make_channel(target, credentials, options, aio=True)
-        self._stub = retrieval_pb2_grpc.AdRetrievalStub(self._channel)
-        self._check = self._channel.unary_unary(
-            _wire.HEALTH_CHECK,
-            request_serializer=_wire.HealthCheckRequest.SerializeToString,
-            response_deserializer=_wire.HealthCheckResponse.FromString,
-        )
+    _AIO = True
 
     async def retrieve(
         self,

@@ -62,15 +62,11 @@ def request_of(
     return request
 
 
-class GraceClient:
-    """A client of one GRACE serving target (`host:port`, or any gRPC target string).
+class ClientCore:
+    """What GraceClient and AsyncGraceClient share: their settings, the channel (grpc or
+    grpc.aio, by `_AIO`), the Retrieve stub and the health Check method."""
 
-    `timeout` is each call's budget in seconds, retries included (None: no deadline);
-    `retries` how many times an UNAVAILABLE answer, or a RESOURCE_EXHAUSTED with a
-    RetryInfo, is retried, after `backoff` or the server's RetryInfo delay. Use it as a
-    context manager, or `close()` it: the channel is the client's. Thread-safe, like the
-    channel under it.
-    """
+    _AIO = False
 
     def __init__(
         self,
@@ -86,13 +82,24 @@ class GraceClient:
             raise ValueError(f"retries must be >= 0, got {retries}")
         self.target, self.timeout, self.retries, self.backoff = target, timeout, retries, backoff
         self._rng = random.Random()
-        self._channel: grpc.Channel = make_channel(target, credentials, options)
+        self._channel: Any = make_channel(target, credentials, options, aio=self._AIO)
         self._stub = retrieval_pb2_grpc.AdRetrievalStub(self._channel)
         self._check = self._channel.unary_unary(
             _wire.HEALTH_CHECK,
             request_serializer=_wire.HealthCheckRequest.SerializeToString,
             response_deserializer=_wire.HealthCheckResponse.FromString,
         )
+
+
+class GraceClient(ClientCore):
+    """A client of one GRACE serving target (`host:port`, or any gRPC target string).
+
+    `timeout` is each call's budget in seconds, retries included (None: no deadline);
+    `retries` how many times an UNAVAILABLE answer, or a RESOURCE_EXHAUSTED with a
+    RetryInfo, is retried, after `backoff` or the server's RetryInfo delay. Use it as a
+    context manager, or `close()` it: the channel is the client's. Thread-safe, like the
+    channel under it.
+    """
 
     def retrieve(
         self,
