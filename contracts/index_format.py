@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
@@ -173,9 +174,21 @@ def _check_spec(name: str, arr: np.ndarray) -> None:
         )
 
 
-def file_sha256(path: Path) -> str:
+SHA_CHUNK = 64 << 20  # bytes hashed between two calls of `file_sha256`'s `between`
+
+
+def file_sha256(path: Path, between: Callable[[], None] | None = None) -> str:
+    """The file's sha256 hex digest; `between` (when given) is called after each
+    SHA_CHUNK bytes (a model swap's pace, `service/pace.py`)."""
     with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+        if between is None:
+            return hashlib.file_digest(fh, "sha256").hexdigest()
+        digest, buf = hashlib.sha256(), bytearray(SHA_CHUNK)
+        view = memoryview(buf)
+        while n := fh.readinto(buf):
+            digest.update(view[:n])
+            between()
+        return digest.hexdigest()
 
 
 def fsync_path(path: Path) -> None:

@@ -47,12 +47,14 @@ from service.grpc_server import (
     server_options,
     set_health,
 )
+from service.index.loaded import LoadedIndex
 from service.logs import AccessLog
 from service.metrics import Metrics
 from service.mps import mps_client
+from service.pace import Pace
 from service.pipeline.records import Batch, group_key
 from service.pipeline.runner import Pipeline
-from service.pipeline.runtime import Serving, ServingHolder
+from service.pipeline.runtime import ModelRuntime, Serving, ServingHolder
 from service.pipeline.stages import Stages
 from service.request_log import RequestLog
 from service.rollout.host_lock import host_lock, swap_lock_path
@@ -269,17 +271,29 @@ def _rollout(
     lock = swap_lock_path(Path(settings.model_dir), Path(settings.index_root))
     one_at_a_time = functools.partial(host_lock, lock)
     dtype = getattr(torch, settings.resolve_dtype(device))
+    # a swap yields to the requests it serves beside; start-up (nothing served) is not paced
+    pace = Pace(settings.rollout_share, active=lambda: serving.ready, device=device)
+
+    def prepare(model: ModelRuntime, index: LoadedIndex) -> None:
+        pace.begin()
+        slept = pace.slept
+        model.prepare(index, tuple(settings.beams), pace)
+        if pace.slept > slept:
+            log.info("model %s, index %s: the prepare rested %.1f s beside serving "
+                     "(rollout_share %.2f)", model.version, index.version, pace.slept - slept,
+                     settings.rollout_share)  # fmt: skip
+
     return Rollout(
         model_follower(Path(settings.model_dir), stages, dtype, served=served("model"),
                        on_failure=lambda v, e: failures["model"].labels("invalid").inc(),
-                       backoff_seconds=backoff),
+                       backoff_seconds=backoff, pace=pace),
         index_follower(Path(settings.index_root), device, served=served("index"),
                        on_failure=lambda v, e: failures["index"].labels("invalid").inc(),
                        backoff_seconds=backoff),
         serving,
         device=device,
         poll_seconds=settings.index_poll_seconds,
-        prepare=lambda model, index: model.prepare(index, tuple(settings.beams)),
+        prepare=prepare,
         on_swap=swapped,
         on_incompatible=lambda kind, version: failures[kind].labels("incompatible").inc(),
         one_at_a_time=one_at_a_time,

@@ -106,11 +106,14 @@ class BucketGraphs(ABC, Generic[_B, _I, _O]):
         return sum(p.graph is not None for p in self._plans.values())
 
     @torch.no_grad()
-    def warm(self) -> None:
-        """Build (on CUDA: capture) every bucket's plan; call before serving."""
-        with self._lock:
-            for b in self.buckets:
+    def warm(self, pace: Callable[[], None] | None = None) -> None:
+        """Build (on CUDA: capture) every bucket's plan; call before serving. `pace` is
+        called after each bucket (`service/pace.py`), outside the lock."""
+        for b in self.buckets:
+            with self._lock:
                 self._plan(b)
+            if pace is not None:
+                pace()
 
     def _run(self, batch: _B, size: int) -> _O:
         """`batch` of `size` requests (at most the largest bucket) through its bucket."""

@@ -180,6 +180,16 @@ class ServerSettings(BaseSettings):
         description="How often the rollout reads <index_root>/CURRENT and the model "
         "repository's CURRENT, in seconds.",
     )
+    rollout_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="The most of the wall time a model or index swap's load and prepare "
+        "take while the server serves: after each step (a checksum chunk, a tensor's copy "
+        "to the device, a CUDA graph's capture, its GPU work included) the rollout rests "
+        "so that requests keep the GPU, cores and GIL (service/pace.py). 1 turns pacing "
+        "off; start-up is never paced.",
+    )
     max_connection_age_seconds: float = Field(
         120.0,
         description="Close client connections after this age (with a GOAWAY) so that "

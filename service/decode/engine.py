@@ -30,6 +30,7 @@ never interact, so padding rows cannot change real ones. `widths`, `new_cache`,
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -96,9 +97,11 @@ class DecodeEngine:
         modes: tuple[FilterMode, ...] = (FilterMode.CD_GTM, FilterMode.CD_ONLY),
         batch_sizes: tuple[int, ...] | None = None,
         locations: tuple[int, ...] | None = None,
+        pace: Callable[[], None] | None = None,
     ) -> int:
         """Build every plan a server may hit (on CUDA: capture its graph); returns how many
-        plans exist. Report SERVING only after this returns."""
+        plans exist. Report SERVING only after this returns. `pace` is called after each
+        plan (`service/pace.py`: a swap's prepare yields to serving)."""
         keys = {
             (b, mode, self.location_key(mode, n))
             for b in batch_sizes or self.batch_buckets
@@ -113,6 +116,8 @@ class DecodeEngine:
                 if plan.graph is None and self.device.type == "cuda":
                     plan.live.fill_(True)
                     self._decode(plans, plan)  # eager plans: autotune now, not in a request
+                if pace is not None:
+                    pace()
             return len(plans.plans)
 
     @torch.no_grad()

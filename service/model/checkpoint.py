@@ -126,8 +126,11 @@ def load_checkpoint(
     device: torch.device | str = "cpu",
     *,
     build: Callable[[ModelConfig], nn.Module] | None = None,
+    pace: Callable[[], None] | None = None,
 ) -> LoadedModel:
     """Read and check a checkpoint; `build` makes the empty model (default GenerativeRetriever).
+    `pace` is called between the load's steps (a chunk of the checksum, one tensor's copy
+    to the device: `service/pace.py`, a swap under load).
 
     Raises FileNotFoundError for a missing file and CheckpointError, naming the problem,
     for an unknown format version, a corrupt or truncated weights file, a tokenizer
@@ -142,7 +145,7 @@ def load_checkpoint(
         now = time.perf_counter()
         seconds[name], t = now - t, now
 
-    meta, config, tokenizer = _verified(path)
+    meta, config, tokenizer = _verified(path, pace)
     phase("verify")
     try:
         weights = load_file(str(path / WEIGHTS_FILE), device="cpu")
@@ -154,11 +157,17 @@ def load_checkpoint(
     _check_weights(expected, weights, path)
     # safetensors maps the file: on a CPU the parameters would stay views of that mapping
     # (read lazily, and a file overwritten in place would change or crash the model), so
-    # they get their own memory there; another device copies them when the model moves
+    # they get their own memory there; on another device each tensor is copied there on
+    # its own, paced
     own = torch.device(device).type == "cpu"
-    weights = {k: v.to(expected[k].dtype, copy=own) for k, v in weights.items()}
+    moved = {}
+    for k, v in weights.items():
+        moved[k] = v.to(device=device, dtype=expected[k].dtype, copy=own)
+        if pace is not None and not own:
+            pace()
+    weights = moved
     model.load_state_dict(weights, strict=True, assign=True)
-    phase("read")
+    phase("weights")  # read and, off the CPU, copied to the device
     loaded = _fingerprint(model)
     for module in model.modules():
         if hasattr(module, "reset_buffers"):  # the buffers no checkpoint holds
@@ -173,7 +182,7 @@ def load_checkpoint(
     if left:  # a module with state outside the checkpoint and no reset_buffers
         raise CheckpointError(f"checkpoint {path}: the model has state it does not hold: {left}")
     model.to(device).eval()
-    phase("to_device")
+    phase("buffers")
     return LoadedModel(model, config, tokenizer, str(meta["model_version"]), meta, seconds)
 
 
@@ -204,7 +213,9 @@ def sid_space_of(path: Path) -> str | None:
         return None
 
 
-def _verified(path: Path) -> tuple[dict[str, Any], ModelConfig, SIDTokenizer | None]:
+def _verified(
+    path: Path, pace: Callable[[], None] | None = None
+) -> tuple[dict[str, Any], ModelConfig, SIDTokenizer | None]:
     """config.json, the model config and the tokenizer of a checkpoint whose files are
     all there and whose weights match their recorded sha256."""
     for p in (path / CONFIG_FILE, path / WEIGHTS_FILE):
@@ -218,7 +229,7 @@ def _verified(path: Path) -> tuple[dict[str, Any], ModelConfig, SIDTokenizer | N
         config = ModelConfig.from_dict(meta["config"])
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: invalid model config ({e})") from e
-    digest = file_sha256(path / WEIGHTS_FILE)
+    digest = file_sha256(path / WEIGHTS_FILE, between=pace)
     if digest != meta["weights_sha256"]:
         raise CheckpointError(
             f"checkpoint {path}: {WEIGHTS_FILE} is corrupt or truncated (sha256 {digest[:12]}, "

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,34 +85,42 @@ class ModelRuntime:
                 plans = self._plans[index] = self.engine.plan(index.tables, index.level_offsets)
             return plans
 
-    def prepare(self, index: LoadedIndex, beams: tuple[int, ...]) -> None:
+    def prepare(
+        self, index: LoadedIndex, beams: tuple[int, ...], pace: Callable[[], None] | None = None
+    ) -> None:
         """Before a pair serves: make the index's decode plans; on GPU capture the CUDA
         graphs of the default schedule (both filter modes, every batch and location
-        bucket), and, once per model, the embedder's and the encoder's."""
+        bucket), and, once per model, the embedder's and the encoder's. `pace` is called
+        after each capture (`service/pace.py`)."""
         plans = self.plans(index)
         if not self.cuda:
             return
         if not self._graphs_warm:
-            self._warm_graphs()
+            self._warm_graphs(pace)
             self._graphs_warm = True
         t0 = time.perf_counter()
-        n = self.engine.warm(plans, beams, modes=(FilterMode.CD_GTM, FilterMode.CD_ONLY))
+        n = self.engine.warm(plans, beams, modes=(FilterMode.CD_GTM, FilterMode.CD_ONLY),
+                             pace=pace)  # fmt: skip
         log.info("model %s, index %s: %d decode plans captured as CUDA graphs in %.1f s",
                  self.version, index.version, n, time.perf_counter() - t0)  # fmt: skip
 
-    def _warm_graphs(self) -> None:
+    def _warm_graphs(self, pace: Callable[[], None] | None) -> None:
         """Capture the embedder's and the encoder's graphs; where that fails, serve with
         the eager module rather than not at all."""
-        if isinstance(self.embedder, StaticFeatures) and not _warmed(self.embedder, "embedder"):
+        if isinstance(self.embedder, StaticFeatures) and not _warmed(
+            self.embedder, "embedder", pace
+        ):
             self.embedder = self.model.embedder
-        if isinstance(self.encoder, StaticEncoder) and not _warmed(self.encoder, "encoder"):
+        if isinstance(self.encoder, StaticEncoder) and not _warmed(self.encoder, "encoder", pace):
             self.encoder = self.model.encoder
 
 
-def _warmed(static: StaticFeatures | StaticEncoder, name: str) -> bool:
+def _warmed(
+    static: StaticFeatures | StaticEncoder, name: str, pace: Callable[[], None] | None
+) -> bool:
     t0 = time.perf_counter()
     try:
-        static.warm()
+        static.warm(pace)
     except Exception:
         log.exception("capturing the %s's CUDA graphs failed: eager %s", name, name)
         return False

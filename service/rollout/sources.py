@@ -23,6 +23,7 @@ from contracts.index_format import MANIFEST, manifest_sid_space
 from service.index.loaded import LoadedIndex, load_index
 from service.model.checkpoint import load_checkpoint, sid_space_of
 from service.model.repository import COMPLETE, is_checkpoint
+from service.pace import Pace
 from service.pipeline.runtime import ModelRuntime
 from service.pipeline.stages import Stages
 from service.rollout.follower import Follower
@@ -38,15 +39,23 @@ def model_follower(
     served: Callable[[], str | None],
     on_failure: Callable[[str, Exception], None],
     backoff_seconds: float,
+    pace: Pace | None = None,
 ) -> Follower[ModelRuntime]:
+    """`pace` (`service/pace.py`) is called between the load's steps."""
+
     def load(path: Path, version: str) -> ModelRuntime:
         t0 = time.perf_counter()
-        loaded = load_checkpoint(path, stages.device)
+        if pace is not None:
+            pace.begin()
+        slept = pace.slept if pace is not None else 0.0
+        loaded = load_checkpoint(path, stages.device, pace=pace)
         t1 = time.perf_counter()
         loaded.model.to(dtype)
         runtime = stages.runtime(loaded.model, version=version, model_version=loaded.model_version,
                                  sid_space=loaded.sid_space, meta=loaded.meta)  # fmt: skip
         phases = {**loaded.seconds, "cast": time.perf_counter() - t1}
+        if pace is not None and pace.slept > slept:  # the rests, inside the phases above
+            phases["paced"] = pace.slept - slept
         log.info("model %s (%s) loaded and verified on %s in %.1f s (%s)", loaded.model_version,
                  path, stages.device, time.perf_counter() - t0,
                  ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))  # fmt: skip

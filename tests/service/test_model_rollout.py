@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -124,7 +125,7 @@ class Load:
 
 
 def test_a_model_hot_swaps_under_load_and_an_incompatible_one_is_refused(
-    data: Path, tmp_path: Path
+    data: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     repo = tmp_path / "models"
     first = publish_model(data / "model", repo)
@@ -160,10 +161,15 @@ def test_a_model_hot_swaps_under_load_and_an_incompatible_one_is_refused(
             await app.drain()
         return load
 
+    caplog.set_level("INFO", logger="grace.rollout")
     load = asyncio.run(run())
     assert load.failures == []
     pairs = {(a.model_version, a.index_version) for _, a in load.answers}
     assert pairs == {(m1, index), (m2, index)}  # never the refused model
+    loads = {m: line for line in caplog.messages for m in (m1, m2)
+             if line.startswith(f"model {m} (")}  # fmt: skip
+    assert "paced" not in loads[m1]  # start-up: nothing served beside it
+    assert re.search(r"paced [\d.]+ s\)$", loads[m2])  # the swap rested beside serving
     assert other not in {a.model_version for _, a in load.answers}
     assert load.sent_after(load.first_answer(m2)) == {m2}  # once swapped, never back
     for u, a in load.answers:

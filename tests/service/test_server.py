@@ -101,7 +101,7 @@ def test_graph_buckets_and_busy_batches_reach_the_server(
             await app.drain()
         for step in (
             r"model \S+ \(\S+\) loaded and verified on cpu in [\d.]+ s \(verify [\d.]+ s, "
-            r"read [\d.]+ s, to_device [\d.]+ s, cast [\d.]+ s\)",  # the load's phases
+            r"weights [\d.]+ s, buffers [\d.]+ s, cast [\d.]+ s\)",  # the load's phases
             r"index \S+ loaded and validated in [\d.]+ s",
             r"ready in [\d.]+ s",
         ):
