@@ -15,5 +15,6 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
     "orjson>=3.9" "protobuf>=7.35.1,<8" "grpcio>=1.85.1,<2" "grpcio-health-checking>=1.85.1,<2" \
     "grpcio-reflection>=1.85.1,<2" "pydantic>=2.7,<3" "pydantic-settings[yaml]>=2.7,<3" \
     "tqdm>=4.66" "psutil>=5.9" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" \
-    "locust>=2.40,<3"
+    "locust>=2.40,<3" "opentelemetry-api>=1.45,<2" "opentelemetry-sdk>=1.45,<2" \
+    "grpcio-status>=1.85.1,<2" "safetensors>=0.4" "prometheus-client>=0.20" "uvloop>=0.19"
 du -sh .whl

@@ -237,3 +237,34 @@ def test_a_model_of_a_named_sid_space_has_no_tokenizer(model, tmp_path: Path) ->
             save_checkpoint(model, tokenizer, tmp_path / "x", sid_space=space)
     with pytest.raises(ValueError, match="SID space name 'no spaces'"):
         save_checkpoint(model, None, tmp_path / "y", sid_space="no spaces")
+
+
+def test_a_paced_load_checks_and_paces_every_chunk_of_the_checksum(model, saved, monkeypatch):
+    import contracts.index_format as fmt
+
+    monkeypatch.setattr(fmt, "SHA_CHUNK", 4096)  # many chunks of the tiny model's weights
+    calls: list[int] = []
+    loaded = load_checkpoint(saved, pace=lambda: calls.append(1))
+    size = (saved / "model.safetensors").stat().st_size
+    assert len(calls) == -(-size // 4096)  # one call per chunk hashed
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[k], v), k
+    (saved / "model.safetensors").write_bytes(b"\0" * size)  # same size, other bytes
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_checkpoint(saved, pace=lambda: None)  # the chunked hash still catches it
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_tensors_reach_the_gpu_whole_in_chunks(dtype, monkeypatch):
+    import service.model.checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "COPY_CHUNK", 1 << 12)  # a chunk of 4 KiB: many per tensor
+    staging = torch.empty(ckpt.COPY_CHUNK, dtype=torch.uint8, pin_memory=True)
+    paced: list[int] = []
+    for shape in [(0,), (7,), (333, 17), (3, 4096, 2)]:
+        t = (torch.randn(shape) * 100).to(dtype)
+        out = ckpt._to_cuda(t, "cuda", staging, lambda: paced.append(1))
+        assert out.device.type == "cuda" and out.shape == t.shape and out.dtype == dtype
+        assert torch.equal(out.cpu(), t)
+    assert len(paced) > 10
