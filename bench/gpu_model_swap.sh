@@ -8,6 +8,8 @@
 #   3. bench/bench_model_swap.py offers RATE req/s open-loop for DURATION seconds and
 #      publishes model 1 after 25 s: publish -> first answer of the new model, P50/P99
 #      before, during and after the swap, failed calls, old answers after the first new.
+#      Swaps are paced (rollout_share 0.25): the three workers of the paper model take
+#      ~3 minutes, hence the 240 s default; GRACE_ROLLOUT_SHARE=1 turns pacing off.
 # Usage: bash bench/gpu_model_swap.sh OUT [RATE] [DURATION]; DATA=DIR keeps the world,
 # index and models (default /tmp/paper, shared with bench/gpu_loadtest.sh); WORKERS=N
 # serves with `grace serve --workers N` (one process serves ~660 req/s at this shape: the
@@ -19,7 +21,7 @@
 #   bench/gpu_model_swap.sh /tmp/ms/out 40 40
 set -uo pipefail
 . "$(dirname "$0")/serve_lib.sh"
-OUT=${1:?output directory}; RATE=${2:-1000}; DURATION=${3:-90}
+OUT=${1:?output directory}; RATE=${2:-1000}; DURATION=${3:-240}
 DATA=${DATA:-/tmp/paper}; ADS=${ADS:-30000000}; PROFILE=${PROFILE:-paper}; DEVICE=${DEVICE:-cuda}
 GRACE=(python3 -m cli)
 mkdir -p "$OUT" "$DATA"

@@ -104,7 +104,7 @@ class ModelRuntime:
         log.info("model %s, index %s: %d decode plans captured as CUDA graphs in %.1f s",
                  self.version, index.version, n, time.perf_counter() - t0)  # fmt: skip
 
-    def _warm_graphs(self, pace: Callable[[], None] | None) -> None:
+    def _warm_graphs(self, pace: Callable[[], None] | None = None) -> None:
         """Capture the embedder's and the encoder's graphs; where that fails, serve with
         the eager module rather than not at all."""
         if isinstance(self.embedder, StaticFeatures) and not _warmed(

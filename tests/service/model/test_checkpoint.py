@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import shutil
 from pathlib import Path
@@ -261,10 +262,10 @@ def test_tensors_reach_the_gpu_whole_in_chunks(dtype, monkeypatch):
 
     monkeypatch.setattr(ckpt, "COPY_CHUNK", 1 << 12)  # a chunk of 4 KiB: many per tensor
     staging = torch.empty(ckpt.COPY_CHUNK, dtype=torch.uint8, pin_memory=True)
-    paced: list[int] = []
     for shape in [(0,), (7,), (333, 17), (3, 4096, 2)]:
+        paced: list[int] = []
         t = (torch.randn(shape) * 100).to(dtype)
-        out = ckpt._to_cuda(t, "cuda", staging, lambda: paced.append(1))
+        out = ckpt._to_cuda(t, "cuda", staging, functools.partial(paced.append, 1))
         assert out.device.type == "cuda" and out.shape == t.shape and out.dtype == dtype
         assert torch.equal(out.cpu(), t)
-    assert len(paced) > 10
+        assert len(paced) == -(-t.numel() * t.element_size() // ckpt.COPY_CHUNK)  # per chunk
