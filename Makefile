@@ -19,7 +19,7 @@ ifeq ($(HAS_GPU),)
 	@echo "no NVIDIA GPU found: installing the CPU build of torch $(TORCH_VERSION)"
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 endif
-	$(PY) -m pip install -q -e ".[dev,loadtest,gpu,otlp]"
+	$(PY) -m pip install -q -e ".[dev,loadtest,gpu,otlp,eval]"
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv and install the project with dev extras

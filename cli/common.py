@@ -30,3 +30,8 @@ SID_SPACE_HELP = (
     "no tokenizer: every catalog row carries its sid, an assignment made elsewhere that "
     "you name; the model must be trained with the same --sid-space (docs/DATA.md)"
 )
+LAST_TOKEN_HELP = (
+    "the SID's last token: rank (TIGER: ranks the ads sharing a prefix, so a SID holds ~1 "
+    "ad; the default) or code (one more RQ-KMeans level, so near-identical ads, e.g. the "
+    "campaigns of one creative, share a SID): docs/TOKENIZER.md"
+)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.common import CATALOG_HELP, SID_SPACE_HELP, AddCommand, positive_float
+from cli.common import CATALOG_HELP, LAST_TOKEN_HELP, SID_SPACE_HELP, AddCommand, positive_float
 
 if TYPE_CHECKING:
     from index_builder.sidecar import SidChoice
@@ -89,6 +89,7 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
         iterations=args.iterations,
         train_sample=args.sample,
         seed=args.seed,
+        last_token=args.last_token,
     )
     # no copy of the embedding matrix when every ad needs a SID (30 M x 32 at paper scale)
     embeddings = catalog.embedding if have.all() else catalog.embedding[have]
@@ -216,14 +217,16 @@ def register(add: AddCommand) -> None:
         "train-tokenizer",
         _train_tokenizer,
         "train the RQ-KMeans SID tokenizer on a catalog's embeddings",
-        "Train the SID tokenizer (3 residual k-means levels + a collision token) on the "
-        "embeddings of the catalog's ads that carry no sid, and save it.",
+        "Train the SID tokenizer (3 residual k-means levels + a last token: by rank in "
+        "the prefix, or a 4th level with --last-token code) on the embeddings of the "
+        "catalog's ads that carry no sid, and save it.",
     )
     p.add_argument("--catalog", required=True, help=CATALOG_HELP)
     p.add_argument("--out", required=True, help="tokenizer directory to write")
     p.add_argument("--codebook-size", type=int, default=512)
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--sample", type=int, default=200_000, help="embeddings to train on")
+    p.add_argument("--last-token", choices=("rank", "code"), default="rank", help=LAST_TOKEN_HELP)
     p.add_argument("--seed", type=int, default=0)
     _add_workers(p, "CPU threads for k-means and SIDs")
     _add_device(p)

@@ -7,7 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from cli.common import SID_SPACE_HELP, AddCommand, positive_float
+from cli.common import LAST_TOKEN_HELP, SID_SPACE_HELP, AddCommand, positive_float
+
+EVAL_FORMAT_VERSION = 2  # of `grace eval --out` (docs/EVALUATION.md, "The report")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -23,6 +25,7 @@ def _train(args: argparse.Namespace) -> int:
         seed=args.seed,
         eval_users=args.eval_users,
         device=args.device,
+        last_token=args.last_token,
     )
     files = (args.catalog, args.interactions, args.users)
     if (args.world is None) == (files == (None, None, None)) or (
@@ -82,38 +85,68 @@ def _eval(args: argparse.Namespace) -> int:
     from service.model.features import SidLookup
     from service.model.repository import resolve_checkpoint
     from training.data import Examples
-    from training.study import run_study
+    from training.study import Variant, run_study
+    from training.study_plots import MissingPlotting, require_plotting, write_plots
 
+    if args.plots:  # a missing matplotlib is a one-line error before minutes of decoding
+        try:
+            require_plotting()
+        except MissingPlotting as e:
+            print(f"grace eval: {e}", file=sys.stderr)
+            return 2
     loaded = load_checkpoint(resolve_checkpoint(Path(args.model)), args.device)
     index = validate_index(resolve(Path(args.index)), expect_tokenizer=loaded.sid_space)
     arrays = index.arrays
     world = load_world(Path(args.world))
+    if args.users > world.n_users:
+        print(f"grace eval: --users {args.users} exceeds the world's {world.n_users} users",
+              file=sys.stderr)  # fmt: skip
+        return 2
     examples = Examples(world, SidLookup.from_ads(arrays.ads), loaded.config)
     users = np.sort(np.random.default_rng(args.seed).permutation(world.n_users)[: args.users])
     beams = tuple(args.beams) if args.beams else loaded.config.beams
-    variants = [("cd_only", arrays, FilterMode.CD_ONLY), ("cd_gtm", arrays, FilterMode.CD_GTM)]
+    variants = []
+    for scoring in args.scoring:  # the first variant (cd_only, first scoring) is the base
+        suffix = "" if scoring == "masked" else f"_{scoring}"
+        variants += [Variant(f"cd_only{suffix}", arrays, FilterMode.CD_ONLY, scoring),
+                     Variant(f"cd_gtm{suffix}", arrays, FilterMode.CD_GTM, scoring)]  # fmt: skip
     for spec in filter(None, (args.kway or "").split("+")):
         kway = KwaySpec.parse(spec)
-        variants.append(
-            (f"{kway.mode}_kway", with_partitions(arrays, kway), FilterMode.CD_GTM_KWAY)
-        )
+        variants.append(Variant(f"{kway.mode}_kway", with_partitions(arrays, kway),
+                                FilterMode.CD_GTM_KWAY))  # fmt: skip
     rows = run_study(loaded.model, examples, variants, users, beams, tuple(args.k),
-                     device=args.device, progress=not args.no_progress)  # fmt: skip
+                     fixed=tuple(args.fixed), device=args.device, resamples=args.resamples,
+                     seed=args.seed, progress=not args.no_progress)  # fmt: skip
     report = {
+        "format": "grace.eval",
+        "format_version": EVAL_FORMAT_VERSION,
         "world": str(args.world),
         "index_version": index.manifest["index_version"],
         "model_version": loaded.model_version,
         "beams": list(beams),
         "users": len(users),
+        "seed": args.seed,
+        "resamples": args.resamples,
+        "ks": list(args.k),
         "variants": rows,
     }
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     cols = ["bitmask_pass", "bloom_pass", "location_pass", "final_pass", "eligible_ads_per_user"]
     cols += [f"recall@{k}" for k in args.k]
-    print(f"{'variant':<16}" + "".join(f"{c:>22}" for c in cols))
+    print(f"{'variant':<20}" + "".join(f"{c:>22}" for c in cols))
     for r in rows:
-        print(f"{r['variant']:<16}" + "".join(f"{r[c]:>22.4f}" for c in cols))
+        print(f"{r['variant']:<20}" + "".join(f"{r[c]:>22.4f}" for c in cols))
+    for r in rows[1:]:
+        k = max(args.k)
+        d = r["vs_first"][f"recall@{k}"]
+        note = " resolved" if d["resolved"] else ""
+        print(f"{r['variant']} - {rows[0]['variant']}: recall@{k} {d['mean']:+.4f} "
+              f"[{d['lo']:+.4f}, {d['hi']:+.4f}]{note}")  # fmt: skip
+    if args.plots:
+        for path in write_plots(report, Path(args.plots)):
+            print(f"wrote {path}")
     return 0
 
 
@@ -158,6 +191,8 @@ def register(add: AddCommand) -> None:
     p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="tiny")
     p.add_argument("--tokenizer", help="use this SID tokenizer instead of training one")
     p.add_argument("--sid-space", metavar="NAME", help=SID_SPACE_HELP)
+    p.add_argument("--last-token", choices=("rank", "code"), default="rank",
+                   help=LAST_TOKEN_HELP + " (for the tokenizer trained here)")  # fmt: skip
     p.add_argument("--epochs", type=positive_float, default=4.0)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=positive_float, default=2e-3)
@@ -185,9 +220,12 @@ def register(add: AddCommand) -> None:
         _eval,
         "GTM effectiveness study: pass rates per filter variant and recall@K",
         "Decode held-out requests of a world with a trained model against an index, for "
-        "CD only, CD+GTM and (with --kway) partitioned GTM; report exact ad-level pass "
-        "rates (bitmask, Bloom, location, final) overall and bucketed by ads generated, "
-        "eligible ads per request and recall@K of the held-out next interaction.",
+        "CD only, CD+GTM (each with every --scoring) and (with --kway) partitioned GTM; "
+        "report exact ad-level pass rates (bitmask, Bloom, location, final) overall, per "
+        "bucket of ads generated (the paper's Table 3) and among the first N generated "
+        "(--fixed), eligible ads per request, and recall@K / NDCG@K of the held-out next "
+        "interaction with bootstrap intervals and each variant's paired difference to "
+        "cd_only. --out writes the JSON report, --plots the PNGs (docs/EVALUATION.md).",
     )
     p.add_argument("--world", required=True)
     p.add_argument("--index", required=True, help="index root (CURRENT) or version dir")
@@ -196,10 +234,24 @@ def register(add: AddCommand) -> None:
     p.add_argument("--users", type=int, default=1000, help="held-out users to evaluate")
     p.add_argument("--kway", default="static+dynamic", help="k-way variants, '+'-separated")
     p.add_argument("--beams", type=int, nargs=4, metavar="M", help="override the schedule")
-    p.add_argument("--k", type=int, nargs="+", default=[10, 100, 1000], help="recall cut-offs")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--k", type=int, nargs="+", default=[10, 100, 1000],
+                   help="recall@K and NDCG@K cut-offs (10 100 1000); the largest is the "
+                   "number of ads returned")  # fmt: skip
+    p.add_argument("--scoring", nargs="+", choices=("masked", "unmasked"), default=["masked"],
+                   help="beam scorings to compare, each for CD only and CD+GTM: masked "
+                   "(log-softmax over the allowed tokens, the served default) and/or "
+                   "unmasked (the model's own log-probabilities)")  # fmt: skip
+    p.add_argument("--fixed", type=int, nargs="*", default=[], metavar="N",
+                   help="also compare pass rates among the first N generated ads (users "
+                   "with at least N), e.g. --fixed 1000 5000")  # fmt: skip
+    p.add_argument("--resamples", type=int, default=1000,
+                   help="bootstrap resamples of the users for the intervals (1000)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="user sample and bootstrap seed")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", help="also write the report as JSON here")
+    p.add_argument("--plots", metavar="DIR",
+                   help="write the report's pictures as PNGs here (needs matplotlib: the "
+                   "eval extra)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
 
     p = add(

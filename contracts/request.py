@@ -3,12 +3,14 @@
 `FilterMode` and `EventType` carry the values of `grace.v1.FilterMode` and
 `grace.v1.EventType` (proto/grace/v1/retrieval.proto); `check_schedule` is the one rule for
 a beam schedule M_1..M_L, applied to the settings' default, to every request's
-`options.beam_widths` and by the decode engine.
+`options.beam_widths` and by the decode engine. `Scoring` names how a decode step scores a
+token (a server setting, not an RPC field).
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Literal
 
 
 class FilterMode(enum.IntEnum):
@@ -17,6 +19,18 @@ class FilterMode(enum.IntEnum):
     CD_ONLY = 1
     CD_GTM = 2
     CD_GTM_KWAY = 3  # CD_GTM with the index's k-way partitioned matchers
+
+
+# How a decode step scores an allowed token (kernels/gtm_mask.py `candidates`; the
+# `scoring` server setting, `DecodeEngine(scoring=...)`, `OfflineRetriever(scoring=...)`):
+#   "masked"   (the default) the log-softmax over the tokens the step's mask allows: the
+#              allowed children's probabilities are renormalised to sum to 1, so a prefix
+#              with few eligible children keeps most of its mass;
+#   "unmasked" the model's own log-softmax over the whole vocabulary row, barred tokens
+#              still −inf: a SID scores its model log-probability whatever the mask, so
+#              CD_ONLY and CD_GTM give one SID the same score.
+Scoring = Literal["masked", "unmasked"]
+SCORINGS: tuple[Scoring, ...] = ("masked", "unmasked")
 
 
 class EventType(enum.IntEnum):

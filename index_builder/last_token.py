@@ -1,12 +1,17 @@
-"""The last SID token: RQ prefixes → full SIDs and their `CollisionReport` (docs/TOKENIZER.md).
+"""The last SID token: RQ codes → full SIDs and their `CollisionReport` (docs/TOKENIZER.md).
 
 Flow: catalog rows without a sid → `SIDTokenizer.assign` (tokenizer.py: the RQ codes, the
-checked `reserved` SIDs) → **`complete_sids`** → full SIDs for build.py.
+checked `reserved` SIDs) → **`complete_sids`** ("rank" mode) or **`code_sids`** ("code"
+mode) → full SIDs for build.py.
 
-The ads that share a prefix are ranked by the norm of their final residual, then by input
-order, and the rank picks the token (TIGER). Tokens held by reserved SIDs are skipped while
-the prefix has room; a prefix with more ads than codes wraps (rank mod codebook_size), so
-several ads share a full SID, which `CollisionReport` counts.
+"rank": the ads that share a prefix are ranked by the norm of their final residual, then
+by input order, and the rank picks the token (TIGER). Tokens held by reserved SIDs are
+skipped while the prefix has room; a prefix with more ads than codes wraps (rank mod
+codebook_size), so several ads share a full SID, which `CollisionReport` counts.
+
+"code": the last token is the last of `levels + 1` RQ codes, so the SID is the codes as
+they are; ads with near-identical embeddings share it, and `CollisionReport` counts them
+(with the number of distinct SIDs and the largest SID group).
 """
 
 from __future__ import annotations
@@ -23,15 +28,22 @@ class CollisionReport:
     """Collisions of the full catalog: the assigned ads plus the `reserved` rows."""
 
     prefixes: int  # distinct `levels`-token prefixes
-    overflow_prefixes: int  # prefixes holding > codebook_size ads (their last token wraps)
+    overflow_prefixes: int  # prefixes holding > codebook_size ads ("rank": their token wraps)
     ads_sharing_sid: int  # ads whose full SID is shared with another ad
     max_group: int  # most ads in one prefix
+    # Counted in "code" mode only, where sharing is by design; None in "rank" mode (its
+    # summary, hence every "rank" index manifest, stays as before).
+    sids: int | None = None  # distinct full SIDs
+    max_sid_group: int | None = None  # most ads on one full SID
 
     def summary(self) -> str:
-        return (
+        text = (
             f"{self.prefixes} prefixes, largest holds {self.max_group} ads; "
             f"{self.overflow_prefixes} prefixes overflow, {self.ads_sharing_sid} ads share a SID"
         )
+        if self.sids is not None:
+            text += f"; {self.sids} distinct SIDs, largest holds {self.max_sid_group} ads"
+        return text
 
 
 def complete_sids(
@@ -63,6 +75,20 @@ def complete_sids(
     else:
         report = _collisions_unreserved(first[: len(key)], k)  # first: [1] when N = 0
     return sids, report
+
+
+def code_sids(
+    codes: np.ndarray,  # int32 [N, levels + 1]: the RQ codes of the new ads
+    taken: np.ndarray,  # int64 [M, levels + 1]: reserved SIDs, tokens checked in [0, k)
+    k: int,  # codebook_size
+) -> tuple[np.ndarray, CollisionReport]:
+    """SIDs of "code" mode: the codes as they are (int32 [N, levels + 1], input order);
+    `taken` changes none of them and only enters the catalog's `CollisionReport`."""
+    levels = codes.shape[1] - 1
+    sid_key = np.concatenate([_prefix_key(codes, k), _prefix_key(taken, k)])
+    last = np.concatenate([codes[:, levels], taken[:, levels]])
+    report = _collisions(sid_key // k, last, k, count_sids=True)
+    return np.ascontiguousarray(codes, dtype=np.int32), report
 
 
 def _prefix_key(prefix: np.ndarray, k: int) -> np.ndarray:
@@ -138,9 +164,22 @@ def _collisions_unreserved(first: np.ndarray, k: int) -> CollisionReport:
     )
 
 
-def _collisions(prefix_key: np.ndarray, last_token: np.ndarray, k: int) -> CollisionReport:
+def _collisions(
+    prefix_key: np.ndarray,  # int64 [N]: every ad's prefix as a base-k number
+    last_token: np.ndarray,  # [N]: every ad's last token
+    k: int,
+    count_sids: bool = False,  # also fill `sids` and `max_sid_group` ("code" mode)
+) -> CollisionReport:
     if not len(prefix_key):
-        return CollisionReport(prefixes=0, overflow_prefixes=0, ads_sharing_sid=0, max_group=0)
+        empty = 0 if count_sids else None
+        return CollisionReport(
+            prefixes=0,
+            overflow_prefixes=0,
+            ads_sharing_sid=0,
+            max_group=0,
+            sids=empty,
+            max_sid_group=empty,
+        )
     per_prefix = np.unique(prefix_key, return_counts=True)[1]
     per_sid = np.unique(prefix_key * k + last_token, return_counts=True)[1]
     return CollisionReport(
@@ -148,4 +187,6 @@ def _collisions(prefix_key: np.ndarray, last_token: np.ndarray, k: int) -> Colli
         overflow_prefixes=int((per_prefix > k).sum()),
         ads_sharing_sid=int(per_sid[per_sid > 1].sum()),
         max_group=int(per_prefix.max()),
+        sids=len(per_sid) if count_sids else None,
+        max_sid_group=int(per_sid.max()) if count_sids else None,
     )

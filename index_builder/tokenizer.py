@@ -9,15 +9,21 @@ A SID has `levels + 1` tokens in [0, codebook_size) (4 tokens of 512 by default)
 - tokens 0 … levels-1 come from residual k-means (RQ-KMeans): level l's codebook clusters
   the residual that the levels before it left, and an embedding takes its nearest code
   (squared L2; ties go to the lowest code);
-- the last token tells apart the ads that share a prefix (TIGER; `last_token.py`): they are
-  ranked by the norm of their final residual, then by input order, and the rank picks the
-  token. Tokens held by `reserved` SIDs (catalog rows with explicit SIDs) are skipped while
-  the prefix has room. A prefix with more ads than codes wraps (rank mod codebook_size), so
-  several ads share a full SID; the SID → ad index maps a SID to a range of ads, so that is
-  legal, and `CollisionReport` counts it.
+- the last token, by `TokenizerConfig.last_token` (`last_token.py`):
+  - "rank" (default): it tells apart the ads that share a prefix (TIGER): they are ranked by
+    the norm of their final residual, then by input order, and the rank picks the token.
+    Tokens held by `reserved` SIDs (catalog rows with explicit SIDs) are skipped while the
+    prefix has room. A prefix with more ads than codes wraps (rank mod codebook_size), so
+    several ads share a full SID;
+  - "code": it is one more RQ-KMeans level (`levels + 1` codebooks), so ads with
+    near-identical embeddings (one creative) share the whole SID; `reserved` SIDs change
+    nothing.
+  The SID → ad index maps a SID to a range of ads, so shared SIDs are legal, and
+  `CollisionReport` counts them.
 
 On disk a tokenizer is a directory holding `tokenizer.json` (format version, config, dim,
-fingerprint) and `codebooks.safetensors` (float32 [levels, codebook_size, dim]).
+fingerprint) and `codebooks.safetensors` (float32 [rq_levels, codebook_size, dim], where
+`rq_levels` is `levels`, or `levels + 1` in "code" mode).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from pathlib import Path
+from typing import Any, Literal, get_args
 
 import numpy as np
 import orjson
@@ -34,7 +41,7 @@ from safetensors.numpy import load_file, save_file
 from tqdm import tqdm
 
 from index_builder.kmeans import check_finite, kmeans, nearest, rq_encode
-from index_builder.last_token import CollisionReport, complete_sids
+from index_builder.last_token import CollisionReport, code_sids, complete_sids
 from index_builder.parallel import default_workers
 
 FORMAT_VERSION = 1
@@ -42,23 +49,49 @@ _KIND = "grace.sid_tokenizer"
 _META_FILE = "tokenizer.json"
 _CODEBOOK_FILE = "codebooks.safetensors"
 
+# The last SID token: "rank" ranks the ads sharing a prefix (TIGER), "code" is one more
+# RQ-KMeans level (ads of one creative share the full SID). docs/TOKENIZER.md.
+LastToken = Literal["rank", "code"]
+LAST_TOKENS: tuple[LastToken, ...] = get_args(LastToken)
+
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    levels: int = 3  # RQ levels; a full SID has levels + 1 tokens
+    levels: int = 3  # prefix tokens; a full SID has levels + 1 tokens in either mode
     codebook_size: int = 512  # codes per level, also the range of the last token
     iterations: int = 20  # Lloyd iterations per level (stops early once no point moves)
     train_sample: int = 200_000  # k-means is trained on a seeded sample of this many rows
     seed: int = 0
+    last_token: LastToken = "rank"  # "rank" or "code" (LAST_TOKENS); see the module doc
 
     def __post_init__(self) -> None:
+        if self.last_token not in LAST_TOKENS:
+            raise ValueError(
+                f"TokenizerConfig.last_token must be one of {LAST_TOKENS}, got {self.last_token!r}"
+            )
         for f in fields(self):
+            if f.name == "last_token":
+                continue
             value = getattr(self, f.name)
             low = 0 if f.name == "seed" else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"TokenizerConfig.{f.name} must be an int >= {low}, got {value!r}")
         if self.codebook_size ** (self.levels + 1) > 2**62:
             raise ValueError("codebook_size ** (levels + 1) must fit in int64 (SID keys)")
+
+    @property
+    def rq_levels(self) -> int:
+        """Trained RQ-KMeans codebooks: `levels`, plus the last token's in "code" mode."""
+        return self.levels + (self.last_token == "code")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as `tokenizer.json` stores it and the fingerprint hashes it: every
+        field, but `last_token` only when it is not "rank", so tokenizers from before the
+        field keep their files and fingerprints (and an old file loads as "rank")."""
+        out = asdict(self)
+        if self.last_token == "rank":
+            del out["last_token"]
+        return out
 
 
 _DEFAULT_CONFIG = TokenizerConfig()
@@ -68,7 +101,7 @@ class SIDTokenizer:
     """Trained RQ codebooks: `train` builds one, `assign` turns embeddings into SIDs."""
 
     def __init__(self, config: TokenizerConfig, codebooks: np.ndarray) -> None:
-        shape = (config.levels, config.codebook_size)
+        shape = (config.rq_levels, config.codebook_size)
         if (
             not isinstance(codebooks, np.ndarray)
             or codebooks.dtype != np.float32
@@ -80,7 +113,7 @@ class SIDTokenizer:
         if not np.isfinite(codebooks).all():
             raise ValueError("codebooks hold NaN or inf")
         self.config = config
-        self.codebooks = np.array(codebooks, dtype=np.float32, order="C")  # [levels, K, dim]
+        self.codebooks = np.array(codebooks, dtype=np.float32, order="C")  # [rq_levels, K, dim]
         self.codebooks.setflags(write=False)  # the fingerprint is cached
 
     @classmethod
@@ -91,7 +124,9 @@ class SIDTokenizer:
         progress: bool = True,
         workers: int | None = None,  # threads for the distance tiles; None: every CPU
     ) -> SIDTokenizer:
-        """Train on a seeded sample; the codebooks do not depend on `workers`."""
+        """Train `config.rq_levels` codebooks on a seeded sample; they do not depend on
+        `workers`. In "code" mode the first `levels` equal those "rank" mode trains for the
+        same config and data (the extra level is trained last, on the same random stream)."""
         x = _check_matrix(embeddings)
         if len(x) == 0:
             raise ValueError("cannot train a SID tokenizer on 0 embeddings")
@@ -103,10 +138,10 @@ class SIDTokenizer:
         residual = np.ascontiguousarray(x[rows], dtype=np.float32)  # [S, dim]
         check_finite(residual, rows)
         k = config.codebook_size
-        codebooks = np.empty((config.levels, k, x.shape[1]), np.float32)
-        total = config.levels * config.iterations
+        codebooks = np.empty((config.rq_levels, k, x.shape[1]), np.float32)
+        total = config.rq_levels * config.iterations
         with tqdm(total=total, desc="SID k-means", unit="iter", disable=not progress) as bar:
-            for level in range(config.levels):
+            for level in range(config.rq_levels):
                 bar.set_postfix(level=level)
                 codebooks[level] = kmeans(residual, k, config.iterations, rng, bar, threads)
                 residual -= codebooks[level][nearest(residual, codebooks[level], threads)]
@@ -114,8 +149,9 @@ class SIDTokenizer:
 
     @cached_property
     def fingerprint(self) -> str:
-        """sha256 of config, codebook shape and codebook bytes; first 16 hex chars."""
-        head = {"config": asdict(self.config), "shape": list(self.codebooks.shape)}
+        """sha256 of config (`TokenizerConfig.to_dict`), codebook shape and codebook bytes;
+        first 16 hex chars."""
+        head = {"config": self.config.to_dict(), "shape": list(self.codebooks.shape)}
         h = hashlib.sha256(orjson.dumps(head, option=orjson.OPT_SORT_KEYS))
         h.update(self.codebooks.astype("<f4", copy=False).tobytes())
         return h.hexdigest()[:16]
@@ -127,11 +163,14 @@ class SIDTokenizer:
     def encode_prefix(
         self, embeddings: np.ndarray, *, device: str = "cpu", workers: int | None = None
     ) -> np.ndarray:
-        """int32 [N, levels]: the RQ codes (every token but the last) of each embedding."""
-        return self._encode(embeddings, device, workers)[0]
+        """int32 [N, levels]: the RQ codes of each embedding's prefix (every token but the
+        last, in either mode)."""
+        codebooks = self.codebooks[: self.config.levels]
+        return self._encode(embeddings, device, workers, codebooks)[0]
 
     def reconstruct(self, prefix: np.ndarray) -> np.ndarray:
-        """float32 [N, dim]: the sum of the codes a prefix [N, l <= levels] names."""
+        """float32 [N, dim]: the sum of the codes a prefix [N, l <= rq_levels] names (in
+        "code" mode a full SID is such a prefix)."""
         prefix = np.asarray(prefix)
         out = np.zeros((len(prefix), self.dim), np.float32)
         for level in range(prefix.shape[1]):
@@ -146,15 +185,23 @@ class SIDTokenizer:
         device: str = "cpu",
         workers: int | None = None,
     ) -> tuple[np.ndarray, CollisionReport]:
-        """int32 [N, levels + 1] full SIDs, in input order, and the catalog's collisions.
+        """int32 [N, levels + 1] full SIDs, in input order, and the catalog's collisions
+        (the new ads plus `reserved`).
 
+        "rank" mode: the last token ranks the ads of a prefix, skipping tokens `reserved`
+        holds while the prefix has room (`last_token.complete_sids`). "code" mode: the SID is
+        the `levels + 1` RQ codes, whatever `reserved` holds (shared SIDs are legal); a new
+        ad landing on a reserved SID counts as sharing it (`last_token.code_sids`).
         `device`/`workers`: where the RQ codes are computed (see `kmeans.rq_encode`; None
         workers: every CPU); the SIDs do not depend on `workers`, and on a GPU differ from
         the CPU's only where a code is a near-tie.
         """
-        prefix, residual_norm = self._encode(embeddings, device, workers)
+        codes, residual_norm = self._encode(embeddings, device, workers)
         taken = self._check_reserved(reserved)
-        return complete_sids(prefix, residual_norm, taken, self.config.codebook_size)
+        k = self.config.codebook_size
+        if self.config.last_token == "code":
+            return code_sids(codes, taken, k)
+        return complete_sids(codes, residual_norm, taken, k)
 
     def save(self, path: Path) -> None:
         """Write the tokenizer into directory `path` (created if missing)."""
@@ -163,7 +210,7 @@ class SIDTokenizer:
         meta = {
             "kind": _KIND,
             "format_version": FORMAT_VERSION,
-            "config": asdict(self.config),
+            "config": self.config.to_dict(),
             "dim": self.dim,
             "fingerprint": self.fingerprint,
         }
@@ -184,7 +231,9 @@ class SIDTokenizer:
 
     @classmethod
     def load(cls, path: Path) -> SIDTokenizer:
-        """Read a saved tokenizer; refuse it unless its fingerprint recomputes the same."""
+        """Read a saved tokenizer; refuse it unless its fingerprint recomputes the same.
+        A config without `last_token` (every "rank" one, and those saved before the field
+        existed) loads as "rank"."""
         path = Path(path)
         meta_path, codebook_path = path / _META_FILE, path / _CODEBOOK_FILE
         for p in (meta_path, codebook_path):
@@ -216,18 +265,24 @@ class SIDTokenizer:
 
     def __repr__(self) -> str:
         c = self.config
+        mode = "" if c.last_token == "rank" else f", last_token={c.last_token!r}"
         return (
-            f"SIDTokenizer(levels={c.levels}, codebook_size={c.codebook_size}, "
+            f"SIDTokenizer(levels={c.levels}, codebook_size={c.codebook_size}{mode}, "
             f"dim={self.dim}, fingerprint={self.fingerprint})"
         )
 
     def _encode(
-        self, embeddings: np.ndarray, device: str = "cpu", workers: int | None = None
+        self,
+        embeddings: np.ndarray,
+        device: str = "cpu",
+        workers: int | None = None,
+        codebooks: np.ndarray | None = None,  # default: every level (self.codebooks)
     ) -> tuple[np.ndarray, np.ndarray]:
-        """int32 [N, levels] codes and float32 [N] squared norms of the final residual."""
+        """int32 [N, rq_levels] codes and float32 [N] squared norms of the final residual."""
         x = _check_matrix(embeddings, self.dim)
         threads = default_workers() if workers is None else workers
-        return rq_encode(self.codebooks, x, device=device, workers=threads)
+        books = self.codebooks if codebooks is None else codebooks
+        return rq_encode(books, x, device=device, workers=threads)
 
     def _check_reserved(self, reserved: np.ndarray | None) -> np.ndarray:
         width = self.config.levels + 1

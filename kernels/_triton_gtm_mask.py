@@ -7,11 +7,15 @@ children that passed, the Bloom test ANY-of-many over the request's L location r
 It writes the whole output row: −inf / −1 everywhere, then the allowed tokens' logits
 and child nodes.
 With SCORE it goes on to the decode loop's candidate scores in the same
-program — the row's log-softmax over the allowed tokens plus the row's accumulated score
+program — the row's log-softmax plus the row's accumulated score
 (`kernels.gtm_mask.candidates`) — so the loop runs no separate cast, log-softmax, add
-and fill passes over `[R, V]`. Logits may be float32 or bfloat16/float16 (read as fp32).
-The softmax takes "allowed" as "written with a finite logit": a NaN logit (a broken
-model) becomes a −inf candidate here, where the unfused reference would carry the NaN.
+and fill passes over `[R, V]`. The log-softmax is over the allowed tokens ("masked"
+scoring), or with UNMASKED the model's own over the whole logits row (its max and sum
+from one more read of the V logits), barred tokens −inf either way. Logits may be float32
+or bfloat16/float16 (read as fp32). The masked softmax takes "allowed" as "written with a
+finite logit": a NaN logit (a broken model) becomes a −inf candidate here, where the
+unfused reference would carry the NaN; the unmasked one, like the reference, carries a
+NaN anywhere in the row into the row's allowed candidates.
 Fixed shapes, no host syncs: the launch can sit inside a CUDA graph
 (after one eager warm-up call, which autotunes).
 
@@ -26,6 +30,7 @@ import triton
 import triton.language as tl
 
 from contracts.index_format import VOCAB_SIZE
+from contracts.request import SCORINGS, Scoring
 from contracts.targeting import MAX_REQUEST_LOCATIONS
 from contracts.tensors import GtmTables, RequestTensors
 from kernels._tuning import AUTOTUNE
@@ -57,6 +62,7 @@ def _gtm_mask_kernel(
     GTM: tl.constexpr,
     BLOOM: tl.constexpr,
     SCORE: tl.constexpr,
+    UNMASKED: tl.constexpr,  # with SCORE: log-softmax over the whole logits row
     BLOCK_V: tl.constexpr,
     BLOCK_WBM: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -140,11 +146,21 @@ def _gtm_mask_kernel(
         tl.debug_barrier()
         x = tl.load(masked_ptr + out_row + v, mask=v < V, other=float("-inf"))
         allowed = x > float("-inf")
-        m = tl.max(x, axis=0)
-        shifted = x - tl.where(m > float("-inf"), m, 0.0)
-        total = tl.sum(tl.where(allowed, tl.exp(shifted), 0.0), axis=0)
-        s = tl.load(score_ptr + r)
-        cand = tl.where(allowed, s + (shifted - tl.log(total)), float("-inf"))
+        if UNMASKED:
+            # the model's log-softmax: max and sum over all V logits of the row (fp32),
+            # whatever the mask let through (an allowed token's x is its logit, as fp32)
+            row = logits_ptr + r * stride_logits
+            full = tl.load(row + v, mask=v < V, other=float("-inf")).to(tl.float32)
+            m_full = tl.max(full, axis=0)
+            total_full = tl.sum(tl.where(v < V, tl.exp(full - m_full), 0.0), axis=0)
+            s = tl.load(score_ptr + r)
+            cand = tl.where(allowed, s + ((full - m_full) - tl.log(total_full)), float("-inf"))
+        else:
+            m = tl.max(x, axis=0)
+            shifted = x - tl.where(m > float("-inf"), m, 0.0)
+            total = tl.sum(tl.where(allowed, tl.exp(shifted), 0.0), axis=0)
+            s = tl.load(score_ptr + r)
+            cand = tl.where(allowed, s + (shifted - tl.log(total)), float("-inf"))
         # Triton promises no lane-to-element map, so every read ends before any overwrite
         tl.debug_barrier()
         tl.store(masked_ptr + out_row + v, cand, mask=v < V)
@@ -166,9 +182,9 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-_gtm_mask_autotuned = triton.autotune(configs=_configs(), key=["R", "L", "GTM", "BLOOM", "SCORE"])(
-    _gtm_mask_kernel
-)
+_gtm_mask_autotuned = triton.autotune(
+    configs=_configs(), key=["R", "L", "GTM", "BLOOM", "SCORE", "UNMASKED"]
+)(_gtm_mask_kernel)
 
 # used where nothing is autotuned (the interpreter, explicit `config=`)
 DEFAULT_CONFIG = {"BLOCK_C": 32, "BLOCK_L": 16, "num_warps": 2}
@@ -192,9 +208,11 @@ def gtm_mask_triton(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (float32 [R, V], int32 [R, V])
     config: dict[str, int] | None = None,  # BLOCK_C, BLOCK_L, num_warps; None: autotune
     score: torch.Tensor | None = None,  # float32 [R]: output candidates instead of logits
+    scoring: Scoring = "masked",  # with score: the log-softmax over the allowed tokens/the row
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (masked / candidates float32 [R, V], child int32)
     """Launch the mask kernel: one program per row, every output element written. With
-    `score`, the first output is `candidates(score, masked, allowed)`."""
+    `score`, the first output is `candidates(score, masked, allowed, scoring=scoring,
+    logits=logits)`."""
     rows = node_ids.shape[0]
     floats = (torch.float32, torch.bfloat16, torch.float16)
     assert logits.dtype in floats and logits.dim() == 2, (logits.dtype, logits.shape)
@@ -219,9 +237,12 @@ def gtm_mask_triton(
         req_bitmask, req_blooms = requests.bitmask, requests.blooms
     else:
         n_loc, req_bitmask, req_blooms = 1, node_ids, node_ids  # never read
+    assert scoring in SCORINGS, scoring
     if score is not None:
         _check(score, "score", torch.float32, 1)
         assert score.shape[0] == rows
+    else:
+        assert scoring == "masked", "unmasked scoring scores candidates: it needs `score`"
     if out is None:
         masked = torch.empty(rows, VOCAB_SIZE, dtype=torch.float32, device=logits.device)
         child = torch.empty(rows, VOCAB_SIZE, dtype=torch.int32, device=logits.device)
@@ -249,6 +270,7 @@ def gtm_mask_triton(
         "GTM": gtm,
         "BLOOM": gtm and bloom,
         "SCORE": score is not None,
+        "UNMASKED": scoring == "unmasked",
         "BLOCK_V": triton.next_power_of_2(VOCAB_SIZE),
         "BLOCK_WBM": triton.next_power_of_2(w_bm),
     }

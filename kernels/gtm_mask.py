@@ -12,7 +12,10 @@ tensors for CD_ONLY and CD_GTM, the reference otherwise (`lookup`, below: paper 
 reference. `bloom=False` drops the Bloom test (CD + bitmask only), the decode-loop
 ablation. `masked_candidates` goes one step further, as the fixed-shape decode loop
 needs it: each allowed token's candidate score — the row's accumulated score plus the
-token's log-softmax over the allowed tokens (`candidates`) — in the same kernel.
+token's log-softmax (`candidates`) — in the same kernel. `scoring` picks the
+log-softmax (`contracts.request.Scoring`): "masked" (the default) over the allowed tokens
+only, "unmasked" the model's own over the whole vocabulary row, barred tokens −inf either
+way.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from contracts.index_format import VOCAB_SIZE
-from contracts.request import FilterMode
+from contracts.request import SCORINGS, FilterMode, Scoring
 from contracts.tensors import GtmTables, RequestTensors
 
 try:  # the GPU path; CPU-only installs may lack triton
@@ -59,10 +62,23 @@ def candidates(
     score: torch.Tensor,  # float32 [R]: accumulated log-probability of each row
     masked: torch.Tensor,  # float32 [R, V]: the step's logits, −inf where not allowed
     allowed: torch.Tensor,  # bool [R, V]
+    *,
+    scoring: Scoring = "masked",
+    logits: torch.Tensor | None = None,  # [R, V] before the mask: needed for "unmasked"
 ) -> torch.Tensor:  # float32 [R, V]: score of every (row, token) extension, −inf if barred
-    """A row with nothing allowed (dead, or no eligible child) has a NaN log-softmax: the
-    fill turns it into −inf like every other barred token."""
-    logp = torch.log_softmax(masked, dim=-1)
+    """The row's score plus each allowed token's log-probability: with "masked" the
+    log-softmax of `masked` (renormalised over the allowed tokens), with "unmasked" the
+    log-softmax of the whole `logits` row (read as float32), what the model gives the token
+    whatever the mask. A row with nothing allowed (dead, or no eligible child) has a NaN
+    masked log-softmax: the fill turns it into −inf like every other barred token."""
+    if scoring == "masked":
+        logp = torch.log_softmax(masked, dim=-1)
+    elif scoring == "unmasked":
+        if logits is None:
+            raise ValueError("unmasked scoring needs the step's logits before the mask")
+        logp = torch.log_softmax(logits.float(), dim=-1)
+    else:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
     return (score[:, None] + logp).masked_fill(~allowed, NEG_INF)
 
 
@@ -100,22 +116,26 @@ def masked_candidates(
     mode: FilterMode = FilterMode.CD_GTM,
     *,
     bloom: bool = True,
+    scoring: Scoring = "masked",  # the log-softmax: over the allowed tokens, or the row
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (candidates float32 [R, V], child int32 [R, V])
-    """`candidates(score, *masked_logits(...))` in one kernel on CUDA (mask, log-softmax
-    and the score added per row: no cast or elementwise passes over `[R, V]` between);
-    the two references one after the other elsewhere."""
+    """`candidates(score, *masked_logits(...), scoring=..., logits=logits)` in one kernel
+    on CUDA (mask, log-softmax and the score added per row: no cast or elementwise passes
+    over `[R, V]` between); the two references one after the other elsewhere."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
     fast = mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM)
     if fast and logits.is_cuda and gtm_mask_triton is not None:
         if mode == FilterMode.CD_GTM and requests is None:
             raise ValueError(f"{mode.name} needs encoded requests")
         return gtm_mask_triton(
             logits, tables, node_ids, row_request, requests,
-            gtm=mode == FilterMode.CD_GTM, bloom=bloom, score=score,
+            gtm=mode == FilterMode.CD_GTM, bloom=bloom, score=score, scoring=scoring,
         )  # fmt: skip
+    full = logits.float()
     masked, child = masked_logits_reference(
-        logits.float(), tables, node_ids, row_request, requests, mode, bloom=bloom
+        full, tables, node_ids, row_request, requests, mode, bloom=bloom
     )
-    return candidates(score, masked, child >= 0), child
+    return candidates(score, masked, child >= 0, scoring=scoring, logits=full), child
 
 
 # ------------------------------------------------- the reference lookup (any device)

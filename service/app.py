@@ -127,7 +127,7 @@ async def start(
     health_servicer = HealthServicer()
     await set_health(health_servicer, serving=False)
     serving = ServingHolder()
-    stages = Stages(device, settings.max_batch, settings.graph_buckets)
+    stages = Stages(device, settings.max_batch, settings.graph_buckets, scoring=settings.scoring)
     rollout = _rollout(settings, stages, serving, metrics, device)
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, rollout.check_once)

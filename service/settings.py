@@ -37,7 +37,7 @@ from pydantic_settings import (
 )
 
 from contracts.index_format import SID_LENGTH, VOCAB_SIZE
-from contracts.request import check_schedule
+from contracts.request import Scoring, check_schedule
 from service.model.config import PROFILES
 
 # Batches in flight that make the pipeline busy (the batcher keeps a forming batch filling
@@ -174,6 +174,14 @@ class ServerSettings(BaseSettings):
         None,
         description="Schedule used when a request sends no beam_widths; default the "
         "profile's beams, capped step by step at beam_max.",
+    )
+    scoring: Scoring = Field(
+        "masked",
+        description="How each decode step scores a token (contracts/request.py Scoring): "
+        "'masked' adds its log-softmax over the tokens the CD+GTM mask allows (renormalised: "
+        "a prefix with few eligible children keeps most of its mass); 'unmasked' the "
+        "model's own log-softmax over the whole vocabulary, barred tokens still excluded, "
+        "so a SID scores its model log-probability in either filter mode.",
     )
     index_poll_seconds: float = Field(
         1.0,

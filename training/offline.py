@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from contracts.request import FilterMode
+from contracts.request import FilterMode, Scoring
 from contracts.targeting import Targeting, encode_requests
 from contracts.tensors import RequestTensors
 from service.decode.engine import DecodeEngine
@@ -23,11 +23,22 @@ from service.post import PostRequest, PostResult
 
 
 class OfflineRetriever:
-    """One model over one index, batches of up to `max_batch` requests."""
+    """One model over one index, batches of up to `max_batch` requests. `scoring` is the
+    decode steps' log-softmax (`contracts.request.Scoring`): "masked" (the served default)
+    over the allowed tokens, "unmasked" the model's own over the whole vocabulary."""
 
-    def __init__(self, model: GenerativeRetriever, index: LoadedIndex, max_batch: int = 64) -> None:
+    def __init__(
+        self,
+        model: GenerativeRetriever,
+        index: LoadedIndex,
+        max_batch: int = 64,
+        *,
+        scoring: Scoring = "masked",
+    ) -> None:
         self.model, self.index = model.eval(), index
-        self.engine = DecodeEngine(model.decoder, batch_buckets=tuple(range(1, max_batch + 1)))
+        self.engine = DecodeEngine(
+            model.decoder, batch_buckets=tuple(range(1, max_batch + 1)), scoring=scoring
+        )
         self.plans = self.engine.plan(index.tables, index.level_offsets)
 
     @torch.no_grad()

@@ -1,17 +1,24 @@
 """`grace eval`: the paper's effectiveness study (§6, Table 3) on a synthetic world, plus
-the retrieval quality the paper never reported.
+what the paper never reported — retrieval quality, a comparison at a fixed number of
+generated ads, and the scoring question (docs/EVALUATION.md).
 
-For each filter variant — CD only, CD+GTM, CD+GTM with static and with dynamic k-way
-partitions — every evaluated user's request is decoded with the same model, beams and
-index; the generated SIDs are expanded to ads and each ad is checked exactly:
-- bitmask pass rate: share of generated ads whose country/age/gender rules hold;
-- Bloom pass rate: share whose per-ad Bloom row contains one of the request's locations
-  (the paper's location test; conservative);
-- location pass rate: share whose location rule holds exactly (our post stage's test);
-- final pass rate: share exactly eligible (bitmask ∧ exact location) — what survives;
-overall (pooled over ads) and bucketed by ads generated per request, with the share of
-users in each bucket; plus eligible ads returned per request and recall@K of the user's
-held-out next interaction among the returned (eligible, score-ranked) ads.
+For each `Variant` — a filter mode (CD only, CD+GTM, CD+GTM with static or dynamic k-way
+partitions) and a scoring (`masked`: the log-softmax over the allowed tokens, today's
+default; `unmasked`: the model's own log-probabilities) — every evaluated user's request
+is decoded with the same model, beams and index (`training/offline.py`: the served engine
+and post stage); the generated SIDs are expanded to ads, in score order, and each ad is
+checked exactly:
+- bitmask pass: its country/age/gender rules hold;
+- Bloom pass: its per-ad Bloom row contains one of the request's locations (the paper's
+  location test; conservative);
+- location pass: its location rule holds exactly (our post stage's test);
+- final pass: exactly eligible (bitmask ∧ exact location) — what survives.
+Per user the study keeps those counts, the eligible ads returned, the counts among the
+first N generated ads (`fixed`), and the rank of the held-out next interaction among the
+returned ads; the report pools them overall and per bucket of ads generated (the paper's
+< 5k / 5k–9.9k / 10k+ and finer ones for small worlds) and gives recall@K and NDCG@K with
+bootstrap intervals, and each variant's paired difference to the first one
+(`training/study_stats.py`). `training/study_plots.py` draws the report.
 """
 
 from __future__ import annotations
@@ -41,114 +48,191 @@ from service.model.retriever import GenerativeRetriever
 from service.post.expand import expand_leaves, location_rows
 from training.data import Examples
 from training.offline import OfflineRetriever
+from training.study_stats import metric_table, paired_difference, recall, resample_indices
 
-BUCKETS = (0, 100, 500, 1000, 2000, 5000)  # ads generated per request: [lo, next lo)
-
-
-@dataclass
-class _Tally:
-    users: int = 0
-    generated: int = 0
-    bitmask: int = 0
-    bloom: int = 0
-    location: int = 0
-    final: int = 0
-
-    def add(self, bm: np.ndarray, bl: np.ndarray, loc: np.ndarray, fin: np.ndarray) -> None:
-        self.users += 1
-        self.generated += len(bm)
-        self.bitmask += int(bm.sum())
-        self.bloom += int(bl.sum())
-        self.location += int(loc.sum())
-        self.final += int(fin.sum())
-
-    def rates(self, total_users: int) -> dict[str, float]:
-        g = max(self.generated, 1)
-        return {
-            "users_share": self.users / max(total_users, 1),
-            "ads_generated_per_user": self.generated / max(self.users, 1),
-            "bitmask_pass": self.bitmask / g,
-            "bloom_pass": self.bloom / g,
-            "location_pass": self.location / g,
-            "final_pass": self.final / g,
-        }
+PAPER_BUCKETS = (0, 5000, 10000)  # the paper's Table 3: < 5k, 5k–9.9k, 10k+ ads generated
+BUCKETS = (0, 100, 500, 1000, 2000, 5000, 10000)  # finer lower bounds, for small worlds
+CHECKS = ("bitmask", "bloom", "location", "final")
+CURVE_KS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
-@dataclass
-class VariantResult:
+@dataclass(frozen=True)
+class Variant:
+    """One decoding of every user: the index's arrays (k-way partitions differ), the
+    filter mode and the scoring."""
+
     name: str
-    overall: _Tally = field(default_factory=_Tally)
-    buckets: dict[int, _Tally] = field(default_factory=dict)
-    eligible_returned: list[int] = field(default_factory=list)
-    hits: dict[int, int] = field(default_factory=dict)
+    arrays: IndexArrays
+    mode: FilterMode
+    scoring: str = "masked"
 
-    def summary(self, ks: Sequence[int]) -> dict[str, Any]:
-        n = self.overall.users
+
+@dataclass
+class _PerUser:
+    """What one variant found for each user, in user order."""
+
+    generated: list[int] = field(default_factory=list)
+    passed: dict[str, list[int]] = field(default_factory=lambda: {c: [] for c in CHECKS})
+    eligible_returned: list[int] = field(default_factory=list)
+    rank: list[int] = field(default_factory=list)  # of the held-out ad; -1 when not returned
+    final_first: dict[int, list[int]] = field(default_factory=dict)  # N -> finals in first N
+
+    def arrays(self) -> dict[str, np.ndarray]:
         return {
-            "variant": self.name,
-            **self.overall.rates(n),
-            "eligible_ads_per_user": float(np.mean(self.eligible_returned)) if n else 0.0,
-            **{f"recall@{k}": self.hits.get(k, 0) / max(n, 1) for k in ks},
-            "buckets": {
-                f"{lo}+" if i == len(BUCKETS) - 1 else f"{lo}-{BUCKETS[i + 1] - 1}": (
-                    self.buckets[lo].rates(n)
-                )
-                for i, lo in enumerate(BUCKETS)
-                if lo in self.buckets
-            },
+            "generated": np.asarray(self.generated, np.int64),
+            **{c: np.asarray(v, np.int64) for c, v in self.passed.items()},
         }
+
+
+def bucket_label(bounds: Sequence[int], i: int) -> str:
+    """The paper's labels: '<5k' for the first bucket, '5k-9.9k' between, '10k+' last."""
+    if i == len(bounds) - 1:
+        return f"{_k(bounds[i])}+"
+    if i == 0 and bounds[0] == 0:
+        return f"<{_k(bounds[1])}"
+    return f"{_k(bounds[i])}-{_k(bounds[i + 1] - 1)}"
+
+
+def _k(n: int) -> str:
+    """1000 -> '1k', 9999 -> '9.9k' (the paper's truncation), 499 -> '499'."""
+    if n < 1000:
+        return str(n)
+    return f"{n // 100 / 10:g}k"
+
+
+def pooled(counts: dict[str, np.ndarray], users: np.ndarray, total_users: int) -> dict[str, Any]:
+    """Pass rates pooled over the ads of `users` (a bool mask over all users)."""
+    generated = int(counts["generated"][users].sum())
+    sums = {c: int(counts[c][users].sum()) for c in CHECKS}
+    n = int(users.sum())
+    return {
+        "users": n,
+        "users_share": n / max(total_users, 1),
+        "ads_generated_per_user": generated / max(n, 1),
+        **{f"{c}_pass": sums[c] / max(generated, 1) for c in CHECKS},
+        "counts": {"generated": generated, **sums},
+    }
+
+
+def bucket_table(counts: dict[str, np.ndarray], bounds: Sequence[int]) -> dict[str, Any]:
+    """`pooled` per bucket of ads generated per user (only buckets holding users)."""
+    g, total = counts["generated"], len(counts["generated"])
+    out = {}
+    for i, lo in enumerate(bounds):
+        hi = bounds[i + 1] if i + 1 < len(bounds) else np.iinfo(np.int64).max
+        users = (g >= lo) & (g < hi)
+        if users.any():
+            out[bucket_label(bounds, i)] = pooled(counts, users, total)
+    return out
+
+
+def _summary(
+    v: Variant, u: _PerUser, ks: Sequence[int], draws: np.ndarray, buckets: Sequence[int]
+) -> dict[str, Any]:
+    counts = u.arrays()
+    n = len(u.generated)
+    ranks = np.asarray(u.rank, np.int64)
+    overall = pooled(counts, np.ones(n, bool), n)
+    overall.pop("users_share")
+    fixed = {}
+    for size, finals in sorted(u.final_first.items()):
+        enough = counts["generated"] >= size
+        f = np.asarray(finals, np.int64)[enough]
+        fixed[str(size)] = {
+            "users": int(enough.sum()),
+            "final_pass": float(f.sum() / max(size * len(f), 1)),
+            "eligible_ads_per_user": float(f.mean()) if len(f) else 0.0,
+        }
+    max_ads = max(ks)
+    return {
+        "variant": v.name,
+        "mode": v.mode.name.lower(),
+        "scoring": v.scoring,
+        **overall,
+        "eligible_ads_per_user": float(np.mean(u.eligible_returned)) if n else 0.0,
+        **{f"recall@{k}": float(recall(ranks, k).mean()) if n else 0.0 for k in ks},
+        "metrics": metric_table(ranks, ks, draws),
+        "recall_curve": {
+            str(k): float(recall(ranks, k).mean()) if n else 0.0
+            for k in sorted({*CURVE_KS, *ks})
+            if k <= max_ads
+        },
+        "buckets": bucket_table(counts, buckets),
+        "paper_buckets": bucket_table(counts, PAPER_BUCKETS),
+        "fixed_generation": fixed,
+    }
 
 
 def run_study(
     model: GenerativeRetriever,
     examples: Examples,
-    variants: Sequence[tuple[str, IndexArrays, FilterMode]],
+    variants: Sequence[Variant],
     users: np.ndarray,
     beams: tuple[int, ...],
     ks: Sequence[int] = (10, 100, 1000),
     *,
+    fixed: Sequence[int] = (),
+    buckets: Sequence[int] = BUCKETS,
     device: str = "cpu",
     batch_size: int = 16,
+    resamples: int = 1000,
+    seed: int = 0,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    out = []
+    """One summary per variant (in order); every variant after the first also carries
+    `vs_first`: its paired differences in recall@K and NDCG@K to the first variant.
+    `buckets`: the lower bounds of the `buckets` table (the paper's are always there)."""
     model.eval()
+    draws = resample_indices(len(users), resamples, seed)
     bloom_rows: dict[int, np.ndarray] = {}  # per-ad Bloom rows, once per ad arrays
-    for name, arrays, mode in variants:
-        index = LoadedIndex.from_arrays(arrays, device)
-        retriever = OfflineRetriever(model, index, batch_size)
-        ads = arrays.ads
+    found: list[_PerUser] = []
+    for v in variants:
+        index = LoadedIndex.from_arrays(v.arrays, device)
+        retriever = OfflineRetriever(model, index, batch_size, scoring=v.scoring)
+        ads = v.arrays.ads
         if id(ads) not in bloom_rows:  # k-way variants share the plain index's ad arrays
             bloom_rows[id(ads)] = ad_blooms(
                 Ragged(ads.ad_loc_offsets, ads.ad_loc_ids),
                 location_blooms(ads.location_strings()),
             )
         ad_bloom = bloom_rows[id(ads)]
-        result = VariantResult(name)
-        bar = tqdm(total=len(users), desc=f"eval {name}", disable=not progress)
+        per_user = _PerUser(final_first={size: [] for size in fixed})
+        bar = tqdm(total=len(users), desc=f"eval {v.name}", disable=not progress)
         for s in range(0, len(users), batch_size):
             batch = examples.heldout(users[s : s + batch_size])
             targeting = [examples.world.targeting[u] for u in batch.users.tolist()]
-            res = retriever.decode(batch.features, targeting, beams, mode)
+            res = retriever.decode(batch.features, targeting, beams, v.mode)
             for b, (t, target) in enumerate(zip(targeting, batch.target_ad.tolist(), strict=True)):
                 leaves, scores = (x.cpu().numpy() for x in res.valid(b))
-                rows, _ = expand_leaves(ads, leaves)
+                by_score = np.argsort(-scores, kind="stable")  # generated ads, best SID first
+                rows, _ = expand_leaves(ads, leaves[by_score])
                 req_bm, req_ids = request_bitmask(t), index.vocabulary.ids(t.locations)
                 locs = location_rows(ads, rows)
-                bm = bitmask_match(ads.ad_bitmask[rows], req_bm)
-                bl = bloom_match_any(ad_bloom[rows], request_blooms(t))
                 full = np.broadcast_to(FULL_BITMASK, (len(rows), len(FULL_BITMASK)))
-                loc = exact_eligible(full, *locs, req_bm, req_ids)
-                fin = exact_eligible(ads.ad_bitmask[rows], *locs, req_bm, req_ids)
-                result.overall.add(bm, bl, loc, fin)
-                bucket = max(lo_ for lo_ in BUCKETS if lo_ <= len(rows))
-                result.buckets.setdefault(bucket, _Tally()).add(bm, bl, loc, fin)
+                checks = {
+                    "bitmask": bitmask_match(ads.ad_bitmask[rows], req_bm),
+                    "bloom": bloom_match_any(ad_bloom[rows], request_blooms(t)),
+                    "location": exact_eligible(full, *locs, req_bm, req_ids),
+                    "final": exact_eligible(ads.ad_bitmask[rows], *locs, req_bm, req_ids),
+                }
+                per_user.generated.append(len(rows))
+                for c, ok in checks.items():
+                    per_user.passed[c].append(int(ok.sum()))
+                for size, finals in per_user.final_first.items():
+                    finals.append(int(checks["final"][:size].sum()))
                 (post,) = retriever.post([(leaves, scores)], [t], max(ks))
-                result.eligible_returned.append(post.ads_eligible)
+                per_user.eligible_returned.append(post.ads_eligible)
                 rank = np.flatnonzero(post.ad_ids == target)
-                for k in ks:
-                    result.hits[k] = result.hits.get(k, 0) + bool(len(rank) and rank[0] < k)
+                per_user.rank.append(int(rank[0]) if len(rank) else -1)
             bar.update(len(batch.users))
         bar.close()
-        out.append(result.summary(ks))
+        found.append(per_user)
+    out = [_summary(v, u, ks, draws, buckets) for v, u in zip(variants, found, strict=True)]
+    base = np.asarray(found[0].rank, np.int64) if found else None
+    for row, u in zip(out[1:], found[1:], strict=True):
+        assert base is not None
+        row["vs_first"] = {
+            "variant": out[0]["variant"],
+            **paired_difference(np.asarray(u.rank, np.int64), base, ks, draws),
+        }
     return out

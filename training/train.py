@@ -56,6 +56,7 @@ class TrainSettings:
     eval_ks: tuple[int, ...] = (10, 50, 100)
     checkpoint_every: int = 200
     device: str = "cpu"
+    last_token: str = "rank"  # of a tokenizer trained here (docs/TOKENIZER.md)
 
     def __post_init__(self) -> None:
         if self.epochs <= 0 or self.batch_size < 1 or self.lr <= 0:
@@ -85,9 +86,11 @@ def prepare(
     tokenizer_path: Path | None,
     progress: bool,
     sid_space: str | None = None,
+    last_token: str = "rank",
 ) -> tuple[Histories, SIDTokenizer | None, IndexArrays]:
     """The users' histories, the SID tokenizer (kept in `work/tokenizer`; None for a named
-    SID space: every catalog row carries its SID) and an in-memory index of the catalog."""
+    SID space: every catalog row carries its SID; trained with `last_token` when neither
+    given nor kept: docs/TOKENIZER.md) and an in-memory index of the catalog."""
     world = load_world(data.world) if data.world is not None else None
     catalog_path = world.catalog_parquet if world is not None else data.catalog
     assert catalog_path is not None  # TrainingData checked it
@@ -118,7 +121,8 @@ def prepare(
             "pass --tokenizer, or --sid-space NAME when every row carries its sid"
         )
     else:
-        tokenizer = SIDTokenizer.train(catalog.embedding, TokenizerConfig(), progress=progress)
+        config = TokenizerConfig(last_token=last_token)  # type: ignore[arg-type]
+        tokenizer = SIDTokenizer.train(catalog.embedding, config, progress=progress)
     if not saved.exists():
         tokenizer.save(saved)
     sids, _ = assign_sids(catalog, tokenizer)
@@ -169,7 +173,8 @@ def train(
     work = out.with_name(out.name + ".partial")
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(settings.seed)
-    world, tokenizer, arrays = prepare(data, work, tokenizer_path, progress, sid_space)
+    world, tokenizer, arrays = prepare(data, work, tokenizer_path, progress, sid_space,
+                                       settings.last_token)  # fmt: skip
     space = tokenizer.fingerprint if tokenizer is not None else sid_spaces.named(str(sid_space))
     config: ModelConfig = profile(settings.profile)
     index = LoadedIndex.from_arrays(arrays, settings.device)

@@ -3,7 +3,9 @@
 
 For t = 1..4: the decoder step (`DecoderStep`) on W_t beam rows per request gives logits;
 the CD+GTM mask (`kernels.gtm_mask`: trie children ∧ bitmask ∧ Bloom) bars disallowed
-tokens, the log-softmax over the allowed ones adds to each row's score, each request keeps
+tokens, the log-softmax adds to each row's score (the engine's `scoring`: "masked", the
+default, over the allowed tokens; "unmasked", the model's own over the whole vocabulary,
+so a SID scores its model log-probability whatever the filter mode), each request keeps
 its top M_{t+1} (after the last step its top M_4 complete SIDs), the step's bookkeeping
 (`kernels.beam_advance`) finds parents, tokens and child nodes, and the paged KV cache is
 reordered by parent row. SIDs come from backtracking the parent pointers.
@@ -34,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from contracts.request import FilterMode, check_schedule
+from contracts.request import SCORINGS, FilterMode, Scoring, check_schedule
 from contracts.targeting import MAX_REQUEST_LOCATIONS
 from contracts.tensors import GtmTables, RequestTensors
 from kernels.beam_advance import beam_advance
@@ -60,9 +62,14 @@ class DecodeEngine:
         location_buckets: tuple[int, ...] = (1, 4, 16, MAX_REQUEST_LOCATIONS),
         streams: int = 2,  # parts of a split plan (graph branches)
         warmup_runs: int = 2,
+        scoring: Scoring = "masked",  # every step's log-softmax (contracts.request.Scoring)
     ) -> None:
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
+        if scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+        # fixed per engine: the plans' CUDA graphs are captured with it
+        self.scoring: Scoring = scoring
         self.decoder = decoder
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.location_buckets = tuple(sorted(location_buckets))
@@ -161,10 +168,11 @@ class DecodeEngine:
         self, plans: IndexPlans, plan: Plan, logits: torch.Tensor, node: torch.Tensor,
         score: torch.Tensor, t: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """CD+GTM mask, log-softmax and accumulated score (one kernel on CUDA): candidate
-        scores float32 [R, V] and child nodes int32 [R, V] (None: nodes are not tracked)."""
+        """CD+GTM mask, log-softmax (per `self.scoring`) and accumulated score (one kernel
+        on CUDA): candidate scores float32 [R, V] and child nodes int32 [R, V] (None: nodes
+        are not tracked)."""
         args = (logits, plans.tables, node, plan.row_request[t], plan.requests, score)
-        return masked_candidates(*args, plan.mode)
+        return masked_candidates(*args, plan.mode, scoring=self.scoring)
 
     advance = staticmethod(beam_advance)
 

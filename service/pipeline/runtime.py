@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from contracts.request import FilterMode
+from contracts.request import FilterMode, Scoring
 from service.decode.engine import DecodeEngine
 from service.decode.plans import IndexPlans
 from service.index.loaded import LoadedIndex
@@ -52,6 +52,7 @@ class ModelRuntime:
         buckets: tuple[int, ...],
         locations: tuple[int, ...],
         meta: dict[str, Any] | None = None,  # the checkpoint's config.json
+        scoring: Scoring = "masked",  # the decode steps' log-softmax (settings `scoring`)
     ) -> None:
         self.model = model.eval()
         self.version, self.model_version, self.sid_space = version, model_version, sid_space
@@ -59,7 +60,9 @@ class ModelRuntime:
         self.device, self.buckets = device, buckets
         self.cuda = device.type == "cuda"
         self.loaded_at = time.time()
-        self.engine = DecodeEngine(model.decoder, batch_buckets=buckets, location_buckets=locations)
+        self.engine = DecodeEngine(
+            model.decoder, batch_buckets=buckets, location_buckets=locations, scoring=scoring
+        )
         self._plans: weakref.WeakKeyDictionary[LoadedIndex, IndexPlans] = (
             weakref.WeakKeyDictionary()
         )  # an index version's plans go with the version

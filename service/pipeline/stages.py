@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from contracts.request import FilterMode
+from contracts.request import FilterMode, Scoring
 from contracts.targeting import MAX_REQUEST_LOCATIONS, encode_requests
 from contracts.tensors import RequestTensors
 from service.capture import bucket_of
@@ -74,8 +74,11 @@ class Stages:
         device: str,
         max_batch: int = GRAPH_BUCKETS[-1],
         buckets: Sequence[int] | None = None,  # GPU graph bucket sizes (default GRAPH_BUCKETS)
+        *,
+        scoring: Scoring = "masked",  # every runtime's decode engine (settings `scoring`)
     ) -> None:
         self.device = torch.device(device)
+        self.scoring: Scoring = scoring
         self.cuda = self.device.type == "cuda"
         every_size = tuple(range(1, max_batch + 1))  # CPU: no padding
         self.buckets = (graph_buckets(max_batch, GRAPH_BUCKETS if buckets is None else buckets)
@@ -99,7 +102,7 @@ class Stages:
         return ModelRuntime(
             model, version=version, model_version=model_version or version,
             sid_space=sid_space, device=self.device, buckets=self.buckets,
-            locations=self.locations, meta=meta,
+            locations=self.locations, meta=meta, scoring=self.scoring,
         )  # fmt: skip
 
     def padding(self, groups: Sequence[DecodeGroup]) -> int:

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contracts.index_format import SID_LENGTH, VOCAB_SIZE, IndexArrays
-from contracts.request import FilterMode
+from contracts.request import SCORINGS, FilterMode
 from contracts.targeting import Targeting, encode_requests
 from contracts.tensors import GtmTables, RequestTensors
 from index_builder.build import build_arrays
@@ -109,7 +109,9 @@ def poisoned(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return masked, child
 
 
-def run_kernel(logits, tables, nodes, request, requests, variant, config=None, score=None):
+def run_kernel(
+    logits, tables, nodes, request, requests, variant, config=None, score=None, scoring="masked"
+):
     mode, bloom = VARIANTS[variant]
     out = poisoned(nodes.shape[0])
     cfg = (
@@ -128,6 +130,7 @@ def run_kernel(logits, tables, nodes, request, requests, variant, config=None, s
         out=out,
         config=cfg,
         score=score,
+        scoring=scoring,
     )
     assert got[0] is out[0] and got[1] is out[1]
     return got
@@ -151,12 +154,15 @@ def test_kernel_matches_reference(world, variant: str, config, rows: int) -> Non
     assert_same(got, want)
 
 
-def candidates_reference(logits, tables, nodes, request, requests, variant, score):
+def candidates_reference(
+    logits, tables, nodes, request, requests, variant, score, scoring="masked"
+):
     mode, bloom = VARIANTS[variant]
+    full = logits.float()
     masked, child = masked_logits_reference(
-        logits.float(), tables, nodes, request, requests, mode, bloom=bloom
+        full, tables, nodes, request, requests, mode, bloom=bloom
     )
-    return candidates(score, masked, child >= 0), child
+    return candidates(score, masked, child >= 0, scoring=scoring, logits=full), child
 
 
 def scores_of(n: int, seed: int) -> torch.Tensor:
@@ -177,31 +183,68 @@ def assert_candidates(got, want) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("scoring", SCORINGS)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("rows", [1, 23])
-def test_kernel_candidates_match_reference(world, variant: str, config, rows: int) -> None:
-    """With a row score the kernel writes score + log-softmax over the allowed tokens:
-    the decode loop's candidates, dead rows and rows with nothing allowed all −inf."""
+def test_kernel_candidates_match_reference(
+    world, variant: str, config, rows: int, scoring: str
+) -> None:
+    """With a row score the kernel writes score + log-softmax (over the allowed tokens, or
+    with "unmasked" over the whole row): the decode loop's candidates, dead rows and rows
+    with nothing allowed all −inf."""
     index, tables, requests = world
     logits, nodes, request = rows_of(index, rows, requests.bitmask.shape[0], seed=rows + 5)
     score = scores_of(rows, seed=rows)
-    want = candidates_reference(logits, tables, nodes, request, requests, variant, score)
-    got = run_kernel(logits, tables, nodes, request, requests, variant, config, score=score)
+    want = candidates_reference(logits, tables, nodes, request, requests, variant, score, scoring)
+    got = run_kernel(
+        logits, tables, nodes, request, requests, variant, config, score=score, scoring=scoring
+    )
     assert_candidates(got, want)
     assert torch.isfinite(got[0]).any(), "nothing allowed anywhere: a vacuous comparison"
 
 
 @needs_triton
-def test_kernel_candidates_read_bf16_logits(world) -> None:
-    """bf16 logits (the model's dtype) are read as fp32: the same as casting first."""
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_candidates_read_bf16_logits(world, dtype: torch.dtype, scoring: str) -> None:
+    """bf16/fp16 logits (the model's dtype) are read as fp32: the same as casting first —
+    with "unmasked" the whole row's max and sum too."""
     index, tables, requests = world
     logits, nodes, request = rows_of(index, 17, requests.bitmask.shape[0], seed=9)
-    low = logits.to(torch.bfloat16)
+    low = logits.to(dtype)
     score = scores_of(17, seed=9)
-    want = candidates_reference(low, tables, nodes, request, requests, "cd_gtm", score)
-    got = run_kernel(low, tables, nodes, request, requests, "cd_gtm", (16, 8, 2), score=score)
+    want = candidates_reference(low, tables, nodes, request, requests, "cd_gtm", score, scoring)
+    got = run_kernel(
+        low, tables, nodes, request, requests, "cd_gtm", (16, 8, 2), score=score, scoring=scoring
+    )
     assert_candidates(got, want)
+
+
+@needs_triton
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_rows_with_nothing_allowed_stay_all_neg_inf(world, variant: str, scoring: str) -> None:
+    """Rows parked on a leaf (no children) and, with the Bloom test, a request (no
+    locations) that fails every child of the root: every candidate −inf and child −1 in
+    both scorings — even with a finite row score, where the unmasked log-softmax of the
+    row is finite everywhere."""
+    index, tables, requests = world
+    dead = int(index.trie.level_offsets[-1]) - 1
+    nodes = torch.tensor([dead, 0, dead, 0], device=DEV)
+    request = torch.tensor([0, 2, 1, 0], device=DEV)
+    logits = torch.randn(4, VOCAB_SIZE, generator=torch.Generator().manual_seed(0)).to(DEV)
+    score = torch.tensor([-1.0, -2.0, 0.0, -3.0], device=DEV)
+    got = run_kernel(
+        logits, tables, nodes, request, requests, variant, (16, 8, 2), score=score,
+        scoring=scoring,
+    )  # fmt: skip
+    want = candidates_reference(logits, tables, nodes, request, requests, variant, score, scoring)
+    assert_candidates(got, want)
+    empty = (0, 1, 2) if variant == "cd_gtm" else (0, 2)  # leaves; the root for request 2
+    for row in empty:
+        assert torch.isneginf(got[0][row]).all() and (got[1][row] == -1).all()
+    assert torch.isfinite(got[0][3]).any(), "the root of request 0 allows something"
 
 
 def test_candidates_dispatcher_takes_the_references_on_cpu(world) -> None:
@@ -209,11 +252,79 @@ def test_candidates_dispatcher_takes_the_references_on_cpu(world) -> None:
     logits, nodes, request = rows_of(index, 12, requests.bitmask.shape[0], seed=4)
     score = scores_of(12, seed=4)
     for variant, (mode, bloom) in VARIANTS.items():
-        want = candidates_reference(logits, tables, nodes, request, requests, variant, score)
-        got = masked_candidates(logits, tables, nodes, request, requests, score, mode, bloom=bloom)
-        assert_candidates(got, want)
+        for scoring in SCORINGS:
+            want = candidates_reference(
+                logits, tables, nodes, request, requests, variant, score, scoring
+            )
+            got = masked_candidates(
+                logits, tables, nodes, request, requests, score, mode, bloom=bloom,
+                scoring=scoring,
+            )  # fmt: skip
+            assert_candidates(got, want)
     with pytest.raises(ValueError, match="needs encoded requests"):
         masked_candidates(logits, tables, nodes, request, None, score, FilterMode.CD_GTM)
+    with pytest.raises(ValueError, match="scoring must be one of"):
+        masked_candidates(logits, tables, nodes, request, requests, score, scoring="bogus")  # type: ignore[arg-type]
+
+
+def test_unmasked_reference_is_the_models_full_log_softmax(world) -> None:
+    """ "unmasked": score + log_softmax over all V logits where allowed, −inf elsewhere;
+    "masked": the allowed tokens' probabilities sum to 1 in every row allowing any."""
+    index, tables, requests = world
+    logits, nodes, request = rows_of(index, 20, requests.bitmask.shape[0], seed=11)
+    score = torch.zeros(20, device=DEV)
+    cand, child = masked_candidates(
+        logits, tables, nodes, request, requests, score, scoring="unmasked"
+    )
+    allowed = child >= 0
+    full = torch.log_softmax(logits.float(), dim=-1)
+    assert allowed.any()
+    torch.testing.assert_close(cand[allowed], full[allowed], rtol=0, atol=1e-5)
+    assert torch.isneginf(cand[~allowed]).all()
+    masked, _ = masked_candidates(logits, tables, nodes, request, requests, score)
+    mass = torch.exp(masked).sum(dim=1)
+    rows = allowed.any(dim=1)
+    torch.testing.assert_close(mass[rows], torch.ones_like(mass[rows]))
+    with pytest.raises(ValueError, match="needs the step's logits"):
+        candidates(score, masked, allowed, scoring="unmasked")
+
+
+def _same_extension_scores(world, scoring: str, kernel: bool):
+    """Candidates of the same rows (logits, nodes, scores) under CD_ONLY and CD_GTM, and
+    where both allow a token."""
+    index, tables, requests = world
+    logits, nodes, request = rows_of(index, 31, requests.bitmask.shape[0], seed=21)
+    score = scores_of(31, seed=21)
+    out = {}
+    for variant in ("cd_only", "cd_gtm"):
+        if kernel:
+            out[variant] = run_kernel(
+                logits, tables, nodes, request, requests, variant, (16, 8, 2), score=score,
+                scoring=scoring,
+            )[0]  # fmt: skip
+        else:
+            mode, bloom = VARIANTS[variant]
+            out[variant] = masked_candidates(
+                logits, tables, nodes, request, requests, score, mode, bloom=bloom,
+                scoring=scoring,
+            )[0]  # fmt: skip
+    both = torch.isfinite(out["cd_only"]) & torch.isfinite(out["cd_gtm"])
+    assert both.any(), "no token allowed by both: a vacuous comparison"
+    return out["cd_only"], out["cd_gtm"], both
+
+
+@pytest.mark.parametrize(
+    "kernel", [False, pytest.param(True, marks=needs_triton)], ids=["reference", "kernel"]
+)
+def test_unmasked_scores_a_token_the_same_under_cd_only_and_cd_gtm(world, kernel: bool) -> None:
+    """For the same logits, node and row score, a token both modes allow gets the same
+    candidate score under "unmasked" (bit-exact: the row's log-softmax ignores the mask);
+    under "masked" GTM's narrower allowed set renormalises it upwards."""
+    cd, gtm, both = _same_extension_scores(world, "unmasked", kernel)
+    assert torch.equal(cd[both], gtm[both])
+    cd, gtm, both = _same_extension_scores(world, "masked", kernel)
+    assert not torch.equal(cd[both], gtm[both]), "masked scores should depend on the mask"
+    assert (gtm[both] >= cd[both] - 1e-5).all(), "a narrower set renormalises upwards"
 
 
 @needs_triton
@@ -349,6 +460,47 @@ def test_kernel_never_drops_an_eligible_prefix(
         assert must <= allowed, f"dropped eligible prefixes {must - allowed}"
 
 
+@needs_triton
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ads=ads_strategy(max_ads=20),
+    reqs=st.lists(requests_strategy, min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_unmasked_scores_do_not_depend_on_the_mask(
+    ads: list[Ad], reqs: list[Targeting], seed: int
+) -> None:
+    """From every inner node, for any catalog and requests: under "unmasked" a token
+    allowed by CD_ONLY and CD_GTM (with or without the Bloom test) has one candidate
+    score, the kernel's and the reference's alike, and it is score + the row's full
+    log-softmax."""
+    index = build(ads)
+    tables = GtmTables.from_arrays(index.trie, device=DEV)
+    requests = RequestTensors.from_encoded(encode_requests(reqs), device=DEV)
+    inner = torch.arange(int(index.trie.level_offsets[SID_LENGTH]), device=DEV)
+    nodes = inner.repeat(len(reqs))
+    request = torch.arange(len(reqs), device=DEV).repeat_interleave(len(inner))
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(len(nodes), VOCAB_SIZE, generator=g) * 3).to(DEV)
+    score = (-torch.rand(len(nodes), generator=g) * 10).to(DEV)
+    full = score[:, None] + torch.log_softmax(logits, dim=-1)
+    cd = run_kernel(logits, tables, nodes, request, requests, "cd_only", (2, 2, 1), score,
+                    "unmasked")[0]  # fmt: skip
+    assert torch.isfinite(cd[0]).any(), "the root allows something"
+    for variant in ("cd_bitmask", "cd_gtm"):
+        got = run_kernel(logits, tables, nodes, request, requests, variant, (2, 2, 1), score,
+                         "unmasked")[0]  # fmt: skip
+        want = candidates_reference(
+            logits, tables, nodes, request, requests, variant, score, "unmasked"
+        )[0]
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        both = torch.isfinite(got)
+        assert torch.isfinite(cd[both]).all(), "GTM allows only what CD allows"
+        assert torch.equal(got[both], cd[both])
+        torch.testing.assert_close(got[both], full[both], rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(want[both], got[both], rtol=1e-6, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- GPU, full size
 
 
@@ -383,7 +535,8 @@ def test_gpu_kernel_matches_reference_on_a_decode_loop(big_world, variant: str) 
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_candidates_match_reference_on_a_decode_loop(big_world) -> None:
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_gpu_candidates_match_reference_on_a_decode_loop(big_world, scoring: str) -> None:
     """The decode loop's fused call: bf16 logits, row scores, full-size steps."""
     tables, requests, steps = big_world
     for t, nodes in enumerate(steps):
@@ -391,8 +544,10 @@ def test_gpu_candidates_match_reference_on_a_decode_loop(big_world) -> None:
         request = torch.arange(16, device="cuda").repeat_interleave(m)
         logits = torch.randn(nodes.shape[0], VOCAB_SIZE, device="cuda").bfloat16()
         score = -torch.rand(nodes.shape[0], device="cuda") * (5 * t)
-        got = masked_candidates(logits, tables, nodes, request, requests, score)
-        want = candidates_reference(logits, tables, nodes, request, requests, "cd_gtm", score)
+        got = masked_candidates(logits, tables, nodes, request, requests, score, scoring=scoring)
+        want = candidates_reference(
+            logits, tables, nodes, request, requests, "cd_gtm", score, scoring
+        )
         assert_candidates(got, want)
         assert torch.isfinite(got[0]).any(), "no row allows anything: a vacuous comparison"
 

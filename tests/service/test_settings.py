@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -183,3 +184,42 @@ def test_busy_batches_by_device_unless_set(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("GRACE_BUSY_BATCHES", "0")
     with pytest.raises(ValidationError, match="busy_batches"):
         load_settings()
+
+
+def test_scoring_validates_and_reaches_the_decode_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`scoring`: "masked" by default, "unmasked" from a flag, the environment or a file,
+    anything else refused; the server hands it to its Stages (service/app.py), which give
+    it to every model runtime's DecodeEngine."""
+    import service.app
+    from service.model.retriever import GenerativeRetriever
+    from service.pipeline.stages import Stages
+
+    assert load_settings().scoring == "masked"
+    assert load_settings({"scoring": "unmasked"}).scoring == "unmasked"
+    cfg = _write(tmp_path / "grace.toml", "toml", {"scoring": "unmasked"})
+    assert load_settings(config_file=cfg).scoring == "unmasked"
+    monkeypatch.setenv("GRACE_SCORING", "unmasked")
+    assert load_settings().scoring == "unmasked"
+    with pytest.raises(ValidationError, match="scoring"):
+        load_settings({"scoring": "renormalised"})
+
+    made: list[Stages] = []
+
+    class Recorded(Stages):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+            raise RuntimeError("stop after the stages")  # nothing past them is loaded
+
+    monkeypatch.setattr(service.app, "Stages", Recorded)
+    with pytest.raises(RuntimeError, match="stop after the stages"):
+        asyncio.run(service.app.start(load_settings({"device": "cpu", "port": 0})))
+    assert [s.scoring for s in made] == ["unmasked"]  # GRACE_SCORING, above
+    runtime = made[0].runtime(GenerativeRetriever(PROFILES["tiny"]), version="m")
+    assert runtime.engine.scoring == "unmasked"
+    assert (
+        Stages("cpu").runtime(GenerativeRetriever(PROFILES["tiny"]), version="m").engine.scoring
+        == "masked"
+    )

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The effectiveness study in the paper's regime (docs/EVALUATION.md, issue #21), end to end:
+# `study` world (campaigns of one creative share content, not targeting) -> grace train
+# with a code-mode tokenizer (a SID holds a creative's ads) -> build-index -> grace eval
+# with the paper's beams, both scorings, fixed-generation cut-offs, the JSON and the PNGs.
+# Usage:
+#   bench/study.sh OUT_DIR [DEVICE] [EPOCHS]          e.g. bench/study.sh /tmp/study cuda 1
+# Knobs (env): ADS (1,000,000), USERS (50,000), EVAL_USERS (5,000), PROFILE (demo model),
+# BEAMS ("1 512 1024 1024", the paper's), WORK (/tmp/grace-study: the world, model and
+# index, kept between runs), PYTHON. Writes OUT_DIR/train.json, OUT_DIR/eval_study.json
+# and OUT_DIR/plots/*.png. A CPU smoke run: ADS=20000 USERS=2000 EVAL_USERS=200
+# PROFILE=tiny BEAMS="1 16 64 64" bench/study.sh /tmp/study-smoke cpu 0.5
+set -euo pipefail
+out=${1:?output directory}; device=${2:-cpu}; epochs=${3:-1}
+py=${PYTHON:-python3}
+work=${WORK:-/tmp/grace-study}
+ads=${ADS:-1000000}; users=${USERS:-50000}; eval_users=${EVAL_USERS:-5000}
+profile=${PROFILE:-demo}; read -r -a beams <<< "${BEAMS:-1 512 1024 1024}"
+mkdir -p "$out" "$work"
+grace() { "$py" -m cli "$@"; }
+[ -f "$work/world/world.json" ] || grace synth --profile study --seed 0 --ads "$ads" \
+    --users "$users" --out "$work/world" --no-jsonl --no-progress
+[ -f "$work/model/config.json" ] || grace train --world "$work/world" --out "$work/model" \
+    --profile "$profile" --last-token code --device "$device" --epochs "$epochs" \
+    --batch-size 256 --lr 1e-3 --eval-users 1000 --no-progress | tee "$out/train.json"
+[ -f "$work/index/CURRENT" ] || grace build-index --catalog "$work/world/catalog.parquet" \
+    --tokenizer "$work/model/tokenizer" --out "$work/index" --no-progress
+grace eval --world "$work/world" --index "$work/index" --model "$work/model" \
+    --users "$eval_users" --beams "${beams[@]}" --k 10 100 1000 --scoring masked unmasked \
+    --fixed 1000 5000 --kway static --device "$device" --out "$out/eval_study.json" \
+    --plots "$out/plots" --no-progress

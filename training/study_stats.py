@@ -1,0 +1,74 @@
+"""The statistics of the effectiveness study (`training/study.py`, `grace eval`): recall@K
+and NDCG@K of each user's held-out next interaction from the rank it was returned at, and
+percentile-bootstrap confidence intervals over users — of one variant's mean, and of the
+paired difference between two variants decoded for the same users (the resampled users
+are the same on both sides, so the users' own spread cancels out).
+
+A rank is the 0-based position of the held-out ad in the returned list, or -1 when it was
+not returned. One relevant item per user: recall@K is the share of users with a rank
+< K, NDCG@K the mean of 1 / log2(rank + 2) over those hits (0 for a miss; the ideal DCG
+is 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+CONFIDENCE = 0.95
+RESAMPLES = 1000
+
+
+def recall(ranks: np.ndarray, k: int) -> np.ndarray:
+    """Per user: 1.0 when the held-out ad came back in the top k, else 0.0."""
+    return ((ranks >= 0) & (ranks < k)).astype(np.float64)
+
+
+def ndcg(ranks: np.ndarray, k: int) -> np.ndarray:
+    """Per user: 1 / log2(rank + 2) for a hit in the top k, else 0.0."""
+    hit = (ranks >= 0) & (ranks < k)
+    return np.where(hit, 1.0 / np.log2(np.maximum(ranks, 0) + 2.0), 0.0)
+
+
+METRICS: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {"recall": recall, "ndcg": ndcg}
+
+
+def resample_indices(n: int, resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
+    """int64 [resamples, n]: user positions drawn with replacement, one row per resample;
+    the same rows for every variant and metric of a study."""
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
+def interval(
+    per_user: np.ndarray, draws: np.ndarray, confidence: float = CONFIDENCE
+) -> dict[str, float]:
+    """The mean of `per_user` and its percentile-bootstrap interval over `draws`."""
+    if len(per_user) == 0:
+        return {"mean": 0.0, "lo": 0.0, "hi": 0.0}
+    means = per_user[draws].mean(axis=1)
+    tail = (1 - confidence) / 2 * 100
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return {"mean": float(per_user.mean()), "lo": float(lo), "hi": float(hi)}
+
+
+def metric_table(
+    ranks: np.ndarray, ks: Sequence[int], draws: np.ndarray
+) -> dict[str, dict[str, float]]:
+    """{"recall@K" | "ndcg@K": interval} for one variant."""
+    return {
+        f"{name}@{k}": interval(fn(ranks, k), draws) for name, fn in METRICS.items() for k in ks
+    }
+
+
+def paired_difference(
+    ranks: np.ndarray, base: np.ndarray, ks: Sequence[int], draws: np.ndarray
+) -> dict[str, dict[str, float]]:
+    """{"recall@K" | "ndcg@K": interval of (variant - base)} over the same users; the
+    difference is resolved when its interval excludes 0."""
+    out = {}
+    for name, fn in METRICS.items():
+        for k in ks:
+            diff = interval(fn(ranks, k) - fn(base, k), draws)
+            out[f"{name}@{k}"] = {**diff, "resolved": bool(diff["lo"] > 0 or diff["hi"] < 0)}
+    return out
