@@ -84,9 +84,9 @@ def test_graph_buckets_and_busy_batches_reach_the_server(
     built: list[tuple[int, Sequence[int] | None]] = []
 
     class Recorded(Stages):
-        def __init__(self, device, max_batch=16, buckets=None) -> None:
+        def __init__(self, device, max_batch=16, buckets=None, **kwargs) -> None:
             built.append((max_batch, buckets))
-            super().__init__(device, max_batch, buckets)
+            super().__init__(device, max_batch, buckets, **kwargs)
 
     monkeypatch.setattr(service.app, "Stages", Recorded)
 
