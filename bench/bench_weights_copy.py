@@ -6,8 +6,8 @@ embeddings (4.3 GB of float32, read from a safetensors file as `load_checkpoint`
 three ways:
 
 * `pageable`: one `.to("cuda")` of the whole tensor, as the load did before;
-* `chunked`: `service/model/checkpoint.py`'s `_to_cuda`, 64 MiB at a time through a
-  pinned staging buffer;
+* `chunked`: `contracts/tensors.py`'s `to_device` (what model and index loads use), 64
+  MiB at a time through a pinned staging buffer;
 * `chunked_paced`: the same with `Pace(0.25)` between chunks (a swap beside serving).
 
 Reported per way: the copy's seconds and the probe's rounds (P50 / P99 / max) during it,
@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import percentiles, write_result
-from service.model.checkpoint import COPY_CHUNK, _to_cuda
+from contracts.tensors import COPY_CHUNK, to_device
 from service.pace import Pace
 
 
@@ -75,11 +75,10 @@ def main() -> None:
         time.sleep(3.0)
         figures: dict = {"table_gb": round(rows * 256 * 4 / 1e9, 2), "chunk_bytes": COPY_CHUNK,
                          "idle": probe.during(t_idle, time.perf_counter())}  # fmt: skip
-        staging = torch.empty(COPY_CHUNK, dtype=torch.uint8, pin_memory=True)
         ways = {
             "pageable": lambda t: t.to("cuda"),
-            "chunked": lambda t: _to_cuda(t, "cuda", staging, None),
-            "chunked_paced": lambda t: _to_cuda(t, "cuda", staging, pace),
+            "chunked": lambda t: to_device(t, "cuda"),
+            "chunked_paced": lambda t: to_device(t, "cuda", pace),
         }
         pace = Pace(0.25, device="cuda")
         for name, copy in ways.items():

@@ -15,6 +15,13 @@ class AddCommand(Protocol):
     ) -> argparse.ArgumentParser: ...
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if value <= 0:

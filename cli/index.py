@@ -11,7 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.common import CATALOG_HELP, LAST_TOKEN_HELP, SID_SPACE_HELP, AddCommand, positive_float
+from cli.common import (
+    CATALOG_HELP,
+    LAST_TOKEN_HELP,
+    SID_SPACE_HELP,
+    AddCommand,
+    positive_float,
+)
+from contracts.sid_space import LAST_TOKENS
 
 if TYPE_CHECKING:
     from index_builder.sidecar import SidChoice
@@ -226,7 +233,7 @@ def register(add: AddCommand) -> None:
     p.add_argument("--codebook-size", type=int, default=512)
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--sample", type=int, default=200_000, help="embeddings to train on")
-    p.add_argument("--last-token", choices=("rank", "code"), default="rank", help=LAST_TOKEN_HELP)
+    p.add_argument("--last-token", choices=LAST_TOKENS, default="rank", help=LAST_TOKEN_HELP)
     p.add_argument("--seed", type=int, default=0)
     _add_workers(p, "CPU threads for k-means and SIDs")
     _add_device(p)

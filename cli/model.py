@@ -7,7 +7,15 @@ import json
 import sys
 from pathlib import Path
 
-from cli.common import LAST_TOKEN_HELP, SID_SPACE_HELP, AddCommand, positive_float
+from cli.common import (
+    LAST_TOKEN_HELP,
+    SID_SPACE_HELP,
+    AddCommand,
+    positive_float,
+    positive_int,
+)
+from contracts.request import SCORINGS
+from contracts.sid_space import LAST_TOKENS
 
 EVAL_FORMAT_VERSION = 2  # of `grace eval --out` (docs/EVALUATION.md, "The report")
 
@@ -105,15 +113,17 @@ def _eval(args: argparse.Namespace) -> int:
     examples = Examples(world, SidLookup.from_ads(arrays.ads), loaded.config)
     users = np.sort(np.random.default_rng(args.seed).permutation(world.n_users)[: args.users])
     beams = tuple(args.beams) if args.beams else loaded.config.beams
+    scorings = list(dict.fromkeys(args.scoring))
     variants = []
-    for scoring in args.scoring:  # the first variant (cd_only, first scoring) is the base
+    for scoring in scorings:  # the first variant (cd_only, first scoring) is the base
         suffix = "" if scoring == "masked" else f"_{scoring}"
         variants += [Variant(f"cd_only{suffix}", arrays, FilterMode.CD_ONLY, scoring),
                      Variant(f"cd_gtm{suffix}", arrays, FilterMode.CD_GTM, scoring)]  # fmt: skip
-    for spec in filter(None, (args.kway or "").split("+")):
+    for spec in filter(None, (args.kway or "").split("+")):  # in the first scoring
         kway = KwaySpec.parse(spec)
-        variants.append(Variant(f"{kway.mode}_kway", with_partitions(arrays, kway),
-                                FilterMode.CD_GTM_KWAY))  # fmt: skip
+        suffix = "" if scorings[0] == "masked" else f"_{scorings[0]}"
+        variants.append(Variant(f"{kway.mode}_kway{suffix}", with_partitions(arrays, kway),
+                                FilterMode.CD_GTM_KWAY, scorings[0]))  # fmt: skip
     rows = run_study(loaded.model, examples, variants, users, beams, tuple(args.k),
                      fixed=tuple(args.fixed), device=args.device, resamples=args.resamples,
                      seed=args.seed, progress=not args.no_progress)  # fmt: skip
@@ -191,8 +201,9 @@ def register(add: AddCommand) -> None:
     p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="tiny")
     p.add_argument("--tokenizer", help="use this SID tokenizer instead of training one")
     p.add_argument("--sid-space", metavar="NAME", help=SID_SPACE_HELP)
-    p.add_argument("--last-token", choices=("rank", "code"), default="rank",
-                   help=LAST_TOKEN_HELP + " (for the tokenizer trained here)")  # fmt: skip
+    p.add_argument("--last-token", choices=LAST_TOKENS,
+                   help=LAST_TOKEN_HELP + " (for the tokenizer trained here; rank by "
+                   "default)")  # fmt: skip
     p.add_argument("--epochs", type=positive_float, default=4.0)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=positive_float, default=2e-3)
@@ -237,14 +248,14 @@ def register(add: AddCommand) -> None:
     p.add_argument("--k", type=int, nargs="+", default=[10, 100, 1000],
                    help="recall@K and NDCG@K cut-offs (10 100 1000); the largest is the "
                    "number of ads returned")  # fmt: skip
-    p.add_argument("--scoring", nargs="+", choices=("masked", "unmasked"), default=["masked"],
+    p.add_argument("--scoring", nargs="+", choices=SCORINGS, default=["masked"],
                    help="beam scorings to compare, each for CD only and CD+GTM: masked "
                    "(log-softmax over the allowed tokens, the served default) and/or "
                    "unmasked (the model's own log-probabilities)")  # fmt: skip
     p.add_argument("--fixed", type=int, nargs="*", default=[], metavar="N",
                    help="also compare pass rates among the first N generated ads (users "
                    "with at least N), e.g. --fixed 1000 5000")  # fmt: skip
-    p.add_argument("--resamples", type=int, default=1000,
+    p.add_argument("--resamples", type=positive_int, default=1000,
                    help="bootstrap resamples of the users for the intervals (1000)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="user sample and bootstrap seed")
     p.add_argument("--device", default="cpu")

@@ -10,7 +10,7 @@ token (a server setting, not an RPC field).
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from typing import Literal, get_args
 
 
 class FilterMode(enum.IntEnum):
@@ -30,7 +30,7 @@ class FilterMode(enum.IntEnum):
 #              still −inf: a SID scores its model log-probability whatever the mask, so
 #              CD_ONLY and CD_GTM give one SID the same score.
 Scoring = Literal["masked", "unmasked"]
-SCORINGS: tuple[Scoring, ...] = ("masked", "unmasked")
+SCORINGS: tuple[Scoring, ...] = get_args(Scoring)
 
 
 class EventType(enum.IntEnum):

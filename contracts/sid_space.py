@@ -16,6 +16,13 @@ The server refuses an index whose key differs from the model's.
 from __future__ import annotations
 
 import re
+from typing import Literal, get_args
+
+# How a SID tokenizer makes the last SID token (`TokenizerConfig.last_token`,
+# docs/TOKENIZER.md): "rank" ranks the ads sharing a prefix (TIGER: ~1 ad per SID),
+# "code" is one more RQ-KMeans level (the ads of one creative share the full SID).
+LastToken = Literal["rank", "code"]
+LAST_TOKENS: tuple[LastToken, ...] = get_args(LastToken)
 
 PREFIX = "sid-space:"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

@@ -8,6 +8,7 @@ comparisons are complete for int64, and the bits are identical.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,12 +17,43 @@ import torch
 from contracts.index_format import PartitionArrays, TrieArrays
 from contracts.targeting import EncodedRequests
 
+COPY_CHUNK = 64 << 20  # bytes per piece of a tensor's copy to a GPU (`to_device`)
+
+
+def to_device(
+    t: torch.Tensor, device: torch.device | str, pace: Callable[[], None] | None = None
+) -> torch.Tensor:
+    """`t` on `device`. To a CUDA device it goes COPY_CHUNK bytes at a time through a
+    pinned staging buffer, `pace` called after each piece: one pageable copy of a large
+    tensor (the paper model's 4.3 GB user table, an index's matcher tables) holds the
+    other threads' CUDA calls — the serving stages' launches and copies — until it is
+    done (603 ms for that table, docs/PERFORMANCE.md "Model rollout"); pieces from pinned
+    memory let them in between. Elsewhere a plain `.to(device)`."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    src = t.contiguous().view(-1)
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    flat, size = out.view(-1), t.element_size()
+    per = COPY_CHUNK // size
+    staging = torch.empty(min(COPY_CHUNK, src.numel() * size), dtype=torch.uint8,
+                          pin_memory=True)  # fmt: skip
+    stream = torch.cuda.current_stream(device)
+    for a in range(0, src.numel(), per):
+        n = min(per, src.numel() - a)
+        stage = staging[: n * size].view(t.dtype)
+        stage.copy_(src[a : a + n])
+        flat[a : a + n].copy_(stage, non_blocking=True)
+        stream.synchronize()  # the staging buffer is refilled next
+        if pace is not None:
+            pace()
+    return out
+
 
 def _t(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
     a = np.array(a, copy=True, order="C")  # index arrays are read-only memory maps
     if a.dtype == np.uint64:
         a = a.view(np.int64)
-    return torch.from_numpy(a).to(device)
+    return to_device(torch.from_numpy(a), device)
 
 
 @dataclass(frozen=True)

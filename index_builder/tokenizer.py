@@ -33,13 +33,14 @@ import os
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 import orjson
 from safetensors.numpy import load_file, save_file
 from tqdm import tqdm
 
+from contracts.sid_space import LAST_TOKENS, LastToken
 from index_builder.kmeans import check_finite, kmeans, nearest, rq_encode
 from index_builder.last_token import CollisionReport, code_sids, complete_sids
 from index_builder.parallel import default_workers
@@ -48,11 +49,6 @@ FORMAT_VERSION = 1
 _KIND = "grace.sid_tokenizer"
 _META_FILE = "tokenizer.json"
 _CODEBOOK_FILE = "codebooks.safetensors"
-
-# The last SID token: "rank" ranks the ads sharing a prefix (TIGER), "code" is one more
-# RQ-KMeans level (ads of one creative share the full SID). docs/TOKENIZER.md.
-LastToken = Literal["rank", "code"]
-LAST_TOKENS: tuple[LastToken, ...] = get_args(LastToken)
 
 
 @dataclass(frozen=True)

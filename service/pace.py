@@ -6,7 +6,7 @@ sleeps long enough that the job takes at most `share` of the wall time, its GPU 
 included (it waits for the calling thread's CUDA stream before it measures).
 
 At start-up nothing serves yet (`active()` is false) and nothing is paced; `share = 1`
-turns pacing off. The setting is `rollout_share` (docs/OPERATIONS.md, "Model rollout").
+turns pacing off. The setting is `rollout_share` (docs/MODEL.md, "Hot swap").
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class Pace:
         if not 0 < share <= 1:
             raise ValueError(f"a pace's share must be in (0, 1], not {share}")
         self.share, self._active, self.max_sleep = share, active, max_sleep
-        self._cuda = device is not None and torch.device(device).type == "cuda"
+        self._device = torch.device(device) if device is not None else None
+        self._cuda = self._device is not None and self._device.type == "cuda"
         self._sleep, self._clock = sleep, clock
         self._since: float | None = None  # the end of the last rest
         self.slept = 0.0  # seconds of rest so far (for the swap's log line)
@@ -49,7 +50,7 @@ class Pace:
             self._since = None
             return
         if self._cuda:  # the step's GPU work counts as work
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(self._device).synchronize()
         now = self._clock()
         if self._since is not None:
             rest = min((now - self._since) * (1 / self.share - 1), self.max_sleep)

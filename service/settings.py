@@ -192,11 +192,12 @@ class ServerSettings(BaseSettings):
         0.25,
         gt=0,
         le=1,
-        description="The most of the wall time a model or index swap's load and prepare "
-        "take while the server serves: after each step (a checksum chunk, a tensor's copy "
-        "to the device, a CUDA graph's capture, its GPU work included) the rollout rests "
-        "so that requests keep the GPU, cores and GIL (service/pace.py). 1 turns pacing "
-        "off; start-up is never paced.",
+        description="The most of the wall time a swap takes while the server serves: a "
+        "model's load (each checksum chunk, each chunk of a tensor's copy to the device) and "
+        "every swap's prepare (each CUDA graph's capture), their GPU work included; after "
+        "each step the rollout rests so that requests keep the GPU, cores and GIL "
+        "(service/pace.py). An index's load is not paced (its tables go to the GPU in "
+        "chunks). 1 turns pacing off; start-up is never paced.",
     )
     max_connection_age_seconds: float = Field(
         120.0,

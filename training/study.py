@@ -48,7 +48,13 @@ from service.model.retriever import GenerativeRetriever
 from service.post.expand import expand_leaves, location_rows
 from training.data import Examples
 from training.offline import OfflineRetriever
-from training.study_stats import metric_table, paired_difference, recall, resample_indices
+from training.study_stats import (
+    interval,
+    metric_table,
+    paired_difference,
+    recall,
+    resample_indices,
+)
 
 PAPER_BUCKETS = (0, 5000, 10000)  # the paper's Table 3: < 5k, 5k–9.9k, 10k+ ads generated
 BUCKETS = (0, 100, 500, 1000, 2000, 5000, 10000)  # finer lower bounds, for small worlds
@@ -134,15 +140,6 @@ def _summary(
     ranks = np.asarray(u.rank, np.int64)
     overall = pooled(counts, np.ones(n, bool), n)
     overall.pop("users_share")
-    fixed = {}
-    for size, finals in sorted(u.final_first.items()):
-        enough = counts["generated"] >= size
-        f = np.asarray(finals, np.int64)[enough]
-        fixed[str(size)] = {
-            "users": int(enough.sum()),
-            "final_pass": float(f.sum() / max(size * len(f), 1)),
-            "eligible_ads_per_user": float(f.mean()) if len(f) else 0.0,
-        }
     max_ads = max(ks)
     return {
         "variant": v.name,
@@ -159,8 +156,32 @@ def _summary(
         },
         "buckets": bucket_table(counts, buckets),
         "paper_buckets": bucket_table(counts, PAPER_BUCKETS),
-        "fixed_generation": fixed,
     }
+
+
+def fixed_generation(found: Sequence[_PerUser], resamples: int, seed: int) -> list[dict]:
+    """Per variant, per N: the final pass rate and eligible ads among the first N ads
+    generated, over the users with at least N in *every* variant (the same users for all,
+    so a variant that generates fewer ads does not pick its own subset), and for every
+    variant after the first the paired difference in eligible ads to the first."""
+    out: list[dict[str, Any]] = [{} for _ in found]
+    if not found:
+        return out
+    for size in sorted(found[0].final_first):
+        enough = np.logical_and.reduce([np.asarray(u.generated) >= size for u in found])
+        draws = resample_indices(int(enough.sum()), resamples, seed)
+        finals = [np.asarray(u.final_first[size], np.int64)[enough] for u in found]
+        for i, f in enumerate(finals):
+            row: dict[str, Any] = {
+                "users": int(enough.sum()),
+                "final_pass": float(f.sum() / max(size * len(f), 1)),
+                "eligible_ads_per_user": float(f.mean()) if len(f) else 0.0,
+            }
+            if i:
+                diff = interval((f - finals[0]).astype(np.float64), draws)
+                row["vs_first"] = {**diff, "resolved": bool(diff["lo"] > 0 or diff["hi"] < 0)}
+            out[i][str(size)] = row
+    return out
 
 
 def run_study(
@@ -228,6 +249,8 @@ def run_study(
         bar.close()
         found.append(per_user)
     out = [_summary(v, u, ks, draws, buckets) for v, u in zip(variants, found, strict=True)]
+    for row, fixed in zip(out, fixed_generation(found, resamples, seed), strict=True):
+        row["fixed_generation"] = fixed
     base = np.asarray(found[0].rank, np.int64) if found else None
     for row, u in zip(out[1:], found[1:], strict=True):
         assert base is not None

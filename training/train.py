@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from contracts import sid_space as sid_spaces
 from contracts.index_format import IndexArrays
+from contracts.sid_space import LAST_TOKENS, LastToken
 from index_builder.build import assign_sids, build_arrays
 from index_builder.catalog import read_catalog
 from index_builder.synth import load_world
@@ -56,11 +57,15 @@ class TrainSettings:
     eval_ks: tuple[int, ...] = (10, 50, 100)
     checkpoint_every: int = 200
     device: str = "cpu"
-    last_token: str = "rank"  # of a tokenizer trained here (docs/TOKENIZER.md)
+    # of the tokenizer trained here (None: "rank"); a given or kept tokenizer of another
+    # mode is an error (docs/TOKENIZER.md)
+    last_token: LastToken | None = None
 
     def __post_init__(self) -> None:
         if self.epochs <= 0 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError("epochs, batch_size and lr must be positive")
+        if self.last_token is not None and self.last_token not in LAST_TOKENS:
+            raise ValueError(f"last_token must be one of {LAST_TOKENS}, got {self.last_token!r}")
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ def prepare(
     tokenizer_path: Path | None,
     progress: bool,
     sid_space: str | None = None,
-    last_token: str = "rank",
+    last_token: LastToken | None = None,
 ) -> tuple[Histories, SIDTokenizer | None, IndexArrays]:
     """The users' histories, the SID tokenizer (kept in `work/tokenizer`; None for a named
     SID space: every catalog row carries its SID; trained with `last_token` when neither
@@ -104,8 +109,9 @@ def prepare(
         log.info("training data: %s", histories.summary)
     saved = work / "tokenizer"
     if sid_space is not None:
-        if tokenizer_path is not None:
-            raise ValueError("give a SID tokenizer or a SID space name, not both")
+        if tokenizer_path is not None or last_token is not None:
+            raise ValueError("a named SID space has no tokenizer: drop --tokenizer and "
+                             "--last-token, or --sid-space")  # fmt: skip
         if not catalog.has_sid.all():
             missing = int((~catalog.has_sid).sum())
             raise ValueError(f"SID space {sid_space!r}: {missing} catalog rows carry no sid")
@@ -121,8 +127,12 @@ def prepare(
             "pass --tokenizer, or --sid-space NAME when every row carries its sid"
         )
     else:
-        config = TokenizerConfig(last_token=last_token)  # type: ignore[arg-type]
+        config = TokenizerConfig(last_token=last_token or "rank")
         tokenizer = SIDTokenizer.train(catalog.embedding, config, progress=progress)
+    if last_token is not None and tokenizer.config.last_token != last_token:
+        where = tokenizer_path or saved
+        raise ValueError(f"last token {last_token!r} asked, but the tokenizer {where} makes "
+                         f"{tokenizer.config.last_token!r} SIDs: drop one of the two")  # fmt: skip
     if not saved.exists():
         tokenizer.save(saved)
     sids, _ = assign_sids(catalog, tokenizer)

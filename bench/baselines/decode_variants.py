@@ -148,9 +148,10 @@ class VariantEngine(DecodeEngine):
         args = (plans.tables, node, plan.row_request[t], plan.requests)
         bloom = self.options.bloom  # False: the kernel skips the (all-zero) Bloom rows
         if self.options.fused_tail:
-            return masked_candidates(logits, *args, score, plan.mode, bloom=bloom)
+            return masked_candidates(logits, *args, score, plan.mode, bloom=bloom,
+                                     scoring=self.scoring)  # fmt: skip
         masked, child = masked_logits(logits.float(), *args, plan.mode, bloom=bloom)
-        return candidates(score, masked, child >= 0), child
+        return candidates(score, masked, child >= 0, scoring=self.scoring, logits=logits), child
 
     def run(self, plans, ctx, requests, beams, mode=FilterMode.CD_GTM):
         if not self.options.mask:

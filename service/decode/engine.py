@@ -108,23 +108,25 @@ class DecodeEngine:
     ) -> int:
         """Build every plan a server may hit (on CUDA: capture its graph); returns how many
         plans exist. Report SERVING only after this returns. `pace` is called after each
-        plan (`service/pace.py`: a swap's prepare yields to serving)."""
+        plan, outside the plans' lock (`service/pace.py`: a swap's prepare yields to
+        serving)."""
         keys = {
             (b, mode, self.location_key(mode, n))
             for b in batch_sizes or self.batch_buckets
             for mode in modes
             for n in locations or self.location_buckets
         }
-        with plans.lock:
-            # largest batches first: the kernels tune on their rows rounded up to a power of
-            # two (a shared key), so the busiest bucket's own shapes pick the configs
-            for b, mode, n_loc in sorted(keys, key=lambda k: (-k[0], k[1:])):
+        # largest batches first: the kernels tune on their rows rounded up to a power of
+        # two (a shared key), so the busiest bucket's own shapes pick the configs
+        for b, mode, n_loc in sorted(keys, key=lambda k: (-k[0], k[1:])):
+            with plans.lock:
                 plan = self._plan(plans, b, tuple(beams), mode, n_loc)
                 if plan.graph is None and self.device.type == "cuda":
                     plan.live.fill_(True)
                     self._decode(plans, plan)  # eager plans: autotune now, not in a request
-                if pace is not None:
-                    pace()
+            if pace is not None:
+                pace()
+        with plans.lock:
             return len(plans.plans)
 
     @torch.no_grad()

@@ -36,6 +36,7 @@ from torch import nn
 
 from contracts import sid_space as sid_spaces
 from contracts.index_format import file_sha256, fsync_path
+from contracts.tensors import to_device
 from index_builder.tokenizer import SIDTokenizer
 from service.model.config import ModelConfig
 
@@ -121,9 +122,6 @@ def save_checkpoint(
     return version
 
 
-COPY_CHUNK = 64 << 20  # bytes per copy of a tensor to a GPU (`_to_cuda`)
-
-
 def load_checkpoint(
     path: Path,
     device: torch.device | str = "cpu",
@@ -160,14 +158,11 @@ def load_checkpoint(
     _check_weights(expected, weights, path)
     # safetensors maps the file: on a CPU the parameters would stay views of that mapping
     # (read lazily, and a file overwritten in place would change or crash the model), so
-    # they get their own memory there; to a GPU they go in chunks (`_to_cuda`)
-    own = torch.device(device).type == "cpu"
-    if torch.device(device).type == "cuda":
-        staging = torch.empty(COPY_CHUNK, dtype=torch.uint8, pin_memory=True)
-        weights = {k: _to_cuda(v.to(expected[k].dtype), device, staging, pace)
-                   for k, v in weights.items()}  # fmt: skip
+    # they get their own memory there; to a GPU they go in paced chunks (`to_device`)
+    if torch.device(device).type == "cpu":
+        weights = {k: v.to(expected[k].dtype, copy=True) for k, v in weights.items()}
     else:
-        weights = {k: v.to(device=device, dtype=expected[k].dtype, copy=own)
+        weights = {k: to_device(v.to(expected[k].dtype), device, pace)
                    for k, v in weights.items()}  # fmt: skip
     model.load_state_dict(weights, strict=True, assign=True)
     phase("weights")  # read and, off the CPU, copied to the device
@@ -187,33 +182,6 @@ def load_checkpoint(
     model.to(device).eval()
     phase("buffers")
     return LoadedModel(model, config, tokenizer, str(meta["model_version"]), meta, seconds)
-
-
-def _to_cuda(
-    t: torch.Tensor,
-    device: torch.device | str,
-    staging: torch.Tensor,
-    pace: Callable[[], None] | None,
-) -> torch.Tensor:
-    """`t` copied to a CUDA device COPY_CHUNK bytes at a time through the pinned `staging`
-    buffer, `pace` called after each chunk. One pageable copy of a multi-gigabyte tensor
-    (the paper model's user table is 4.3 GB) holds the other threads' CUDA calls — the
-    serving stages' launches and copies — for most of a second; chunks from pinned memory
-    let them in between."""
-    src = t.contiguous().view(-1)
-    out = torch.empty(t.shape, dtype=t.dtype, device=device)
-    flat = out.view(-1)
-    per = COPY_CHUNK // t.element_size()
-    stream = torch.cuda.current_stream(device)
-    for a in range(0, src.numel(), per):
-        n = min(per, src.numel() - a)
-        stage = staging[: n * t.element_size()].view(t.dtype)
-        stage.copy_(src[a : a + n])
-        flat[a : a + n].copy_(stage, non_blocking=True)
-        stream.synchronize()  # the staging buffer is refilled next
-        if pace is not None:
-            pace()
-    return out
 
 
 def verify_checkpoint(

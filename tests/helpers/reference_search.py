@@ -3,7 +3,8 @@
 
 For t = 1..4 each live beam row's logits come from `SIDDecoder.forward_train` over the
 row's whole prefix (teacher forcing, no KV cache, no fused kernels); the CD+GTM mask is
-the torch reference `kernels.gtm_mask.lookup`; log-softmax; each request keeps its top
+the torch reference `kernels.gtm_mask.lookup`; log-softmax (over the allowed tokens, or
+with `scoring="unmasked"` over the whole row); each request keeps its top
 M_{t+1} (after the last step its top M_4 complete SIDs) by accumulated log-probability.
 Rows are request-major; a row with no allowed continuation, or one top-k could not fill,
 is dead: score −inf, parked on a leaf node (no children), never emitted.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from contracts.request import FilterMode, check_schedule
+from contracts.request import FilterMode, Scoring, check_schedule
 from contracts.tensors import GtmTables, RequestTensors
 from kernels.gtm_mask import NEG_INF, candidates, lookup
 from service.decode.plans import DecodeResult
@@ -36,6 +37,7 @@ class ReferenceBeamSearch:
         requests: RequestTensors | None,
         beams: tuple[int, ...],
         mode: FilterMode = FilterMode.CD_GTM,
+        scoring: Scoring = "masked",
     ) -> DecodeResult:
         c = self.decoder.config
         check_schedule(beams, c.sid_length, c.vocab_size)
@@ -51,7 +53,8 @@ class ReferenceBeamSearch:
             sid = torch.cat([prefix, pad], dim=1)  # position t's logits read tokens < t only
             logits = self.decoder.forward_train(ctx[request], sid)[:, t].float()  # [R, V]
             allowed, child = lookup(self.tables, node, request, requests, mode)
-            cand = candidates(score, logits.masked_fill(~allowed, NEG_INF), allowed)
+            cand = candidates(score, logits.masked_fill(~allowed, NEG_INF), allowed,
+                              scoring=scoring, logits=logits)  # fmt: skip
             keep = beams[t + 1] if t + 1 < c.sid_length else beams[-1]
             top, flat = cand.view(b, -1).topk(keep, dim=1)
             score = top.reshape(-1)

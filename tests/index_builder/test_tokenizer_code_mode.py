@@ -5,6 +5,7 @@ the values from before the option existed (docs/TOKENIZER.md "Last token: rank o
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -181,13 +182,21 @@ def test_code_mode_extends_rank_mode(code_tokenizer, creatives):
     assert error < ((ads - rank.reconstruct(rank_sids[:, : RANK.levels])) ** 2).sum(1).mean()
 
 
-def test_the_mode_enters_the_fingerprint():
-    """Same codebooks and shape: "code" with 3 levels vs "rank" with 4."""
+def test_the_mode_enters_the_fingerprint(monkeypatch):
+    """Same codebooks, levels and size: only the recorded mode tells the two apart."""
     codebooks = np.random.default_rng(0).standard_normal((4, 8, 3)).astype(np.float32)
     code = SIDTokenizer(TokenizerConfig(levels=3, codebook_size=8, last_token="code"), codebooks)
-    rank = SIDTokenizer(TokenizerConfig(levels=4, codebook_size=8), codebooks)
-    assert code.fingerprint != rank.fingerprint
-    assert "last_token='code'" in repr(code) and "last_token" not in repr(rank)
+    assert code.config.to_dict()["last_token"] == "code"
+    with_mode = code.fingerprint
+
+    # the same tokenizer with the mode left out of the hashed config: another fingerprint
+    def without_mode(c: TokenizerConfig) -> dict:
+        return {k: v for k, v in asdict(c).items() if k != "last_token"}
+
+    monkeypatch.setattr(TokenizerConfig, "to_dict", without_mode)
+    del code.__dict__["fingerprint"]  # a cached_property
+    assert code.fingerprint != with_mode
+    assert "last_token='code'" in repr(code)
 
 
 def test_save_load_round_trip_keeps_the_mode(code_tokenizer, creatives, tmp_path: Path):

@@ -106,8 +106,14 @@ def test_the_report_has_its_documented_schema(report) -> None:
             assert sum(b["counts"]["generated"] for b in r[table].values()) == c["generated"]
         assert set(r["fixed_generation"]) == {"16", "64"}
         for n, f in r["fixed_generation"].items():
-            assert 0 <= f["users"] <= 64 and 0 <= f["final_pass"] <= 1
-            assert f["eligible_ads_per_user"] <= int(n)
+            base = report["variants"][0]["fixed_generation"][n]
+            assert f["users"] == base["users"]  # the same users in every variant
+            assert 0 < f["users"] <= 64 and 0 <= f["final_pass"] <= 1
+            assert f["eligible_ads_per_user"] == pytest.approx(f["final_pass"] * int(n))
+            if i:
+                diff = f["eligible_ads_per_user"] - base["eligible_ads_per_user"]
+                assert f["vs_first"]["mean"] == pytest.approx(diff)
+                assert f["vs_first"]["lo"] <= f["vs_first"]["mean"] <= f["vs_first"]["hi"]
         for name in ("recall@10", "recall@32", "ndcg@10", "ndcg@32"):
             m = r["metrics"][name]
             assert m["lo"] <= m["mean"] <= m["hi"]

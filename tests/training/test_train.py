@@ -70,3 +70,19 @@ def test_interrupted_training_resumes_to_the_same_weights(
     b = load_checkpoint(tmp_path / "b").model.state_dict()
     for name in a:
         torch.testing.assert_close(a[name], b[name], msg=name)
+
+
+def test_a_last_token_other_than_the_given_tokenizers_is_refused(world: Path, tmp_path: Path):
+    from index_builder.catalog import read_catalog
+    from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
+
+    emb = read_catalog(world / "catalog.parquet", progress=False).embedding
+    SIDTokenizer.train(emb, TokenizerConfig(codebook_size=16, iterations=2), progress=False).save(
+        tmp_path / "rank-tok"
+    )
+    code = TrainSettings(epochs=0.01, last_token="code")
+    with pytest.raises(ValueError, match=r"last token 'code' asked, but the tokenizer .*'rank'"):
+        train(world, tmp_path / "ckpt", code, tokenizer_path=tmp_path / "rank-tok", progress=False)
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(ValueError, match="last_token must be one of"):
+        TrainSettings(last_token="nope")  # type: ignore[arg-type]

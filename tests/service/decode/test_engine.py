@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from contracts.index_format import IndexArrays
-from contracts.request import FilterMode, check_schedule
+from contracts.request import SCORINGS, FilterMode, Scoring, check_schedule
 from contracts.targeting import Targeting
 from service.decode.engine import DecodeEngine
 from service.decode.kv_cache import PagedKVCache
@@ -131,14 +131,16 @@ def test_cd_gtm_with_exact_filter_returns_exactly_the_eligible_ads(
     assert {a.sid for a in ads if eligible(a, req)} <= emitted
 
 
-def test_served_engine_equals_the_reference_with_narrow_beams() -> None:
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_served_engine_equals_the_reference_with_narrow_beams(scoring: Scoring) -> None:
     """Beams narrower than the catalog (the pruning a server runs): the same SIDs as the
-    reference, for a batch that runs padded in its bucket, with and without GTM."""
+    reference, for a batch that runs padded in its bucket, with and without GTM, in both
+    scorings (the beams kept at each step are chosen by the scoring)."""
     case = setup(make_ads(80, seed=5))
-    served = case.served()
+    served = case.served(scoring=scoring)
     ctx, reqs = ctx_for(3), requests([Targeting("US", 30), Targeting("CA"), Targeting("GB", 50)])
     for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
-        want = case.reference.run(ctx, reqs, (1, 3, 7, 5), mode)
+        want = case.reference.run(ctx, reqs, (1, 3, 7, 5), mode, scoring)
         assert_same(served.run(ctx, reqs, (1, 3, 7, 5), mode), want)
 
 

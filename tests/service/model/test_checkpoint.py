@@ -258,14 +258,13 @@ def test_a_paced_load_checks_and_paces_every_chunk_of_the_checksum(model, saved,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
 def test_tensors_reach_the_gpu_whole_in_chunks(dtype, monkeypatch):
-    import service.model.checkpoint as ckpt
+    import contracts.tensors as tensors
 
-    monkeypatch.setattr(ckpt, "COPY_CHUNK", 1 << 12)  # a chunk of 4 KiB: many per tensor
-    staging = torch.empty(ckpt.COPY_CHUNK, dtype=torch.uint8, pin_memory=True)
+    monkeypatch.setattr(tensors, "COPY_CHUNK", 1 << 12)  # a chunk of 4 KiB: many per tensor
     for shape in [(0,), (7,), (333, 17), (3, 4096, 2)]:
         paced: list[int] = []
         t = (torch.randn(shape) * 100).to(dtype)
-        out = ckpt._to_cuda(t, "cuda", staging, functools.partial(paced.append, 1))
+        out = tensors.to_device(t, "cuda", functools.partial(paced.append, 1))
         assert out.device.type == "cuda" and out.shape == t.shape and out.dtype == dtype
         assert torch.equal(out.cpu(), t)
-        assert len(paced) == -(-t.numel() * t.element_size() // ckpt.COPY_CHUNK)  # per chunk
+        assert len(paced) == -(-t.numel() * t.element_size() // tensors.COPY_CHUNK)  # per chunk
