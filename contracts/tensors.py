@@ -33,6 +33,8 @@ def to_device(
         return t.to(device)
     src = t.contiguous().view(-1)
     out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    if src.numel() == 0:
+        return out
     flat, size = out.view(-1), t.element_size()
     per = COPY_CHUNK // size
     staging = torch.empty(min(COPY_CHUNK, src.numel() * size), dtype=torch.uint8,
