@@ -127,6 +127,11 @@ def fill_chunk(
     if markets is not None:  # drawn last: the draws above stay those of a plain world
         v = draw_variants(p, markets, adv, a, rng)
         ads.geo_country[lo:hi], ads.geo_loc[lo:hi] = v.geo_country, v.geo_loc
+        if creatives is not None and creatives.geo_country is not None:  # per creative
+            assert creatives.geo_loc is not None
+            mine = creatives.creative[lo:hi]
+            ads.geo_country[lo:hi] = creatives.geo_country[mine]
+            ads.geo_loc[lo:hi] = creatives.geo_loc[mine]
         for name in ("age_lo", "age_hi", "gender"):
             mine = getattr(ads, name)[lo:hi]
             mine[v.demo] = getattr(v, name)[v.demo]

@@ -1,7 +1,7 @@
 """Creatives and campaigns: ads that share content but not targeting (docs/SYNTH.md).
 
 Part of the ads stage of the synth flow (… advertisers → **ads** → users …), switched on
-by four profile knobs whose neutral values leave a world exactly as it was without them:
+by five profile knobs whose neutral values leave a world exactly as it was without them:
 
 - `ads_per_creative` > 1: each advertiser's ads are spread uniformly over
   round(size / ads_per_creative) creatives; an ad's embedding is its creative's vector
@@ -13,6 +13,9 @@ by four profile knobs whose neutral values leave a world exactly as it was witho
   city of the home region (local).
 - `campaign_demo_share` > 0: that share of ads draws its own age band (`AGE_RULES`) and,
   half of the time, its own gender rule.
+- `campaign_geo_by_creative`: the markets are drawn per creative instead (`with_markets`,
+  its own stream), so the ads of one creative share one market — a SID's ads are in or
+  out of a user's market together, and only their demographics differ.
 
 So the ads behind one SID differ in targeting, and which of them a user may see cannot
 be read off the content. `build_creatives` runs once before the chunks (its own stream,
@@ -22,7 +25,7 @@ chunk's existing draws; `creative_summary` describes the result for `world.json`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,10 +37,14 @@ from index_builder.synth.profiles import AGE_RULES, GLOBAL, LOCAL, NATIONAL, REG
 
 @dataclass(frozen=True)
 class Creatives:
-    """Which creative each ad shows, and the creatives' shared content vectors."""
+    """Which creative each ad shows, the creatives' shared content vectors and (with
+    `campaign_geo_by_creative`) their campaign markets."""
 
     creative: np.ndarray  # int32 [N]: creative id of each ad position
     vector: np.ndarray  # float32 [n_creatives, d]: advertiser vector + ad_noise
+    advertiser: np.ndarray  # int64 [n_creatives]: whose creative it is
+    geo_country: np.ndarray | None = None  # int16 [n_creatives]: market country or -1
+    geo_loc: np.ndarray | None = None  # int32 [n_creatives]: market location or -1
 
 
 def build_creatives(
@@ -54,7 +61,16 @@ def build_creatives(
     cre_adv = np.repeat(np.arange(adv.n), n_cre)
     noise = rng.standard_normal((len(cre_adv), p.embedding_dim), dtype=np.float32)
     vector = adv.vector[cre_adv] + (p.ad_noise / np.sqrt(p.embedding_dim)) * noise
-    return Creatives(creative, vector.astype(np.float32))
+    return Creatives(creative, vector.astype(np.float32), cre_adv)
+
+
+def with_markets(
+    p: WorldProfile, creatives: Creatives, m: Markets, adv: Advertisers, rng: np.random.Generator
+) -> Creatives:
+    """`campaign_geo_by_creative`: each creative draws its campaign market once (as
+    `draw_variants` draws one per ad), and every ad of it carries that market."""
+    v = draw_variants(p, m, adv, creatives.advertiser.astype(np.int32), rng)
+    return replace(creatives, geo_country=v.geo_country, geo_loc=v.geo_loc)
 
 
 @dataclass(frozen=True)

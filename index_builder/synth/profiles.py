@@ -72,6 +72,9 @@ class WorldProfile:
     creative_noise: float = 0.0  # ad embedding = creative vector + this noise
     campaign_geo_share: float = 0.0  # ads targeting their own market, not the advertiser's
     campaign_demo_share: float = 0.0  # ads drawing their own age band / gender rule
+    # campaign markets drawn once per creative (its ads share one market, a SID's ads are
+    # eligible together or not at all) instead of per ad; needs creatives
+    campaign_geo_by_creative: bool = False
     # --- users
     age_bucket_weights: tuple[float, ...] = (0.06, 0.20, 0.28, 0.19, 0.13, 0.08, 0.06)
     unknown_age_share: float = 0.05

@@ -91,6 +91,9 @@ def generate_world(
         ads = allocate_ads(adv, emb, seed, stream(seed, "ads-layout"))
         creatives = campaigns.build_creatives(p, adv, ads.advertiser, stream(seed, "creatives"))
         markets = campaigns.build_markets(p, geo)
+        if creatives is not None and markets is not None and p.campaign_geo_by_creative:
+            creatives = campaigns.with_markets(p, creatives, markets, adv,
+                                               stream(seed, "creative-markets"))  # fmt: skip
         names = geo.names if jsonl else None
         job = AdJob(p, adv, ads, seed, len(geo.names), names, creatives, markets)
         index, enc, rule_counts, tkeys = _write_catalog(job, geo, tmp, progress, workers)
