@@ -39,6 +39,7 @@ TINY_STUDY = dataclasses.replace(
     PROFILES["tiny"], name="tiny-study", style_mix=STUDY.style_mix,
     ads_per_creative=STUDY.ads_per_creative, creative_noise=STUDY.creative_noise,
     campaign_geo_share=STUDY.campaign_geo_share, campaign_demo_share=STUDY.campaign_demo_share,
+    campaign_geo_by_creative=STUDY.campaign_geo_by_creative,
 )  # fmt: skip
 BEAMS = ("1", "16", "32", "32")
 
@@ -78,12 +79,12 @@ def test_gtm_raises_the_pass_rate_by_the_papers_margin(report) -> None:
                           "static_kway", "dynamic_kway"]  # fmt: skip
     for scoring in ("", "_unmasked"):
         cd, gtm = rows[f"cd_only{scoring}"], rows[f"cd_gtm{scoring}"]
-        # a quarter of the catalog is eligible for a typical user, and the untrained
-        # model cannot read targeting off the features: CD only passes about that share
-        assert 0.1 < cd["final_pass"] < 0.5
-        # a SID holds a creative's ~8 ads of different targetings, so GTM (at least one
-        # eligible ad per SID) cannot make every generated ad eligible: the paper's regime
-        assert gtm["final_pass"] >= 1.4 * cd["final_pass"]  # here ~1.55x; the paper 1.72x
+        # the untrained model cannot read targeting off the features: CD only passes
+        # about the catalog's eligible share, ~5 % in the study world (sparse by design)
+        assert 0.02 < cd["final_pass"] < 0.2
+        # GTM drops the SIDs outside the user's market (a creative's ads share one) but
+        # keeps their demographics mixed: far above CD only, far below 1 (here 0.34/0.07)
+        assert gtm["final_pass"] >= 1.7 * cd["final_pass"]  # the paper: 1.72x
         assert gtm["final_pass"] < 0.9
         assert gtm["eligible_ads_per_user"] > cd["eligible_ads_per_user"]
 
