@@ -17,6 +17,7 @@ from index_builder.last_token import (
     _rank_order,
 )
 from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
+from tests.helpers.collisions import reference_report
 
 SMALL = TokenizerConfig(levels=3, codebook_size=16, iterations=10, train_sample=5_000, seed=0)
 
@@ -28,18 +29,6 @@ def _blobs(n: int, clusters: int, dim: int = 8, spread: float = 0.05, seed: int 
     label = rng.integers(0, clusters, n)
     points = centres[label] + spread * rng.standard_normal((n, dim))
     return points.astype(np.float32), label
-
-
-def _report_from(sids: np.ndarray, k: int) -> CollisionReport:
-    """Reference report, counted with Counters over rows of `sids`."""
-    prefixes = Counter(map(tuple, sids[:, :-1].tolist()))
-    full = Counter(map(tuple, sids.tolist()))
-    return CollisionReport(
-        prefixes=len(prefixes),
-        overflow_prefixes=sum(c > k for c in prefixes.values()),
-        ads_sharing_sid=sum(c for c in full.values() if c > 1),
-        max_group=max(prefixes.values()),
-    )
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +48,7 @@ def test_sids_in_range_and_unique_without_overflow(tokenizer, random_data):
     assert sids.min() >= 0 and sids.max() < SMALL.codebook_size
     assert report.overflow_prefixes == 0
     assert len(np.unique(sids, axis=0)) == len(sids)
-    assert report == _report_from(sids, SMALL.codebook_size)
+    assert report == reference_report(sids, SMALL.codebook_size)
     assert report.ads_sharing_sid == 0
     np.testing.assert_array_equal(sids[:, :3], tokenizer.encode_prefix(random_data))
 
@@ -192,7 +181,7 @@ def test_reserved_sids_are_avoided_while_the_prefix_has_room():
     sids, report = tok.assign(data, reserved)  # full: the third ad shares reserved token 0
     assert sids[:3, 3].tolist() == [1, 3, 0]
     assert sids[3, 3] == 0  # the other prefix holds no reservation
-    assert report == _report_from(np.vstack([sids, reserved]), k)
+    assert report == reference_report(np.vstack([sids, reserved]), k)
     assert report.ads_sharing_sid == 2
 
 
@@ -208,7 +197,7 @@ def test_reserved_avoidance_at_scale(tokenizer, random_data):
     for row in sids.tolist():
         if groups[tuple(row[:3])] <= SMALL.codebook_size - 2:
             assert tuple(row) not in taken
-    assert report == _report_from(np.vstack([sids, reserved]), SMALL.codebook_size)
+    assert report == reference_report(np.vstack([sids, reserved]), SMALL.codebook_size)
 
 
 @pytest.mark.parametrize(

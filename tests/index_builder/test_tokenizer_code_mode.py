@@ -4,7 +4,6 @@ the values from before the option existed (docs/TOKENIZER.md "Last token: rank o
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from safetensors.numpy import save_file
 from index_builder.kmeans import rq_encode
 from index_builder.last_token import CollisionReport
 from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
+from tests.helpers.collisions import reference_report
 
 K = 16
 CODE = TokenizerConfig(levels=2, codebook_size=K, iterations=10, last_token="code")
@@ -66,20 +66,6 @@ def _creatives(groups: int = 64, dim: int = 8, noise: float = 1e-3, seed: int = 
     label = label[rng.permutation(len(label))]
     ads = centres[label] + noise * rng.standard_normal((len(label), dim))
     return ads.astype(np.float32), label
-
-
-def _reference_report(sids: np.ndarray, k: int) -> CollisionReport:
-    """The "code" report, counted with Counters over the rows of `sids`."""
-    prefixes = Counter(map(tuple, sids[:, :-1].tolist()))
-    full = Counter(map(tuple, sids.tolist()))
-    return CollisionReport(
-        prefixes=len(prefixes),
-        overflow_prefixes=sum(c > k for c in prefixes.values()),
-        ads_sharing_sid=sum(c for c in full.values() if c > 1),
-        max_group=max(prefixes.values()),
-        sids=len(full),
-        max_sid_group=max(full.values()),
-    )
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +144,7 @@ def test_near_duplicates_share_a_full_sid_and_creatives_stay_apart(code_tokenize
         sid_of[creative] = tuple(members[0])
     assert len(set(sid_of.values())) == len(sid_of)  # distinct creatives, distinct SIDs
     sizes = np.bincount(label)
-    assert report == _reference_report(sids, K)
+    assert report == reference_report(sids, K, code=True)
     assert report.sids == len(sid_of)
     assert report.max_sid_group == sizes.max()
     assert report.ads_sharing_sid == len(ads)  # every creative has >= 2 ads
@@ -221,7 +207,7 @@ def test_reserved_sids_change_nothing_but_the_report(code_tokenizer, creatives):
     reserved = np.vstack([sids[:3], [[K - 1, K - 1, K - 1]], [[K - 1, K - 1, K - 1]]])
     with_reserved, report = code_tokenizer.assign(ads, reserved)
     np.testing.assert_array_equal(with_reserved, sids)
-    assert report == _reference_report(np.vstack([sids, reserved]), K)
+    assert report == reference_report(np.vstack([sids, reserved]), K, code=True)
     with pytest.raises(ValueError, match=r"int \[M, 3\]"):
         code_tokenizer.assign(ads[:2], np.zeros((1, 4), np.int32))
 
@@ -252,4 +238,4 @@ def test_a_code_sid_depends_on_its_own_embedding_only(code_tokenizer, ads, data)
     np.testing.assert_array_equal(code_tokenizer.assign(ads[order])[0], sids[order])
     np.testing.assert_array_equal(code_tokenizer.assign(ads, workers=3)[0], sids)
     if len(ads):
-        assert report == _reference_report(sids, K)
+        assert report == reference_report(sids, K, code=True)

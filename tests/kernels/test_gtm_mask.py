@@ -430,6 +430,18 @@ def allowed_prefixes(index: IndexArrays, allowed: torch.Tensor, child: torch.Ten
     return {prefix[int(c)] for c in child[allowed].tolist()}
 
 
+def every_inner_node(ads: list[Ad], reqs: list[Targeting]):
+    """The index of `ads` and one beam row per (request, inner trie node): (index, tables,
+    requests, nodes, request of each row)."""
+    index = build(ads)
+    tables = GtmTables.from_arrays(index.trie, device=DEV)
+    requests = RequestTensors.from_encoded(encode_requests(reqs), device=DEV)
+    inner = torch.arange(int(index.trie.level_offsets[SID_LENGTH]), device=DEV)
+    nodes = inner.repeat(len(reqs))
+    request = torch.arange(len(reqs), device=DEV).repeat_interleave(len(inner))
+    return index, tables, requests, nodes, request
+
+
 @needs_triton
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
@@ -442,12 +454,7 @@ def test_kernel_never_drops_an_eligible_prefix(
 ) -> None:
     """From every inner node, for a batch of requests at once: the kernel's allowed set
     contains every prefix holding an eligible ad, and is exactly the reference's."""
-    index = build(ads)
-    tables = GtmTables.from_arrays(index.trie, device=DEV)
-    requests = RequestTensors.from_encoded(encode_requests(reqs), device=DEV)
-    inner = torch.arange(int(index.trie.level_offsets[SID_LENGTH]), device=DEV)
-    nodes = inner.repeat(len(reqs))
-    request = torch.arange(len(reqs), device=DEV).repeat_interleave(len(inner))
+    index, tables, requests, nodes, request = every_inner_node(ads, reqs)
     logits = torch.zeros(len(nodes), VOCAB_SIZE, device=DEV)
     mode, bloom = VARIANTS[variant]
     want = masked_logits_reference(logits, tables, nodes, request, requests, mode, bloom=bloom)
@@ -474,12 +481,7 @@ def test_unmasked_scores_do_not_depend_on_the_mask(
     allowed by CD_ONLY and CD_GTM (with or without the Bloom test) has one candidate
     score, the kernel's and the reference's alike, and it is score + the row's full
     log-softmax."""
-    index = build(ads)
-    tables = GtmTables.from_arrays(index.trie, device=DEV)
-    requests = RequestTensors.from_encoded(encode_requests(reqs), device=DEV)
-    inner = torch.arange(int(index.trie.level_offsets[SID_LENGTH]), device=DEV)
-    nodes = inner.repeat(len(reqs))
-    request = torch.arange(len(reqs), device=DEV).repeat_interleave(len(inner))
+    _, tables, requests, nodes, request = every_inner_node(ads, reqs)
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(len(nodes), VOCAB_SIZE, generator=g) * 3).to(DEV)
     score = (-torch.rand(len(nodes), generator=g) * 10).to(DEV)
