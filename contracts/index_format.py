@@ -27,13 +27,10 @@ Arrays (shapes with N ads, E child entries, V location strings, P partitions):
 Readers accept every format version up to `FORMAT_VERSION` they know how to read and
 refuse newer ones with a clear message.
 
-At ~360 lines this is longer than the house's modules: it is the one place where the
-on-disk format lives (array specs, manifest keys and their checks, writer and reader), so
-that builder, server and validator cannot drift apart; reading one `.npy` into private
-memory is `npy_private.py`'s.
-
-The whole on-disk format (writer, reader, manifest keys) stays in this one module: it is
-the format's one home.
+At ~390 lines this is longer than the house's modules: it is the one place where the
+on-disk format lives (array specs, manifest keys and their checks, writer and reader, the
+files' checksums), so that builder, server and validator cannot drift apart; reading one
+`.npy` into private memory is `npy_private.py`'s.
 """
 
 from __future__ import annotations

@@ -21,15 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
-import functools
 import logging
 import os
 import signal
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import torch
@@ -47,19 +44,16 @@ from service.grpc_server import (
     server_options,
     set_health,
 )
-from service.index.loaded import LoadedIndex
 from service.logs import AccessLog
 from service.metrics import Metrics
 from service.mps import mps_client
-from service.pace import Pace
 from service.pipeline.records import Batch, group_key
 from service.pipeline.runner import Pipeline
-from service.pipeline.runtime import ModelRuntime, Serving, ServingHolder
+from service.pipeline.runtime import ServingHolder
 from service.pipeline.stages import Stages
 from service.request_log import RequestLog
-from service.rollout.host_lock import host_lock, swap_lock_path
+from service.rollout.assembly import build_rollout
 from service.rollout.rollout import Rollout
-from service.rollout.sources import index_follower, model_follower
 from service.server import RetrievalServicer
 from service.settings import ServerSettings
 from service.tracing import Tracing
@@ -128,7 +122,7 @@ async def start(
     await set_health(health_servicer, serving=False)
     serving = ServingHolder()
     stages = Stages(device, settings.max_batch, settings.graph_buckets, scoring=settings.scoring)
-    rollout = _rollout(settings, stages, serving, metrics, device)
+    rollout = build_rollout(settings, stages, serving, metrics, device)
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, rollout.check_once)
     if not serving.ready:
@@ -242,62 +236,6 @@ def _bind(server: grpc.aio.Server, address: str) -> int:
             f"cannot listen on {address}: the port is taken (another grace serve?) or the "
             "address is not this host's (--port)"
         ) from exc
-
-
-def _rollout(
-    settings: ServerSettings, stages: Stages, serving: ServingHolder, metrics: Metrics, device: str
-) -> Rollout:
-    """The model repository and index root followed, with the metrics they move."""
-
-    def served(kind: str) -> Callable[[], str | None]:
-        return lambda: getattr(serving.current, kind).version if serving.ready else None
-
-    def swapped(new: Serving, old: Serving | None) -> None:  # the first load is no swap
-        if old is None or new.model is not old.model:
-            if old is not None:
-                metrics.model_swaps.inc()
-            m = new.model
-            metrics.set_model(m.version, m.model_version, m.sid_space, m.loaded_at)
-        if old is None or new.index is not old.index:
-            if old is not None:
-                metrics.swaps.inc()
-            metrics.set_index(new.index.version, new.index.manifest.get("created"),
-                              new.index.loaded_at)  # fmt: skip
-
-    failures = {"model": metrics.model_swap_failures, "index": metrics.swap_failures}
-    backoff = max(settings.index_poll_seconds, 1.0)
-    # the servers of one host following these roots (the workers of `--workers N`, each a
-    # server of its own with workers = 1) swap one after the other
-    lock = swap_lock_path(Path(settings.model_dir), Path(settings.index_root))
-    one_at_a_time = functools.partial(host_lock, lock)
-    dtype = getattr(torch, settings.resolve_dtype(device))
-    # a swap yields to the requests it serves beside; start-up (nothing served) is not paced
-    pace = Pace(settings.rollout_share, active=lambda: serving.ready, device=device)
-
-    def prepare(model: ModelRuntime, index: LoadedIndex) -> None:
-        pace.begin()
-        slept = pace.slept
-        model.prepare(index, tuple(settings.beams), pace)
-        if pace.slept > slept:
-            log.info("model %s, index %s: the prepare rested %.1f s beside serving "
-                     "(rollout_share %.2f)", model.version, index.version, pace.slept - slept,
-                     settings.rollout_share)  # fmt: skip
-
-    return Rollout(
-        model_follower(Path(settings.model_dir), stages, dtype, served=served("model"),
-                       on_failure=lambda v, e: failures["model"].labels("invalid").inc(),
-                       backoff_seconds=backoff, pace=pace),
-        index_follower(Path(settings.index_root), device, served=served("index"),
-                       on_failure=lambda v, e: failures["index"].labels("invalid").inc(),
-                       backoff_seconds=backoff),
-        serving,
-        device=device,
-        poll_seconds=settings.index_poll_seconds,
-        prepare=prepare,
-        on_swap=swapped,
-        on_incompatible=lambda kind, version: failures[kind].labels("incompatible").inc(),
-        one_at_a_time=one_at_a_time,
-    )  # fmt: skip
 
 
 async def _warm_up(batcher: Batcher, settings: ServerSettings) -> None:

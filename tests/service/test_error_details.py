@@ -29,6 +29,14 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_serving_data(tmp_path_factory.mktemp("errors"))
 
 
+async def refusal(port: int, req: retrieval_pb2.RetrieveRequest) -> grpc.aio.AioRpcError:
+    """The error a Retrieve of `req` on `port` fails with (it must fail)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await retrieval_pb2_grpc.AdRetrievalStub(ch).Retrieve(req)
+    return err.value
+
+
 def rich_status(err: grpc.aio.AioRpcError) -> status_pb2.Status:
     [raw] = [v for k, v in err.trailing_metadata() or () if k == "grpc-status-details-bin"]
     status = status_pb2.Status.FromString(raw)
@@ -59,12 +67,10 @@ def test_bad_request_names_every_bad_field_and_the_message_the_first(data: Path)
         del req.options.beam_widths[:]
         req.options.beam_widths.extend([2, 8, 8, 8])
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await retrieval_pb2_grpc.AdRetrievalStub(ch).Retrieve(req)
+            err = await refusal(app.port, req)
         finally:
             await app.drain()
-        return err.value
+        return err
 
     err = asyncio.run(main())
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -131,9 +137,7 @@ def test_unavailable_while_draining_or_loading_carries_retry_info(data: Path) ->
         req = request_for_user(data / "world", 0, 10, retrieval_pb2.CD_GTM)
         app.servicer.draining = True  # what App.drain sets before the port closes
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
-                with pytest.raises(grpc.aio.AioRpcError) as draining:
-                    await retrieval_pb2_grpc.AdRetrievalStub(ch).Retrieve(req)
+            draining = await refusal(app.port, req)
         finally:
             await app.drain()
         # a server whose first model and index are still loading
@@ -145,12 +149,10 @@ def test_unavailable_while_draining_or_loading_carries_retry_info(data: Path) ->
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                with pytest.raises(grpc.aio.AioRpcError) as not_loaded:
-                    await retrieval_pb2_grpc.AdRetrievalStub(ch).Retrieve(req)
+            not_loaded = await refusal(port, req)
         finally:
             await server.stop(0)
-        return draining.value, not_loaded.value
+        return draining, not_loaded
 
     draining, not_loaded = asyncio.run(main())
     assert draining.code() == not_loaded.code() == grpc.StatusCode.UNAVAILABLE

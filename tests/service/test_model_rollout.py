@@ -278,7 +278,7 @@ def test_a_worker_swaps_models_under_the_host_lock(
     """The workers of `grace serve --workers N` (each a server with workers = 1) sharing a
     GPU swap one after the other: every server loads a newcomer holding the host-wide
     lock of its roots, so a worker's swap is not another's slowdown."""
-    from service import app as app_module
+    from service.rollout import assembly
     from service.rollout.host_lock import host_lock, swap_lock_path
 
     repo = tmp_path / "models"
@@ -296,7 +296,7 @@ def test_a_worker_swaps_models_under_the_host_lock(
             finally:
                 held.pop()
 
-    real_load = app_module.model_follower
+    real_load = assembly.model_follower
 
     def follower(*args, **kwargs):
         f = real_load(*args, **kwargs)
@@ -304,8 +304,8 @@ def test_a_worker_swaps_models_under_the_host_lock(
         f._load = lambda p, v: (loads_under_lock.append(bool(held)), load(p, v))[1]
         return f
 
-    monkeypatch.setattr(app_module, "host_lock", recording_lock)
-    monkeypatch.setattr(app_module, "model_follower", follower)
+    monkeypatch.setattr(assembly, "host_lock", recording_lock)
+    monkeypatch.setattr(assembly, "model_follower", follower)
     settings = serving_settings(data, model_dir=repo)  # workers = 1, as each worker's are
 
     async def run() -> None:

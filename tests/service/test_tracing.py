@@ -231,7 +231,7 @@ def test_a_tracing_setting_that_cannot_work_fails_before_anything_loads(
         raise AssertionError("the rollout was made: loading began before tracing was checked")
 
     monkeypatch.setattr(tracing_module, "exporter_for", missing)
-    monkeypatch.setattr(service.app, "_rollout", never)
+    monkeypatch.setattr(service.app, "build_rollout", never)
     with pytest.raises(StartupError, match="needs the OTLP exporter"):
         asyncio.run(start(serving_settings(data, tracing="otlp")))
 

@@ -1,0 +1,83 @@
+"""The rollout of one serving process, wired from its settings (`service/app.py` calls
+`build_rollout` at start-up): the followers of the model repository and the index root
+(`sources.py`), the metrics each swap moves, the host-wide swap lock (`host_lock.py`) and
+the pace of a swap beside serving (`service/pace.py`, `rollout_share`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from service.index.loaded import LoadedIndex
+from service.metrics import Metrics
+from service.pace import Pace
+from service.pipeline.runtime import ModelRuntime, Serving, ServingHolder
+from service.pipeline.stages import Stages
+from service.rollout.host_lock import host_lock, swap_lock_path
+from service.rollout.rollout import Rollout
+from service.rollout.sources import index_follower, model_follower
+from service.settings import ServerSettings
+
+log = logging.getLogger("grace.rollout")
+
+
+def build_rollout(
+    settings: ServerSettings, stages: Stages, serving: ServingHolder, metrics: Metrics, device: str
+) -> Rollout:
+    """The server's rollout: its model repository and index root followed, the metrics
+    they move, the host's swap lock and the pace of a swap beside serving."""
+
+    def served(kind: str) -> Callable[[], str | None]:
+        return lambda: getattr(serving.current, kind).version if serving.ready else None
+
+    def swapped(new: Serving, old: Serving | None) -> None:  # the first load is no swap
+        if old is None or new.model is not old.model:
+            if old is not None:
+                metrics.model_swaps.inc()
+            m = new.model
+            metrics.set_model(m.version, m.model_version, m.sid_space, m.loaded_at)
+        if old is None or new.index is not old.index:
+            if old is not None:
+                metrics.swaps.inc()
+            metrics.set_index(new.index.version, new.index.manifest.get("created"),
+                              new.index.loaded_at)  # fmt: skip
+
+    failures = {"model": metrics.model_swap_failures, "index": metrics.swap_failures}
+    backoff = max(settings.index_poll_seconds, 1.0)
+    # the servers of one host following these roots (the workers of `--workers N`, each a
+    # server of its own with workers = 1) swap one after the other
+    lock = swap_lock_path(Path(settings.model_dir), Path(settings.index_root))
+    one_at_a_time = functools.partial(host_lock, lock)
+    dtype = getattr(torch, settings.resolve_dtype(device))
+    # a swap yields to the requests it serves beside; start-up (nothing served) is not paced
+    pace = Pace(settings.rollout_share, active=lambda: serving.ready, device=device)
+
+    def prepare(model: ModelRuntime, index: LoadedIndex) -> None:
+        pace.begin()
+        slept = pace.slept
+        model.prepare(index, tuple(settings.beams), pace)
+        if pace.slept > slept:
+            log.info("model %s, index %s: the prepare rested %.1f s beside serving "
+                     "(rollout_share %.2f)", model.version, index.version, pace.slept - slept,
+                     settings.rollout_share)  # fmt: skip
+
+    return Rollout(
+        model_follower(Path(settings.model_dir), stages, dtype, served=served("model"),
+                       on_failure=lambda v, e: failures["model"].labels("invalid").inc(),
+                       backoff_seconds=backoff, pace=pace),
+        index_follower(Path(settings.index_root), device, served=served("index"),
+                       on_failure=lambda v, e: failures["index"].labels("invalid").inc(),
+                       backoff_seconds=backoff),
+        serving,
+        device=device,
+        poll_seconds=settings.index_poll_seconds,
+        prepare=prepare,
+        on_swap=swapped,
+        on_incompatible=lambda kind, version: failures[kind].labels("incompatible").inc(),
+        one_at_a_time=one_at_a_time,
+    )  # fmt: skip
