@@ -16,6 +16,7 @@ from cli.common import (
 )
 from contracts.request import SCORINGS
 from contracts.sid_space import LAST_TOKENS
+from training.steps import PRECISIONS
 
 EVAL_FORMAT_VERSION = 2  # of `grace eval --out` (docs/EVALUATION.md, "The report")
 
@@ -34,6 +35,7 @@ def _train(args: argparse.Namespace) -> int:
         eval_users=args.eval_users,
         device=args.device,
         last_token=args.last_token,
+        precision=args.precision,
     )
     files = (args.catalog, args.interactions, args.users)
     if (args.world is None) == (files == (None, None, None)) or (
@@ -210,7 +212,11 @@ def register(add: AddCommand) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-users", type=int, default=400, help="held-out users to evaluate")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="auto (default): bf16 mixed precision on CUDA — matmuls in bf16, "
+                   "weights, optimizer and loss in fp32 — and fp32 on a CPU")  # fmt: skip
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar; log a line each tenth of the run instead")  # fmt: skip
 
     p = add(
         "init-model",

@@ -14,6 +14,7 @@ order is a function of (seed, epoch), so a resumed run sees the same batches.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import shutil
@@ -37,8 +38,9 @@ from service.index.loaded import LoadedIndex
 from service.model.checkpoint import save_checkpoint
 from service.model.config import ModelConfig, profile
 from service.model.retriever import GenerativeRetriever
-from training.data import Examples, Histories, evaluable_users
+from training.data import Batch, Examples, Histories, evaluable_users
 from training.evaluate import recall_at_k
+from training.steps import Precision, ProgressLog, autocast, prefetch, resolved_precision
 from training.user_data import read_user_data
 
 log = logging.getLogger("grace.train")
@@ -60,12 +62,14 @@ class TrainSettings:
     # of the tokenizer trained here (None: "rank"); a given or kept tokenizer of another
     # mode is an error (docs/TOKENIZER.md)
     last_token: LastToken | None = None
+    precision: Precision = "auto"  # training/steps.py: bf16 mixed precision on CUDA
 
     def __post_init__(self) -> None:
         if self.epochs <= 0 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError("epochs, batch_size and lr must be positive")
         if self.last_token is not None and self.last_token not in LAST_TOKENS:
             raise ValueError(f"last_token must be one of {LAST_TOKENS}, got {self.last_token!r}")
+        resolved_precision(self.device, self.precision)  # raises on an unknown one
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,10 @@ def prepare(
     world = load_world(data.world) if data.world is not None else None
     catalog_path = world.catalog_parquet if world is not None else data.catalog
     assert catalog_path is not None  # TrainingData checked it
+    t = time.perf_counter()
     catalog = read_catalog(catalog_path, progress=progress)
+    log.info("catalog %s: %d ads read in %.1f s", catalog_path, len(catalog.ad_id),
+             time.perf_counter() - t)  # fmt: skip
     histories: Histories
     if world is not None:
         histories = world
@@ -128,7 +135,10 @@ def prepare(
         )
     else:
         config = TokenizerConfig(last_token=last_token or "rank")
+        t = time.perf_counter()
         tokenizer = SIDTokenizer.train(catalog.embedding, config, progress=progress)
+        log.info("SID tokenizer (%s) trained in %.1f s", config.last_token,
+                 time.perf_counter() - t)  # fmt: skip
     if last_token is not None and tokenizer.config.last_token != last_token:
         where = tokenizer_path or saved
         raise ValueError(f"last token {last_token!r} asked, but the tokenizer {where} makes "
@@ -149,11 +159,12 @@ def validation_loss(
     users = examples.validation_users
     for i in range(0, len(users), s.batch_size):
         batch = examples.validation(users[i : i + s.batch_size])
-        logits = model.forward_train(batch.features.to(s.device), batch.target_sid.to(s.device))
-        target = batch.target_sid.reshape(-1).to(logits.device)
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, config.vocab_size), target, reduction="sum"
-        )
+        with autocast(s.device, s.precision):
+            logits = model.forward_train(batch.features.to(s.device), batch.target_sid.to(s.device))
+            target = batch.target_sid.reshape(-1).to(logits.device)
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, config.vocab_size).float(), target, reduction="sum"
+            )
         total, n = total + float(loss), n + target.numel()
     model.train()
     return total / n
@@ -190,7 +201,9 @@ def train(
     index = LoadedIndex.from_arrays(arrays, settings.device)
     examples = Examples(world, index.lookup, config)
     model = GenerativeRetriever(config).to(settings.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    on_cuda = torch.device(settings.device).type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr,
+                            weight_decay=settings.weight_decay, fused=on_cuda)  # fmt: skip
     per_epoch = len(examples) // settings.batch_size
     if per_epoch == 0:
         raise ValueError(f"{len(examples)} training pairs: fewer than one batch")
@@ -224,46 +237,63 @@ def train(
         )
         tmp.replace(state_file)
 
+    log.info("training on %s (%s): %d pairs, %d steps of %d (%.3g epochs)", settings.device,
+             resolved_precision(settings.device, settings.precision), len(examples), total,
+             settings.batch_size, settings.epochs)  # fmt: skip
+
+    def learn(batch: Batch) -> torch.Tensor:
+        """One AdamW step on a batch; its loss, still on the device."""
+        with autocast(settings.device, settings.precision):
+            logits = model.forward_train(
+                batch.features.to(settings.device), batch.target_sid.to(settings.device)
+            )
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, config.vocab_size).float(),
+                batch.target_sid.reshape(-1).to(logits.device),
+            )
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, total, settings)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.detach()
+
     t0 = time.perf_counter()
     model.train()
     losses: list[float] = []
-    with tqdm(total=total, initial=step, desc="train", disable=not progress) as bar:
-        while step < total:
-            epoch, offset = divmod(step, per_epoch)
-            rng = np.random.default_rng([settings.seed, epoch])
-            for pairs in list(examples.epoch(settings.batch_size, rng))[offset:]:
-                batch = examples.batch(pairs)
-                logits = model.forward_train(
-                    batch.features.to(settings.device), batch.target_sid.to(settings.device)
-                )
-                loss = torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, config.vocab_size),
-                    batch.target_sid.reshape(-1).to(logits.device),
-                )
-                for g in opt.param_groups:
-                    g["lr"] = _lr(step, total, settings)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
+    pending: list[torch.Tensor] = []  # read back every 50 steps: no device sync per step
+    report = ProgressLog(log, step, total, enabled=not progress)
+    bar = tqdm(total=total, initial=step, desc="train", disable=not progress)
+    while step < total:
+        epoch, offset = divmod(step, per_epoch)
+        rng = np.random.default_rng([settings.seed, epoch])
+        order = list(examples.epoch(settings.batch_size, rng))[offset:]
+        with contextlib.closing(prefetch(order, examples.batch)) as batches:
+            for batch in batches:
+                pending.append(learn(batch))
                 step += 1
-                losses.append(loss.item())
                 bar.update(1)
-                if (step % per_epoch == 0 or step >= total) and len(examples.validation_users):
+                epoch_end = step % per_epoch == 0 or step >= total
+                if len(pending) == 50 or epoch_end or step % settings.checkpoint_every == 0:
+                    losses.extend(torch.stack(pending).float().tolist())
+                    pending.clear()
+                    bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}", epoch=epoch)
+                if epoch_end and len(examples.validation_users):
                     validation.append(validation_loss(model, examples, config, settings))
+                    bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}", epoch=epoch,
+                                    val=f"{validation[-1]:.3f}")  # fmt: skip
                     if best is None or validation[-1] < best["loss"]:
-                        weights = {
-                            k: v.detach().cpu().clone() for k, v in model.state_dict().items()
-                        }
+                        live = model.state_dict().items()
+                        weights = {k: v.detach().cpu().clone() for k, v in live}
                         best = {"loss": validation[-1], "epoch": len(validation), "model": weights}
-                post = {"loss": f"{np.mean(losses[-50:]):.3f}", "epoch": epoch}
-                if validation:
-                    post["val"] = f"{validation[-1]:.3f}"
-                bar.set_postfix(post)
+                report(step, float(np.mean(losses[-50:])) if losses else None,
+                       validation[-1] if validation else None)  # fmt: skip
                 if step % settings.checkpoint_every == 0:
                     save_state()
                 if step >= total:
                     break
+    bar.close()
     train_s = time.perf_counter() - t0
     if best is not None:  # the checkpoint keeps the epoch with the lowest validation loss
         model.load_state_dict(best["model"])
