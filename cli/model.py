@@ -212,9 +212,10 @@ def register(add: AddCommand) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-users", type=int, default=400, help="held-out users to evaluate")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="auto (default): bf16 mixed precision on CUDA — matmuls in bf16, "
-                   "weights, optimizer and loss in fp32 — and fp32 on a CPU")  # fmt: skip
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="fp32 (default), or bf16 autocast: matmuls in bf16, weights, "
+                   "optimizer and loss in fp32 (slower at the demo profile on an H200: "
+                   "docs/PERFORMANCE.md)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar; log a line each tenth of the run instead")  # fmt: skip
 

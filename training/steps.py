@@ -4,11 +4,13 @@ reports when no bar is shown.
 
     Examples.batch on a background thread (`prefetch`, `depth` batches ahead)
         ─► forward and loss under `autocast(device, precision)` ─► backward, AdamW
+           (fused on CUDA), the loss left on the device (read back every 50 steps)
         ─► `ProgressLog` lines (step, loss, steps/s, ETA) each tenth of the run
 
 A batch's features are built in Python and numpy (~5 ms for 256 pairs of the demo
 profile); on a GPU that is time the device would otherwise idle, so it is built while
-the previous step runs.
+the previous step runs. fp32 is the default: on the H200 at the demo profile bf16
+autocast ran 0.6x as many steps per second (docs/PERFORMANCE.md, "Training").
 """
 
 from __future__ import annotations
@@ -21,30 +23,25 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal, TypeVar
 
-PRECISIONS = ("auto", "fp32", "bf16")
-Precision = Literal["auto", "fp32", "bf16"]
+PRECISIONS = ("fp32", "bf16")
+Precision = Literal["fp32", "bf16"]
 X = TypeVar("X")
 Y = TypeVar("Y")
 
 
-def resolved_precision(device: str, precision: Precision) -> Literal["fp32", "bf16"]:
-    """The precision a run computes in; "auto": bf16 mixed precision on CUDA (matmuls in
-    bf16; weights, optimizer and loss in fp32), fp32 elsewhere (a CPU runs bf16 matmuls
-    no faster)."""
-    import torch  # here, so that `grace --help` (cli/model.py) loads no torch
-
+def check_precision(precision: str) -> None:
+    """Raise on a precision not in PRECISIONS."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "auto":
-        return "bf16" if torch.device(device).type == "cuda" else "fp32"
-    return precision
 
 
 def autocast(device: str, precision: Precision) -> contextlib.AbstractContextManager[None]:
-    """The context a forward pass and its loss run in."""
-    import torch
+    """The context a forward pass and its loss run in: none for fp32; for bf16, autocast
+    (matmuls in bf16; weights, optimizer state and the loss stay fp32)."""
+    import torch  # here, so that `grace --help` (cli/model.py) loads no torch
 
-    if resolved_precision(device, precision) == "fp32":
+    check_precision(precision)
+    if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
@@ -92,22 +89,19 @@ def prefetch(items: Iterable[X], make: Callable[[X], Y], depth: int = 2) -> Iter
 
 
 class ProgressLog:
-    """One log line per tenth of the run (step, mean loss, steps/s, ETA), for runs
-    without a progress bar (`--no-progress`, a pod's log)."""
+    """Ten log lines over a run (step, mean loss, validation loss, steps/s, ETA), at the
+    first step past each tenth of it, for runs without a progress bar (`--no-progress`,
+    a pod's log). A run resumed at `first` logs the tenths it has still to pass."""
 
     def __init__(self, log: logging.Logger, first: int, total: int, enabled: bool) -> None:
         self.log, self.first, self.total, self.enabled = log, first, total, enabled
         self.t0 = time.perf_counter()
-        self.next = self._after(first)
-
-    def _after(self, step: int) -> int:
-        tenth = max(1, self.total // 10)
-        return (step // tenth + 1) * tenth
+        self.tenths = 10 * first // total if total else 10  # tenths already passed
 
     def __call__(self, step: int, loss: float | None, validation: float | None) -> None:
-        if not self.enabled or (step < self.next and step < self.total):
+        if not self.enabled or 10 * step < (self.tenths + 1) * self.total:
             return
-        self.next = self._after(step)
+        self.tenths = 10 * step // self.total
         elapsed = time.perf_counter() - self.t0
         rate = (step - self.first) / elapsed if elapsed > 0 else 0.0
         eta = (self.total - step) / rate if rate > 0 else float("nan")

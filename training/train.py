@@ -40,7 +40,7 @@ from service.model.config import ModelConfig, profile
 from service.model.retriever import GenerativeRetriever
 from training.data import Batch, Examples, Histories, evaluable_users
 from training.evaluate import recall_at_k
-from training.steps import Precision, ProgressLog, autocast, prefetch, resolved_precision
+from training.steps import Precision, ProgressLog, autocast, check_precision, prefetch
 from training.user_data import read_user_data
 
 log = logging.getLogger("grace.train")
@@ -62,14 +62,14 @@ class TrainSettings:
     # of the tokenizer trained here (None: "rank"); a given or kept tokenizer of another
     # mode is an error (docs/TOKENIZER.md)
     last_token: LastToken | None = None
-    precision: Precision = "auto"  # training/steps.py: bf16 mixed precision on CUDA
+    precision: Precision = "fp32"  # or "bf16" autocast (training/steps.py)
 
     def __post_init__(self) -> None:
         if self.epochs <= 0 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError("epochs, batch_size and lr must be positive")
         if self.last_token is not None and self.last_token not in LAST_TOKENS:
             raise ValueError(f"last_token must be one of {LAST_TOKENS}, got {self.last_token!r}")
-        resolved_precision(self.device, self.precision)  # raises on an unknown one
+        check_precision(self.precision)
 
 
 @dataclass(frozen=True)
@@ -238,7 +238,7 @@ def train(
         tmp.replace(state_file)
 
     log.info("training on %s (%s): %d pairs, %d steps of %d (%.3g epochs)", settings.device,
-             resolved_precision(settings.device, settings.precision), len(examples), total,
+             settings.precision, len(examples), total,
              settings.batch_size, settings.epochs)  # fmt: skip
 
     def learn(batch: Batch) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +30,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_training_learns_and_writes_a_loadable_checkpoint(world: Path, tmp_path: Path) -> None:
-    metrics = train(world, tmp_path / "ckpt", SETTINGS, progress=False)
+def test_training_learns_and_writes_a_loadable_checkpoint(
+    world: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="grace.train"):
+        metrics = train(world, tmp_path / "ckpt", SETTINGS, progress=False)
+    messages = [r.getMessage() for r in caplog.records if r.name == "grace.train"]
+    progress = [m for m in messages if m.startswith("train: step")]
+    assert len(progress) == 10  # no bar: a line each tenth, the last at the end
+    assert progress[-1].startswith(f"train: step {metrics['steps']}/{metrics['steps']} (100 %)")
+    assert any(m.startswith("SID tokenizer (rank) trained in") for m in messages)
+    assert any(f"{metrics['training_pairs']} pairs, {metrics['steps']} steps" in m
+               for m in messages)  # fmt: skip
     assert metrics["final_loss"] < 0.75 * math.log(512)  # far below a uniform guess
     assert 0.0 <= metrics["recall@10"] <= metrics["recall@50"] <= 1.0
     assert metrics["mean_ads_returned"] > 0
@@ -86,3 +98,10 @@ def test_a_last_token_other_than_the_given_tokenizers_is_refused(world: Path, tm
     assert not (tmp_path / "ckpt").exists()
     with pytest.raises(ValueError, match="last_token must be one of"):
         TrainSettings(last_token="nope")  # type: ignore[arg-type]
+
+
+def test_bf16_autocast_training_learns_and_keeps_fp32_weights(world: Path, tmp_path: Path):
+    metrics = train(world, tmp_path / "ckpt", replace(SETTINGS, precision="bf16"), progress=False)
+    assert metrics["final_loss"] < 0.75 * math.log(512)
+    weights = load_checkpoint(tmp_path / "ckpt").model.state_dict()
+    assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.float32}
