@@ -8,7 +8,9 @@
 # Knobs (env): ADS (1,000,000), USERS (50,000), EVAL_USERS (5,000), PROFILE (demo model),
 # BEAMS ("1 512 1024 1024", the paper's), WORK (/tmp/grace-study: the world, model and
 # index, kept between runs), PYTHON. Writes OUT_DIR/train.json, OUT_DIR/eval_study.json
-# and OUT_DIR/plots/*.png. A CPU smoke run: ADS=20000 USERS=2000 EVAL_USERS=200
+# and OUT_DIR/plots/*.png; each step starts with a "study: grace STEP at TIME" line on stderr,
+# a finished step is skipped on a rerun and `grace train` resumes its last state, so the
+# run may span several device calls (docs/EVALUATION.md). A CPU smoke run: ADS=20000 USERS=2000 EVAL_USERS=200
 # PROFILE=tiny BEAMS="1 16 64 64" bench/study.sh /tmp/study-smoke cpu 0.5
 set -euo pipefail
 out=${1:?output directory}; device=${2:-cpu}; epochs=${3:-1}
@@ -17,7 +19,7 @@ work=${WORK:-/tmp/grace-study}
 ads=${ADS:-1000000}; users=${USERS:-50000}; eval_users=${EVAL_USERS:-5000}
 profile=${PROFILE:-demo}; read -r -a beams <<< "${BEAMS:-1 512 1024 1024}"
 mkdir -p "$out" "$work"
-grace() { "$py" -m cli "$@"; }
+grace() { echo "study: grace $1 at $(date -u +%H:%M:%S)" >&2; "$py" -m cli "$@"; }
 [ -f "$work/world/world.json" ] || grace synth --profile study --seed 0 --ads "$ads" \
     --users "$users" --out "$work/world" --no-jsonl --no-progress
 [ -f "$work/model/config.json" ] || grace train --world "$work/world" --out "$work/model" \

@@ -121,7 +121,8 @@ async def start(
     health_servicer = HealthServicer()
     await set_health(health_servicer, serving=False)
     serving = ServingHolder()
-    stages = Stages(device, settings.max_batch, settings.graph_buckets, scoring=settings.scoring)
+    stages = Stages(device, settings.max_batch, settings.graph_buckets, scoring=settings.scoring,
+                    fp8=settings.dtype == "fp8")  # fmt: skip
     rollout = build_rollout(settings, stages, serving, metrics, device)
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, rollout.check_once)

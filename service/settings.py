@@ -116,10 +116,13 @@ class ServerSettings(BaseSettings):
     device: str = Field(
         "auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'."
     )
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+    dtype: Literal["auto", "float32", "bfloat16", "fp8"] = Field(
         "auto",
         description="Model weights and activations: 'auto' is bfloat16 on CUDA (the kernels' "
-        "and benchmarks' dtype) and float32 on CPU (bfloat16 is slow on most CPUs).",
+        "and benchmarks' dtype) and float32 on CPU (bfloat16 is slow on most CPUs). 'fp8' "
+        "(opt-in, in progress: no GPU figure yet) keeps the weights as 'auto' does and runs "
+        "the decoder step's linear layers in FP8 e4m3 (kernels/fp8.py); on CUDA it needs "
+        "compute capability 8.9 or newer (Ada, Hopper).",
     )
     max_batch: int = Field(16, description="Most requests in one batch.")
     graph_buckets: Annotated[list[int] | None, NoDecode] = Field(
@@ -407,8 +410,9 @@ class ServerSettings(BaseSettings):
         return self
 
     def resolve_dtype(self, device: str) -> str:
-        """The model dtype on `device`: `dtype`, with 'auto' resolved."""
-        if self.dtype != "auto":
+        """The model weights' dtype on `device`: `dtype`, with 'auto' (and 'fp8', whose
+        weights are kept as 'auto' keeps them) resolved."""
+        if self.dtype not in ("auto", "fp8"):
             return self.dtype
         return "bfloat16" if device.startswith("cuda") else "float32"
 

@@ -76,10 +76,10 @@ class VariantStep(DecoderStep):
         per_beam = self.options.cross == "per_beam"
         return cross_attention_per_beam(q, k, v) if per_beam else cross_attention(q, k, v)
 
-    def ffn_up(self, h, layer):
+    def ffn_up(self, h, i, layer):
         if self.gelu_epilogue and self.options.ffn_up == "triton":
             return gelu_linear_triton(h, layer.ffn_up.weight, layer.ffn_up.bias)
-        return super().ffn_up(h, layer)
+        return super().ffn_up(h, i, layer)
 
 
 class LayerByLayerStep:

@@ -63,6 +63,7 @@ class DecodeEngine:
         streams: int = 2,  # parts of a split plan (graph branches)
         warmup_runs: int = 2,
         scoring: Scoring = "masked",  # every step's log-softmax (contracts.request.Scoring)
+        fp8: bool = False,  # the decoder step's linear layers in FP8 e4m3 (kernels/fp8.py)
     ) -> None:
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
@@ -78,7 +79,7 @@ class DecodeEngine:
         param = next(decoder.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cuda_graphs = self.device.type == "cuda"
-        self.step = DecoderStep(decoder)
+        self.step = DecoderStep(decoder, fp8=fp8)
 
     def bucket(self, batch: int) -> int:
         return bucket_of(self.batch_buckets, batch)

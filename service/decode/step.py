@@ -19,6 +19,12 @@ activations (docs/ARCHITECTURE.md §7, "fewer kernels per step"):
    "gelu_tanh" (`kernels.gelu_linear`: cuBLASLt's GELU_BIAS epilogue); an erf-GELU model
    (older checkpoints) keeps the separate activation.
 
+With `fp8=True` the linear layers of the loop (QKV of layers >= 1, both attention output
+projections, the cross-attention query, the FFN) multiply in FP8 e4m3 (`kernels.fp8`:
+weights quantised once here per output channel, activations per row at each call); the
+layer-0 table, the cross K/V, the LayerNorms, the residual stream and the logits head stay
+in the model's dtype.
+
 Self-attention's "write + attend" belongs to the KV cache (`service/decode/kv_cache.py`);
 cross-attention runs beam-as-query over the per-request K/V of `SIDDecoder.cross_kv`
 (`kernels.cross_attention`). On CPU the same code runs the kernels' torch references.
@@ -32,10 +38,14 @@ import torch
 from torch import nn
 
 from kernels.cross_attention import cross_attention
+from kernels.fp8 import Fp8Weight, fp8_matmul
 from kernels.gelu_linear import gelu_linear
 from kernels.layer_norm import layer_norm
 from service.decode.kv_cache import PagedKVCache
 from service.model.decoder import CrossKV, DecoderLayer, SIDDecoder
+
+# the linear layers an FP8 step multiplies in e4m3 (layer 0's QKV is the table: never)
+_FP8_LINEARS = ("qkv", "self_out", "cross_q", "cross_out", "ffn_up", "ffn_down")
 
 
 def _ln(x: torch.Tensor, norm: nn.LayerNorm, shift: torch.Tensor | None) -> torch.Tensor:
@@ -51,8 +61,13 @@ class DecoderStep:
     """One decode step of `decoder`: tokens [R] at position t -> logits [R, V]."""
 
     @torch.no_grad()
-    def __init__(self, decoder: SIDDecoder) -> None:
+    def __init__(self, decoder: SIDDecoder, *, fp8: bool = False) -> None:
         self.decoder = decoder
+        # per layer, the FP8 weights of its linear layers by name (None: the model's dtype)
+        self.fp8: list[dict[str, Fp8Weight]] | None = None
+        if fp8:
+            self.fp8 = [{name: Fp8Weight.of(getattr(layer, name).weight) for name in _FP8_LINEARS}
+                        for layer in decoder.layers]  # fmt: skip
         c = decoder.config
         first = decoder.layers[0]
         # [sid_length, vocab + 1, 3·H·d_h]: layer 0's QKV for every (position, token)
@@ -82,10 +97,27 @@ class DecoderStep:
     def cross(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return cross_attention(q, k, v)
 
-    def ffn_up(self, h: torch.Tensor, layer: DecoderLayer) -> torch.Tensor:
+    def ffn_up(self, h: torch.Tensor, i: int, layer: DecoderLayer) -> torch.Tensor:
+        if self.fp8 is not None:
+            return layer.ffn[1](self.linear(h, i, "ffn_up", layer.ffn_up))
         if self.gelu_epilogue:  # one GEMM: bias + tanh-GELU in its epilogue
             return gelu_linear(h, layer.ffn_up.weight, layer.ffn_up.bias)
         return layer.ffn_hidden(h)
+
+    def linear(self, h: torch.Tensor, i: int, name: str, linear: nn.Linear) -> torch.Tensor:
+        """`linear(h)` of layer i, in FP8 when the step is."""
+        if self.fp8 is None:
+            return linear(h)
+        return fp8_matmul(h, self.fp8[i][name], h.dtype) + linear.bias
+
+    def add_projection(
+        self, x: torch.Tensor, a: torch.Tensor, i: int, name: str, linear: nn.Linear
+    ) -> None:
+        """x += a @ W.T of layer i's `name` (its bias is pending in the next LN's shift)."""
+        if self.fp8 is None:
+            x.addmm_(a, linear.weight.t())  # the add inside the matmul (cuBLAS beta = 1)
+        else:
+            x += fp8_matmul(a, self.fp8[i][name], x.dtype)
 
     @torch.no_grad()
     def __call__(
@@ -103,10 +135,12 @@ class DecoderStep:
             if i == 0:
                 a = self.attend_first(cache, t, tokens)
             else:
-                a = cache.attend(i, t, layer.qkv(_ln(x, layer.norm_self, at_self)))
-            x.addmm_(a.reshape(r, -1), layer.self_out.weight.t())
-            q = layer.cross_q(_ln(x, layer.norm_cross, at_cross)).view(r, layer.h, layer.dh)
-            x.addmm_(self.cross(q, *kv).reshape(r, -1), layer.cross_out.weight.t())
-            h = self.ffn_up(_ln(x, layer.norm_ffn, at_ffn), layer)
-            x.addmm_(h, layer.ffn_down.weight.t())
+                qkv = self.linear(_ln(x, layer.norm_self, at_self), i, "qkv", layer.qkv)
+                a = cache.attend(i, t, qkv)
+            self.add_projection(x, a.reshape(r, -1), i, "self_out", layer.self_out)
+            q = self.linear(_ln(x, layer.norm_cross, at_cross), i, "cross_q", layer.cross_q)
+            a = self.cross(q.view(r, layer.h, layer.dh), *kv)
+            self.add_projection(x, a.reshape(r, -1), i, "cross_out", layer.cross_out)
+            h = self.ffn_up(_ln(x, layer.norm_ffn, at_ffn), i, layer)
+            self.add_projection(x, h, i, "ffn_down", layer.ffn_down)
         return d.head(_ln(x, d.norm, self.final_shift))

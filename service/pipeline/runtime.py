@@ -53,6 +53,7 @@ class ModelRuntime:
         locations: tuple[int, ...],
         meta: dict[str, Any] | None = None,  # the checkpoint's config.json
         scoring: Scoring = "masked",  # the decode steps' log-softmax (settings `scoring`)
+        fp8: bool = False,  # the decoder step's linear layers in FP8 (settings `dtype`)
     ) -> None:
         self.model = model.eval()
         self.version, self.model_version, self.sid_space = version, model_version, sid_space
@@ -61,8 +62,9 @@ class ModelRuntime:
         self.cuda = device.type == "cuda"
         self.loaded_at = time.time()
         self.engine = DecodeEngine(
-            model.decoder, batch_buckets=buckets, location_buckets=locations, scoring=scoring
-        )
+            model.decoder, batch_buckets=buckets, location_buckets=locations, scoring=scoring,
+            fp8=fp8,
+        )  # fmt: skip
         self._plans: weakref.WeakKeyDictionary[LoadedIndex, IndexPlans] = (
             weakref.WeakKeyDictionary()
         )  # an index version's plans go with the version

@@ -76,10 +76,16 @@ class Stages:
         buckets: Sequence[int] | None = None,  # GPU graph bucket sizes (default GRAPH_BUCKETS)
         *,
         scoring: Scoring = "masked",  # every runtime's decode engine (settings `scoring`)
+        fp8: bool = False,  # every runtime's decoder step in FP8 (settings `dtype = fp8`)
     ) -> None:
         self.device = torch.device(device)
         self.scoring: Scoring = scoring
         self.cuda = self.device.type == "cuda"
+        if fp8 and self.cuda and torch.cuda.get_device_capability(self.device) < (8, 9):
+            name = torch.cuda.get_device_name(self.device)
+            raise ValueError(f"dtype fp8 needs a GPU with FP8 (compute capability 8.9 or "
+                             f"newer: Ada, Hopper); {name} is not one")  # fmt: skip
+        self.fp8 = fp8
         every_size = tuple(range(1, max_batch + 1))  # CPU: no padding
         self.buckets = (graph_buckets(max_batch, GRAPH_BUCKETS if buckets is None else buckets)
                         if self.cuda else every_size)  # fmt: skip
@@ -102,7 +108,7 @@ class Stages:
         return ModelRuntime(
             model, version=version, model_version=model_version or version,
             sid_space=sid_space, device=self.device, buckets=self.buckets,
-            locations=self.locations, meta=meta, scoring=self.scoring,
+            locations=self.locations, meta=meta, scoring=self.scoring, fp8=self.fp8,
         )  # fmt: skip
 
     def padding(self, groups: Sequence[DecodeGroup]) -> int:

@@ -158,6 +158,8 @@ def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu() -> None:
     assert (s.resolve_dtype("cuda"), s.resolve_dtype("cuda:1")) == ("bfloat16", "bfloat16")
     assert s.resolve_dtype("cpu") == "float32"
     assert load_settings({"dtype": "float32"}).resolve_dtype("cuda") == "float32"
+    fp8 = load_settings({"dtype": "fp8"})  # its weights are kept as 'auto' keeps them
+    assert (fp8.resolve_dtype("cuda"), fp8.resolve_dtype("cpu")) == ("bfloat16", "float32")
     with pytest.raises(ValueError, match="dtype"):
         load_settings({"dtype": "float64"})
 

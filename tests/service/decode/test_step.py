@@ -30,6 +30,22 @@ def test_equals_teacher_forcing(activation: str) -> None:
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_fp8_step_tracks_the_fp32_function() -> None:
+    """FP8 linear layers (kernels/fp8.py) cost ~1 % of the logits' norm on a random
+    decoder with biases, and keep the top tokens of every row."""
+    config = dataclasses.replace(PROFILES["tiny"], decoder_layers=3)
+    decoder = decoder_with_biases(config)
+    step = DecoderStep(decoder, fp8=True)
+    got, want = run_steps(decoder, step, 2, (1, 16, 32, 32), torch.float32, "cpu")
+    for g, w in zip(got, want, strict=True):
+        rel = ((g - w).norm() / w.norm()).item()
+        assert 1e-4 < rel < 0.03  # quantised for real, and close
+        top_g, top_w = g.topk(10, dim=-1).indices, w.topk(10, dim=-1).indices
+        pairs = zip(top_g.tolist(), top_w.tolist(), strict=True)
+        kept = sum(len(set(a) & set(b)) for a, b in pairs)
+        assert kept >= 0.95 * top_w.numel()
+
+
 def test_the_activation_changes_the_function() -> None:
     """The config's activation is really used: tanh and erf GELU give different logits."""
     a = decoder_with_biases(dataclasses.replace(CONFIG, ffn_activation="gelu"))

@@ -424,3 +424,27 @@ def test_padding_is_what_the_buckets_add_per_decode_group_on_gpu_only(without_gp
     for too_many in (stages, cpu):
         with pytest.raises(ValueError, match="exceeds the largest bucket"):
             too_many.padding(groups((17, gtm)))
+
+
+def test_fp8_stages_serve_only_eligible_ads_through_an_fp8_step(model) -> None:
+    """settings `dtype = fp8`: every runtime's decoder step multiplies in FP8."""
+    ads, index = world(0)
+    reqs = requests(6, ads)
+    stages = Stages("cpu", fp8=True)
+    served = pair(model, index, stages)
+    assert served.model.engine.step.fp8 is not None
+    results = asyncio.run(serve(ServingHolder(served), reqs, stages=stages))
+    by_id = {a.ad_id: a for a in ads}
+    for r, res in zip(reqs, results, strict=True):
+        assert all(eligible(by_id[a], r.targeting) for a in res.post.ad_ids.tolist())
+    assert sum(len(res.post.ad_ids) for res in results) > 0
+
+
+def test_fp8_on_a_gpu_without_fp8_is_refused_in_one_line(
+    without_gpu, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"dtype fp8 needs a GPU with FP8 .*NVIDIA A100 is not"):
+        Stages("cuda", fp8=True)
+    assert Stages("cuda").fp8 is False  # bf16 there is fine

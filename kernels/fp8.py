@@ -1,0 +1,78 @@
+"""FP8 (e4m3) linear layers for the decoder step (`service/decode/step.py`, pipeline
+stage 3), opt-in (`DecoderStep(..., fp8=True)`; docs/ARCHITECTURE.md §7, "FP8").
+
+    weight [N, K] ── once, at load ──► `Fp8Weight`: e4m3 [N, K] + fp32 scale per output
+                                       channel (its row's amax / 448)
+    activation [R, K] ── per call ───► e4m3 [R, K] + fp32 scale per row (`quantize_rows`)
+    `torch._scaled_mm` (rowwise scales) ─► [R, N] in bf16 (or the asked dtype)
+
+x ≈ q · scale row by row, with q = x / scale rounded to nearest-even on the e4m3 grid and
+clamped to ±448 (e4m3's largest finite value), so no value saturates to NaN; a row of
+zeros gets scale 1. The same `torch._scaled_mm` call runs on CPU (the numerics CI
+checks) and on CUDA (cuBLASLt FP8 on Hopper); shapes cuBLASLt refuses (a dimension not
+a multiple of 16) take `fp8_matmul_reference`, the same quantised numbers multiplied in
+fp32. Quantising the activations here is a separate pass over them; fusing it into the
+kernels that produce them is the GPU work of issue #22.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_ALIGN = 16  # cuBLASLt FP8: every dimension a multiple of 16
+_TINY = torch.finfo(torch.float32).tiny  # the smallest normal fp32
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (e4m3 [R, K], fp32 scale [R, 1]) with x ≈ q · scale per row."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    # a row of zeros: scale 1; a row of fp32 denormals must not underflow the scale to 0
+    scale = torch.where(amax > 0, (amax / E4M3_MAX).clamp_min(_TINY), torch.ones_like(amax))
+    q = (xf / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A linear layer's weight [N, K] in e4m3 with one fp32 scale per output channel."""
+
+    q: torch.Tensor  # e4m3 [N, K], row-major
+    scale: torch.Tensor  # fp32 [1, N]
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> Fp8Weight:
+        q, scale = quantize_rows(weight.detach())
+        return cls(q.contiguous(), scale.reshape(1, -1).contiguous())
+
+    def dequantized(self) -> torch.Tensor:  # fp32 [N, K]
+        return self.q.float() * self.scale.reshape(-1, 1)
+
+
+def fp8_matmul(
+    x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """x [R, K] @ w.T -> [R, N] in `out_dtype`: x quantised per row, one FP8 GEMM."""
+    xq, xs = quantize_rows(x)
+    r, k = xq.shape
+    n = w.q.shape[0]
+    if r % _ALIGN or k % _ALIGN or n % _ALIGN:
+        return _reference(xq, xs, w).to(out_dtype)
+    # mat2 must be column-major: w.q is [N, K] row-major, so w.q.t() is [K, N] column-major
+    return torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale, out_dtype=out_dtype)
+
+
+def fp8_matmul_reference(
+    x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """What `fp8_matmul` computes, in fp32 from the dequantised operands."""
+    xq, xs = quantize_rows(x)
+    return _reference(xq, xs, w).to(out_dtype)
+
+
+def _reference(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    return (xq.float() * xs) @ w.dequantized().t()
