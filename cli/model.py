@@ -126,6 +126,10 @@ def _eval(args: argparse.Namespace) -> int:
         suffix = "" if scorings[0] == "masked" else f"_{scorings[0]}"
         variants.append(Variant(f"{kway.mode}_kway{suffix}", with_partitions(arrays, kway),
                                 FilterMode.CD_GTM_KWAY, scorings[0]))  # fmt: skip
+    if args.fp8:  # the same two filters in FP8, in the first scoring
+        suffix = "" if scorings[0] == "masked" else f"_{scorings[0]}"
+        for mode, name in ((FilterMode.CD_ONLY, "cd_only"), (FilterMode.CD_GTM, "cd_gtm")):
+            variants.append(Variant(f"{name}{suffix}_fp8", arrays, mode, scorings[0], fp8=True))
     rows = run_study(loaded.model, examples, variants, users, beams, tuple(args.k),
                      fixed=tuple(args.fixed), device=args.device, resamples=args.resamples,
                      seed=args.seed, progress=not args.no_progress)  # fmt: skip
@@ -259,6 +263,9 @@ def register(add: AddCommand) -> None:
                    help="beam scorings to compare, each for CD only and CD+GTM: masked "
                    "(log-softmax over the allowed tokens, the served default) and/or "
                    "unmasked (the model's own log-probabilities)")  # fmt: skip
+    p.add_argument("--fp8", action="store_true",
+                   help="also decode CD only and CD+GTM with the decoder step's linear "
+                   "layers in FP8 e4m3 (setting dtype = fp8), in the first scoring")  # fmt: skip
     p.add_argument("--fixed", type=int, nargs="*", default=[], metavar="N",
                    help="also compare pass rates among the first N generated ads (users "
                    "with at least N), e.g. --fixed 1000 5000")  # fmt: skip

@@ -34,11 +34,13 @@ class OfflineRetriever:
         max_batch: int = 64,
         *,
         scoring: Scoring = "masked",
+        fp8: bool = False,  # the decoder step's linear layers in FP8 (kernels/fp8.py)
     ) -> None:
         self.model, self.index = model.eval(), index
         self.engine = DecodeEngine(
-            model.decoder, batch_buckets=tuple(range(1, max_batch + 1)), scoring=scoring
-        )
+            model.decoder, batch_buckets=tuple(range(1, max_batch + 1)), scoring=scoring,
+            fp8=fp8,
+        )  # fmt: skip
         self.plans = self.engine.plan(index.tables, index.level_offsets)
 
     @torch.no_grad()

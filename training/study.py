@@ -65,12 +65,13 @@ CURVE_KS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 @dataclass(frozen=True)
 class Variant:
     """One decoding of every user: the index's arrays (k-way partitions differ), the
-    filter mode and the scoring."""
+    filter mode, the scoring and whether the decoder step runs in FP8."""
 
     name: str
     arrays: IndexArrays
     mode: FilterMode
     scoring: str = "masked"
+    fp8: bool = False
 
 
 @dataclass
@@ -145,6 +146,7 @@ def _summary(
         "variant": v.name,
         "mode": v.mode.name.lower(),
         "scoring": v.scoring,
+        "fp8": v.fp8,
         **overall,
         "eligible_ads_per_user": float(np.mean(u.eligible_returned)) if n else 0.0,
         **{f"recall@{k}": float(recall(ranks, k).mean()) if n else 0.0 for k in ks},
@@ -209,7 +211,7 @@ def run_study(
     found: list[_PerUser] = []
     for v in variants:
         index = LoadedIndex.from_arrays(v.arrays, device)
-        retriever = OfflineRetriever(model, index, batch_size, scoring=v.scoring)
+        retriever = OfflineRetriever(model, index, batch_size, scoring=v.scoring, fp8=v.fp8)
         ads = v.arrays.ads
         if id(ads) not in bloom_rows:  # k-way variants share the plain index's ad arrays
             bloom_rows[id(ads)] = ad_blooms(

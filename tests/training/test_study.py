@@ -67,8 +67,8 @@ def report(setup) -> dict:
     code = main(["eval", "--world", str(setup["world"]), "--index", str(setup["index"]),
                  "--model", str(setup["model"]), "--users", "64", "--beams", *BEAMS,
                  "--k", "10", "32", "--scoring", "masked", "unmasked", "--fixed", "16", "64",
-                 "--resamples", "200", "--out", str(out), "--plots", str(setup["root"] / "plots"),
-                 "--no-progress"])  # fmt: skip
+                 "--fp8", "--resamples", "200", "--out", str(out),
+                 "--plots", str(setup["root"] / "plots"), "--no-progress"])  # fmt: skip
     assert code == 0
     return json.loads(out.read_text())
 
@@ -76,7 +76,7 @@ def report(setup) -> dict:
 def test_gtm_raises_the_pass_rate_by_the_papers_margin(report) -> None:
     rows = {r["variant"]: r for r in report["variants"]}
     assert list(rows) == ["cd_only", "cd_gtm", "cd_only_unmasked", "cd_gtm_unmasked",
-                          "static_kway", "dynamic_kway"]  # fmt: skip
+                          "static_kway", "dynamic_kway", "cd_only_fp8", "cd_gtm_fp8"]  # fmt: skip
     for scoring in ("", "_unmasked"):
         cd, gtm = rows[f"cd_only{scoring}"], rows[f"cd_gtm{scoring}"]
         # the untrained model cannot read targeting off the features: CD only passes
@@ -89,12 +89,28 @@ def test_gtm_raises_the_pass_rate_by_the_papers_margin(report) -> None:
         assert gtm["eligible_ads_per_user"] > cd["eligible_ads_per_user"]
 
 
+def test_fp8_variants_keep_the_filters_effect_and_exactness(report) -> None:
+    """FP8 changes the scores, never the masks: CD+GTM in FP8 still lifts the pass rate
+    by the paper's margin, and every returned ad is eligible in every variant."""
+    rows = {r["variant"]: r for r in report["variants"]}
+    cd, gtm = rows["cd_only_fp8"], rows["cd_gtm_fp8"]
+    assert gtm["final_pass"] >= 1.7 * cd["final_pass"]
+    for name in ("cd_only", "cd_gtm"):
+        # the same users and filters: FP8 generates about as many ads as fp32 does
+        full, fp8 = (
+            rows[name]["ads_generated_per_user"],
+            rows[f"{name}_fp8"]["ads_generated_per_user"],
+        )
+        assert 0.8 * full <= fp8 <= 1.25 * full
+
+
 def test_the_report_has_its_documented_schema(report) -> None:
     assert report["format"] == "grace.eval" and report["format_version"] == 2
     assert report["users"] == 64 and report["ks"] == [10, 32] and report["beams"] == [1, 16, 32, 32]
     for i, r in enumerate(report["variants"]):
         assert r["mode"] in {"cd_only", "cd_gtm", "cd_gtm_kway"}
         assert r["scoring"] in {"masked", "unmasked"}
+        assert r["fp8"] is r["variant"].endswith("_fp8")
         assert r["users"] == 64
         assert 0 <= r["final_pass"] <= min(r["bitmask_pass"], r["location_pass"]) <= 1
         assert r["location_pass"] <= r["bloom_pass"] + 1e-12  # Bloom is conservative
