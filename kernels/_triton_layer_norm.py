@@ -2,9 +2,13 @@
 `kernels.layer_norm.layer_norm` (pipeline stage 3, the fused decoder step).
 
 One program normalises `ROWS` rows of width D (the whole row in one block), in fp32,
-and writes them in x's dtype. The fp32 `shift` vector is the bias the fused decoder step
-has not yet added to its residual stream (`service/decode/step.py`): adding it
-here, on the way in, costs no extra pass over the bytes.
+and writes them in x's dtype — or, with `FP8_OUT`, quantised for the FP8 GEMM that reads
+them (`kernels/fp8.py`): each row divided by its scale (its amax / 448; 1 for a zero row,
+never below the smallest normal fp32), clamped to ±448 and cast to e4m3, the scale
+written beside it. The quantisation costs no pass of its own: the row is in registers.
+The fp32 `shift` vector is the bias the fused decoder step has not yet added to its
+residual stream (`service/decode/step.py`): adding it here, on the way in, costs no
+extra pass over the bytes.
 
 Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before
 this module is imported.
@@ -27,14 +31,19 @@ def _configs() -> list[triton.Config]:
     return [triton.Config({"ROWS": rows}, num_warps=w) for rows in (1, 2, 4, 8) for w in (2, 4, 8)]
 
 
-@triton.autotune(configs=_configs(), key=["D", "HAS_SHIFT"])
+E4M3_MAX = 448.0
+FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32
+
+
+@triton.autotune(configs=_configs(), key=["D", "HAS_SHIFT", "FP8_OUT"])
 @triton.jit
 def _layer_norm_kernel(
     x_ptr,  # [R, D], last dim contiguous
     shift_ptr,  # fp32 [D] (unused without HAS_SHIFT)
     w_ptr,  # [D]
     b_ptr,  # [D]
-    y_ptr,  # [R, D], contiguous
+    y_ptr,  # [R, D], contiguous (e4m3 with FP8_OUT)
+    scale_ptr,  # fp32 [R] (unused without FP8_OUT)
     R,
     stride_x,
     eps,
@@ -42,6 +51,7 @@ def _layer_norm_kernel(
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_SHIFT: tl.constexpr,
+    FP8_OUT: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
@@ -58,7 +68,14 @@ def _layer_norm_kernel(
     b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = xc * rstd[:, None] * w[None, :] + b[None, :]
     out = y_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
-    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=ok)
+    if FP8_OUT:
+        amax = tl.max(tl.where(ok, tl.abs(y), 0.0), axis=1)
+        scale = tl.where(amax > 0, tl.maximum(amax / E4M3_MAX, FP32_TINY), 1.0)
+        q = tl.minimum(tl.maximum(y / scale[:, None], -E4M3_MAX), E4M3_MAX)
+        tl.store(out, q.to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+    else:
+        tl.store(out, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def triton_layer_norm(
@@ -68,19 +85,38 @@ def triton_layer_norm(
     eps: float,
     shift: torch.Tensor | None = None,  # fp32 [D]
 ) -> torch.Tensor:  # [R, D], x's dtype, contiguous
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, eps, shift, y, None)
+    return y
+
+
+def triton_layer_norm_fp8(
+    x: torch.Tensor,  # [R, D], last dim contiguous
+    weight: torch.Tensor,  # [D]
+    bias: torch.Tensor,  # [D]
+    eps: float,
+    shift: torch.Tensor | None = None,  # fp32 [D]
+) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, D], fp32 scale [R, 1]
+    """`LN(x + shift)` quantised per row for an FP8 GEMM (`kernels/fp8.py`)."""
+    y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    _launch(x, weight, bias, eps, shift, y, scale)
+    return y, scale
+
+
+def _launch(x, weight, bias, eps, shift, y, scale) -> None:
     r, d = x.shape
     assert x.stride(1) == 1 and d <= MAX_D, "rows must be contiguous and at most MAX_D wide"
     assert shift is None or (shift.dtype == torch.float32 and shift.shape == (d,))
-    y = torch.empty((r, d), dtype=x.dtype, device=x.device)
     if r == 0:
-        return y
+        return
     block_d = triton.next_power_of_2(d)
 
     def grid(meta: dict) -> tuple[int]:
         return (triton.cdiv(r, meta["ROWS"]),)
 
     _layer_norm_kernel[grid](
-        x, shift if shift is not None else weight, weight, bias, y, r, x.stride(0), eps,
-        D=d, BLOCK_D=block_d, HAS_SHIFT=shift is not None,
+        x, shift if shift is not None else weight, weight, bias, y,
+        scale if scale is not None else weight, r, x.stride(0), eps,
+        D=d, BLOCK_D=block_d, HAS_SHIFT=shift is not None, FP8_OUT=scale is not None,
     )  # fmt: skip
-    return y

@@ -1,5 +1,5 @@
 """FP8 (e4m3) linear layers for the decoder step (`service/decode/step.py`, pipeline
-stage 3), opt-in (`DecoderStep(..., fp8=True)`; docs/ARCHITECTURE.md §7, "FP8").
+stage 3), opt-in (`DecoderStep(..., fp8=True)`; docs/FP8.md).
 
     weight [N, K] ── once, at load ──► `Fp8Weight`: e4m3 [N, K] + fp32 scale per output
                                        channel (its row's amax / 448)
@@ -8,11 +8,13 @@ stage 3), opt-in (`DecoderStep(..., fp8=True)`; docs/ARCHITECTURE.md §7, "FP8")
 
 x ≈ q · scale row by row, with q = x / scale rounded to nearest-even on the e4m3 grid and
 clamped to ±448 (e4m3's largest finite value), so no value saturates to NaN; a row of
-zeros gets scale 1. The same `torch._scaled_mm` call runs on CPU (the numerics CI
-checks) and on CUDA (cuBLASLt FP8 on Hopper); shapes cuBLASLt refuses (a dimension not
-a multiple of 16) take `fp8_matmul_reference`, the same quantised numbers multiplied in
-fp32. Quantising the activations here is a separate pass over them; fusing it into the
-kernels that produce them is the GPU work of issue #22.
+zeros gets scale 1. The LayerNorm kernel quantises its own output the same way
+(`kernels.layer_norm.layer_norm_fp8`), so the QKV, cross-attention query and FFN up
+projections read FP8 straight from it (`fp8_gemm`); the inputs of the two attention
+output projections and of the FFN down projection are still quantised here, in a pass
+of their own (`fp8_matmul`). The same `torch._scaled_mm` call runs on CPU (the numerics
+CI checks) and on CUDA (cuBLASLt FP8 on Hopper); shapes cuBLASLt refuses (a dimension
+not a multiple of 16) take the reference: the same quantised numbers multiplied in fp32.
 """
 
 from __future__ import annotations
@@ -57,7 +59,17 @@ def fp8_matmul(
     x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """x [R, K] @ w.T -> [R, N] in `out_dtype`: x quantised per row, one FP8 GEMM."""
-    xq, xs = quantize_rows(x)
+    return fp8_gemm(*quantize_rows(x), w, out_dtype)
+
+
+def fp8_gemm(
+    xq: torch.Tensor,  # e4m3 [R, K]
+    xs: torch.Tensor,  # fp32 [R, 1]
+    w: Fp8Weight,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """(xq · xs) @ w.T -> [R, N] for activations quantised already (by the kernel that
+    made them: `kernels.layer_norm.layer_norm_fp8`)."""
     r, k = xq.shape
     n = w.q.shape[0]
     if r % _ALIGN or k % _ALIGN or n % _ALIGN:

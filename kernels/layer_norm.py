@@ -5,7 +5,8 @@ The fused step adds each linear layer's output to the residual stream inside the
 (cuBLAS `beta = 1`) but leaves the bias out; the biases not yet added are one constant
 vector per LayerNorm, `shift`, added here on the way in. Dispatcher: the Triton kernel
 (`_triton_layer_norm`) on CUDA tensors, torch's LayerNorm on the shifted fp32 input
-elsewhere (the reference, and the CPU path).
+elsewhere (the reference, and the CPU path). `layer_norm_fp8` returns the same rows
+quantised per row for an FP8 GEMM (`kernels/fp8.py`), quantised inside the kernel.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8 import quantize_rows
+
 try:
-    from kernels._triton_layer_norm import MAX_D, triton_layer_norm
+    from kernels._triton_layer_norm import MAX_D, triton_layer_norm, triton_layer_norm_fp8
 except ImportError:  # no triton on this machine: the reference serves every call
-    MAX_D, triton_layer_norm = 0, None
+    MAX_D, triton_layer_norm, triton_layer_norm_fp8 = 0, None, None
 
 
 def layer_norm(
@@ -46,3 +49,30 @@ def layer_norm_reference(
         return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
     y = F.layer_norm(x.float() + shift, x.shape[-1:], weight.float(), bias.float(), eps)
     return y.to(x.dtype)
+
+
+def layer_norm_fp8(
+    x: torch.Tensor,  # [R, D]
+    weight: torch.Tensor,  # [D]
+    bias: torch.Tensor,  # [D]
+    eps: float,
+    shift: torch.Tensor | None = None,  # fp32 [D]
+) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, D], fp32 scale [R, 1]
+    """`LN(x + shift)` in fp32, quantised per row (`kernels.fp8.quantize_rows`)."""
+    if triton_layer_norm_fp8 is not None and x.is_cuda and x.shape[-1] <= MAX_D:
+        return triton_layer_norm_fp8(
+            x.contiguous() if x.stride(-1) != 1 else x, weight, bias, eps, shift
+        )
+    return layer_norm_fp8_reference(x, weight, bias, eps, shift)
+
+
+def layer_norm_fp8_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    shift: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y = F.layer_norm(x.float() + (0 if shift is None else shift), x.shape[-1:],
+                     weight.float(), bias.float(), eps)  # fmt: skip
+    return quantize_rows(y)

@@ -13,3 +13,6 @@ if not torch.cuda.is_available():
 # GPU test runs check kernels at many awkward shapes: use each kernel's fixed default
 # config there instead of autotuning every shape (tests that sweep configs pass them).
 os.environ.setdefault("GRACE_AUTOTUNE", "0")
+
+# shared fixtures: `exact_fp8_casts` (FP8-emitting Triton kernels under the interpreter)
+pytest_plugins = ["tests.helpers.triton_fp8"]

@@ -98,8 +98,12 @@ class ProgressLog:
         self.t0 = time.perf_counter()
         self.tenths = 10 * first // total if total else 10  # tenths already passed
 
+    def due(self, step: int) -> bool:
+        """Whether `step` logs a line (the caller reads its losses back first)."""
+        return self.enabled and 10 * step >= (self.tenths + 1) * self.total
+
     def __call__(self, step: int, loss: float | None, validation: float | None) -> None:
-        if not self.enabled or 10 * step < (self.tenths + 1) * self.total:
+        if not self.due(step):
             return
         self.tenths = 10 * step // self.total
         elapsed = time.perf_counter() - self.t0

@@ -275,7 +275,8 @@ def train(
                 step += 1
                 bar.update(1)
                 epoch_end = step % per_epoch == 0 or step >= total
-                if len(pending) == 50 or epoch_end or step % settings.checkpoint_every == 0:
+                read_back = epoch_end or report.due(step) or step % settings.checkpoint_every == 0
+                if len(pending) == 50 or read_back:
                     losses.extend(torch.stack(pending).float().tolist())
                     pending.clear()
                     bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}", epoch=epoch)

@@ -23,6 +23,7 @@ from contracts.request import FilterMode
 from kernels.beam_advance import beam_advance_reference
 from kernels.cross_attention import cross_attention
 from kernels.gtm_mask import bitmask_only, candidates, masked_candidates, masked_logits
+from kernels.layer_norm import layer_norm
 from service.decode.engine import DecodeEngine
 from service.decode.step import DecoderStep
 
@@ -76,10 +77,11 @@ class VariantStep(DecoderStep):
         per_beam = self.options.cross == "per_beam"
         return cross_attention_per_beam(q, k, v) if per_beam else cross_attention(q, k, v)
 
-    def ffn_up(self, h, i, layer):
+    def ffn_up(self, x, i, layer, shift):
         if self.gelu_epilogue and self.options.ffn_up == "triton":
+            h = layer_norm(x, layer.norm_ffn.weight, layer.norm_ffn.bias, layer.norm_ffn.eps, shift)
             return gelu_linear_triton(h, layer.ffn_up.weight, layer.ffn_up.bias)
-        return super().ffn_up(h, i, layer)
+        return super().ffn_up(x, i, layer, shift)
 
 
 class LayerByLayerStep:

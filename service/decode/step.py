@@ -38,9 +38,9 @@ import torch
 from torch import nn
 
 from kernels.cross_attention import cross_attention
-from kernels.fp8 import Fp8Weight, fp8_matmul
+from kernels.fp8 import Fp8Weight, fp8_gemm, fp8_matmul
 from kernels.gelu_linear import gelu_linear
-from kernels.layer_norm import layer_norm
+from kernels.layer_norm import layer_norm, layer_norm_fp8
 from service.decode.kv_cache import PagedKVCache
 from service.model.decoder import CrossKV, DecoderLayer, SIDDecoder
 
@@ -97,18 +97,27 @@ class DecoderStep:
     def cross(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return cross_attention(q, k, v)
 
-    def ffn_up(self, h: torch.Tensor, i: int, layer: DecoderLayer) -> torch.Tensor:
+    def ffn_up(
+        self, x: torch.Tensor, i: int, layer: DecoderLayer, shift: torch.Tensor
+    ) -> torch.Tensor:
+        """The FFN's activated up-projection of LN(x + shift)."""
         if self.fp8 is not None:
-            return layer.ffn[1](self.linear(h, i, "ffn_up", layer.ffn_up))
+            return layer.ffn[1](self.normed_linear(x, layer.norm_ffn, shift, i, "ffn_up"))
+        h = _ln(x, layer.norm_ffn, shift)
         if self.gelu_epilogue:  # one GEMM: bias + tanh-GELU in its epilogue
             return gelu_linear(h, layer.ffn_up.weight, layer.ffn_up.bias)
         return layer.ffn_hidden(h)
 
-    def linear(self, h: torch.Tensor, i: int, name: str, linear: nn.Linear) -> torch.Tensor:
-        """`linear(h)` of layer i, in FP8 when the step is."""
+    def normed_linear(
+        self, x: torch.Tensor, norm: nn.LayerNorm, shift: torch.Tensor | None, i: int, name: str
+    ) -> torch.Tensor:
+        """Layer i's linear layer `name` of LN(x + shift); in FP8 the LayerNorm kernel
+        writes its rows quantised, for the FP8 GEMM to read."""
+        linear: nn.Linear = getattr(self.decoder.layers[i], name)
         if self.fp8 is None:
-            return linear(h)
-        return fp8_matmul(h, self.fp8[i][name], h.dtype) + linear.bias
+            return linear(_ln(x, norm, shift))
+        q, scale = layer_norm_fp8(x, norm.weight, norm.bias, norm.eps, shift)
+        return fp8_gemm(q, scale, self.fp8[i][name], x.dtype) + linear.bias
 
     def add_projection(
         self, x: torch.Tensor, a: torch.Tensor, i: int, name: str, linear: nn.Linear
@@ -135,12 +144,11 @@ class DecoderStep:
             if i == 0:
                 a = self.attend_first(cache, t, tokens)
             else:
-                qkv = self.linear(_ln(x, layer.norm_self, at_self), i, "qkv", layer.qkv)
-                a = cache.attend(i, t, qkv)
+                a = cache.attend(i, t, self.normed_linear(x, layer.norm_self, at_self, i, "qkv"))
             self.add_projection(x, a.reshape(r, -1), i, "self_out", layer.self_out)
-            q = self.linear(_ln(x, layer.norm_cross, at_cross), i, "cross_q", layer.cross_q)
+            q = self.normed_linear(x, layer.norm_cross, at_cross, i, "cross_q")
             a = self.cross(q.view(r, layer.h, layer.dh), *kv)
             self.add_projection(x, a.reshape(r, -1), i, "cross_out", layer.cross_out)
-            h = self.ffn_up(_ln(x, layer.norm_ffn, at_ffn), i, layer)
+            h = self.ffn_up(x, i, layer, at_ffn)
             self.add_projection(x, h, i, "ffn_down", layer.ffn_down)
         return d.head(_ln(x, d.norm, self.final_shift))

@@ -10,8 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels._triton_layer_norm import triton_layer_norm
-from kernels.layer_norm import layer_norm, layer_norm_reference
+from kernels._triton_layer_norm import triton_layer_norm, triton_layer_norm_fp8
+from kernels.fp8 import quantize_rows
+from kernels.layer_norm import (
+    layer_norm,
+    layer_norm_fp8,
+    layer_norm_fp8_reference,
+    layer_norm_reference,
+)
 
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
@@ -70,3 +76,48 @@ def test_gpu_paper_shape(dtype: torch.dtype) -> None:
     x, w, b, shift = inputs(16384, 1024, dtype, "cuda")
     got = layer_norm(x, w, b, 1e-5, shift)  # the dispatcher takes the kernel on CUDA
     torch.testing.assert_close(got, layer_norm_reference(x, w, b, 1e-5, shift), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("r", "d"), [(1, 16), (5, 48), (7, 100)])
+@pytest.mark.parametrize("with_shift", [False, True])
+@pytest.mark.usefixtures("exact_fp8_casts")
+def test_fp8_output_is_the_quantised_reference(
+    dtype: torch.dtype, r: int, d: int, with_shift: bool
+) -> None:
+    """With FP8_OUT the kernel writes `quantize_rows(LN(x + shift))`: e4m3 rows and their
+    scales, from the fp32 row it holds (never rounded to x's dtype first)."""
+    x, w, b, shift = inputs(r, d, dtype)
+    s = shift if with_shift else None
+    q, scale = triton_layer_norm_fp8(x, w, b, 1e-5, s)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (r, d) and scale.shape == (r, 1)
+    want_q, want_scale = layer_norm_fp8_reference(x, w, b, 1e-5, s)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
+    # the same e4m3 codes, but where the fp32 sums' order moves a value across a rounding
+    # boundary: then one e4m3 step (2^-3 relative) apart
+    got, want = q.float() * scale, want_q.float() * want_scale
+    assert ((got - want).abs() <= 2.0**-3 * want.abs() + 1e-6).all()
+    same = (q.view(torch.uint8) == want_q.view(torch.uint8)).float().mean()
+    assert same > 0.97
+    assert (q.float().abs().amax(dim=1) == 448).all()
+
+
+@pytest.mark.usefixtures("exact_fp8_casts")
+def test_fp8_output_of_a_constant_row_is_its_bias() -> None:
+    """A constant row normalises to zeros, so LN returns the bias: its scale is the
+    bias's amax / 448; a zero bias as well gives scale 1 and zeros."""
+    x = torch.full((2, 32), 7.0)
+    w, b = torch.ones(32), torch.linspace(-2, 2, 32)
+    q, scale = triton_layer_norm_fp8(x, w, b, 1e-5)
+    torch.testing.assert_close(scale, torch.full((2, 1), 2 / 448))
+    assert ((q.float() * scale - b).abs() <= 2.0**-4 * b.abs() + 1e-6).all()
+    q0, scale0 = triton_layer_norm_fp8(x, w, torch.zeros(32), 1e-5)
+    assert (scale0 == 1).all() and (q0.float() == 0).all()
+
+
+def test_layer_norm_fp8_dispatches_to_the_reference_off_cuda() -> None:
+    x, w, b, shift = inputs(4, 24, torch.float32)
+    q, scale = layer_norm_fp8(x, w, b, 1e-5, shift)
+    want_q, want_scale = quantize_rows(F.layer_norm(x + shift, (24,), w, b, 1e-5))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    torch.testing.assert_close(scale, want_scale)
