@@ -54,6 +54,7 @@ from training.study_stats import (
     paired_difference,
     recall,
     resample_indices,
+    sid_overlap,
 )
 
 PAPER_BUCKETS = (0, 5000, 10000)  # the paper's Table 3: < 5k, 5k–9.9k, 10k+ ads generated
@@ -83,6 +84,7 @@ class _PerUser:
     eligible_returned: list[int] = field(default_factory=list)
     rank: list[int] = field(default_factory=list)  # of the held-out ad; -1 when not returned
     final_first: dict[int, list[int]] = field(default_factory=dict)  # N -> finals in first N
+    sids: list[np.ndarray] = field(default_factory=list)  # generated SID leaves, best first
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {
@@ -209,7 +211,10 @@ def run_study(
     draws = resample_indices(len(users), resamples, seed)
     bloom_rows: dict[int, np.ndarray] = {}  # per-ad Bloom rows, once per ad arrays
     found: list[_PerUser] = []
-    for v in variants:
+    bases = {i: _full_precision(variants, v) for i, v in enumerate(variants) if v.fp8}
+    kept = set(bases) | set(bases.values())  # whose SIDs the FP8 comparison reads
+    for vi, v in enumerate(variants):
+        keep_sids = vi in kept
         index = LoadedIndex.from_arrays(v.arrays, device)
         retriever = OfflineRetriever(model, index, batch_size, scoring=v.scoring, fp8=v.fp8)
         ads = v.arrays.ads
@@ -228,6 +233,8 @@ def run_study(
             for b, (t, target) in enumerate(zip(targeting, batch.target_ad.tolist(), strict=True)):
                 leaves, scores = (x.cpu().numpy() for x in res.valid(b))
                 by_score = np.argsort(-scores, kind="stable")  # generated ads, best SID first
+                if keep_sids:
+                    per_user.sids.append(leaves[by_score])
                 rows, _ = expand_leaves(ads, leaves[by_score])
                 req_bm, req_ids = request_bitmask(t), index.vocabulary.ids(t.locations)
                 locs = location_rows(ads, rows)
@@ -253,6 +260,14 @@ def run_study(
     out = [_summary(v, u, ks, draws, buckets) for v, u in zip(variants, found, strict=True)]
     for row, fixed in zip(out, fixed_generation(found, resamples, seed), strict=True):
         row["fixed_generation"] = fixed
+    for i, b in bases.items():
+        out[i]["vs_full_precision"] = {
+            "variant": variants[b].name,
+            "sid_overlap": sid_overlap(found[i].sids, found[b].sids,
+                                       sorted({min(100, beams[-1]), beams[-1]}), draws),
+            **paired_difference(np.asarray(found[i].rank, np.int64),
+                                np.asarray(found[b].rank, np.int64), ks, draws),
+        }  # fmt: skip
     base = np.asarray(found[0].rank, np.int64) if found else None
     for row, u in zip(out[1:], found[1:], strict=True):
         assert base is not None
@@ -261,3 +276,12 @@ def run_study(
             **paired_difference(np.asarray(u.rank, np.int64), base, ks, draws),
         }
     return out
+
+
+def _full_precision(variants: Sequence[Variant], fp8: Variant) -> int:
+    """The position of the variant an FP8 variant is compared with: the same index,
+    filter and scoring in the model's own dtype."""
+    for i, v in enumerate(variants):
+        if not v.fp8 and v.arrays is fp8.arrays and (v.mode, v.scoring) == (fp8.mode, fp8.scoring):
+            return i
+    raise ValueError(f"variant {fp8.name!r} has no full-precision twin to compare with")

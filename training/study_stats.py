@@ -72,3 +72,20 @@ def paired_difference(
             diff = interval(fn(ranks, k) - fn(base, k), draws)
             out[f"{name}@{k}"] = {**diff, "resolved": bool(diff["lo"] > 0 or diff["hi"] < 0)}
     return out
+
+
+def sid_overlap(
+    got: Sequence[np.ndarray], base: Sequence[np.ndarray], ks: Sequence[int], draws: np.ndarray
+) -> dict[str, dict[str, float]]:
+    """{"@K": interval of the per-user share of base's top-K SIDs that `got`'s top K
+    holds too}: each entry one user's generated SIDs, best first; users whose base is
+    empty count as 1 (nothing to lose)."""
+    out = {}
+    for k in ks:
+        share = np.ones(len(base))
+        for i, (a, b) in enumerate(zip(got, base, strict=True)):
+            top = b[:k]
+            if len(top):
+                share[i] = np.isin(top, a[:k]).mean()
+        out[f"@{k}"] = interval(share, draws)
+    return out

@@ -102,6 +102,13 @@ def test_fp8_variants_keep_the_filters_effect_and_exactness(report) -> None:
             rows[f"{name}_fp8"]["ads_generated_per_user"],
         )
         assert 0.8 * full <= fp8 <= 1.25 * full
+        vs = rows[f"{name}_fp8"]["vs_full_precision"]
+        assert vs["variant"] == name  # its twin: same filter and scoring, full precision
+        overlap = vs["sid_overlap"]
+        assert set(overlap) == {"@32"}  # min(100, the last beam) and the last beam: both 32
+        assert 0.5 < overlap["@32"]["lo"] <= overlap["@32"]["mean"] <= overlap["@32"]["hi"] <= 1
+        assert set(vs) >= {"recall@10", "recall@32", "ndcg@10", "ndcg@32"}
+    assert all("vs_full_precision" not in r for n, r in rows.items() if not n.endswith("_fp8"))
 
 
 def test_the_report_has_its_documented_schema(report) -> None:

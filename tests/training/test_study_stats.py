@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from training.study_stats import interval, ndcg, paired_difference, recall, resample_indices
+from training.study_stats import (
+    interval,
+    ndcg,
+    paired_difference,
+    recall,
+    resample_indices,
+    sid_overlap,
+)
 
 
 def test_recall_and_ndcg_of_hand_made_ranks() -> None:
@@ -49,3 +56,14 @@ def test_a_paired_difference_resolves_a_real_gap_and_not_a_null_one() -> None:
     gap = paired_difference(better, base, (10,), draws)
     assert gap["recall@10"]["mean"] > 0 and gap["recall@10"]["resolved"]
     assert gap["ndcg@10"]["lo"] > 0
+
+
+def test_sid_overlap_is_the_share_of_the_base_top_k_kept() -> None:
+    got = [np.array([1, 2, 3]), np.array([9, 8]), np.array([5])]
+    base = [np.array([1, 2, 4]), np.array([7, 6]), np.array([], np.int64)]
+    draws = resample_indices(3, 50)
+    out = sid_overlap(got, base, (1, 3), draws)
+    # user 0: top 1 kept (1/1), top 3 two of three; user 1: none; user 2: nothing to lose
+    assert out["@1"]["mean"] == pytest.approx((1 + 0 + 1) / 3)
+    assert out["@3"]["mean"] == pytest.approx((2 / 3 + 0 + 1) / 3)
+    assert sid_overlap(base, base, (3,), draws)["@3"] == {"mean": 1.0, "lo": 1.0, "hi": 1.0}
