@@ -10,11 +10,12 @@ x ≈ q · scale row by row, with q = x / scale rounded to nearest-even on the e
 clamped to ±448 (e4m3's largest finite value), so no value saturates to NaN; a row of
 zeros gets scale 1. The LayerNorm kernel quantises its own output the same way
 (`kernels.layer_norm.layer_norm_fp8`), so the QKV, cross-attention query and FFN up
-projections read FP8 straight from it (`fp8_gemm`); the inputs of the two attention
-output projections and of the FFN down projection are still quantised here, in a pass
-of their own (`fp8_matmul`). The same `torch._scaled_mm` call runs on CPU (the numerics
-CI checks) and on CUDA (cuBLASLt FP8 on Hopper); shapes cuBLASLt refuses (a dimension
-not a multiple of 16) take the reference: the same quantised numbers multiplied in fp32.
+projections read FP8 straight from it (`fp8_gemm`), and so does the FFN down projection
+from the bias + GELU kernel (`kernels.gelu_fp8`); the inputs of the two attention output
+projections are still quantised here, in a pass of their own (`fp8_matmul`). The same
+`torch._scaled_mm` call runs on CPU (the numerics CI checks) and on CUDA (cuBLASLt FP8 on
+Hopper); shapes cuBLASLt refuses (a dimension not a multiple of 16) take the reference:
+the same quantised numbers multiplied in fp32.
 """
 
 from __future__ import annotations

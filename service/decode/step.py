@@ -39,6 +39,7 @@ from torch import nn
 
 from kernels.cross_attention import cross_attention
 from kernels.fp8 import Fp8Weight, fp8_gemm, fp8_matmul
+from kernels.gelu_fp8 import gelu_fp8
 from kernels.gelu_linear import gelu_linear
 from kernels.layer_norm import layer_norm, layer_norm_fp8
 from service.decode.kv_cache import PagedKVCache
@@ -100,13 +101,22 @@ class DecoderStep:
     def ffn_up(
         self, x: torch.Tensor, i: int, layer: DecoderLayer, shift: torch.Tensor
     ) -> torch.Tensor:
-        """The FFN's activated up-projection of LN(x + shift)."""
-        if self.fp8 is not None:
-            return layer.ffn[1](self.normed_linear(x, layer.norm_ffn, shift, i, "ffn_up"))
+        """The FFN's activated up-projection of LN(x + shift) (not in FP8: `ffn_fp8`)."""
         h = _ln(x, layer.norm_ffn, shift)
         if self.gelu_epilogue:  # one GEMM: bias + tanh-GELU in its epilogue
             return gelu_linear(h, layer.ffn_up.weight, layer.ffn_up.bias)
         return layer.ffn_hidden(h)
+
+    def ffn_fp8(self, x: torch.Tensor, i: int, layer: DecoderLayer, shift: torch.Tensor) -> None:
+        """x += FFN(LN(x + shift)) in FP8: the LayerNorm kernel quantises the up
+        projection's input, one kernel adds its bias, applies GELU and quantises the
+        down projection's input, whose bias is pending in the next LN's shift."""
+        assert self.fp8 is not None
+        n = layer.norm_ffn
+        q, scale = layer_norm_fp8(x, n.weight, n.bias, n.eps, shift)
+        h = fp8_gemm(q, scale, self.fp8[i]["ffn_up"], x.dtype)
+        q, scale = gelu_fp8(h, layer.ffn_up.bias, self.decoder.config.ffn_activation == "gelu_tanh")
+        x += fp8_gemm(q, scale, self.fp8[i]["ffn_down"], x.dtype)
 
     def normed_linear(
         self, x: torch.Tensor, norm: nn.LayerNorm, shift: torch.Tensor | None, i: int, name: str
@@ -149,6 +159,8 @@ class DecoderStep:
             q = self.normed_linear(x, layer.norm_cross, at_cross, i, "cross_q")
             a = self.cross(q.view(r, layer.h, layer.dh), *kv)
             self.add_projection(x, a.reshape(r, -1), i, "cross_out", layer.cross_out)
-            h = self.ffn_up(x, i, layer, at_ffn)
-            self.add_projection(x, h, i, "ffn_down", layer.ffn_down)
+            if self.fp8 is not None:
+                self.ffn_fp8(x, i, layer, at_ffn)
+            else:
+                x.addmm_(self.ffn_up(x, i, layer, at_ffn), layer.ffn_down.weight.t())
         return d.head(_ln(x, d.norm, self.final_shift))

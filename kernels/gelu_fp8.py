@@ -1,0 +1,36 @@
+"""`quantize_rows(GELU(h + bias))`: the FP8 decoder step's FFN between its two FP8 GEMMs
+(`service/decode/step.py`, pipeline stage 3; docs/FP8.md).
+
+Dispatcher: the Triton kernel (`_triton_gelu_fp8`: bias, activation and quantisation in
+one pass) on CUDA tensors, the torch reference elsewhere (CPU serving and tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.fp8 import quantize_rows
+
+try:
+    from kernels._triton_gelu_fp8 import MAX_N, triton_gelu_fp8
+except ImportError:  # no triton on this machine: the reference serves every call
+    MAX_N, triton_gelu_fp8 = 0, None
+
+
+def gelu_fp8(
+    h: torch.Tensor,  # [R, N]: the up projection, without its bias
+    bias: torch.Tensor,  # [N]
+    tanh: bool,  # the model's activation: tanh-approximated GELU, else erf GELU
+) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, N], fp32 scale [R, 1]
+    """GELU(h + bias) in fp32, quantised per row (`kernels.fp8.quantize_rows`)."""
+    if triton_gelu_fp8 is not None and h.is_cuda and h.shape[-1] <= MAX_N:
+        return triton_gelu_fp8(h.contiguous() if h.stride(-1) != 1 else h, bias, tanh)
+    return gelu_fp8_reference(h, bias, tanh)
+
+
+def gelu_fp8_reference(
+    h: torch.Tensor, bias: torch.Tensor, tanh: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y = F.gelu(h.float() + bias.float(), approximate="tanh" if tanh else "none")
+    return quantize_rows(y)

@@ -1,0 +1,78 @@
+"""The FP8 FFN's middle (kernels/gelu_fp8.py): bias + GELU + per-row e4m3 quantisation
+in one Triton pass, against the torch reference. On CPU the kernel runs under
+TRITON_INTERPRET=1 with torch's float32 -> e4m3 cast (tests/helpers/triton_fp8.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels._triton_gelu_fp8 import triton_gelu_fp8
+from kernels.fp8 import quantize_rows
+from kernels.gelu_fp8 import gelu_fp8, gelu_fp8_reference
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def inputs(r: int, n: int, dtype: torch.dtype, device: str = "cpu"):
+    g = torch.Generator(device=device).manual_seed(0)
+    h = (torch.randn(r, n, generator=g, device=device) * 2).to(dtype)
+    bias = torch.randn(n, generator=g, device=device).to(dtype)
+    return h, bias
+
+
+def close_codes(q, scale, want_q, want_scale) -> None:
+    """Equal scales, and codes equal but where fp32 rounding moves a value across an
+    e4m3 rounding boundary (then one e4m3 step, 2^-3 relative, apart)."""
+    torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
+    got, want = q.float() * scale, want_q.float() * want_scale
+    assert ((got - want).abs() <= 2.0**-3 * want.abs() + 1e-6).all()
+    assert (q.view(torch.uint8) == want_q.view(torch.uint8)).float().mean() > 0.97
+
+
+@pytest.mark.usefixtures("exact_fp8_casts")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("r", "n"), [(1, 16), (5, 48), (7, 100)])
+@pytest.mark.parametrize("tanh", [True, False])
+def test_kernel_equals_reference(dtype: torch.dtype, r: int, n: int, tanh: bool) -> None:
+    h, bias = inputs(r, n, dtype)
+    q, scale = triton_gelu_fp8(h, bias, tanh)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (r, n) and scale.shape == (r, 1)
+    close_codes(q, scale, *gelu_fp8_reference(h, bias, tanh))
+    assert (q.float().abs().amax(dim=1) == 448).all()
+
+
+@pytest.mark.usefixtures("exact_fp8_casts")
+def test_the_activation_is_the_models() -> None:
+    """tanh and erf GELU differ where |x| is moderate: the kernel follows the flag."""
+    h, bias = inputs(4, 64, torch.float32)
+    qt, st = triton_gelu_fp8(h, bias, True)
+    qe, _ = triton_gelu_fp8(h, bias, False)
+    exact_tanh = F.gelu(h + bias, approximate="tanh")
+    assert ((qt.float() * st - exact_tanh).abs() <= 2.0**-4 * exact_tanh.abs() + 1e-3).all()
+    assert not torch.equal(qt.view(torch.uint8), qe.view(torch.uint8))
+
+
+@pytest.mark.usefixtures("exact_fp8_casts")
+def test_a_row_the_activation_zeroes_gets_scale_one() -> None:
+    """GELU of large negative values is 0: such a row quantises to zeros with scale 1."""
+    h = torch.full((2, 32), -60.0)
+    q, scale = triton_gelu_fp8(h, torch.zeros(32), True)
+    assert (scale == 1).all() and (q.float() == 0).all()
+
+
+def test_dispatcher_uses_the_reference_off_cuda() -> None:
+    h, bias = inputs(3, 40, torch.float32)
+    q, scale = gelu_fp8(h, bias, True)
+    want_q, want_scale = quantize_rows(F.gelu(h + bias, approximate="tanh"))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    torch.testing.assert_close(scale, want_scale)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_kernel_equals_reference_at_the_paper_width() -> None:
+    h, bias = inputs(4096, 7680, torch.bfloat16, "cuda")
+    q, scale = gelu_fp8(h, bias, True)
+    close_codes(q, scale, *gelu_fp8_reference(h, bias, True))
