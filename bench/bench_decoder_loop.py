@@ -125,6 +125,8 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
         ("graph_one_part", "final, 1 part (no stream split)", {"streams": 1}, GTM),
         ("graph_four_parts", "final, 4 parts on 4 streams", {"streams": 4}, GTM),
         ("graph_compiled", "final, torch.compile'd bookkeeping", {"advance": "compiled"}, GTM),
+        # the opt-in FP8 step (docs/FP8.md): the served engine with fp8=True
+        ("graph_fp8", "final, FP8 linear layers", {"fp8": True}, GTM),
     ]
     out, options = [], NAIVE
     for key, label, change, mode in steps:
@@ -270,8 +272,8 @@ class Bound:
 
     def __init__(self, model, index, options: DecodeOptions, bucket: int) -> None:
         self.options = options
-        if options == DecodeOptions():
-            self.engine = DecodeEngine(model.decoder, batch_buckets=(bucket,))
+        if dataclasses.replace(options, fp8=False) == DecodeOptions():  # the served engine
+            self.engine = DecodeEngine(model.decoder, batch_buckets=(bucket,), fp8=options.fp8)
         else:
             self.engine = VariantEngine(model.decoder, options, batch_buckets=(bucket,))
         self.plans = self.engine.plan(index.tables, index.level_offsets)
@@ -457,7 +459,7 @@ def main() -> None:
                      if "vs_baseline" in r else "  (baseline)"), flush=True)  # fmt: skip
         wanted = set()  # the A/B run replaces the table's rows
     rows: list[dict] = []
-    final = eager_bloom = unfused = triton_ffn = None
+    final = eager_bloom = unfused = triton_ffn = fp8 = None
     same_arithmetic = {}  # rows that must return exactly the final row's result
     for key, label, options, mode in ROWS:
         if key not in wanted:
@@ -478,6 +480,8 @@ def main() -> None:
                 unfused = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == "graph_triton_ffn":  # not served: compared with the final row below
                 triton_ffn = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
+            if key == "graph_fp8":  # opt-in: its SIDs compared with the final row's below
+                fp8 = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key in ("graph_tail", "graph_compiled"):  # other bookkeeping, same arithmetic
                 same_arithmetic[key] = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == FINAL_ROW:
@@ -525,6 +529,8 @@ def main() -> None:
                 figures[f"fused_vs_{name}_sid_overlap"] = sid_overlap(again, other)
         if triton_ffn is not None:  # bf16 rounding differs between the two GEMMs
             figures["triton_ffn_vs_final_sid_overlap"] = sid_overlap(triton_ffn, again)
+        if fp8 is not None:  # random weights: the trained model's overlap is grace eval's
+            figures["fp8_vs_final_sid_overlap"] = sid_overlap(fp8, again)
         for key, other in same_arithmetic.items():
             figures[f"{key}_equals_final"] = all(
                 torch.equal(x, y)

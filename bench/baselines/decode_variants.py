@@ -48,6 +48,7 @@ class DecodeOptions:
     # the step's bookkeeping after top-k: "kernel" (served), "eager" (the torch
     # reference, ~10 launches), "compiled" (the reference through torch.compile)
     advance: str = "kernel"
+    fp8: bool = False  # the served step's linear layers in FP8 (setting dtype = fp8)
 
     def __post_init__(self) -> None:
         for name, value, known in (

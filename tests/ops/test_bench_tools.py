@@ -123,6 +123,23 @@ def test_decoder_loop_final_row_is_the_served_configuration() -> None:
     assert rows["naive"].advance == "eager"
     assert rows["graph_tail"] == dataclasses.replace(DecodeOptions(), advance="eager")
     assert rows["graph_compiled"] == dataclasses.replace(DecodeOptions(), advance="compiled")
+    assert rows["graph_fp8"] == dataclasses.replace(DecodeOptions(), fp8=True)  # the served one
+
+
+def test_decoder_loop_fp8_row_runs_the_served_engine_in_fp8() -> None:
+    """The FP8 row is the served `DecodeEngine` with fp8=True, not a bench variant."""
+    from bench.bench_decoder_loop import Bound
+    from service.decode.engine import DecodeEngine
+    from service.index.loaded import LoadedIndex
+    from service.model.config import PROFILES
+    from service.model.retriever import GenerativeRetriever
+
+    rows = {key: options for key, _, options, _ in ROWS}
+    model = GenerativeRetriever(PROFILES["tiny"]).eval()
+    index = LoadedIndex.from_arrays(small_index(), "cpu")
+    bound = Bound(model, index, rows["graph_fp8"], 2)
+    assert type(bound.engine) is DecodeEngine and bound.engine.step.fp8 is not None
+    assert Bound(model, index, rows[FINAL_ROW], 2).engine.step.fp8 is None
 
 
 def test_model_swap_summary_times_the_swap_and_lays_out_each_second() -> None:
