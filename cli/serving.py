@@ -22,6 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
             "model_dir": args.model,
             "device": args.device,
             "workers": args.workers,
+            "gpus": args.gpus,
             "mps": args.mps,
             "balance": args.balance,
             "log_format": args.log_format,
@@ -36,6 +37,9 @@ def _serve(args: argparse.Namespace) -> int:
         from service.mps import check_mps
 
         check_mps(settings)
+    from service.workers import slots
+
+    placed = slots(settings)  # GPUs the settings name but this host lacks: fail now
     if args.catalog:
         from index_builder.build import build_index
 
@@ -45,10 +49,10 @@ def _serve(args: argparse.Namespace) -> int:
                     **sid_source(Path(settings.model_dir)))  # fmt: skip
     else:
         ensure_default(settings, progress=not args.no_progress)
-    if settings.workers > 1:  # a supervisor of that many single-process servers
+    if len(placed) > 1:  # a supervisor of that many single-process servers
         from service.workers import supervise
 
-        return supervise(settings)
+        return supervise(settings, placed)
     from service.app import run
 
     return run(settings)
@@ -81,8 +85,13 @@ def register(add: AddCommand) -> None:
     p.add_argument("--catalog", help="build and serve an index for this " + CATALOG_HELP)
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--workers", type=int,
-                   help="serving processes sharing the port, each with its own model, index "
-                   "and GIL; worker i has metrics on METRICS_PORT + i (1)")  # fmt: skip
+                   help="serving processes per GPU (on a CPU: in all) sharing the port, each "
+                   "with its own model, index and GIL; worker i has metrics on "
+                   "METRICS_PORT + i (1)")  # fmt: skip
+    p.add_argument("--gpus", metavar="LIST",
+                   help="which visible GPUs get --workers workers each, e.g. 0,1 (default: "
+                   "every visible GPU with --device cuda or auto; each worker then sees "
+                   "only its own)")  # fmt: skip
     p.add_argument("--balance", choices=["connection", "request"],
                    help="workers > 1: 'connection' shares the port (SO_REUSEPORT: requests "
                    "follow their connection's worker); 'request' puts a front on the port "

@@ -27,6 +27,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -107,17 +108,24 @@ class App:
 
 
 async def start(
-    settings: ServerSettings, *, bind_when_ready: bool = False, address: str | None = None
+    settings: ServerSettings,
+    *,
+    bind_when_ready: bool = False,
+    address: str | None = None,
+    placed: tuple[int, str] | None = None,
 ) -> App:
     """Load, warm and serve. `bind_when_ready` (a worker of several): open the gRPC port
     only once SERVING, so the kernel never hands a connection to a worker still loading.
-    `address` (a worker behind the request front): listen there, not on host:port."""
+    `address` (a worker behind the request front): listen there, not on host:port.
+    `placed`: (worker, gpu) of a worker of several, for `grace_worker_info`."""
     t0 = time.perf_counter()
     instance = {"service.instance.id": f"{socket.gethostname()}:{os.getpid()}"}
     # first: a tracing setting that cannot work fails now, not after minutes of loading
     tracing = Tracing.from_settings(settings.tracing, settings.tracing_sample_ratio, **instance)
     device = settings.resolve_device()
     metrics = Metrics()
+    if placed is not None:
+        metrics.worker_info.info({"worker": str(placed[0]), "gpu": placed[1]})
     health_servicer = HealthServicer()
     await set_health(health_servicer, serving=False)
     serving = ServingHolder()
@@ -259,11 +267,9 @@ async def _warm_up(batcher: Batcher, settings: ServerSettings) -> None:
     await batcher.submit(request)
 
 
-async def serve_forever(
-    settings: ServerSettings, *, bind_when_ready: bool = False, address: str | None = None
-) -> None:
-    """Run until SIGTERM/SIGINT, then drain gracefully."""
-    app = await start(settings, bind_when_ready=bind_when_ready, address=address)
+async def serve_forever(settings: ServerSettings, **how: Any) -> None:
+    """Run until SIGTERM/SIGINT, then drain gracefully; `how`: `start`'s keywords."""
+    app = await start(settings, **how)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -281,14 +287,13 @@ async def serve_forever(
     log.info("stopped")
 
 
-def run(
-    settings: ServerSettings, *, bind_when_ready: bool = False, address: str | None = None
-) -> int:
-    """Serve one process until stopped; returns the exit status. One event loop per
-    process (uvloop when available). SIGUSR1 writes every thread's stack to stderr (what
-    a wedged process is doing, without stopping it: docs/OPERATIONS.md)."""
+def run(settings: ServerSettings, **how: Any) -> int:
+    """Serve one process until stopped (`how`: `start`'s keywords); returns the exit
+    status. One event loop per process (uvloop when available). SIGUSR1 writes every
+    thread's stack to stderr (what a wedged process is doing, without stopping it:
+    docs/OPERATIONS.md)."""
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
-    main = serve_forever(settings, bind_when_ready=bind_when_ready, address=address)
+    main = serve_forever(settings, **how)
     try:
         import uvloop
     except ImportError:

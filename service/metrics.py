@@ -180,6 +180,14 @@ class Metrics:
             "appeared yet; also after a start-up fallback), else 0.",
             registry=r,
         )
+        self.worker_info = Info(
+            "grace_worker",
+            "Which worker of `grace serve` this process is (its metrics port is metrics_port "
+            "+ worker) and its GPU, as an ordinal of the GPUs the supervisor sees ('cpu' on a "
+            "CPU); absent on a single-process server. Join it to any series by instance to "
+            "group by GPU (docs/SERVICE.md, 'Several GPUs').",
+            registry=r,
+        )
         self.model_info = Info(
             "grace_model",
             "The model being served: version (what the repository's CURRENT names, or the "

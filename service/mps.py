@@ -122,11 +122,18 @@ def control_binary() -> str:
 
 
 @contextlib.contextmanager
-def mps_daemon(root: Path | None = None, ordinal: int = 0) -> Iterator[dict[str, str]]:
+def mps_daemon(
+    root: Path | None = None,
+    ordinal: int = 0,
+    *,
+    visible: str | None = None,  # the daemon's (and its clients') CUDA_VISIBLE_DEVICES
+    export: bool = True,
+) -> Iterator[dict[str, str]]:
     """Run a private MPS control daemon for the duration of the block; yields the
-    environment its clients need (also set in `os.environ` meanwhile, so spawned workers
-    inherit it). Raises MpsError when the control binary is missing, fails to start, or
-    no CUDA client can use GPU `ordinal` through it."""
+    environment its clients need (with `export`, also set in `os.environ` meanwhile, so
+    spawned workers inherit it; one daemon per GPU of several yields it for that GPU's
+    workers alone). Raises MpsError when the control binary is missing, fails to start,
+    or no CUDA client can use GPU `ordinal` through it."""
     exe = control_binary()
     with contextlib.ExitStack() as stack:
         if root is None:
@@ -135,6 +142,8 @@ def mps_daemon(root: Path | None = None, ordinal: int = 0) -> Iterator[dict[str,
         for d in dirs.values():
             d.mkdir(parents=True, exist_ok=True)
         env = {k: str(v) for k, v in dirs.items()}
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
         full = {**os.environ, **env}
         out = dirs["CUDA_MPS_LOG_DIRECTORY"] / "grace-start.txt"
         try:
@@ -151,8 +160,15 @@ def mps_daemon(root: Path | None = None, ordinal: int = 0) -> Iterator[dict[str,
         except BaseException:  # MpsError, or an interrupt while it waits: no daemon left
             _quit(exe, full)
             raise
-        log.info("MPS control daemon started (pipes in %s)", env[ENV[0]])
-        saved = {k: os.environ.get(k) for k in ENV}
+        log.info("MPS control daemon started (pipes in %s%s)", env[ENV[0]],
+                 f", GPU {visible}" if visible is not None else "")  # fmt: skip
+        if not export:
+            try:
+                yield env
+            finally:
+                _quit(exe, full)
+            return
+        saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
             yield env

@@ -78,10 +78,16 @@ class ServerSettings(BaseSettings):
     port: int = Field(50051, description="gRPC port; 0 lets the OS pick a free one (tests).")
     workers: int = Field(
         1,
-        description="Serving processes on this host sharing the gRPC port (SO_REUSEPORT), "
-        "each with its own model, index, GPU pipeline and GIL (one process's event loop "
-        "and stage threads share one GIL: docs/OPERATIONS.md). Worker i serves metrics on "
-        "metrics_port + i. More than one needs a fixed port.",
+        description="Serving processes per GPU (on a CPU: in all) sharing the gRPC port "
+        "(SO_REUSEPORT), each with its own model, index, GPU pipeline and GIL (one "
+        "process's event loop and stage threads share one GIL: docs/OPERATIONS.md). Worker "
+        "i serves metrics on metrics_port + i. More than one in all needs a fixed port.",
+    )
+    gpus: Annotated[list[int] | None, NoDecode] = Field(
+        None,
+        description="Which of the visible GPUs get `workers` workers each, as ordinals "
+        "(e.g. '0,1'); unset: every visible GPU when device is 'cuda' or 'auto', the one of "
+        "'cuda:N' (service/placement.py). On several GPUs each worker sees only its own.",
     )
     balance: Literal["connection", "request"] = Field(
         "connection",
@@ -312,6 +318,13 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"must be >= 1, got {v}")
         return v
 
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or min(v) < 0 or len(set(v)) != len(v)):
+            raise ValueError(f"gpus must be distinct GPU ordinals >= 0, got {v}")
+        return v
+
     @field_validator("graph_buckets")
     @classmethod
     def _buckets(cls, v: list[int] | None) -> list[int] | None:
@@ -362,7 +375,7 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"must be a positive number of seconds, got {v}")
         return v
 
-    @field_validator("beam_max", "beams", "graph_buckets", mode="before")
+    @field_validator("beam_max", "beams", "graph_buckets", "gpus", mode="before")
     @classmethod
     def _parse_schedule(cls, v: Any) -> Any:
         if isinstance(v, str):  # from the environment: "[1,64,128,128]" or "1,64,128,128"
@@ -385,6 +398,9 @@ class ServerSettings(BaseSettings):
             raise ValueError("balance 'request' spreads requests over workers: needs workers > 1")
         if self.mps and (self.workers < 2 or self.device == "cpu"):
             raise ValueError("mps shares one GPU between workers: it needs workers > 1 and CUDA")
+        if self.gpus is not None and (self.device == "cpu" or ":" in self.device):
+            raise ValueError(f"gpus {self.gpus} picks GPUs for device 'cuda' or 'auto', "
+                             f"not {self.device!r}")  # fmt: skip
         if self.workers > 1 and self.port == 0:
             raise ValueError("workers > 1 share one port: give a fixed port, not 0")
         if self.metrics_port and self.metrics_port <= self.port < self.metrics_port + self.workers:

@@ -39,6 +39,7 @@ import time
 from service.balancer import FrontThread
 from service.logs import configure_logging
 from service.mps import MpsError, check_mps, gpu_ordinal, mps_daemon, resolve_mps
+from service.placement import PlacementError, Slot, place, visible_ids
 from service.settings import ServerSettings
 
 log = logging.getLogger("grace.workers")
@@ -46,20 +47,47 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, with its terminating NUL
 
 
-def worker_settings(settings: ServerSettings, i: int) -> ServerSettings:
-    """Worker i's settings: a single server, with its own metrics port."""
-    metrics = settings.metrics_port + i if settings.metrics_port else 0
-    return settings.model_copy(update={"workers": 1, "metrics_port": metrics})
+def slots(settings: ServerSettings) -> list[Slot]:
+    """Every worker this host runs for `settings` (service/placement.py)."""
+    device = settings.resolve_device()
+    ids: list[str] = []
+    if device.startswith("cuda"):
+        import torch
+
+        ids = visible_ids(torch.cuda.device_count())
+    placed = place(settings, device, ids)
+    if len(placed) > 1 and settings.port == 0:
+        raise PlacementError(f"{len(placed)} workers share one port: give a fixed port, not 0")
+    top = settings.metrics_port + len(placed) - 1
+    if settings.metrics_port and settings.metrics_port <= settings.port <= top:
+        raise PlacementError(f"port {settings.port} is among the {len(placed)} workers' "
+                             f"metrics ports {settings.metrics_port}..{top}")  # fmt: skip
+    return placed
 
 
-def _worker(settings: ServerSettings, i: int, level: int, parent: int, address: str | None) -> None:
+def worker_settings(settings: ServerSettings, slot: Slot | int) -> ServerSettings:
+    """A worker's settings: a single server, with its own metrics port; on one GPU of
+    several, `cuda:0` (the only device it sees)."""
+    if isinstance(slot, int):
+        slot = Slot(slot, None, None)
+    metrics = settings.metrics_port + slot.worker if settings.metrics_port else 0
+    update: dict[str, object] = {"workers": 1, "metrics_port": metrics, "gpus": None}
+    if slot.serves_on is not None:
+        update["device"] = slot.serves_on
+    return settings.model_copy(update=update)
+
+
+def _worker(settings: ServerSettings, i: int, level: int, parent: int, address: str | None,
+            env: dict[str, str], gpu: str) -> None:  # fmt: skip
+    os.environ.update(env)  # its GPU and that GPU's MPS daemon, before CUDA starts here
     configure_logging(level, settings.log_format, worker=i)  # each line says which worker
     _die_with(parent)
     from service.app import run
 
     # on the shared port a worker opens it only once SERVING; behind the front it binds
     # its socket at once (NOT_SERVING while loading) and the front polls its health
-    raise SystemExit(run(settings, bind_when_ready=address is None, address=address))
+    raise SystemExit(run(settings, bind_when_ready=address is None, address=address,
+                         placed=(i, gpu)))  # fmt: skip
 
 
 def _die_with(parent: int) -> None:
@@ -72,40 +100,62 @@ def _die_with(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def supervise(settings: ServerSettings) -> int:
-    """Run `settings.workers` workers until they stop; 0 when all stopped cleanly. A
-    worker that exits on its own (whatever its status) stops the others: exit 1. With
-    MPS (`resolve_mps`: by default whenever it can) the workers share the GPU through a
-    private daemon (service/mps.py), started before the first and stopped after the last."""
+def supervise(settings: ServerSettings, placed: list[Slot] | None = None) -> int:
+    """Run a worker per slot (`slots`: `settings.workers` per GPU) until they stop; 0
+    when all stopped cleanly. A worker that exits on its own (whatever its status) stops
+    the others: exit 1. With MPS (`resolve_mps`: by default whenever it can) the workers
+    of a GPU share it through a private daemon (service/mps.py), one per GPU, started
+    before the first worker and stopped after the last."""
+    placed = slots(settings) if placed is None else placed
+    envs = {s.worker: {} if s.visible is None else {"CUDA_VISIBLE_DEVICES": s.visible}
+            for s in placed}  # fmt: skip
     if not resolve_mps(settings):
-        return _supervise(settings)
+        return _supervise(settings, placed, envs)
     check_mps(settings)
     with contextlib.ExitStack() as stack:
         try:
-            stack.enter_context(mps_daemon(ordinal=gpu_ordinal(settings)))
+            if all(s.visible is None for s in placed):  # one GPU: one daemon, inherited
+                gpu = placed[0].gpu
+                stack.enter_context(mps_daemon(ordinal=gpu_ordinal(settings) if gpu is None
+                                               else gpu))  # fmt: skip
+            for visible in dict.fromkeys(s.visible for s in placed if s.visible is not None):
+                env = stack.enter_context(mps_daemon(visible=visible, export=False))
+                for s in placed:
+                    if s.visible == visible:
+                        envs[s.worker] = env
         except MpsError as exc:
             if settings.mps:  # asked for: the CLI reports it as bad input
                 raise
             # an error, not a warning: serving goes on, ~3x slower in the tail under load
             log.error("MPS did not start, the workers time-slice the GPU: %s", exc)
-        return _supervise(settings)
+            stack.close()  # the daemons started so far: the workers use none of them
+            envs = {s.worker: {} if s.visible is None else {"CUDA_VISIBLE_DEVICES": s.visible}
+                    for s in placed}  # fmt: skip
+        return _supervise(settings, placed, envs)
 
 
-def _supervise(settings: ServerSettings) -> int:
+def _supervise(
+    settings: ServerSettings, placed: list[Slot], envs: dict[int, dict[str, str]]
+) -> int:
     if settings.balance == "connection":
-        return _run_workers(settings, [None] * settings.workers)
+        return _run_workers(settings, placed, envs, [None] * len(placed))
     # each worker on a private socket, the front on the public port
     with tempfile.TemporaryDirectory(prefix="grace-") as sockets:
-        addresses = [f"{sockets}/worker-{i}.sock" for i in range(settings.workers)]
+        addresses = [f"{sockets}/worker-{i}.sock" for i in range(len(placed))]
         if len(addresses[-1]) > MAX_SOCKET_PATH:
             raise OSError(
                 f"unix socket path {addresses[-1]!r} is too long (> {MAX_SOCKET_PATH} "
                 "bytes): set TMPDIR to a shorter directory"
             )
-        return _run_workers(settings, [f"unix:{a}" for a in addresses])
+        return _run_workers(settings, placed, envs, [f"unix:{a}" for a in addresses])
 
 
-def _run_workers(settings: ServerSettings, addresses: list[str | None]) -> int:
+def _run_workers(
+    settings: ServerSettings,
+    placed: list[Slot],
+    envs: dict[int, dict[str, str]],
+    addresses: list[str | None],
+) -> int:
     """Start a worker per address (None: the shared public port) and, for private
     addresses, the request front (service/balancer.py); watch them until they stop.
     The signal handler only raises a flag (it takes no lock the interrupted main thread
@@ -151,16 +201,19 @@ def _run_workers(settings: ServerSettings, addresses: list[str | None]) -> int:
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, dump_stacks)
     failed = False
     try:
-        for i in range(settings.workers):
+        for i, slot in enumerate(placed):
             if asked[0]:  # told to stop while starting: start no more
                 break
-            args = (worker_settings(settings, i), i, level, os.getpid(), addresses[i])
+            args = (worker_settings(settings, slot), i, level, os.getpid(), addresses[i],
+                    envs[slot.worker], slot.label)  # fmt: skip
             p = ctx.Process(target=_worker, args=args, name=f"grace-worker-{i}")
             procs.append(p)
             p.start()
         if front is not None and not asked[0]:
             front.start()
-        log.info("started %d workers on port %d%s: pids %s", len(procs), settings.port,
+        gpus = sorted({s.gpu for s in placed if s.gpu is not None})
+        where = f" on GPU {', '.join(map(str, gpus))}" if gpus else ""
+        log.info("started %d workers%s on port %d%s: pids %s", len(procs), where, settings.port,
                  " behind the request front" if front else "", [p.pid for p in procs])  # fmt: skip
         while any(p.is_alive() for p in procs):
             if asked[0] and not stopping.is_set():

@@ -14,5 +14,6 @@ if not torch.cuda.is_available():
 # config there instead of autotuning every shape (tests that sweep configs pass them).
 os.environ.setdefault("GRACE_AUTOTUNE", "0")
 
-# shared fixtures: `exact_fp8_casts` (FP8-emitting Triton kernels under the interpreter)
-pytest_plugins = ["tests.helpers.triton_fp8"]
+# shared fixtures: `exact_fp8_casts` (FP8-emitting Triton kernels under the interpreter),
+# `control` (a stand-in MPS control binary)
+pytest_plugins = ["tests.helpers.triton_fp8", "tests.helpers.mps_control"]

@@ -15,40 +15,12 @@ from pydantic import ValidationError
 
 from service import mps, workers
 from service.mps import ENV, MpsError, check_mps, mps_daemon, resolve_mps
+from service.placement import Slot
 from service.settings import load_settings
+from tests.helpers.mps_control import fake_control
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def fake_control(bin_dir: Path, log: Path, fail: bool = False) -> None:
-    """A `nvidia-cuda-mps-control` that appends 'ARGS|STDIN|PIPE_DIR' to `log`."""
-    exe = bin_dir / "nvidia-cuda-mps-control"
-    exe.write_text(
-        "#!/bin/sh\n"
-        'if [ "$1" = "-d" ]; then in=; else in=$(cat); fi\n'
-        f'echo "$*|$in|$CUDA_MPS_PIPE_DIRECTORY" >> {log}\n'
-        + ('echo "An instance of this daemon is already running" >&2; exit 1\n' if fail else "")
-    )
-    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-
-
-@pytest.fixture
-def control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    log = tmp_path / "calls.log"
-    fake_control(bin_dir, log)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    for k in ENV:
-        monkeypatch.delenv(k, raising=False)
-    probe = bin_dir / "probe.py"  # attaches: logs what it was given
-    probe.write_text(
-        "import os, sys\n"
-        f"open({str(log)!r}, 'a').write('probe|' + ' '.join(sys.argv[1:]) + '|'"
-        " + os.environ['CUDA_MPS_PIPE_DIRECTORY'] + '\\n')\n"
-    )
-    monkeypatch.setattr(mps, "PROBE_SCRIPT", probe)
-    return log
+ONE_GPU = [Slot(0, 0, None), Slot(1, 0, None)]  # two workers on GPU 0 (no GPU here)
 
 
 def test_daemon_starts_before_and_quits_after_the_block(control: Path) -> None:
@@ -100,13 +72,13 @@ def test_supervise_runs_the_workers_inside_the_daemon(
     `auto` resolving to a CPU the supervisor refuses before starting anything."""
     seen: list[str | None] = []
 
-    def fake_supervise(settings) -> int:
+    def fake_supervise(settings, placed, envs) -> int:
         seen.append(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))
         return 0
 
     monkeypatch.setattr(workers, "_supervise", fake_supervise)
     s = load_settings({"workers": 2, "mps": True, "device": "cuda", "port": 50999})
-    assert workers.supervise(s) == 0
+    assert workers.supervise(s, ONE_GPU) == 0
     assert seen[0] is not None and control.read_text().count("quit") == 1
     auto = load_settings({"workers": 2, "mps": True, "port": 50999})
     monkeypatch.setattr(mps, "DRIVER_NODE", Path("/nonexistent/nvidiactl"))
@@ -207,15 +179,16 @@ def test_an_mps_start_that_fails_serves_without_it_unless_asked(
         monkeypatch.setattr(mps, "PROBE_SCRIPT", failing)
         said, calls = "could attach.*CUDA error 805", ["", "quit"]
     ran: list[str | None] = []
-    monkeypatch.setattr(workers, "_supervise", lambda s: ran.append(os.environ.get(ENV[0])) or 0)
+    monkeypatch.setattr(workers, "_supervise",
+                        lambda s, p, e: ran.append(os.environ.get(ENV[0])) or 0)  # fmt: skip
     unset = load_settings({"workers": 2, "device": "cuda", "port": 50999})
     with caplog.at_level("ERROR", logger="grace.workers"):
-        assert workers.supervise(unset) == 0
+        assert workers.supervise(unset, ONE_GPU) == 0
     assert ran == [None] and "MPS did not start" in caplog.text
     assert [line.split("|")[1] for line in control.read_text().splitlines()] == calls
     asked = load_settings({"workers": 2, "mps": True, "device": "cuda", "port": 50999})
     with pytest.raises(MpsError, match=said):
-        workers.supervise(asked)
+        workers.supervise(asked, ONE_GPU)
     assert ran == [None]
 
 

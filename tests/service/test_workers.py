@@ -151,6 +151,12 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 return await asyncio.gather(*(one(ch) for _ in range(24)))
 
+        for i, text in enumerate(scrape(metrics + n) or "" for n in range(2)):
+            info = re.search(r"^grace_worker_info\{(.*)\} 1\.0$", text, re.M)
+            assert info is not None, text[-500:]
+            gpu = "cpu" if device == "cpu" else "0"  # one GPU: both workers on GPU 0
+            assert sorted(info.group(1).split(",")) == [f'gpu="{gpu}"', f'worker="{i}"']
+
         replies = asyncio.run(many_connections())
         assert all(len(r.ads) > 0 for r in replies)
         handled = [
