@@ -25,7 +25,9 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,11 +115,13 @@ async def start(
     bind_when_ready: bool = False,
     address: str | None = None,
     placed: tuple[int, str] | None = None,
+    gate: Callable[[], None] | None = None,
 ) -> App:
     """Load, warm and serve. `bind_when_ready` (a worker of several): open the gRPC port
     only once SERVING, so the kernel never hands a connection to a worker still loading.
     `address` (a worker behind the request front): listen there, not on host:port.
-    `placed`: (worker, gpu) of a worker of several, for `grace_worker_info`."""
+    `placed`: (worker, gpu) of a worker of several, for `grace_worker_info`. `gate`:
+    returns once every worker of the host is warm (they open the shared port together)."""
     t0 = time.perf_counter()
     instance = {"service.instance.id": f"{socket.gethostname()}:{os.getpid()}"}
     # first: a tracing setting that cannot work fails now, not after minutes of loading
@@ -217,23 +221,36 @@ async def start(
                            f"{exc.strerror or exc} (--metrics-port)") from exc  # fmt: skip
     rollout.start()
     await _warm_up(batcher, settings)  # first batch pays one-time costs, not a client
+    app = App(server, port, metrics_port, health_servicer, servicer, batcher, pipeline, rollout,
+              metrics, settings, None, tracing)  # fmt: skip
+    if gate is not None and not await _passed(gate):
+        await app.drain()  # never served: stop the threads, then say why
+        raise StartupError("another worker of this host failed to start")
     await set_health(health_servicer, serving=True)
     if bind_when_ready:
-        port = _bind(server, address)
+        port = app.port = _bind(server, address)
         await server.start()
     metrics.serving.set(1)  # SERVING and listening
-    watchdog = None
     if settings.stall_seconds > 0:  # from now on a stalled pipeline is a wedged process
-        watchdog = Watchdog(pipeline.stalled_for, settings.stall_seconds, on_stall=wedged)
-        watchdog.start()
+        app.watchdog = Watchdog(pipeline.stalled_for, settings.stall_seconds, on_stall=wedged)
+        app.watchdog.start()
     log.info(
         "serving %s on %s (model %s, index %s, %s), ready in %.1f s",
         SERVICE, address if address.startswith("unix:") else f"port {port}",
         serving.current.model.version, serving.current.index.version, device,
         time.perf_counter() - t0,
     )  # fmt: skip
-    return App(server, port, metrics_port, health_servicer, servicer, batcher, pipeline, rollout,
-               metrics, settings, watchdog, tracing)  # fmt: skip
+    return app
+
+
+async def _passed(gate: Callable[[], None]) -> bool:
+    """Wait at the workers' gate off the event loop; False when it broke (a worker of the
+    host failed, and the supervisor is stopping them all)."""
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, gate)
+    except threading.BrokenBarrierError:
+        return False
+    return True
 
 
 def _bind(server: grpc.aio.Server, address: str) -> int:

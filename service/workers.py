@@ -5,8 +5,10 @@ on an H200 that GIL, not the GPU, caps the served rate (docs/OPERATIONS.md, "GPU
 server"). N workers are N full servers — each loads the model and index, captures its
 CUDA graphs and runs its pipeline on the same GPU — listening on one port through
 SO_REUSEPORT, so the kernel spreads new connections over them (clients rebalance as
-`max_connection_age` closes old ones). A worker opens the port only once it is SERVING,
-so no connection lands on one still loading. Worker i serves metrics on
+`max_connection_age` closes old ones). The workers open the port together, once every
+one is warm (a barrier), so no connection lands on one still loading and a probe
+reaching any worker says SERVING only when all do. On several GPUs, `workers` run on
+each (service/placement.py). Worker i serves metrics on
 `metrics_port + i` (or a free port when `metrics_port` is 0). With `balance = "request"`
 the workers listen on private unix sockets instead and a front in this process
 (`service/balancer.py`) hands each request to the least busy one.
@@ -35,6 +37,7 @@ import signal
 import tempfile
 import threading
 import time
+from multiprocessing.synchronize import Barrier
 
 from service.balancer import FrontThread
 from service.logs import configure_logging
@@ -78,7 +81,7 @@ def worker_settings(settings: ServerSettings, slot: Slot | int) -> ServerSetting
 
 
 def _worker(settings: ServerSettings, i: int, level: int, parent: int, address: str | None,
-            env: dict[str, str], gpu: str) -> None:  # fmt: skip
+            env: dict[str, str], gpu: str, gate: Barrier | None) -> None:  # fmt: skip
     os.environ.update(env)  # its GPU and that GPU's MPS daemon, before CUDA starts here
     configure_logging(level, settings.log_format, worker=i)  # each line says which worker
     _die_with(parent)
@@ -86,8 +89,9 @@ def _worker(settings: ServerSettings, i: int, level: int, parent: int, address: 
 
     # on the shared port a worker opens it only once SERVING; behind the front it binds
     # its socket at once (NOT_SERVING while loading) and the front polls its health
+    wait = gate.wait if gate is not None else None
     raise SystemExit(run(settings, bind_when_ready=address is None, address=address,
-                         placed=(i, gpu)))  # fmt: skip
+                         placed=(i, gpu), gate=wait))  # fmt: skip
 
 
 def _die_with(parent: int) -> None:
@@ -170,6 +174,9 @@ def _run_workers(
     signalled: set[int] = set()
     front_deadline = [0.0]
     front = None
+    # on the shared port the workers open it together, once every one is warm (a probe
+    # reaching any worker then says what all say); behind the front, the front waits
+    gate = ctx.Barrier(len(placed)) if addresses[0] is None else None
     if addresses[0] is not None:
         front = FrontThread(settings, [a for a in addresses if a], lambda: stop_all())
 
@@ -177,6 +184,8 @@ def _run_workers(
         asked[0] = True
 
     def stop_all() -> None:
+        if gate is not None:
+            gate.abort()  # workers still waiting for the others stop starting
         if not stopping.is_set():
             front_deadline[0] = time.monotonic() + settings.drain_seconds + 10
         stopping.set()
@@ -205,7 +214,7 @@ def _run_workers(
             if asked[0]:  # told to stop while starting: start no more
                 break
             args = (worker_settings(settings, slot), i, level, os.getpid(), addresses[i],
-                    envs[slot.worker], slot.label)  # fmt: skip
+                    envs[slot.worker], slot.label, gate)  # fmt: skip
             p = ctx.Process(target=_worker, args=args, name=f"grace-worker-{i}")
             procs.append(p)
             p.start()

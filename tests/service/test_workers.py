@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -219,3 +220,47 @@ def test_a_front_that_cannot_take_the_port_stops_the_workers(data: Path) -> None
         t = time.monotonic()
         assert supervise(s) == 1
         assert time.monotonic() - t < 120
+
+
+def test_a_warm_worker_opens_the_port_only_past_the_gate(data: Path) -> None:
+    """`gate` (the supervisor's barrier): a worker that is warm waits there, not yet
+    listening, until every worker of the host is; then it opens the port, SERVING."""
+    from service.app import start
+    from tests.helpers.serving import serving_settings
+
+    entered, release = threading.Event(), threading.Event()
+
+    def gate() -> None:
+        entered.set()
+        assert release.wait(120)
+
+    async def run() -> None:
+        starting = asyncio.ensure_future(
+            start(serving_settings(data), bind_when_ready=True, gate=gate)
+        )
+        assert await asyncio.to_thread(entered.wait, 300)  # warm: at the gate
+        assert not starting.done()  # still not listening
+        release.set()
+        app = await starting
+        assert app.port > 0 and await asyncio.to_thread(serving, app.port)
+        await app.drain()
+
+    asyncio.run(run())
+
+
+def test_a_broken_gate_stops_the_start_in_one_line(data: Path) -> None:
+    """Another worker failed (the supervisor aborts the barrier): this one never serves,
+    stops its threads and says why."""
+    from service.app import start
+    from service.errors import StartupError
+    from tests.helpers.serving import serving_settings
+
+    def ours() -> set[threading.Thread]:  # pipeline stages, rollout, watchdog, ...
+        return {t for t in threading.enumerate() if t.name.startswith("grace-") and t.is_alive()}
+
+    before = ours()  # other tests' servers may still be about
+    broken = threading.Barrier(2)
+    broken.abort()
+    with pytest.raises(StartupError, match="another worker of this host failed to start"):
+        asyncio.run(start(serving_settings(data), bind_when_ready=True, gate=broken.wait))
+    assert ours() <= before  # its threads are stopped
