@@ -54,8 +54,9 @@ def _serve(args: argparse.Namespace) -> int:
 
         return supervise(settings, placed)
     from service.app import run
+    from service.workers import worker_settings
 
-    return run(settings)
+    return run(worker_settings(settings, placed[0]))  # e.g. --gpus 1: on cuda:1
 
 
 def _query(args: argparse.Namespace) -> int:

@@ -18,12 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._triton_fp8 import quantize_rows_fp8
 from kernels._tuning import AUTOTUNE
 
 MAX_N = 16384  # one row in one block
-E4M3_MAX = 448.0
-FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32
-SQRT_2_OVER_PI = 0.7978845608028654
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # jit globals must be constexpr
+SQRT_HALF = tl.constexpr(0.7071067811865476)
 
 
 def _configs() -> list[triton.Config]:
@@ -57,11 +57,8 @@ def _gelu_fp8_kernel(
         t = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.abs(u), 20.0)) + 1.0)
         y = 0.5 * x * (1.0 + tl.where(u < 0, -t, t))
     else:
-        y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-    y = tl.where(ok, y, 0.0)
-    amax = tl.max(tl.abs(y), axis=1)
-    scale = tl.where(amax > 0, tl.maximum(amax / E4M3_MAX, FP32_TINY), 1.0)
-    q = tl.minimum(tl.maximum(y / scale[:, None], -E4M3_MAX), E4M3_MAX)
+        y = 0.5 * x * (1.0 + tl.erf(x * SQRT_HALF))
+    q, scale = quantize_rows_fp8(y, ok)
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], q.to(q_ptr.dtype.element_ty),
              mask=ok)  # fmt: skip
     tl.store(scale_ptr + rows, scale, mask=row_ok)
@@ -72,6 +69,7 @@ def triton_gelu_fp8(
     bias: torch.Tensor,  # [N]
     tanh: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, N], fp32 scale [R, 1]
+    """Launch the kernel: `quantize_rows(GELU(h + bias))` in one pass."""
     r, n = h.shape
     assert h.stride(1) == 1 and n <= MAX_N, "rows must be contiguous and at most MAX_N wide"
     assert bias.shape == (n,)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._triton_fp8 import quantize_rows_fp8
 from kernels._tuning import AUTOTUNE
 
 MAX_D = 16384  # one row in one block
@@ -29,10 +30,6 @@ def _configs() -> list[triton.Config]:
     if not AUTOTUNE:
         return [triton.Config({"ROWS": 2}, num_warps=4)]
     return [triton.Config({"ROWS": rows}, num_warps=w) for rows in (1, 2, 4, 8) for w in (2, 4, 8)]
-
-
-E4M3_MAX = 448.0
-FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32
 
 
 @triton.autotune(configs=_configs(), key=["D", "HAS_SHIFT", "FP8_OUT"])
@@ -69,9 +66,7 @@ def _layer_norm_kernel(
     y = xc * rstd[:, None] * w[None, :] + b[None, :]
     out = y_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
     if FP8_OUT:
-        amax = tl.max(tl.where(ok, tl.abs(y), 0.0), axis=1)
-        scale = tl.where(amax > 0, tl.maximum(amax / E4M3_MAX, FP32_TINY), 1.0)
-        q = tl.minimum(tl.maximum(y / scale[:, None], -E4M3_MAX), E4M3_MAX)
+        q, scale = quantize_rows_fp8(y, ok)
         tl.store(out, q.to(y_ptr.dtype.element_ty), mask=ok)
         tl.store(scale_ptr + rows, scale, mask=row_ok)
     else:
@@ -104,7 +99,15 @@ def triton_layer_norm_fp8(
     return y, scale
 
 
-def _launch(x, weight, bias, eps, shift, y, scale) -> None:
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    shift: torch.Tensor | None,
+    y: torch.Tensor,  # out: [R, D] in x's dtype, or e4m3 with `scale`
+    scale: torch.Tensor | None,  # out: fp32 [R, 1] (FP8 output), or None
+) -> None:
     r, d = x.shape
     assert x.stride(1) == 1 and d <= MAX_D, "rows must be contiguous and at most MAX_D wide"
     assert shift is None or (shift.dtype == torch.float32 and shift.shape == (d,))

@@ -14,8 +14,8 @@ projections read FP8 straight from it (`fp8_gemm`), and so does the FFN down pro
 from the bias + GELU kernel (`kernels.gelu_fp8`); the inputs of the two attention output
 projections are still quantised here, in a pass of their own (`fp8_matmul`). The same
 `torch._scaled_mm` call runs on CPU (the numerics CI checks) and on CUDA (cuBLASLt FP8 on
-Hopper); shapes cuBLASLt refuses (a dimension not a multiple of 16) take the reference:
-the same quantised numbers multiplied in fp32.
+Hopper); a K or N that is not a multiple of 16 (which cuBLASLt refuses) takes the
+reference: the same quantised numbers multiplied in fp32.
 """
 
 from __future__ import annotations
@@ -26,8 +26,17 @@ import torch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-_ALIGN = 16  # cuBLASLt FP8: every dimension a multiple of 16
+_ALIGN = 16  # cuBLASLt FP8: K and N multiples of 16 (any row count)
 _TINY = torch.finfo(torch.float32).tiny  # the smallest normal fp32
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Raise, in one line, on a GPU without FP8 (compute capability below 8.9: before Ada
+    and Hopper); a CPU runs the same call, slowly (the numerics CI checks)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"dtype fp8 needs a GPU with FP8 (compute capability 8.9 or newer: "
+                         f"Ada, Hopper); {name} is not one")  # fmt: skip
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,12 +80,14 @@ def fp8_gemm(
 ) -> torch.Tensor:
     """(xq · xs) @ w.T -> [R, N] for activations quantised already (by the kernel that
     made them: `kernels.layer_norm.layer_norm_fp8`)."""
-    r, k = xq.shape
-    n = w.q.shape[0]
-    if r % _ALIGN or k % _ALIGN or n % _ALIGN:
+    k, n = xq.shape[1], w.q.shape[0]
+    if k % _ALIGN or n % _ALIGN:  # any row count is fine; K and N must be multiples of 16
         return _reference(xq, xs, w).to(out_dtype)
+    # cuBLASLt's rowwise-scaled FP8 GEMM writes bf16: other dtypes are cast from it there
+    gemm_dtype = torch.bfloat16 if xq.is_cuda else out_dtype
     # mat2 must be column-major: w.q is [N, K] row-major, so w.q.t() is [K, N] column-major
-    return torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale, out_dtype=out_dtype)
+    out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale, out_dtype=gemm_dtype)
+    return out.to(out_dtype)
 
 
 def fp8_matmul_reference(

@@ -32,5 +32,7 @@ def gelu_fp8(
 def gelu_fp8_reference(
     h: torch.Tensor, bias: torch.Tensor, tanh: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of `gelu_fp8`: torch's GELU of h + bias in fp32, quantised by
+    `kernels.fp8.quantize_rows`."""
     y = F.gelu(h.float() + bias.float(), approximate="tanh" if tanh else "none")
     return quantize_rows(y)

@@ -73,6 +73,8 @@ def layer_norm_fp8_reference(
     eps: float,
     shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of `layer_norm_fp8`: torch's LayerNorm of the shifted fp32 rows,
+    quantised by `kernels.fp8.quantize_rows`."""
     y = F.layer_norm(x.float() + (0 if shift is None else shift), x.shape[-1:],
                      weight.float(), bias.float(), eps)  # fmt: skip
     return quantize_rows(y)

@@ -129,7 +129,7 @@ async def start(
     device = settings.resolve_device()
     metrics = Metrics()
     if placed is not None:
-        metrics.worker_info.info({"worker": str(placed[0]), "gpu": placed[1]})
+        metrics.place(*placed)
     health_servicer = HealthServicer()
     await set_health(health_servicer, serving=False)
     serving = ServingHolder()
@@ -225,7 +225,7 @@ async def start(
               metrics, settings, None, tracing)  # fmt: skip
     if gate is not None and not await _passed(gate):
         await app.drain()  # never served: stop the threads, then say why
-        raise StartupError("another worker of this host failed to start")
+        raise StartupError("another worker of this host failed to start, or took too long")
     await set_health(health_servicer, serving=True)
     if bind_when_ready:
         port = app.port = _bind(server, address)

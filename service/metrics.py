@@ -180,14 +180,6 @@ class Metrics:
             "appeared yet; also after a start-up fallback), else 0.",
             registry=r,
         )
-        self.worker_info = Info(
-            "grace_worker",
-            "Which worker of `grace serve` this process is (its metrics port is metrics_port "
-            "+ worker) and its GPU, as an ordinal of the GPUs the supervisor sees ('cpu' on a "
-            "CPU); absent on a single-process server. Join it to any series by instance to "
-            "group by GPU (docs/SERVICE.md, 'Several GPUs').",
-            registry=r,
-        )
         self.model_info = Info(
             "grace_model",
             "The model being served: version (what the repository's CURRENT names, or the "
@@ -264,6 +256,18 @@ class Metrics:
 
     def _index_age(self) -> float:
         return time.time() - self._created if self._created else 0.0
+
+    def place(self, worker: int, gpu: str) -> None:
+        """`grace_worker_info{worker, gpu}`, for a worker of several only (a metric never
+        set would still export one unlabelled sample)."""
+        Info(
+            "grace_worker",
+            "Which worker of `grace serve` this process is (its metrics port is metrics_port "
+            "+ worker) and its GPU, as an ordinal of the GPUs the supervisor sees ('cpu' on a "
+            "CPU). Join it to any series by instance to group by GPU (docs/SERVICE.md, "
+            "'Several GPUs').",
+            registry=self.registry,
+        ).info({"worker": str(worker), "gpu": gpu})
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Expose /metrics over HTTP; returns the bound port (port 0 picks a free one)."""

@@ -13,8 +13,9 @@ stops it after the last — by default whenever it can (`resolve_mps`), on reque
     workers inherit CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY and connect to it
     echo quit | nvidia-cuda-mps-control
 
-The supervisor decides without importing torch (it stays small and never touches the
-GPU itself): device 'auto' counts as CUDA where the NVIDIA driver's device node exists.
+The supervisor decides without importing torch, and never initialises CUDA itself (it
+counts the GPUs for the workers' placement through NVML: service/workers.py `slots`):
+device 'auto' counts as CUDA where the NVIDIA driver's device node exists.
 
 Nothing of the GPU's own settings changes (compute mode, MIG): the daemon is a process
 of the serving user and goes with it. A node-wide MPS daemon (e.g. the NVIDIA device

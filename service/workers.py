@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -48,16 +49,23 @@ from service.settings import ServerSettings
 log = logging.getLogger("grace.workers")
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, with its terminating NUL
+# how long a warm worker waits for the others before giving up (the barrier breaks, every
+# worker exits, the supervisor fails): a worker that hangs while loading stops the start
+GATE_SECONDS = 1800.0
 
 
 def slots(settings: ServerSettings) -> list[Slot]:
-    """Every worker this host runs for `settings` (service/placement.py)."""
-    device = settings.resolve_device()
+    """Every worker this host runs for `settings` (service/placement.py). The GPUs are
+    counted through NVML (`torch.cuda.device_count` before CUDA is initialised): the
+    supervisor never initialises CUDA itself."""
     ids: list[str] = []
-    if device.startswith("cuda"):
+    if settings.device != "cpu":
         import torch
 
         ids = visible_ids(torch.cuda.device_count())
+    device = settings.device if settings.device != "auto" else ("cuda" if ids else "cpu")
+    if settings.gpus is not None and not device.startswith("cuda"):
+        log.warning("gpus %s ignored: no GPU is visible, serving on the CPU", settings.gpus)
     placed = place(settings, device, ids)
     if len(placed) > 1 and settings.port == 0:
         raise PlacementError(f"{len(placed)} workers share one port: give a fixed port, not 0")
@@ -89,7 +97,7 @@ def _worker(settings: ServerSettings, i: int, level: int, parent: int, address: 
 
     # on the shared port a worker opens it only once SERVING; behind the front it binds
     # its socket at once (NOT_SERVING while loading) and the front polls its health
-    wait = gate.wait if gate is not None else None
+    wait = functools.partial(gate.wait, GATE_SECONDS) if gate is not None else None
     raise SystemExit(run(settings, bind_when_ready=address is None, address=address,
                          placed=(i, gpu), gate=wait))  # fmt: skip
 
@@ -177,6 +185,7 @@ def _run_workers(
     # on the shared port the workers open it together, once every one is warm (a probe
     # reaching any worker then says what all say); behind the front, the front waits
     gate = ctx.Barrier(len(placed)) if addresses[0] is None else None
+    gate_broken = threading.Event()
     if addresses[0] is not None:
         front = FrontThread(settings, [a for a in addresses if a], lambda: stop_all())
 
@@ -184,8 +193,9 @@ def _run_workers(
         asked[0] = True
 
     def stop_all() -> None:
-        if gate is not None:
-            gate.abort()  # workers still waiting for the others stop starting
+        if gate is not None and not gate_broken.is_set():  # workers waiting there stop
+            gate_broken.set()  # once, and off this thread: a worker killed inside wait()
+            threading.Thread(target=gate.abort, name="grace-gate-abort", daemon=True).start()
         if not stopping.is_set():
             front_deadline[0] = time.monotonic() + settings.drain_seconds + 10
         stopping.set()

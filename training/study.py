@@ -54,7 +54,7 @@ from training.study_stats import (
     paired_difference,
     recall,
     resample_indices,
-    sid_overlap,
+    sids_kept,
 )
 
 PAPER_BUCKETS = (0, 5000, 10000)  # the paper's Table 3: < 5k, 5k–9.9k, 10k+ ads generated
@@ -263,7 +263,7 @@ def run_study(
     for i, b in bases.items():
         out[i]["vs_full_precision"] = {
             "variant": variants[b].name,
-            "sid_overlap": sid_overlap(found[i].sids, found[b].sids,
+            "sid_overlap": sids_kept(found[i].sids, found[b].sids,
                                        sorted({min(100, beams[-1]), beams[-1]}), draws),
             **paired_difference(np.asarray(found[i].rank, np.int64),
                                 np.asarray(found[b].rank, np.int64), ks, draws),

@@ -74,7 +74,7 @@ def paired_difference(
     return out
 
 
-def sid_overlap(
+def sids_kept(
     got: Sequence[np.ndarray], base: Sequence[np.ndarray], ks: Sequence[int], draws: np.ndarray
 ) -> dict[str, dict[str, float]]:
     """{"@K": interval of the per-user share of base's top-K SIDs that `got`'s top K

@@ -19,7 +19,7 @@ import logging
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +170,12 @@ def validation_loss(
     return total / n
 
 
+def _same_run(saved: dict[str, Any], settings: TrainSettings) -> bool:
+    """Whether a saved state's settings are these; a field the state predates (such as
+    `precision`) counts as its default."""
+    return {**asdict(TrainSettings()), **saved} == asdict(settings)
+
+
 def _lr(step: int, total: int, s: TrainSettings) -> float:
     if step < s.warmup_steps:
         return s.lr * (step + 1) / s.warmup_steps
@@ -213,7 +219,7 @@ def train(
     best: dict[str, Any] | None = None  # the weights of the best epoch so far
     if state_file.exists():
         state = torch.load(state_file, map_location=settings.device, weights_only=False)
-        if state["settings"] != asdict(settings) or state["tokenizer"] != space:
+        if not _same_run(state["settings"], settings) or state["tokenizer"] != space:
             raise ValueError(f"{work} holds a run with other settings; remove it to start over")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -241,15 +247,23 @@ def train(
              settings.precision, len(examples), total,
              settings.batch_size, settings.epochs)  # fmt: skip
 
+    def make(pairs: np.ndarray) -> Batch:
+        """A batch, built on the prefetch thread; page-locked for the GPU, so that its
+        copy does not wait for the steps before it."""
+        batch = examples.batch(pairs)
+        if on_cuda:
+            batch = replace(batch, features=batch.features.pin_memory(),
+                            target_sid=batch.target_sid.pin_memory())  # fmt: skip
+        return batch
+
     def learn(batch: Batch) -> torch.Tensor:
         """One AdamW step on a batch; its loss, still on the device."""
+        features = batch.features.to(settings.device, non_blocking=True)
+        target = batch.target_sid.to(settings.device, non_blocking=True)
         with autocast(settings.device, settings.precision):
-            logits = model.forward_train(
-                batch.features.to(settings.device), batch.target_sid.to(settings.device)
-            )
+            logits = model.forward_train(features, target)
             loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, config.vocab_size).float(),
-                batch.target_sid.reshape(-1).to(logits.device),
+                logits.reshape(-1, config.vocab_size).float(), target.reshape(-1)
             )
         for g in opt.param_groups:
             g["lr"] = _lr(step, total, settings)
@@ -262,14 +276,14 @@ def train(
     t0 = time.perf_counter()
     model.train()
     losses: list[float] = []
-    pending: list[torch.Tensor] = []  # read back every 50 steps: no device sync per step
+    pending: list[torch.Tensor] = []  # losses, read back every 50 steps (a device sync)
     report = ProgressLog(log, step, total, enabled=not progress)
     bar = tqdm(total=total, initial=step, desc="train", disable=not progress)
     while step < total:
         epoch, offset = divmod(step, per_epoch)
         rng = np.random.default_rng([settings.seed, epoch])
         order = list(examples.epoch(settings.batch_size, rng))[offset:]
-        with contextlib.closing(prefetch(order, examples.batch)) as batches:
+        with contextlib.closing(prefetch(order, make)) as batches:
             for batch in batches:
                 pending.append(learn(batch))
                 step += 1

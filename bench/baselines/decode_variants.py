@@ -78,11 +78,11 @@ class VariantStep(DecoderStep):
         per_beam = self.options.cross == "per_beam"
         return cross_attention_per_beam(q, k, v) if per_beam else cross_attention(q, k, v)
 
-    def ffn_up(self, x, i, layer, shift):
+    def ffn_up(self, x, layer, shift):
         if self.gelu_epilogue and self.options.ffn_up == "triton":
             h = layer_norm(x, layer.norm_ffn.weight, layer.norm_ffn.bias, layer.norm_ffn.eps, shift)
             return gelu_linear_triton(h, layer.ffn_up.weight, layer.ffn_up.bias)
-        return super().ffn_up(x, i, layer, shift)
+        return super().ffn_up(x, layer, shift)
 
 
 class LayerByLayerStep:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from kernels.cross_attention import cross_attention
-from kernels.fp8 import Fp8Weight, fp8_gemm, fp8_matmul
+from kernels.fp8 import Fp8Weight, check_fp8_device, fp8_gemm, fp8_matmul
 from kernels.gelu_fp8 import gelu_fp8
 from kernels.gelu_linear import gelu_linear
 from kernels.layer_norm import layer_norm, layer_norm_fp8
@@ -67,8 +67,12 @@ class DecoderStep:
         # per layer, the FP8 weights of its linear layers by name (None: the model's dtype)
         self.fp8: list[dict[str, Fp8Weight]] | None = None
         if fp8:
-            self.fp8 = [{name: Fp8Weight.of(getattr(layer, name).weight) for name in _FP8_LINEARS}
-                        for layer in decoder.layers]  # fmt: skip
+            check_fp8_device(decoder.tok_emb.device)
+            self.fp8 = [
+                {n: Fp8Weight.of(getattr(layer, n).weight) for n in _FP8_LINEARS
+                 if not (i == 0 and n == "qkv")}  # layer 0's QKV is the table above
+                for i, layer in enumerate(decoder.layers)
+            ]  # fmt: skip
         c = decoder.config
         first = decoder.layers[0]
         # [sid_length, vocab + 1, 3·H·d_h]: layer 0's QKV for every (position, token)
@@ -98,9 +102,7 @@ class DecoderStep:
     def cross(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return cross_attention(q, k, v)
 
-    def ffn_up(
-        self, x: torch.Tensor, i: int, layer: DecoderLayer, shift: torch.Tensor
-    ) -> torch.Tensor:
+    def ffn_up(self, x: torch.Tensor, layer: DecoderLayer, shift: torch.Tensor) -> torch.Tensor:
         """The FFN's activated up-projection of LN(x + shift) (not in FP8: `ffn_fp8`)."""
         h = _ln(x, layer.norm_ffn, shift)
         if self.gelu_epilogue:  # one GEMM: bias + tanh-GELU in its epilogue
@@ -162,5 +164,5 @@ class DecoderStep:
             if self.fp8 is not None:
                 self.ffn_fp8(x, i, layer, at_ffn)
             else:
-                x.addmm_(self.ffn_up(x, i, layer, at_ffn), layer.ffn_down.weight.t())
+                x.addmm_(self.ffn_up(x, layer, at_ffn), layer.ffn_down.weight.t())
         return d.head(_ln(x, d.norm, self.final_shift))

@@ -27,6 +27,7 @@ import torch
 from contracts.request import FilterMode, Scoring
 from contracts.targeting import MAX_REQUEST_LOCATIONS, encode_requests
 from contracts.tensors import RequestTensors
+from kernels.fp8 import check_fp8_device
 from service.capture import bucket_of
 from service.model.feature_packing import pack_features, unpack_features
 from service.model.features import FeatureBatch, UserFeatures, prepare_features
@@ -81,10 +82,8 @@ class Stages:
         self.device = torch.device(device)
         self.scoring: Scoring = scoring
         self.cuda = self.device.type == "cuda"
-        if fp8 and self.cuda and torch.cuda.get_device_capability(self.device) < (8, 9):
-            name = torch.cuda.get_device_name(self.device)
-            raise ValueError(f"dtype fp8 needs a GPU with FP8 (compute capability 8.9 or "
-                             f"newer: Ada, Hopper); {name} is not one")  # fmt: skip
+        if fp8:  # before any model loads
+            check_fp8_device(self.device)
         self.fp8 = fp8
         every_size = tuple(range(1, max_batch + 1))  # CPU: no padding
         self.buckets = (graph_buckets(max_batch, GRAPH_BUCKETS if buckets is None else buckets)

@@ -15,12 +15,14 @@ from service.mps import ENV
 
 
 def fake_control(bin_dir: Path, log: Path, fail: bool = False) -> None:
-    """A `nvidia-cuda-mps-control` that appends 'ARGS|STDIN|PIPE_DIR' to `log`."""
+    """A `nvidia-cuda-mps-control` that appends 'ARGS|STDIN|PIPE_DIR' to `log`, and
+    '|CUDA_VISIBLE_DEVICES' when that is set (a daemon of one GPU of several)."""
     exe = bin_dir / "nvidia-cuda-mps-control"
     exe.write_text(
         "#!/bin/sh\n"
         'if [ "$1" = "-d" ]; then in=; else in=$(cat); fi\n'
-        f'echo "$*|$in|$CUDA_MPS_PIPE_DIRECTORY" >> {log}\n'
+        f'echo "$*|$in|$CUDA_MPS_PIPE_DIRECTORY${{CUDA_VISIBLE_DEVICES:+|$CUDA_VISIBLE_DEVICES}}"'
+        f" >> {log}\n"
         + ('echo "An instance of this daemon is already running" >&2; exit 1\n' if fail else "")
     )
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
@@ -33,7 +35,7 @@ def control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     log = tmp_path / "calls.log"
     fake_control(bin_dir, log)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    for k in ENV:
+    for k in (*ENV, "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(k, raising=False)
     probe = bin_dir / "probe.py"  # attaches: logs what it was given
     probe.write_text(

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = REPO / "deploy" / "compose"
 COMPOSE = COMPOSE_DIR / "compose.yaml"
 COMPOSE_GPU = COMPOSE_DIR / "compose.gpu.yaml"
-COMPOSE_GPUS = COMPOSE_DIR / "compose.gpus.yaml"  # every GPU of the host, on top of the above
+COMPOSE_GPUS = COMPOSE_DIR / "compose.gpus.yaml"  # every GPU of the host, instead of the above
 DASHBOARD = REPO / "deploy" / "monitoring" / "grafana" / "grace-dashboard.json"
 VARIANTS = ("cpu", "gpu")
 
@@ -596,7 +596,7 @@ def test_the_dashboard_uses_the_provisioned_datasource() -> None:
 
 
 @pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_GPU],
-                                   [COMPOSE, COMPOSE_GPU, COMPOSE_GPUS]],
+                                   [COMPOSE, COMPOSE_GPUS]],
                          ids=["cpu", "gpu", "gpus"])  # fmt: skip
 def test_every_healthcheck_is_a_shell_command(files: list[Path]) -> None:
     # podman's Docker API (docker-compose over podman.socket) breaks exec-form tests;
@@ -609,7 +609,7 @@ def test_every_healthcheck_is_a_shell_command(files: list[Path]) -> None:
         assert shlex.split(test[1]), (name, test)  # one well-quoted shell command line
 
 
-@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU, COMPOSE_GPUS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPUS], ids=lambda p: p.name)
 def test_no_top_level_name(path: Path) -> None:
     # docker-compose 1.29 (Debian's) rejects it; the project name is the directory's or -p
     assert "name" not in yaml.safe_load(path.read_text())
@@ -640,19 +640,22 @@ def test_gpu_override_reserves_a_gpu_for_the_cuda_image(monkeypatch) -> None:
 
 
 def test_gpus_override_gives_the_server_every_gpu_with_workers_on_each(monkeypatch) -> None:
-    """compose.gpus.yaml: all the host's GPUs, GRACE_WORKERS workers per GPU (placement
-    is `grace serve`'s: service/placement.py); the builder still needs none."""
-    doc = compose(COMPOSE, COMPOSE_GPU, COMPOSE_GPUS)
-    server = doc["services"]["server"]
+    """compose.gpus.yaml (instead of compose.gpu.yaml: merging the two could keep both
+    device requests): all the host's GPUs, GRACE_WORKERS workers per GPU (placement is `grace
+    serve`'s: service/placement.py); the builder is the CUDA image and needs no GPU."""
+    doc = compose(COMPOSE, COMPOSE_GPUS)
+    server, builder = doc["services"]["server"], doc["services"]["builder"]
     (device,) = server["deploy"]["resources"]["reservations"]["devices"]
     assert device["count"] == "all" and device["capabilities"] == ["gpu"]
     settings = server_settings(server["environment"], monkeypatch)
     assert settings.device.startswith("cuda") and settings.workers == 3 and settings.gpus is None
-    assert "deploy" not in doc["services"]["builder"]
+    assert "deploy" not in builder
+    assert server["image"] == builder["image"] == "grace-serving:gpu"
+    assert server["build"]["args"]["VARIANT"] == builder["build"]["args"]["VARIANT"] == "gpu"
 
 
 @pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_GPU],
-                                   [COMPOSE, COMPOSE_GPU, COMPOSE_GPUS]],
+                                   [COMPOSE, COMPOSE_GPUS]],
                          ids=["cpu", "gpu", "gpus"])  # fmt: skip
 def test_compose_files_follow_the_compose_specification(files: list[Path]) -> None:
     checker = tool("check-jsonschema")
@@ -669,7 +672,7 @@ def test_docker_compose_v1_accepts_the_stack(tmp_path: Path) -> None:
     docker_compose = tool("docker-compose")
     if docker_compose is None:
         pytest.skip("docker-compose not installed (apt-get install docker-compose)")
-    for files in ([COMPOSE], [COMPOSE, COMPOSE_GPU], [COMPOSE, COMPOSE_GPU, COMPOSE_GPUS]):
+    for files in ([COMPOSE], [COMPOSE, COMPOSE_GPU], [COMPOSE, COMPOSE_GPUS]):
         cmd = [docker_compose, *(a for f in files for a in ("-f", str(f))), "config", "-q"]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -680,7 +683,7 @@ def test_docker_compose_config_accepts_the_stack(tmp_path: Path) -> None:
     plugin = docker and subprocess.run([docker, "compose", "version"], capture_output=True)
     if not plugin or plugin.returncode != 0:
         pytest.skip("the `docker compose` plugin is not installed here (schema checked above)")
-    for files in ([COMPOSE], [COMPOSE, COMPOSE_GPU], [COMPOSE, COMPOSE_GPU, COMPOSE_GPUS]):
+    for files in ([COMPOSE], [COMPOSE, COMPOSE_GPU], [COMPOSE, COMPOSE_GPUS]):
         cmd = [docker, "compose", *(a for f in files for a in ("-f", str(f))), "config", "-q"]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout + proc.stderr

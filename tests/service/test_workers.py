@@ -234,15 +234,18 @@ def test_a_warm_worker_opens_the_port_only_past_the_gate(data: Path) -> None:
         entered.set()
         assert release.wait(120)
 
+    port = free_ports(1)
+
     async def run() -> None:
         starting = asyncio.ensure_future(
-            start(serving_settings(data), bind_when_ready=True, gate=gate)
+            start(serving_settings(data, port=port), bind_when_ready=True, gate=gate)
         )
         assert await asyncio.to_thread(entered.wait, 300)  # warm: at the gate
-        assert not starting.done()  # still not listening
+        assert not await asyncio.to_thread(serving, port)  # nothing listens on the port yet
+        assert not starting.done()
         release.set()
         app = await starting
-        assert app.port > 0 and await asyncio.to_thread(serving, app.port)
+        assert app.port == port and await asyncio.to_thread(serving, port)
         await app.drain()
 
     asyncio.run(run())
@@ -261,6 +264,8 @@ def test_a_broken_gate_stops_the_start_in_one_line(data: Path) -> None:
     before = ours()  # other tests' servers may still be about
     broken = threading.Barrier(2)
     broken.abort()
-    with pytest.raises(StartupError, match="another worker of this host failed to start"):
+    with pytest.raises(
+        StartupError, match="another worker of this host failed to start, or took too long"
+    ):
         asyncio.run(start(serving_settings(data), bind_when_ready=True, gate=broken.wait))
     assert ours() <= before  # its threads are stopped

@@ -15,7 +15,7 @@ from training.study_stats import (
     paired_difference,
     recall,
     resample_indices,
-    sid_overlap,
+    sids_kept,
 )
 
 
@@ -62,8 +62,8 @@ def test_sid_overlap_is_the_share_of_the_base_top_k_kept() -> None:
     got = [np.array([1, 2, 3]), np.array([9, 8]), np.array([5])]
     base = [np.array([1, 2, 4]), np.array([7, 6]), np.array([], np.int64)]
     draws = resample_indices(3, 50)
-    out = sid_overlap(got, base, (1, 3), draws)
+    out = sids_kept(got, base, (1, 3), draws)
     # user 0: top 1 kept (1/1), top 3 two of three; user 1: none; user 2: nothing to lose
     assert out["@1"]["mean"] == pytest.approx((1 + 0 + 1) / 3)
     assert out["@3"]["mean"] == pytest.approx((2 / 3 + 0 + 1) / 3)
-    assert sid_overlap(base, base, (3,), draws)["@3"] == {"mean": 1.0, "lo": 1.0, "hi": 1.0}
+    assert sids_kept(base, base, (3,), draws)["@3"] == {"mean": 1.0, "lo": 1.0, "hi": 1.0}
