@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+if TYPE_CHECKING:
+    from service.model.retriever import GenerativeRetriever
+    from training.data import Examples
 
 PRECISIONS = ("fp32", "bf16")
 Precision = Literal["fp32", "bf16"]
@@ -86,6 +91,39 @@ def prefetch(items: Iterable[X], make: Callable[[X], Y], depth: int = 2) -> Iter
     finally:
         stop.set()
         thread.join()
+
+
+def cosine_lr(step: int, total: int, lr: float, warmup_steps: int) -> float:
+    """The learning rate at `step` of `total`: linear warm-up, then cosine decay to 0."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total - warmup_steps)
+    return lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def validation_loss(
+    model: GenerativeRetriever, examples: Examples, batch_size: int, device: str,
+    precision: Precision,
+) -> float:  # fmt: skip
+    """Mean teacher-forced cross-entropy over the validation events."""
+    import torch
+
+    model.eval()
+    total, n = 0.0, 0
+    users = examples.validation_users
+    with torch.no_grad():
+        for i in range(0, len(users), batch_size):
+            batch = examples.validation(users[i : i + batch_size])
+            target = batch.target_sid.to(device)
+            with autocast(device, precision):
+                logits = model.forward_train(batch.features.to(device), target)
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                    reduction="sum",
+                )  # fmt: skip
+            total, n = total + float(loss), n + target.numel()
+    model.train()
+    return total / n
 
 
 class ProgressLog:

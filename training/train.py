@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
@@ -40,7 +39,15 @@ from service.model.config import ModelConfig, profile
 from service.model.retriever import GenerativeRetriever
 from training.data import Batch, Examples, Histories, evaluable_users
 from training.evaluate import recall_at_k
-from training.steps import Precision, ProgressLog, autocast, check_precision, prefetch
+from training.steps import (
+    Precision,
+    ProgressLog,
+    autocast,
+    check_precision,
+    cosine_lr,
+    prefetch,
+    validation_loss,
+)
 from training.user_data import read_user_data
 
 log = logging.getLogger("grace.train")
@@ -149,38 +156,10 @@ def prepare(
     return histories, tokenizer, build_arrays(catalog, sids)
 
 
-@torch.no_grad()
-def validation_loss(
-    model: GenerativeRetriever, examples: Examples, config: ModelConfig, s: TrainSettings
-) -> float:
-    """Mean teacher-forced cross-entropy over the validation events."""
-    model.eval()
-    total, n = 0.0, 0
-    users = examples.validation_users
-    for i in range(0, len(users), s.batch_size):
-        batch = examples.validation(users[i : i + s.batch_size])
-        with autocast(s.device, s.precision):
-            logits = model.forward_train(batch.features.to(s.device), batch.target_sid.to(s.device))
-            target = batch.target_sid.reshape(-1).to(logits.device)
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, config.vocab_size).float(), target, reduction="sum"
-            )
-        total, n = total + float(loss), n + target.numel()
-    model.train()
-    return total / n
-
-
 def _same_run(saved: dict[str, Any], settings: TrainSettings) -> bool:
     """Whether a saved state's settings are these; a field the state predates (such as
     `precision`) counts as its default."""
     return {**asdict(TrainSettings()), **saved} == asdict(settings)
-
-
-def _lr(step: int, total: int, s: TrainSettings) -> float:
-    if step < s.warmup_steps:
-        return s.lr * (step + 1) / s.warmup_steps
-    progress = (step - s.warmup_steps) / max(1, total - s.warmup_steps)
-    return s.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
 def train(
@@ -266,7 +245,7 @@ def train(
                 logits.reshape(-1, config.vocab_size).float(), target.reshape(-1)
             )
         for g in opt.param_groups:
-            g["lr"] = _lr(step, total, settings)
+            g["lr"] = cosine_lr(step, total, settings.lr, settings.warmup_steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -295,7 +274,15 @@ def train(
                     pending.clear()
                     bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}", epoch=epoch)
                 if epoch_end and len(examples.validation_users):
-                    validation.append(validation_loss(model, examples, config, settings))
+                    validation.append(
+                        validation_loss(
+                            model,
+                            examples,
+                            settings.batch_size,
+                            settings.device,
+                            settings.precision,
+                        )
+                    )
                     bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}", epoch=epoch,
                                     val=f"{validation[-1]:.3f}")  # fmt: skip
                     if best is None or validation[-1] < best["loss"]:
