@@ -5,6 +5,8 @@ environment with one MPS daemon per GPU (a stand-in control binary)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,21 @@ def test_each_gpu_gets_its_own_mps_daemon_and_its_workers_its_environment(
         ("-d", "", pipes[0], "3"), ("-d", "", pipes[2], "7"),
         ("", "quit", pipes[2], "7"), ("", "quit", pipes[0], "3"),
     ]  # fmt: skip
+
+
+def test_serve_names_the_gpus_it_cannot_see_in_one_line(tmp_path: Path) -> None:
+    """`grace serve --device cuda --gpus 1` where no GPU is visible: one line, exit 2,
+    before anything is built or loaded."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, even on a GPU machine
+    done = subprocess.run(
+        [sys.executable, "-m", "cli", "serve", "--device", "cuda", "--gpus", "1",
+         "--data-dir", str(tmp_path), "--port", "50997", "--no-progress"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "grace serve: error: device 'cuda', but this process sees no GPU "
+        "(CUDA_VISIBLE_DEVICES decides which it sees)"
+    ]
+    assert not any(tmp_path.iterdir())  # nothing built
