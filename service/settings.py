@@ -13,10 +13,8 @@ schedules from the environment may be JSON (`[1,64,128,128]`) or comma-separated
 (`1,64,128,128`). `Limits.from_settings` (service/validation.py) derives the request
 limits; nothing downstream reads a setting per request. This module is longer than the
 house's ~300 lines because it is the settings reference: one field per setting, each with
-the description `grace serve --help` prints, and its check.
-
-One schema for every setting, each with the description `grace serve --help` and the
-docs show: long because the settings are many, not because it does several things.
+the description `grace serve --help` prints and the docs show, and its check — long
+because the settings are many, not because it does several things.
 """
 
 from __future__ import annotations
