@@ -1,6 +1,8 @@
-"""The per-row e4m3 quantisation that FP8-emitting Triton kernels share
-(`_triton_layer_norm` with FP8_OUT, `_triton_gelu_fp8`): the same numbers as
-`kernels.fp8.quantize_rows`, computed on the fp32 rows a kernel already holds.
+"""The per-row e4m3 quantisation of the FP8 decoder step on the GPU: `quantize_rows_fp8`,
+which FP8-emitting kernels share (`_triton_layer_norm` with FP8_OUT, `_triton_gelu_fp8`)
+on the fp32 rows they already hold, and `triton_quantize_rows`, one pass over a tensor
+for the inputs no kernel emits in FP8 (the attention outputs) — the same numbers as
+`kernels.fp8.quantize_rows`' torch reference.
 
 Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before
 this module is imported.
@@ -8,8 +10,11 @@ this module is imported.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from kernels._tuning import AUTOTUNE
 
 # globals a @triton.jit function reads must be constexpr (compiled kernels refuse others)
 E4M3_MAX = tl.constexpr(448.0)  # torch.finfo(torch.float8_e4m3fn).max
@@ -24,4 +29,53 @@ def quantize_rows_fp8(y, ok):
     amax = tl.max(tl.where(ok, tl.abs(y), 0.0), axis=1)
     scale = tl.where(amax > 0, tl.maximum(amax / E4M3_MAX, FP32_TINY), 1.0)
     q = tl.minimum(tl.maximum(y / scale[:, None], -E4M3_MAX), E4M3_MAX)
+    return q, scale
+
+
+MAX_K = 16384  # one row in one block
+
+
+def _configs() -> list[triton.Config]:
+    if not AUTOTUNE:
+        return [triton.Config({"ROWS": 2}, num_warps=4)]
+    return [triton.Config({"ROWS": rows}, num_warps=w) for rows in (1, 2, 4, 8) for w in (2, 4, 8)]
+
+
+@triton.autotune(configs=_configs(), key=["K"])
+@triton.jit
+def _quantize_kernel(
+    x_ptr,  # [R, K], last dim contiguous
+    q_ptr,  # e4m3 [R, K], contiguous
+    scale_ptr,  # fp32 [R]
+    R,
+    stride_x,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < R, cols < K
+    ok = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+    q, scale = quantize_rows_fp8(x.to(tl.float32), ok)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=ok)  # fmt: skip
+    tl.store(scale_ptr + rows, scale, mask=row_ok)
+
+
+def triton_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] (last dim contiguous) -> (e4m3 [R, K], fp32 scale [R, 1]) in one pass:
+    what `kernels.fp8.quantize_rows` computes as several torch passes."""
+    r, k = x.shape
+    assert x.stride(1) == 1 and k <= MAX_K, "rows must be contiguous and at most MAX_K wide"
+    q = torch.empty((r, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((r, 1), dtype=torch.float32, device=x.device)
+    if r == 0:
+        return q, scale
+
+    def grid(meta: dict) -> tuple[int]:
+        return (triton.cdiv(r, meta["ROWS"]),)
+
+    _quantize_kernel[grid](x, q, scale, r, x.stride(0), K=k, BLOCK_K=triton.next_power_of_2(k))
     return q, scale

@@ -12,7 +12,8 @@ zeros gets scale 1. The LayerNorm kernel quantises its own output the same way
 (`kernels.layer_norm.layer_norm_fp8`), so the QKV, cross-attention query and FFN up
 projections read FP8 straight from it (`fp8_gemm`), and so does the FFN down projection
 from the bias + GELU kernel (`kernels.gelu_fp8`); the inputs of the two attention output
-projections are still quantised here, in a pass of their own (`fp8_matmul`). The same
+projections are still quantised here, in a pass of their own (`fp8_matmul`; on CUDA one
+Triton kernel, `_triton_fp8.triton_quantize_rows`). The same
 `torch._scaled_mm` call runs on CPU (the numerics CI checks) and on CUDA (cuBLASLt FP8 on
 Hopper); a K or N that is not a multiple of 16 (which cuBLASLt refuses) takes the
 reference: the same quantised numbers multiplied in fp32.
@@ -23,6 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+try:
+    from kernels._triton_fp8 import MAX_K, triton_quantize_rows
+except ImportError:  # no triton on this machine: the reference serves every call
+    MAX_K, triton_quantize_rows = 0, None
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -40,7 +46,15 @@ def check_fp8_device(device: torch.device) -> None:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] -> (e4m3 [R, K], fp32 scale [R, 1]) with x ≈ q · scale per row."""
+    """x [R, K] -> (e4m3 [R, K], fp32 scale [R, 1]) with x ≈ q · scale per row: one
+    Triton pass on CUDA (`_triton_fp8.triton_quantize_rows`), the reference elsewhere."""
+    if triton_quantize_rows is not None and x.is_cuda and x.dim() == 2 and x.shape[1] <= MAX_K:
+        return triton_quantize_rows(x if x.stride(-1) == 1 else x.contiguous())
+    return quantize_rows_reference(x)
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` in torch: amax, scale, divide, clamp, cast."""
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)
     # a row of zeros: scale 1; a row of fp32 denormals must not underflow the scale to 0

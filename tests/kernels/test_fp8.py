@@ -13,7 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from kernels.fp8 import E4M3, E4M3_MAX, Fp8Weight, fp8_matmul, fp8_matmul_reference, quantize_rows
+from kernels._triton_fp8 import triton_quantize_rows
+from kernels.fp8 import (
+    E4M3,
+    E4M3_MAX,
+    Fp8Weight,
+    fp8_matmul,
+    fp8_matmul_reference,
+    quantize_rows,
+    quantize_rows_reference,
+)
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 HALF_ULP = 2.0**-4  # e4m3: 3 mantissa bits, so rounding is within 2^-4 relative (normals)
@@ -36,6 +45,33 @@ def test_every_value_comes_back_within_half_an_e4m3_step(x: np.ndarray) -> None:
     # denormals, whose scale is held at the smallest normal fp32)
     scaled = t.abs().amax(dim=1) >= E4M3_MAX * torch.finfo(torch.float32).tiny
     assert (q.float().abs().amax(dim=1)[scaled] == E4M3_MAX).all()
+
+
+@pytest.mark.usefixtures("exact_fp8_casts")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("r", "k"), [(1, 16), (5, 48), (7, 100)])
+def test_the_one_pass_kernel_equals_the_reference(dtype: torch.dtype, r: int, k: int) -> None:
+    """`triton_quantize_rows` (what CUDA runs, here under TRITON_INTERPRET=1) gives the
+    reference's codes and scales exactly: a max and one division per value, in fp32."""
+    g = torch.Generator().manual_seed(r * k)
+    x = (torch.randn(r, k, generator=g) * torch.logspace(-3, 3, r)[:, None]).to(dtype)
+    x[0, : k // 2] = 0  # a row partly zero
+    q, scale = triton_quantize_rows(x)
+    want_q, want_scale = quantize_rows_reference(x)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+    zeros, denormal = torch.zeros(2, 32), torch.full((1, 32), 1e-44)
+    for edge in (zeros, denormal):
+        got, want = triton_quantize_rows(edge), quantize_rows_reference(edge)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1], want[1])
+
+
+def test_quantize_rows_is_the_reference_off_cuda() -> None:
+    x = torch.randn(4, 24)
+    got, want = quantize_rows(x), quantize_rows_reference(x)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1])
 
 
 def test_a_row_of_zeros_gets_scale_one_and_zeros() -> None:
