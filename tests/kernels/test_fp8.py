@@ -123,3 +123,15 @@ def test_gpu_fp8_matmul_is_the_quantised_product() -> None:
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < 1e-2  # bf16 output rounding only
     assert math.isfinite(rel)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_one_pass_quantiser_equals_the_reference_at_decoder_widths() -> None:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for k in (1024, 2048, 7680):
+        x = torch.randn(4096, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        q, scale = quantize_rows(x)  # the Triton pass on CUDA
+        want_q, want_scale = quantize_rows_reference(x)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), k
+        assert torch.equal(scale, want_scale), k
