@@ -8,6 +8,8 @@ bytes it serves (`load_npy_private`), so nothing done to the files afterwards re
 The manifest carries the format version, index version, creation time, counts, the
 targeting schema, the SID tokenizer fingerprint, the partition (k-way) settings and a
 sha256 of every array file; `read_manifest` checks the type of every key it hands on.
+It is longer than the house's ~300 lines because it is the format's one home: the writer,
+the reader and the manifest's checks must change together.
 
 Arrays (shapes with N ads, E child entries, V location strings, P partitions):
 

@@ -35,6 +35,12 @@ def quantize_rows_fp8(y, ok):
 MAX_K = 16384  # one row in one block
 
 
+def empty_fp8_rows(r: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs an FP8-emitting kernel writes: e4m3 [r, k] and fp32 scales [r, 1]."""
+    q = torch.empty((r, k), dtype=torch.float8_e4m3fn, device=device)
+    return q, torch.empty((r, 1), dtype=torch.float32, device=device)
+
+
 def _configs() -> list[triton.Config]:
     if not AUTOTUNE:
         return [triton.Config({"ROWS": 2}, num_warps=4)]
@@ -69,8 +75,7 @@ def triton_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     what `kernels.fp8.quantize_rows` computes as several torch passes."""
     r, k = x.shape
     assert x.stride(1) == 1 and k <= MAX_K, "rows must be contiguous and at most MAX_K wide"
-    q = torch.empty((r, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((r, 1), dtype=torch.float32, device=x.device)
+    q, scale = empty_fp8_rows(r, k, x.device)
     if r == 0:
         return q, scale
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_fp8 import quantize_rows_fp8
+from kernels._triton_fp8 import empty_fp8_rows, quantize_rows_fp8
 from kernels._tuning import AUTOTUNE
 
 MAX_N = 16384  # one row in one block
@@ -73,8 +73,7 @@ def triton_gelu_fp8(
     r, n = h.shape
     assert h.stride(1) == 1 and n <= MAX_N, "rows must be contiguous and at most MAX_N wide"
     assert bias.shape == (n,)
-    q = torch.empty((r, n), dtype=torch.float8_e4m3fn, device=h.device)
-    scale = torch.empty((r, 1), dtype=torch.float32, device=h.device)
+    q, scale = empty_fp8_rows(r, n, h.device)
     if r == 0:
         return q, scale
 

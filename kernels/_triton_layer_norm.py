@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_fp8 import quantize_rows_fp8
+from kernels._triton_fp8 import empty_fp8_rows, quantize_rows_fp8
 from kernels._tuning import AUTOTUNE
 
 MAX_D = 16384  # one row in one block
@@ -93,8 +93,7 @@ def triton_layer_norm_fp8(
     shift: torch.Tensor | None = None,  # fp32 [D]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, D], fp32 scale [R, 1]
     """`LN(x + shift)` quantised per row for an FP8 GEMM (`kernels/fp8.py`)."""
-    y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    y, scale = empty_fp8_rows(*x.shape, x.device)
     _launch(x, weight, bias, eps, shift, y, scale)
     return y, scale
 

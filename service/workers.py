@@ -76,11 +76,9 @@ def slots(settings: ServerSettings) -> list[Slot]:
     return placed
 
 
-def worker_settings(settings: ServerSettings, slot: Slot | int) -> ServerSettings:
+def worker_settings(settings: ServerSettings, slot: Slot) -> ServerSettings:
     """A worker's settings: a single server, with its own metrics port; on one GPU of
     several, `cuda:0` (the only device it sees)."""
-    if isinstance(slot, int):
-        slot = Slot(slot, None, None)
     metrics = settings.metrics_port + slot.worker if settings.metrics_port else 0
     update: dict[str, object] = {"workers": 1, "metrics_port": metrics, "gpus": None}
     if slot.serves_on is not None:

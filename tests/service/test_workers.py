@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.client import request_for_user
 from service.mps import CONTROL
+from service.placement import Slot
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.settings import load_settings
 from service.workers import worker_settings
@@ -81,9 +82,11 @@ def counter(text: str, name: str, must: str = "") -> float:
 
 def test_worker_settings_are_single_servers_with_their_own_metrics_port() -> None:
     s = load_settings({"workers": 3, "port": 50051, "metrics_port": 9464})
-    assert [worker_settings(s, i).metrics_port for i in range(3)] == [9464, 9465, 9466]
-    assert {worker_settings(s, i).workers for i in range(3)} == {1}
-    assert worker_settings(load_settings({"workers": 2, "metrics_port": 0}), 1).metrics_port == 0
+    cpu = [Slot(i, None, None) for i in range(3)]
+    assert [worker_settings(s, w).metrics_port for w in cpu] == [9464, 9465, 9466]
+    assert {worker_settings(s, w).workers for w in cpu} == {1}
+    free = load_settings({"workers": 2, "metrics_port": 0})
+    assert worker_settings(free, cpu[1]).metrics_port == 0
     with pytest.raises(ValueError, match="fixed port"):
         load_settings({"workers": 2, "port": 0})
     with pytest.raises(ValueError, match="workers"):
