@@ -7,8 +7,10 @@
 #   bench/study.sh OUT_DIR [DEVICE] [EPOCHS]          e.g. bench/study.sh /tmp/study cuda 1
 # Knobs (env): ADS (1,000,000), USERS (50,000), EVAL_USERS (5,000), PROFILE (demo model),
 # BEAMS ("1 512 1024 1024", the paper's), WORK (/tmp/grace-study: the world, model and
-# index, kept between runs), PYTHON. Writes OUT_DIR/train.json, OUT_DIR/eval_study.json
-# and OUT_DIR/plots/*.png; each step starts with a "study: grace STEP at TIME" line on stderr,
+# index, kept between runs), FP8 (1: then also decode FP8_USERS (2,000) users with CD only and
+# CD+GTM in FP8 beside full precision, `grace eval --fp8`, docs/FP8.md), PYTHON.
+# Writes OUT_DIR/train.json, OUT_DIR/eval_study.json (OUT_DIR/eval_fp8.json) and
+# OUT_DIR/plots/*.png; each step starts with a "study: grace STEP at TIME" line on stderr,
 # a finished step is skipped on a rerun and `grace train` resumes its last state, so the
 # run may span several device calls (docs/EVALUATION.md). A CPU smoke run: ADS=20000 USERS=2000 EVAL_USERS=200
 # PROFILE=tiny BEAMS="1 16 64 64" bench/study.sh /tmp/study-smoke cpu 0.5
@@ -27,7 +29,11 @@ grace() { echo "study: grace $1 at $(date -u +%H:%M:%S)" >&2; "$py" -m cli "$@";
     --batch-size 256 --lr 1e-3 --eval-users 1000 --no-progress | tee "$out/train.json"
 [ -f "$work/index/CURRENT" ] || grace build-index --catalog "$work/world/catalog.parquet" \
     --tokenizer "$work/model/tokenizer" --out "$work/index" --no-progress
-grace eval --world "$work/world" --index "$work/index" --model "$work/model" \
-    --users "$eval_users" --beams "${beams[@]}" --k 10 100 1000 --scoring masked unmasked \
-    --fixed 1000 5000 --kway static --device "$device" --out "$out/eval_study.json" \
-    --plots "$out/plots" --no-progress
+[ -f "$out/eval_study.json" ] || grace eval --world "$work/world" --index "$work/index" \
+    --model "$work/model" --users "$eval_users" --beams "${beams[@]}" --k 10 100 1000 \
+    --scoring masked unmasked --fixed 1000 5000 --kway static+dynamic --device "$device" \
+    --out "$out/eval_study.json" --plots "$out/plots" --no-progress
+[ "${FP8:-0}" != 1 ] || [ -f "$out/eval_fp8.json" ] || grace eval --world "$work/world" \
+    --index "$work/index" --model "$work/model" --users "${FP8_USERS:-2000}" \
+    --beams "${beams[@]}" --k 10 100 1000 --scoring masked --kway "" --fp8 --device "$device" \
+    --out "$out/eval_fp8.json" --no-progress
