@@ -417,8 +417,9 @@ def main() -> None:
                     "first) on the CPU")  # fmt: skip
     ap.add_argument("--out", type=Path, help="result JSON (default: bench/results or /tmp)")
     ap.add_argument("--trace", action="store_true",
-                    help="also profile the final configuration (eager) and print its top "
-                    "CUDA kernels by time: where the milliseconds go")  # fmt: skip
+                    help="also profile the final configuration (eager; with the graph_fp8 row "
+                    "its FP8 twin too) and print its top CUDA kernels by time: where the "
+                    "milliseconds go")  # fmt: skip
     a = ap.parse_args()
     distinct = 8  # batches cycled through by every row
     if a.small:
@@ -541,6 +542,8 @@ def main() -> None:
         figures["full_compute"] = full_compute(model, final, batches, beams, a.batches, cuda)
     if a.trace and cuda:
         figures["trace"] = kernel_profile(model, index, batches, beams)
+        if "graph_fp8" in wanted:
+            figures["trace_fp8"] = kernel_profile(model, index, batches, beams, fp8=True)
     figures["targets"] = {"final_p50_ms": 12, "final_p99_ms": 13, "gtm_cost_ms": 0.5}
     print_summary(figures)
     if a.out or a.small or not cuda:
@@ -552,17 +555,19 @@ def main() -> None:
     print(out)
 
 
-def kernel_profile(model, index, batches, beams, top: int = 25) -> list[dict]:
-    """CUDA time per kernel over 5 eager batches of the serving configuration."""
+def kernel_profile(model, index, batches, beams, fp8: bool = False, top: int = 25) -> list[dict]:
+    """CUDA time per kernel over 5 eager batches of the served engine (FP8 or not)."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = Bound(model, index, DecodeOptions(cuda_graph=False), len(batches[0].ctx))
+    engine = DecodeEngine(model.decoder, batch_buckets=(len(batches[0].ctx),), fp8=fp8)
+    engine.cuda_graphs = False  # eager: the profiler names every kernel
+    plans = engine.plan(index.tables, index.level_offsets)
     for b in batches[:2]:
-        engine.run(b.ctx, b.requests, beams, GTM)
+        engine.run(plans, b.ctx, b.requests, beams, GTM)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for b in batches[:5]:
-            engine.run(b.ctx, b.requests, beams, GTM)
+            engine.run(plans, b.ctx, b.requests, beams, GTM)
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: e.device_time_total, reverse=True)
@@ -572,7 +577,7 @@ def kernel_profile(model, index, batches, beams, top: int = 25) -> list[dict]:
          "share": round(e.device_time_total / total, 3), "calls_per_batch": e.count // 5}
         for e in events[:top]
     ]  # fmt: skip
-    print(f"kernel time per batch: {total / 5e3:.3f} ms")
+    print(f"kernel time per batch{' (FP8)' if fp8 else ''}: {total / 5e3:.3f} ms")
     for r in out:
         print(f"  {r['ms_per_batch']:8.3f} ms {r['share']:6.1%} x{r['calls_per_batch']:<4} "
               f"{r['kernel']}")  # fmt: skip

@@ -27,8 +27,10 @@ def quantize_rows_fp8(y, ok):
     ready to cast to e4m3; the fp32 scale [ROWS]: amax / 448, 1 for a zero row, never
     below the smallest normal fp32)."""
     amax = tl.max(tl.where(ok, tl.abs(y), 0.0), axis=1)
-    scale = tl.where(amax > 0, tl.maximum(amax / E4M3_MAX, FP32_TINY), 1.0)
-    q = tl.minimum(tl.maximum(y / scale[:, None], -E4M3_MAX), E4M3_MAX)
+    # IEEE division (div_rn), as torch divides: compiled Triton's `/` is the approximate
+    # one (2 ulp), which moves values across e4m3 rounding ties now and then
+    scale = tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, E4M3_MAX), FP32_TINY), 1.0)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale[:, None]), -E4M3_MAX), E4M3_MAX)
     return q, scale
 
 

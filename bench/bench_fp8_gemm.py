@@ -1,0 +1,153 @@
+"""The FP8 step's pieces at the paper decoder's shapes (docs/FP8.md, issue #22), against the
+bf16 ops they replace, measured in one run: where the FP8 decode loop gains and loses.
+
+Per linear layer of a decoder layer (QKV, self-attention out, cross-attention query and
+out, FFN up and down) at R rows (8 192: one part of a split step; 16 384: one batch of 16
+at 1 024 beams), with the GEMM's median time and TFLOP/s:
+  * bf16: what the served bf16 step runs (`addmm`: the bias, or the residual with beta 1);
+  * fp8_rowwise: `torch._scaled_mm` with a scale per row and per output channel (what the
+    FP8 step runs), bf16 out; `+bias` with the bias given to `_scaled_mm`;
+  * fp8_tensorwise: one scale per operand (coarser numbers, the GEMM's speed of light);
+  * the FP8 step's per-layer extras: the residual add after the GEMM (no beta in
+    `_scaled_mm`), the separate quantise pass of the attention outputs.
+And the producers: the LayerNorm kernel writing bf16 vs e4m3 + scale, the up projection's
+bias + GELU + quantise kernel vs the bf16 step's GELU in the GEMM's epilogue.
+
+GPU times are `triton.testing.do_bench` medians (L2 flushed between calls).
+
+    python bench/bench_fp8_gemm.py          # H200 -> bench/results/fp8_gemm_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import write_result
+from kernels.fp8 import Fp8Weight, quantize_rows
+from kernels.gelu_fp8 import gelu_fp8
+from kernels.layer_norm import layer_norm, layer_norm_fp8
+from service.model.config import profile
+
+ROWS = (8192, 16384)
+DEVICE = "cuda"  # a CPU smoke test of the arithmetic sets "cpu"
+
+
+def ms(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100))
+
+
+def layers(d_model: int, d_attn: int, d_ff: int) -> list[tuple[str, int, int, str]]:
+    """(name, K, N, what the bf16 step adds: "bias" or "residual")."""
+    return [("qkv", d_model, 3 * d_attn, "bias"), ("self_out", d_attn, d_model, "residual"),
+            ("cross_q", d_model, d_attn, "bias"), ("cross_out", d_attn, d_model, "residual"),
+            ("ffn_up", d_model, d_ff, "bias"), ("ffn_down", d_ff, d_model, "residual")]  # fmt: skip
+
+
+def gemm_rows(r: int, name: str, k: int, n: int, adds: str) -> dict:
+    dev, bf = DEVICE, torch.bfloat16
+    x = torch.randn(r, k, device=dev, dtype=bf)
+    w = (torch.randn(n, k, device=dev) / k**0.5).to(bf)
+    b = torch.randn(n, device=dev, dtype=bf)
+    res = torch.randn(r, n, device=dev, dtype=bf)
+    fw = Fp8Weight.of(w)
+    xq, xs = quantize_rows(x)
+    wq_t = w.float().abs().amax().div(448.0).reshape(())  # tensorwise scales
+    xq_t = (x.float() / x.float().abs().amax().div(448.0)).to(torch.float8_e4m3fn)
+    wq8_t = (w.float() / wq_t).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=dev)
+
+    def rowwise(bias=None):
+        return torch._scaled_mm(xq, fw.q.t(), scale_a=xs, scale_b=fw.scale, bias=bias,
+                                out_dtype=bf)  # fmt: skip
+
+    flops = 2.0 * r * k * n
+    row = {"rows": r, "layer": name, "k": k, "n": n}
+    if adds == "bias":
+        row["bf16_ms"] = ms(lambda: torch.addmm(b, x, w.t()))
+    else:
+        row["bf16_ms"] = ms(lambda: res.addmm_(x, w.t()))
+    row["fp8_rowwise_ms"] = ms(rowwise)
+    try:
+        row["fp8_rowwise_bias_ms"] = ms(lambda: rowwise(b))
+    except RuntimeError as e:  # a torch without bias on the rowwise path
+        row["fp8_rowwise_bias_error"] = str(e).splitlines()[0][:200]
+    row["fp8_tensorwise_ms"] = ms(lambda: torch._scaled_mm(
+        xq_t, wq8_t.t(), scale_a=one, scale_b=wq_t, out_dtype=bf))  # fmt: skip
+    out = rowwise()
+    if adds == "bias":
+        row["bias_add_ms"] = ms(lambda: out + b)
+    else:
+        row["residual_add_ms"] = ms(lambda: res.add_(out))
+        row["quantise_input_ms"] = ms(lambda: quantize_rows(x))
+    for key in ("bf16_ms", "fp8_rowwise_ms", "fp8_tensorwise_ms"):
+        row[key.replace("_ms", "_tflops")] = round(flops / row[key] / 1e9, 1)
+    return row
+
+
+def producer_rows(r: int, d_model: int, d_ff: int) -> list[dict]:
+    from kernels.gelu_linear import gelu_linear
+
+    dev, bf = DEVICE, torch.bfloat16
+    x = torch.randn(r, d_model, device=dev, dtype=bf)
+    g, beta = torch.ones(d_model, device=dev, dtype=bf), torch.zeros(d_model, device=dev, dtype=bf)
+    shift = torch.zeros(d_model, device=dev)
+    h = torch.randn(r, d_ff, device=dev, dtype=bf)
+    bias = torch.randn(d_ff, device=dev, dtype=bf)
+    w = (torch.randn(d_ff, d_model, device=dev) / d_model**0.5).to(bf)
+    fw = Fp8Weight.of(w)
+    xq, xs = quantize_rows(x)
+    return [
+        {"rows": r, "op": "layer_norm bf16", "ms": ms(lambda: layer_norm(x, g, beta, 1e-5, shift))},
+        {"rows": r, "op": "layer_norm -> e4m3 + scale",
+         "ms": ms(lambda: layer_norm_fp8(x, g, beta, 1e-5, shift))},
+        {"rows": r, "op": "ffn_up bf16 GEMM + bias + GELU epilogue (served bf16)",
+         "ms": ms(lambda: gelu_linear(x, w, bias))},
+        {"rows": r, "op": "ffn_up FP8 GEMM (bf16 out)",
+         "ms": ms(lambda: torch._scaled_mm(xq, fw.q.t(), scale_a=xs, scale_b=fw.scale,
+                                            out_dtype=bf))},
+        {"rows": r, "op": "bias + GELU -> e4m3 + scale (gelu_fp8)",
+         "ms": ms(lambda: gelu_fp8(h, bias, True))},
+    ]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="paper")
+    ap.add_argument("--out", type=Path, help="result JSON (default: bench/results)")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_fp8_gemm: needs a CUDA GPU with FP8 (Ada, Hopper)")
+    c = profile(a.profile)
+    gemms, producers = [], []
+    for r in ROWS:
+        for name, k, n, adds in layers(c.d_model, c.d_attn, c.d_ff):
+            try:
+                row = gemm_rows(r, name, k, n, adds)
+            except Exception:  # one failing shape must not cost the others
+                traceback.print_exc()
+                continue
+            gemms.append(row)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()},
+                  flush=True)  # fmt: skip
+        try:
+            for row in producer_rows(r, c.d_model, c.d_ff):
+                producers.append(row)
+                print(f"{r:>6} {row['op']:<58} {row['ms']:.4f} ms", flush=True)
+        except Exception:
+            traceback.print_exc()
+    figures = {"profile": a.profile, "gemms": gemms, "producers": producers}
+    print(write_result("fp8_gemm_h200", figures, a.out))
+
+
+if __name__ == "__main__":
+    main()
