@@ -18,7 +18,7 @@ from contracts.request import SCORINGS
 from contracts.sid_space import LAST_TOKENS
 from training.steps import PRECISIONS
 
-EVAL_FORMAT_VERSION = 2  # of `grace eval --out` (docs/EVALUATION.md, "The report")
+EVAL_FORMAT_VERSION = 3  # of `grace eval --out` (docs/EVALUATION.md, "The report")
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -82,6 +82,8 @@ class _PerUser:
     generated: list[int] = field(default_factory=list)
     passed: dict[str, list[int]] = field(default_factory=lambda: {c: [] for c in CHECKS})
     eligible_returned: list[int] = field(default_factory=list)
+    # returned ads outside this module's own exact check of the generated ads: must be 0
+    ineligible_returned: list[int] = field(default_factory=list)
     rank: list[int] = field(default_factory=list)  # of the held-out ad; -1 when not returned
     final_first: dict[int, list[int]] = field(default_factory=dict)  # N -> finals in first N
     sids: list[np.ndarray] = field(default_factory=list)  # generated SID leaves, best first
@@ -151,6 +153,7 @@ def _summary(
         "fp8": v.fp8,
         **overall,
         "eligible_ads_per_user": float(np.mean(u.eligible_returned)) if n else 0.0,
+        "ineligible_returned": int(sum(u.ineligible_returned)),
         **{f"recall@{k}": float(recall(ranks, k).mean()) if n else 0.0 for k in ks},
         "metrics": metric_table(ranks, ks, draws),
         "recall_curve": {
@@ -252,6 +255,8 @@ def run_study(
                     finals.append(int(checks["final"][:size].sum()))
                 (post,) = retriever.post([(leaves, scores)], [t], max(ks))
                 per_user.eligible_returned.append(post.ads_eligible)
+                passed = ads.ad_ids[rows[checks["final"]]]  # numpy's verdict, not the C++ one
+                per_user.ineligible_returned.append(int((~np.isin(post.ad_ids, passed)).sum()))
                 rank = np.flatnonzero(post.ad_ids == target)
                 per_user.rank.append(int(rank[0]) if len(rank) else -1)
             bar.update(len(batch.users))

@@ -112,13 +112,14 @@ def test_fp8_variants_keep_the_filters_effect_and_exactness(report) -> None:
 
 
 def test_the_report_has_its_documented_schema(report) -> None:
-    assert report["format"] == "grace.eval" and report["format_version"] == 2
+    assert report["format"] == "grace.eval" and report["format_version"] == 3
     assert report["users"] == 64 and report["ks"] == [10, 32] and report["beams"] == [1, 16, 32, 32]
     for i, r in enumerate(report["variants"]):
         assert r["mode"] in {"cd_only", "cd_gtm", "cd_gtm_kway"}
         assert r["scoring"] in {"masked", "unmasked"}
         assert r["fp8"] is r["variant"].endswith("_fp8")
         assert r["users"] == 64
+        assert r["ineligible_returned"] == 0  # the post stage's answers pass numpy's check
         assert 0 <= r["final_pass"] <= min(r["bitmask_pass"], r["location_pass"]) <= 1
         assert r["location_pass"] <= r["bloom_pass"] + 1e-12  # Bloom is conservative
         c = r["counts"]
@@ -207,6 +208,27 @@ def test_the_bucket_table_equals_a_brute_force_count(setup) -> None:
         for label, b in row["buckets"].items()
     }  # fmt: skip
     assert got == {label: dict(cell) for label, cell in brute.items()}
+
+
+def test_an_ineligible_returned_ad_is_counted(setup, monkeypatch) -> None:
+    """`ineligible_returned` checks the C++ post stage against the study's own exact check
+    of the generated ads: a post stage that lets one more ad through per request — an id
+    outside the exactly eligible generated ones — is caught, once per request."""
+    loaded = load_checkpoint(setup["model"])
+    arrays = validate_index(resolve(setup["index"]), expect_tokenizer=loaded.sid_space).arrays
+    world = load_world(setup["world"])
+    examples = Examples(world, SidLookup.from_ads(arrays.ads), loaded.config)
+    users = np.arange(0, world.n_users, 25)
+    real_post, stranger = OfflineRetriever.post, int(arrays.ads.ad_ids.max()) + 1
+
+    def leaky_post(self, generated, targeting, max_ads):
+        return [dataclasses.replace(r, ad_ids=np.append(r.ad_ids, stranger))
+                for r in real_post(self, generated, targeting, max_ads)]  # fmt: skip
+
+    monkeypatch.setattr(OfflineRetriever, "post", leaky_post)
+    (row,) = run_study(loaded.model, examples, [Variant("cd_gtm", arrays, FilterMode.CD_GTM)],
+                       users, tuple(map(int, BEAMS)), (10,), resamples=10, progress=False)  # fmt: skip
+    assert row["ineligible_returned"] == len(users)
 
 
 def test_plots_without_matplotlib_fail_in_one_line_before_decoding(setup, monkeypatch, capsys):
