@@ -226,8 +226,10 @@ def test_an_ineligible_returned_ad_is_counted(setup, monkeypatch) -> None:
                 for r in real_post(self, generated, targeting, max_ads)]  # fmt: skip
 
     monkeypatch.setattr(OfflineRetriever, "post", leaky_post)
-    (row,) = run_study(loaded.model, examples, [Variant("cd_gtm", arrays, FilterMode.CD_GTM)],
-                       users, tuple(map(int, BEAMS)), (10,), resamples=10, progress=False)  # fmt: skip
+    gtm = Variant("cd_gtm", arrays, FilterMode.CD_GTM)
+    beams = tuple(map(int, BEAMS))
+    (row,) = run_study(loaded.model, examples, [gtm], users, beams, (10,), resamples=10,
+                       progress=False)  # fmt: skip
     assert row["ineligible_returned"] == len(users)
 
 
