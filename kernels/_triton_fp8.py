@@ -22,16 +22,26 @@ FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # the smallest normal fp32
 
 
 @triton.jit
+def fp8_row_scale(amax):
+    """Per-row e4m3 scales from the rows' amax [ROWS]: amax / 448, 1 for a zero row, never
+    below the smallest normal fp32. IEEE division (div_rn), as torch divides: compiled
+    Triton's `/` is the approximate one (2 ulp), which moves values across e4m3 rounding
+    ties now and then."""
+    return tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, E4M3_MAX), FP32_TINY), 1.0)
+
+
+@triton.jit
+def fp8_scaled(y, scale):
+    """fp32 rows y [ROWS, BLOCK] / their scale [ROWS], clamped to ±448: ready to cast."""
+    return tl.minimum(tl.maximum(tl.math.div_rn(y, scale[:, None]), -E4M3_MAX), E4M3_MAX)
+
+
+@triton.jit
 def quantize_rows_fp8(y, ok):
     """fp32 rows y [ROWS, BLOCK] (`ok`: the real elements) -> (y / scale clamped to ±448,
-    ready to cast to e4m3; the fp32 scale [ROWS]: amax / 448, 1 for a zero row, never
-    below the smallest normal fp32)."""
-    amax = tl.max(tl.where(ok, tl.abs(y), 0.0), axis=1)
-    # IEEE division (div_rn), as torch divides: compiled Triton's `/` is the approximate
-    # one (2 ulp), which moves values across e4m3 rounding ties now and then
-    scale = tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, E4M3_MAX), FP32_TINY), 1.0)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale[:, None]), -E4M3_MAX), E4M3_MAX)
-    return q, scale
+    ready to cast to e4m3; the fp32 scale [ROWS], `fp8_row_scale`)."""
+    scale = fp8_row_scale(tl.max(tl.where(ok, tl.abs(y), 0.0), axis=1))
+    return fp8_scaled(y, scale), scale
 
 
 MAX_K = 16384  # one row in one block

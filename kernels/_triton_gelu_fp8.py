@@ -6,7 +6,8 @@ reads that [R, N] output once, adds the bias, applies the model's GELU (tanh or 
 and writes what the down projection's FP8 GEMM reads: each row divided by its scale
 (its amax / 448; 1 for a zero row, never below the smallest normal fp32), clamped to
 ±448 and cast to e4m3, with the scale beside it — no bias add, activation or quantise
-pass of their own. One program holds `ROWS` whole rows (N ≤ MAX_N).
+pass of their own. One program holds `ROWS` rows (N ≤ MAX_N), whole or in column chunks
+(then read twice: once for the amax, once to quantise).
 
 Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before
 this module is imported.
@@ -14,25 +15,46 @@ this module is imported.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_fp8 import empty_fp8_rows, quantize_rows_fp8
+from kernels._triton_fp8 import empty_fp8_rows, fp8_row_scale, fp8_scaled, quantize_rows_fp8
 from kernels._tuning import AUTOTUNE
 
-MAX_N = 16384  # one row in one block
+MAX_N = 16384  # the widest row the launcher takes
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # jit globals must be constexpr
 SQRT_HALF = tl.constexpr(0.7071067811865476)
 
 
-def _configs() -> list[triton.Config]:
+def _configs(n: int) -> list[triton.Config]:
+    """A whole row in one block (one read of h, the row held in registers) or column
+    chunks of 1,024 / 2,048 (two reads, the second mostly from L2, but far fewer registers
+    per thread, so more blocks per SM hide the memory latency): the autotuner picks."""
+    whole = triton.next_power_of_2(n)
     if not AUTOTUNE:
-        return [triton.Config({"ROWS": 1}, num_warps=8)]
-    return [triton.Config({"ROWS": rows}, num_warps=w) for rows in (1, 2, 4) for w in (4, 8, 16)]
+        return [triton.Config({"ROWS": 1, "BLOCK_N": whole}, num_warps=8)]
+    out = [triton.Config({"ROWS": rows, "BLOCK_N": whole}, num_warps=w)
+           for rows in (1, 2, 4) for w in (4, 8, 16)]  # fmt: skip
+    out += [triton.Config({"ROWS": rows, "BLOCK_N": block}, num_warps=w)
+            for block in (1024, 2048) if block < whole
+            for rows in (1, 2, 4) for w in (4, 8)]  # fmt: skip
+    return out
 
 
-@triton.autotune(configs=_configs(), key=["N", "TANH"])
+@triton.jit
+def _gelu(h, bias, TANH: tl.constexpr):
+    """The model's GELU of h + bias in fp32."""
+    x = h.to(tl.float32) + bias.to(tl.float32)[None, :]
+    if TANH:  # 0.5 x (1 + tanh(u)); tanh(|u| > 20) is ±1 in fp32, and exp never overflows
+        u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
+        t = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.abs(u), 20.0)) + 1.0)
+        return 0.5 * x * (1.0 + tl.where(u < 0, -t, t))
+    return 0.5 * x * (1.0 + tl.erf(x * SQRT_HALF))
+
+
 @triton.jit
 def _gelu_fp8_kernel(
     h_ptr,  # [R, N], last dim contiguous
@@ -42,34 +64,56 @@ def _gelu_fp8_kernel(
     R,
     stride_h,
     N: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # >= N: the whole row at once; else column chunks, two passes
     ROWS: tl.constexpr,
     TANH: tl.constexpr,  # tanh-approximated GELU, else erf GELU
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < R, cols < N
-    ok = row_ok[:, None] & col_ok[None, :]
-    h = tl.load(h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :], mask=ok, other=0.0)
-    x = h.to(tl.float32) + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if TANH:  # 0.5 x (1 + tanh(u)); tanh(|u| > 20) is ±1 in fp32, and exp never overflows
-        u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
-        t = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.abs(u), 20.0)) + 1.0)
-        y = 0.5 * x * (1.0 + tl.where(u < 0, -t, t))
-    else:
-        y = 0.5 * x * (1.0 + tl.erf(x * SQRT_HALF))
-    q, scale = quantize_rows_fp8(y, ok)
-    tl.store(q_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], q.to(q_ptr.dtype.element_ty),
-             mask=ok)  # fmt: skip
+    row_ok = rows < R
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
+    q_rows = q_ptr + rows.to(tl.int64)[:, None] * N
+    if BLOCK_N >= N:  # one pass: the row stays in registers between its amax and its codes
+        cols = tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ok = row_ok[:, None] & col_ok[None, :]
+        h = tl.load(h_rows + cols[None, :], mask=ok, other=0.0)
+        y = _gelu(h, tl.load(bias_ptr + cols, mask=col_ok, other=0.0), TANH)
+        q, scale = quantize_rows_fp8(y, ok)
+        tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+    else:  # the row's amax over its chunks, then each chunk again, quantised
+        amax = tl.zeros((ROWS,), tl.float32)
+        for c in tl.range(0, N, BLOCK_N):
+            cols = c + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
+            ok = row_ok[:, None] & col_ok[None, :]
+            h = tl.load(h_rows + cols[None, :], mask=ok, other=0.0)
+            y = _gelu(h, tl.load(bias_ptr + cols, mask=col_ok, other=0.0), TANH)
+            amax = tl.maximum(amax, tl.max(tl.where(ok, tl.abs(y), 0.0), axis=1))
+        scale = fp8_row_scale(amax)
+        for c in tl.range(0, N, BLOCK_N):
+            cols = c + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
+            ok = row_ok[:, None] & col_ok[None, :]
+            h = tl.load(h_rows + cols[None, :], mask=ok, other=0.0)
+            y = _gelu(h, tl.load(bias_ptr + cols, mask=col_ok, other=0.0), TANH)
+            tl.store(q_rows + cols[None, :], fp8_scaled(y, scale).to(q_ptr.dtype.element_ty),
+                     mask=ok)  # fmt: skip
     tl.store(scale_ptr + rows, scale, mask=row_ok)
+
+
+@functools.cache
+def _tuned(n: int) -> triton.runtime.Autotuner:
+    """The kernel autotuned over `_configs(n)` (they depend on the row's width)."""
+    return triton.autotune(configs=_configs(n), key=["N", "TANH"])(_gelu_fp8_kernel)
 
 
 def triton_gelu_fp8(
     h: torch.Tensor,  # [R, N], last dim contiguous
     bias: torch.Tensor,  # [N]
     tanh: bool,
+    config: triton.Config | None = None,  # tests: this config instead of the autotuner's
 ) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, N], fp32 scale [R, 1]
-    """Launch the kernel: `quantize_rows(GELU(h + bias))` in one pass."""
+    """Launch the kernel: `quantize_rows(GELU(h + bias))`, one read of h or two."""
     r, n = h.shape
     assert h.stride(1) == 1 and n <= MAX_N, "rows must be contiguous and at most MAX_N wide"
     assert bias.shape == (n,)
@@ -80,7 +124,7 @@ def triton_gelu_fp8(
     def grid(meta: dict) -> tuple[int]:
         return (triton.cdiv(r, meta["ROWS"]),)
 
-    _gelu_fp8_kernel[grid](
-        h, bias, q, scale, r, h.stride(0), N=n, BLOCK_N=triton.next_power_of_2(n), TANH=tanh
-    )
+    kernel = _tuned(n) if config is None else _gelu_fp8_kernel
+    extra = {} if config is None else {**config.kwargs, "num_warps": config.num_warps}
+    kernel[grid](h, bias, q, scale, r, h.stride(0), N=n, TANH=tanh, **extra)
     return q, scale

@@ -58,7 +58,10 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)
     # a row of zeros: scale 1; a row of fp32 denormals must not underflow the scale to 0
-    scale = torch.where(amax > 0, (amax / E4M3_MAX).clamp_min(_TINY), torch.ones_like(amax))
+    # divided by a tensor, not the Python float: on CUDA torch turns a CPU-scalar divisor
+    # into a multiply by its reciprocal (1 ulp off now and then), and the kernels divide
+    per_code = amax / torch.full_like(amax, E4M3_MAX)
+    scale = torch.where(amax > 0, per_code.clamp_min(_TINY), torch.ones_like(amax))
     q = (xf / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
 
@@ -91,16 +94,24 @@ def fp8_gemm(
     xs: torch.Tensor,  # fp32 [R, 1]
     w: Fp8Weight,
     out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,  # [N], added in the GEMM's epilogue
 ) -> torch.Tensor:
-    """(xq · xs) @ w.T -> [R, N] for activations quantised already (by the kernel that
-    made them: `kernels.layer_norm.layer_norm_fp8`)."""
+    """(xq · xs) @ w.T (+ bias) -> [R, N] for activations quantised already (by the
+    kernel that made them: `kernels.layer_norm.layer_norm_fp8`). The bias rides in the
+    GEMM (cuBLASLt's epilogue on CUDA): a separate add would be one more pass over the
+    output, which costs more than the bias epilogue at the decoder's shapes
+    (docs/FP8.md)."""
     k, n = xq.shape[1], w.q.shape[0]
     if k % _ALIGN or n % _ALIGN:  # any row count is fine; K and N must be multiples of 16
-        return _reference(xq, xs, w).to(out_dtype)
+        out = _reference(xq, xs, w)
+        return (out if bias is None else out + bias.float()).to(out_dtype)
     # cuBLASLt's rowwise-scaled FP8 GEMM writes bf16: other dtypes are cast from it there
     gemm_dtype = torch.bfloat16 if xq.is_cuda else out_dtype
+    if bias is not None:
+        bias = bias.to(gemm_dtype)  # _scaled_mm takes the bias in its output dtype
     # mat2 must be column-major: w.q is [N, K] row-major, so w.q.t() is [K, N] column-major
-    out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale, out_dtype=gemm_dtype)
+    out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale, bias=bias,
+                           out_dtype=gemm_dtype)  # fmt: skip
     return out.to(out_dtype)
 
 

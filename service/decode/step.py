@@ -129,7 +129,7 @@ class DecoderStep:
         if self.fp8 is None:
             return linear(_ln(x, norm, shift))
         q, scale = layer_norm_fp8(x, norm.weight, norm.bias, norm.eps, shift)
-        return fp8_gemm(q, scale, self.fp8[i][name], x.dtype) + linear.bias
+        return fp8_gemm(q, scale, self.fp8[i][name], x.dtype, bias=linear.bias)
 
     def add_projection(
         self, x: torch.Tensor, a: torch.Tensor, i: int, name: str, linear: nn.Linear

@@ -18,6 +18,7 @@ from kernels.fp8 import (
     E4M3,
     E4M3_MAX,
     Fp8Weight,
+    fp8_gemm,
     fp8_matmul,
     fp8_matmul_reference,
     quantize_rows,
@@ -108,6 +109,21 @@ def test_fp8_matmul_is_the_quantised_product(shape: tuple[int, int, int]) -> Non
     rel = ((got - exact).norm() / exact.norm()).item()
     assert 1e-4 < rel < 2 * HALF_ULP  # quantised for real, and no more than e4m3 costs
     assert fp8_matmul(x, weight).dtype == torch.bfloat16  # the default output
+
+
+@pytest.mark.parametrize("shape", [(32, 64, 48), (16, 40, 32)])
+def test_the_bias_is_added_in_the_gemm(shape: tuple[int, int, int]) -> None:
+    """fp8_gemm(..., bias=b) is the quantised product plus b, through `_scaled_mm`'s
+    epilogue (aligned) and the reference (unaligned) alike."""
+    r, k, n = shape
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(r, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n)
+    weight = Fp8Weight.of(w)
+    xq, xs = quantize_rows(x)
+    got = fp8_gemm(xq, xs, weight, torch.float32, bias=b)
+    want = fp8_matmul_reference(x, weight) + b
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(got, fp8_gemm(xq, xs, weight, torch.float32), atol=1e-2)
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from kernels._triton_gelu_fp8 import triton_gelu_fp8
 from kernels.fp8 import quantize_rows
@@ -44,6 +45,20 @@ def test_kernel_equals_reference(dtype: torch.dtype, r: int, n: int, tanh: bool)
 
 
 @pytest.mark.usefixtures("exact_fp8_casts")
+@pytest.mark.parametrize(("rows", "block"), [(1, 32), (2, 16), (4, 64)])
+@pytest.mark.parametrize("tanh", [True, False])
+def test_column_chunks_give_the_one_pass_numbers(rows: int, block: int, tanh: bool) -> None:
+    """The chunked config (the row read twice: amax, then codes) writes the same bytes and
+    scales as a whole row in one block, ragged last chunk and last rows included."""
+    h, bias = inputs(7, 100, torch.bfloat16)
+    whole = triton_gelu_fp8(h, bias, tanh, triton.Config({"ROWS": 1, "BLOCK_N": 128}))
+    chunked = triton_gelu_fp8(h, bias, tanh, triton.Config({"ROWS": rows, "BLOCK_N": block}))
+    assert torch.equal(chunked[0].view(torch.uint8), whole[0].view(torch.uint8))
+    assert torch.equal(chunked[1], whole[1])
+    close_codes(*chunked, *gelu_fp8_reference(h, bias, tanh))
+
+
+@pytest.mark.usefixtures("exact_fp8_casts")
 def test_the_activation_is_the_models() -> None:
     """tanh and erf GELU differ where |x| is moderate: the kernel follows the flag."""
     h, bias = inputs(4, 64, torch.float32)
@@ -76,3 +91,6 @@ def test_gpu_kernel_equals_reference_at_the_paper_width() -> None:
     h, bias = inputs(4096, 7680, torch.bfloat16, "cuda")
     q, scale = gelu_fp8(h, bias, True)
     close_codes(q, scale, *gelu_fp8_reference(h, bias, True))
+    chunked = triton_gelu_fp8(h, bias, True, triton.Config({"ROWS": 2, "BLOCK_N": 1024}))
+    assert torch.equal(chunked[0].view(torch.uint8), q.view(torch.uint8))  # compiled, too
+    assert torch.equal(chunked[1], scale)
