@@ -115,9 +115,23 @@ def producer_rows(r: int, d_model: int, d_ff: int) -> list[dict]:
         {"rows": r, "op": "ffn_up FP8 GEMM (bf16 out)",
          "ms": ms(lambda: torch._scaled_mm(xq, fw.q.t(), scale_a=xs, scale_b=fw.scale,
                                             out_dtype=bf))},
-        {"rows": r, "op": "bias + GELU -> e4m3 + scale (gelu_fp8)",
+        {"rows": r, "op": "bias + GELU -> e4m3 + scale (gelu_fp8, autotuned)",
          "ms": ms(lambda: gelu_fp8(h, bias, True))},
+        *(gelu_config_row(r, h, bias, rows, block, warps)
+          for rows, block, warps in ((1, 8192, 8), (1, 8192, 16), (2, 1024, 4), (4, 1024, 4),
+                                     (2, 2048, 8))),
     ]  # fmt: skip
+
+
+def gelu_config_row(r: int, h, bias, rows: int, block: int, warps: int) -> dict:
+    """The bias + GELU + quantise kernel at one config: whole rows (BLOCK_N >= N) or chunks."""
+    import triton
+
+    from kernels._triton_gelu_fp8 import triton_gelu_fp8
+
+    config = triton.Config({"ROWS": rows, "BLOCK_N": block}, num_warps=warps)
+    return {"rows": r, "op": f"gelu_fp8, ROWS {rows}, BLOCK_N {block}, {warps} warps",
+            "ms": ms(lambda: triton_gelu_fp8(h, bias, True, config))}  # fmt: skip
 
 
 def main() -> None:

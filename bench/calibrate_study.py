@@ -57,13 +57,15 @@ def probe(spec: str, args: argparse.Namespace) -> dict:
     if not (root / "world" / "world.json").exists():
         generate_world(profile, 0, root / "world", progress=False)
     if not (root / "model" / "config.json").exists():
-        settings = TrainSettings(profile="tiny", epochs=args.epochs, batch_size=256, lr=2e-3,
-                                 eval_users=100, eval_ks=(10, 100), last_token="code")  # fmt: skip
+        lr = 2e-3 if args.model == "tiny" else 1e-3
+        settings = TrainSettings(profile=args.model, epochs=args.epochs, batch_size=256, lr=lr,
+                                 eval_users=100, eval_ks=(10, 100), last_token="code",
+                                 device=args.device)  # fmt: skip
         train(root / "world", root / "model", settings, progress=False)
     if not (root / "index" / "CURRENT").exists():
         build_index(root / "world" / "catalog.parquet", root / "index",
                     tokenizer_path=root / "model" / "tokenizer", progress=False)  # fmt: skip
-    loaded = load_checkpoint(root / "model")
+    loaded = load_checkpoint(root / "model", args.device)
     arrays = validate_index(resolve(root / "index"), expect_tokenizer=loaded.sid_space).arrays
     world = load_world(root / "world")
     examples = Examples(world, SidLookup.from_ads(arrays.ads), loaded.config)
@@ -71,7 +73,7 @@ def probe(spec: str, args: argparse.Namespace) -> dict:
     variants = [Variant("cd_only", arrays, FilterMode.CD_ONLY),
                 Variant("cd_gtm", arrays, FilterMode.CD_GTM)]  # fmt: skip
     cd, gtm = run_study(loaded.model, examples, variants, users, tuple(args.beams), (10, 100),
-                        resamples=200, progress=False)  # fmt: skip
+                        resamples=200, device=args.device, progress=False)  # fmt: skip
     return {
         "name": name, "campaign_geo_share": float(geo), "campaign_demo_share": float(demo),
         "style_mix": profile.style_mix,
@@ -96,17 +98,22 @@ def main() -> None:
     ap.add_argument("--eval-users", type=int, default=300)
     ap.add_argument("--epochs", type=float, default=1.0)
     ap.add_argument("--beams", type=int, nargs=4, default=[1, 16, 64, 64])
-    ap.add_argument("--work", type=Path, default=Path("/tmp/grace-calibration"))
+    ap.add_argument("--model", default="tiny", help="model profile trained on each world")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="worlds, models and indexes (/tmp/grace-calibration-MODEL)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results)")
     args = ap.parse_args()
+    args.work = args.work or Path(f"/tmp/grace-calibration-{args.model}")
     rows = []
     for spec in args.settings:
         rows.append(probe(spec, args))
         print(rows[-1], flush=True)
     knobs = {"ads": args.ads, "users": args.users, "eval_users": args.eval_users,
-             "epochs": args.epochs, "beams": args.beams, "model": "tiny",
-             "last_token": "code"}  # fmt: skip
-    print("wrote", write_result("study_calibration_cpu", {**knobs, "settings": rows}, args.out))
+             "epochs": args.epochs, "beams": args.beams, "model": args.model,
+             "device": args.device, "last_token": "code"}  # fmt: skip
+    name = "study_calibration_cpu" if args.model == "tiny" else f"study_calibration_{args.model}"
+    print("wrote", write_result(name, {**knobs, "settings": rows}, args.out))
 
 
 if __name__ == "__main__":
