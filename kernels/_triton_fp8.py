@@ -25,15 +25,18 @@ FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # the smallest normal fp32
 def fp8_row_scale(amax):
     """Per-row e4m3 scales from the rows' amax [ROWS]: amax / 448, 1 for a zero row, never
     below the smallest normal fp32. IEEE division (div_rn), as torch divides: compiled
-    Triton's `/` is the approximate one (2 ulp), which moves values across e4m3 rounding
-    ties now and then."""
+    Triton's `/` is the approximate one (2 ulp), which would move values across e4m3
+    rounding ties now and then."""
     return tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, E4M3_MAX), FP32_TINY), 1.0)
 
 
 @triton.jit
 def fp8_scaled(y, scale):
-    """fp32 rows y [ROWS, BLOCK] / their scale [ROWS], clamped to ±448: ready to cast."""
-    return tl.minimum(tl.maximum(tl.math.div_rn(y, scale[:, None]), -E4M3_MAX), E4M3_MAX)
+    """fp32 rows y [ROWS, BLOCK] times their scale's reciprocal [ROWS] (one IEEE division
+    per row, one multiply per element, as `kernels.fp8.quantize_rows_reference`), clamped
+    to ±448: ready to cast."""
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    return tl.minimum(tl.maximum(y * inv[:, None], -E4M3_MAX), E4M3_MAX)
 
 
 @triton.jit

@@ -6,7 +6,7 @@ stage 3), opt-in (`DecoderStep(..., fp8=True)`; docs/FP8.md).
     activation [R, K] ── per call ───► e4m3 [R, K] + fp32 scale per row (`quantize_rows`)
     `torch._scaled_mm` (rowwise scales) ─► [R, N] in bf16 (or the asked dtype)
 
-x ≈ q · scale row by row, with q = x / scale rounded to nearest-even on the e4m3 grid and
+x ≈ q · scale row by row, with q = x · (1 / scale) rounded to nearest-even on the e4m3 grid and
 clamped to ±448 (e4m3's largest finite value), so no value saturates to NaN; a row of
 zeros gets scale 1. The LayerNorm kernel quantises its own output the same way
 (`kernels.layer_norm.layer_norm_fp8`), so the QKV, cross-attention query and FFN up
@@ -62,7 +62,9 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     # into a multiply by its reciprocal (1 ulp off now and then), and the kernels divide
     per_code = amax / torch.full_like(amax, E4M3_MAX)
     scale = torch.where(amax > 0, per_code.clamp_min(_TINY), torch.ones_like(amax))
-    q = (xf / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    # times the reciprocal: one division per row, a multiply per element (the kernels too)
+    inv = torch.ones_like(scale) / scale
+    q = (xf * inv).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
 
 
