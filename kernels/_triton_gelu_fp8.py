@@ -56,6 +56,17 @@ def _gelu(h, bias, TANH: tl.constexpr):
 
 
 @triton.jit
+def _gelu_chunk(h_rows, bias_ptr, row_ok, c, N: tl.constexpr, BLOCK_N: tl.constexpr,
+                TANH: tl.constexpr):  # fmt: skip
+    """GELU(h + bias) of the rows' columns [c, c + BLOCK_N): (y, the columns, the mask)."""
+    cols = c + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ok = row_ok[:, None] & col_ok[None, :]
+    h = tl.load(h_rows + cols[None, :], mask=ok, other=0.0)
+    return _gelu(h, tl.load(bias_ptr + cols, mask=col_ok, other=0.0), TANH), cols, ok
+
+
+@triton.jit
 def _gelu_fp8_kernel(
     h_ptr,  # [R, N], last dim contiguous
     bias_ptr,  # [N]
@@ -73,29 +84,17 @@ def _gelu_fp8_kernel(
     h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * N
     if BLOCK_N >= N:  # one pass: the row stays in registers between its amax and its codes
-        cols = tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        ok = row_ok[:, None] & col_ok[None, :]
-        h = tl.load(h_rows + cols[None, :], mask=ok, other=0.0)
-        y = _gelu(h, tl.load(bias_ptr + cols, mask=col_ok, other=0.0), TANH)
+        y, cols, ok = _gelu_chunk(h_rows, bias_ptr, row_ok, 0, N, BLOCK_N, TANH)
         q, scale = quantize_rows_fp8(y, ok)
         tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
     else:  # the row's amax over its chunks, then each chunk again, quantised
         amax = tl.zeros((ROWS,), tl.float32)
         for c in tl.range(0, N, BLOCK_N):
-            cols = c + tl.arange(0, BLOCK_N)
-            col_ok = cols < N
-            ok = row_ok[:, None] & col_ok[None, :]
-            h = tl.load(h_rows + cols[None, :], mask=ok, other=0.0)
-            y = _gelu(h, tl.load(bias_ptr + cols, mask=col_ok, other=0.0), TANH)
+            y, cols, ok = _gelu_chunk(h_rows, bias_ptr, row_ok, c, N, BLOCK_N, TANH)
             amax = tl.maximum(amax, tl.max(tl.where(ok, tl.abs(y), 0.0), axis=1))
         scale = fp8_row_scale(amax)
         for c in tl.range(0, N, BLOCK_N):
-            cols = c + tl.arange(0, BLOCK_N)
-            col_ok = cols < N
-            ok = row_ok[:, None] & col_ok[None, :]
-            h = tl.load(h_rows + cols[None, :], mask=ok, other=0.0)
-            y = _gelu(h, tl.load(bias_ptr + cols, mask=col_ok, other=0.0), TANH)
+            y, cols, ok = _gelu_chunk(h_rows, bias_ptr, row_ok, c, N, BLOCK_N, TANH)
             tl.store(q_rows + cols[None, :], fp8_scaled(y, scale).to(q_ptr.dtype.element_ty),
                      mask=ok)  # fmt: skip
     tl.store(scale_ptr + rows, scale, mask=row_ok)
