@@ -182,7 +182,9 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
     # one dump per worker (SIGUSR1 forwarded): each dump holds one main thread, whose stack
     # ends in the spawned interpreter's <module>. Not "Current thread": the kernel hands the
     # signal to any thread, and a CUDA driver thread has no Python frame to call current.
-    assert log.count(" in <module>") == 2, log[-3000:]
+    # The two dumps share one pipe and interleave write by write (a busy machine showed
+    # it); faulthandler writes each frame's name in one write, so "<module>" stays whole.
+    assert log.count("<module>") == 2, log[-3000:]
     assert log.count('File "') > 10  # the stacks of both workers' threads
     assert all(scrape(metrics + i) is None for i in range(2))  # both processes are gone
     if balance == "request":
