@@ -41,7 +41,8 @@ GRID = (
     "D:0.8:0.5:0.50,0.32,0.11,0.07:1",
     "E:0.9:0.7:0.7,0.2,0.05,0.05:1",
     "F:1.0:0.9:0.8,0.1,0.05,0.05:1",
-    "G:0.95:0.8:0.7,0.2,0.05,0.05:1",  # the study profile now
+    "G:0.95:0.8:0.7,0.2,0.05,0.05:1",  # the study profile of the first scaled run (1.40x)
+    "K:0.95:0.8:0.15,0.05,0.50,0.30:1",  # the study profile now: mostly regional / local markets
 )
 
 
@@ -81,6 +82,8 @@ def probe(spec: str, args: argparse.Namespace) -> dict:
         "cd_only_final_pass": round(cd["final_pass"], 3),
         "cd_gtm_final_pass": round(gtm["final_pass"], 3),
         "ratio": round(gtm["final_pass"] / max(cd["final_pass"], 1e-9), 2),
+        "cd_only_bitmask_location_pass": [round(cd["bitmask_pass"], 3),
+                                          round(cd["location_pass"], 3)],
         "ads_generated_per_user": round(cd["ads_generated_per_user"], 1),
         "eligible_ads_per_user": [round(cd["eligible_ads_per_user"], 1),
                                   round(gtm["eligible_ads_per_user"], 1)],
@@ -105,15 +108,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results)")
     args = ap.parse_args()
     args.work = args.work or Path(f"/tmp/grace-calibration-{args.model}")
-    rows = []
-    for spec in args.settings:
-        rows.append(probe(spec, args))
-        print(rows[-1], flush=True)
     knobs = {"ads": args.ads, "users": args.users, "eval_users": args.eval_users,
              "epochs": args.epochs, "beams": args.beams, "model": args.model,
              "device": args.device, "last_token": "code"}  # fmt: skip
     name = "study_calibration_cpu" if args.model == "tiny" else f"study_calibration_{args.model}"
-    print("wrote", write_result(name, {**knobs, "settings": rows}, args.out))
+    rows: list[dict] = []
+    path = None
+    for spec in args.settings:  # the JSON is rewritten after each setting: a cut run keeps its rows
+        rows.append(probe(spec, args))
+        print(rows[-1], flush=True)
+        path = write_result(name, {**knobs, "settings": rows}, args.out)
+    print("wrote", path)
 
 
 if __name__ == "__main__":

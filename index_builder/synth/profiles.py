@@ -170,7 +170,7 @@ PROFILES: dict[str, WorldProfile] = {
             n_users=100_000,
             n_topics=96,
             # more global advertisers: campaign markets narrow many of them to one country
-            style_mix=(0.70, 0.20, 0.05, 0.05),
+            style_mix=(0.15, 0.05, 0.50, 0.30),
             ads_per_creative=8.0,
             creative_noise=0.002,
             campaign_geo_share=0.95,
