@@ -6,8 +6,9 @@ their ratio (the paper: 0.236 and 0.404, 1.72x), eligible ads and recall@100 of 
 
     .venv/bin/python bench/calibrate_study.py --out bench/results/study_calibration_cpu.json
 
-Settings are `name:geo_share:demo_share:style_mix:by_creative` (style_mix as four
-comma-separated shares, by_creative 0 or 1); the defaults are the grid behind the docs.
+Settings are `name:geo_share:demo_share:style_mix:by_creative[:fresh_share]` (style_mix as
+four comma-separated shares, by_creative 0 or 1, fresh_share the share of creatives
+launched after the log, 0 when left out); the defaults are the grid behind the docs.
 Worlds, models and indexes are kept under --work, so a rerun only re-evaluates.
 """
 
@@ -47,12 +48,14 @@ GRID = (
 
 
 def probe(spec: str, args: argparse.Namespace) -> dict:
-    name, geo, demo, style, by_creative = spec.split(":")
+    name, geo, demo, style, by_creative, *rest = spec.split(":")
+    fresh = float(rest[0]) if rest else 0.0
     root = args.work / name
     profile = dataclasses.replace(
         PROFILES["study"], name=f"study-{name}", n_ads=args.ads, n_users=args.users,
         campaign_geo_share=float(geo), campaign_demo_share=float(demo),
         style_mix=tuple(map(float, style.split(","))), campaign_geo_by_creative=by_creative == "1",
+        fresh_share=fresh,
     )  # fmt: skip
     t0 = time.time()
     if not (root / "world" / "world.json").exists():
@@ -78,7 +81,7 @@ def probe(spec: str, args: argparse.Namespace) -> dict:
     return {
         "name": name, "campaign_geo_share": float(geo), "campaign_demo_share": float(demo),
         "style_mix": profile.style_mix,
-        "campaign_geo_by_creative": profile.campaign_geo_by_creative,
+        "campaign_geo_by_creative": profile.campaign_geo_by_creative, "fresh_share": fresh,
         "cd_only_final_pass": round(cd["final_pass"], 3),
         "cd_gtm_final_pass": round(gtm["final_pass"], 3),
         "ratio": round(gtm["final_pass"] / max(cd["final_pass"], 1e-9), 2),

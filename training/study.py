@@ -137,8 +137,24 @@ def bucket_table(counts: dict[str, np.ndarray], bounds: Sequence[int]) -> dict[s
     return out
 
 
+def by_launch(ranks: np.ndarray, fresh: np.ndarray, ks: Sequence[int]) -> dict[str, Any]:
+    """recall@K apart for the users whose held-out ad was logged before and for those whose
+    ad launched after the log (`fresh`, bool per user: worlds with `fresh_share` > 0)."""
+    out: dict[str, Any] = {}
+    for name, sel in (("logged", ~fresh), ("fresh", fresh)):
+        out[name] = {"users": int(sel.sum())}
+        for k in ks:
+            out[name][f"recall@{k}"] = float(recall(ranks[sel], k).mean()) if sel.any() else 0.0
+    return out
+
+
 def _summary(
-    v: Variant, u: _PerUser, ks: Sequence[int], draws: np.ndarray, buckets: Sequence[int]
+    v: Variant,
+    u: _PerUser,
+    ks: Sequence[int],
+    draws: np.ndarray,
+    buckets: Sequence[int],
+    fresh: np.ndarray | None = None,
 ) -> dict[str, Any]:
     counts = u.arrays()
     n = len(u.generated)
@@ -163,6 +179,7 @@ def _summary(
         },
         "buckets": bucket_table(counts, buckets),
         "paper_buckets": bucket_table(counts, PAPER_BUCKETS),
+        **({"recall_by_launch": by_launch(ranks, fresh, ks)} if fresh is not None else {}),
     }
 
 
@@ -262,7 +279,9 @@ def run_study(
             bar.update(len(batch.users))
         bar.close()
         found.append(per_user)
-    out = [_summary(v, u, ks, draws, buckets) for v, u in zip(variants, found, strict=True)]
+    flags = getattr(examples.world, "heldout_fresh", None)  # a synthetic world with fresh ads
+    fresh = None if flags is None else np.asarray(flags, bool)[users]
+    out = [_summary(v, u, ks, draws, buckets, fresh) for v, u in zip(variants, found, strict=True)]
     for row, fixed in zip(out, fixed_generation(found, resamples, seed), strict=True):
         row["fixed_generation"] = fixed
     for i, b in bases.items():

@@ -1,7 +1,7 @@
 """Creatives and campaigns: ads that share content but not targeting (docs/SYNTH.md).
 
 Part of the ads stage of the synth flow (… advertisers → **ads** → users …), switched on
-by five profile knobs whose neutral values leave a world exactly as it was without them:
+by six profile knobs whose neutral values leave a world exactly as it was without them:
 
 - `ads_per_creative` > 1: each advertiser's ads are spread uniformly over
   round(size / ads_per_creative) creatives; an ad's embedding is its creative's vector
@@ -16,6 +16,9 @@ by five profile knobs whose neutral values leave a world exactly as it was witho
 - `campaign_geo_by_creative`: the markets are drawn per creative instead (`with_markets`,
   its own stream), so the ads of one creative share one market — a SID's ads are in or
   out of a user's market together, and only their demographics differ.
+- `fresh_share` > 0: that share of creatives (of ads, without creatives) launched after
+  the interaction log (`fresh_ads`, its own stream): `histories` keeps them out of every
+  event but the held-out one, so a model trained on the log never saw their markets.
 
 So the ads behind one SID differ in targeting, and which of them a user may see cannot
 be read off the content. `build_creatives` runs once before the chunks (its own stream,
@@ -71,6 +74,18 @@ def with_markets(
     `draw_variants` draws one per ad), and every ad of it carries that market."""
     v = draw_variants(p, m, adv, creatives.advertiser.astype(np.int32), rng)
     return replace(creatives, geo_country=v.geo_country, geo_loc=v.geo_loc)
+
+
+def fresh_ads(
+    p: WorldProfile, creatives: Creatives | None, n_ads: int, rng: np.random.Generator
+) -> np.ndarray | None:
+    """Which ads launched after the interaction log (bool [n_ads]), drawn per creative
+    (its ads launch together) or per ad without creatives; None at `fresh_share` 0."""
+    if p.fresh_share <= 0.0:
+        return None
+    if creatives is None:
+        return rng.random(n_ads) < p.fresh_share
+    return (rng.random(len(creatives.vector)) < p.fresh_share)[creatives.creative]
 
 
 @dataclass(frozen=True)

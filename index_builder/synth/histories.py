@@ -11,8 +11,10 @@ Sixth stage of the synth flow (… users → **histories** → writer). Per user
    the whole eligible pool; types (VIEW/CLICK/CONVERSION) rise with affinity,
    timestamps are sessions of short gaps separated by long ones.
 
-The last event of each sequence is the held-out "next interaction". Users whose pool
-holds no eligible ad are dropped (counted in the summary).
+The last event of each sequence is the held-out "next interaction". With fresh ads
+(`campaigns.fresh_ads`) the logged events are drawn among the eligible ads launched
+before the log ends and the held-out one among all eligible ads. Users whose pool holds
+no eligible (logged) ad are dropped (counted in the summary).
 """
 
 from __future__ import annotations
@@ -92,13 +94,19 @@ def _pool_sample(
     return np.sort(index.ads[lo[which] + r - cum[which]])  # sorted: cache-friendly gathers
 
 
+def _event_weights(p: WorldProfile, affinity: np.ndarray, logpop: np.ndarray) -> np.ndarray:
+    """softmax(beta · affinity + log popularity): the chance of each candidate per event."""
+    s = p.affinity_beta * affinity + logpop
+    w = np.exp(s - s.max())
+    return w / w.sum()
+
+
 def _events(
     p: WorldProfile, affinity: np.ndarray, logpop: np.ndarray, n: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pick n events among eligible candidates: (choice index, type, timestamp_ms)."""
-    s = p.affinity_beta * affinity + logpop
-    w = np.exp(s - s.max())
-    pick = rng.choice(len(w), size=n, p=w / w.sum())
+    w = _event_weights(p, affinity, logpop)
+    pick = rng.choice(len(w), size=n, p=w)
     p_click = np.clip(p.click_rate * np.exp(2.0 * (affinity[pick] - 0.5)), 0.0, 0.9)
     click = rng.random(n) < p_click
     conv = click & (rng.random(n) < p.conversion_rate)
@@ -121,7 +129,10 @@ def sample_histories(
     index: CandidateIndex,
     rng: np.random.Generator,
     progress: bool = True,
+    fresh: np.ndarray | None = None,
 ) -> Histories:
+    """The event sequences of every user; `fresh` (bool [N], `campaigns.fresh_ads`) marks
+    the ads launched after the log, which only a held-out event may show."""
     med = np.log(p.history_len_median)
     lengths = np.clip(
         np.rint(rng.lognormal(med, 0.8, size=users.n)), p.history_len_min, p.history_len_max
@@ -136,13 +147,19 @@ def sample_histories(
         bm, loc_off, loc_ids = enc.take(cand)
         ok = exact_eligible(bm, loc_off, loc_ids, request_of(users, u, geo), users.locations(u))
         eligible = cand[ok]
-        if not len(eligible):
+        logged = eligible if fresh is None else eligible[~fresh[eligible]]
+        if not len(logged):
             continue
-        affinity = emb[eligible] @ users.interest[u]
-        logpop = np.log(ads.popularity[eligible])
+        affinity = emb[logged] @ users.interest[u]
+        logpop = np.log(ads.popularity[logged])
         pick, types, ts = _events(p, affinity, logpop, int(lengths[u]), rng)
+        events = logged[pick]
+        if fresh is not None:  # the next interaction may show an ad launched since
+            w = _event_weights(p, emb[eligible] @ users.interest[u],
+                               np.log(ads.popularity[eligible]))  # fmt: skip
+            events[-1] = eligible[rng.choice(len(w), p=w)]
         kept.append(u)
-        seq_ad.append(eligible[pick])
+        seq_ad.append(events)
         seq_type.append(types)
         seq_ts.append(ts)
     n_ev = np.array([len(a) for a in seq_ad], dtype=np.int64)

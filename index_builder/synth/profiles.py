@@ -75,6 +75,10 @@ class WorldProfile:
     # campaign markets drawn once per creative (its ads share one market, a SID's ads are
     # eligible together or not at all) instead of per ad; needs creatives
     campaign_geo_by_creative: bool = False
+    # share of creatives (of ads, without creatives) launched after the interaction log:
+    # in the catalog and the index but in no history; a held-out next interaction may be
+    # one of them, so no model trained on the log has seen where they may run
+    fresh_share: float = 0.0
     # --- users
     age_bucket_weights: tuple[float, ...] = (0.06, 0.20, 0.28, 0.19, 0.13, 0.08, 0.06)
     unknown_age_share: float = 0.05
@@ -111,6 +115,8 @@ class WorldProfile:
         for share in (self.campaign_geo_share, self.campaign_demo_share):
             if not 0.0 <= share <= 1.0:
                 raise ValueError(f"{self.name}: campaign shares must lie in [0, 1]")
+        if not 0.0 <= self.fresh_share < 1.0:
+            raise ValueError(f"{self.name}: fresh_share must lie in [0, 1)")
         for lo, hi in (self.regions_per_country, self.cities_per_region):
             if not 1 <= lo <= hi:
                 raise ValueError(f"{self.name}: ranges must satisfy 1 <= min <= max")
@@ -169,7 +175,8 @@ PROFILES: dict[str, WorldProfile] = {
             n_ads=2_000_000,
             n_users=100_000,
             n_topics=96,
-            # more global advertisers: campaign markets narrow many of them to one country
+            # mostly regional / local advertisers: a market of one region or city is not
+            # among the model's features (country, age, gender), only in the history
             style_mix=(0.15, 0.05, 0.50, 0.30),
             ads_per_creative=8.0,
             creative_noise=0.002,

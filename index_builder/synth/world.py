@@ -94,6 +94,7 @@ def generate_world(
         if creatives is not None and markets is not None and p.campaign_geo_by_creative:
             creatives = campaigns.with_markets(p, creatives, markets, adv,
                                                stream(seed, "creative-markets"))  # fmt: skip
+        fresh = campaigns.fresh_ads(p, creatives, p.n_ads, stream(seed, "fresh"))
         names = geo.names if jsonl else None
         job = AdJob(p, adv, ads, seed, len(geo.names), names, creatives, markets)
         index, enc, rule_counts, tkeys = _write_catalog(job, geo, tmp, progress, workers)
@@ -102,12 +103,13 @@ def generate_world(
 
         users = build_users(p, geo, topics, seed, stream(seed, "users"))
         lap("users")
-        hist = sample_histories(p, geo, ads, enc, users, index, stream(seed, "histories"), progress)
+        hist = sample_histories(p, geo, ads, enc, users, index, stream(seed, "histories"),
+                                progress, fresh)  # fmt: skip
         del index
         lap("histories")
         elig = estimate_eligibility(p, geo, ads, enc, users, stream(seed, "calibration"))
         lap("eligibility")
-        _write_users(tmp, geo, users, ads, hist)
+        _write_users(tmp, geo, users, ads, hist, fresh)
         lap("write_users")
         del emb, ads, enc
         emb_path.unlink()
@@ -140,6 +142,7 @@ def generate_world(
                 if creatives is not None
                 else {}
             ),
+            **({"fresh": _fresh_summary(fresh, hist)} if fresh is not None else {}),
             "eligibility": elig,
             "timings_s": timings,
             "files": [
@@ -195,8 +198,23 @@ def _write_catalog(
     return index, EncodedAds.finish(enc, loc_chunks), counts, tkeys
 
 
+def _fresh_summary(fresh: np.ndarray, hist: Histories) -> dict[str, float]:
+    """world.json["fresh"]: the share of ads launched after the log, and of held-out events
+    that show one (no logged event does: `sample_histories`)."""
+    last = hist.offsets[1:] - 1
+    return {
+        "share_of_ads": float(fresh.mean()),
+        "heldout_share": float(fresh[hist.ad[last]].mean()) if len(last) else 0.0,
+    }
+
+
 def _write_users(
-    directory: Path, geo: Geography, users: Users, ads: AdState, hist: Histories
+    directory: Path,
+    geo: Geography,
+    users: Users,
+    ads: AdState,
+    hist: Histories,
+    fresh: np.ndarray | None = None,
 ) -> None:
     kept = hist.user
     last = hist.offsets[1:] - 1  # each user's held-out event
@@ -226,6 +244,7 @@ def _write_users(
         ad_id=ads.ad_id[hist.ad[last]],
         typ=hist.type[last],
         ts=hist.ts[last],
+        fresh=None if fresh is None else fresh[hist.ad[last]],
     )
     writer.write_interactions(
         directory,
@@ -252,6 +271,8 @@ class World:
     heldout_ad_ids: np.ndarray  # int64 [U]: the next interaction after the history
     heldout_types: np.ndarray  # int8 [U]
     heldout_ts: np.ndarray  # int64 [U]
+    # bool [U]: the held-out ad launched after the log (worlds with `fresh_share` > 0)
+    heldout_fresh: np.ndarray | None = None
 
     @property
     def catalog_parquet(self) -> Path:
@@ -305,4 +326,5 @@ def load_world(directory: Path | str) -> World:
         heldout_ad_ids=held["ad_id"].to_numpy(),
         heldout_types=held["type"].to_numpy(),
         heldout_ts=held["timestamp_ms"].to_numpy(),
+        heldout_fresh=held["fresh"].to_numpy() if "fresh" in held.column_names else None,
     )

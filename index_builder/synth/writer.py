@@ -211,17 +211,23 @@ def write_users(
 
 
 def write_heldout(
-    directory: Path, user_id: np.ndarray, ad_id: np.ndarray, typ: np.ndarray, ts: np.ndarray
+    directory: Path,
+    user_id: np.ndarray,
+    ad_id: np.ndarray,
+    typ: np.ndarray,
+    ts: np.ndarray,
+    fresh: np.ndarray | None = None,
 ) -> None:
-    table = pa.table(
-        {
-            "user_id": pa.array(user_id, pa.int64()),
-            "ad_id": pa.array(ad_id, pa.int64()),
-            "type": pa.array(typ, pa.int8()),
-            "timestamp_ms": pa.array(ts, pa.int64()),
-        }
-    )
-    pq.write_table(table, directory / HELDOUT_PARQUET)
+    """heldout.parquet; a `fresh` column (the ad launched after the log) only when given."""
+    columns = {
+        "user_id": pa.array(user_id, pa.int64()),
+        "ad_id": pa.array(ad_id, pa.int64()),
+        "type": pa.array(typ, pa.int8()),
+        "timestamp_ms": pa.array(ts, pa.int64()),
+    }
+    if fresh is not None:
+        columns["fresh"] = pa.array(fresh, pa.bool_())
+    pq.write_table(pa.table(columns), directory / HELDOUT_PARQUET)
 
 
 def write_summary(directory: Path, summary: dict[str, object]) -> None:

@@ -187,6 +187,8 @@ def test_study_profile_is_in_the_papers_regime(tmp_path: Path) -> None:
         {"creative_noise": -0.1},
         {"campaign_geo_share": 1.5},
         {"campaign_demo_share": -0.2},
+        {"fresh_share": 1.0},
+        {"fresh_share": -0.1},
     ],
 )
 def test_profile_refuses_bad_campaign_knobs(knobs: dict[str, float]) -> None:
@@ -207,3 +209,28 @@ def test_grace_synth_offers_every_profile(tmp_path: Path) -> None:
                  "--out", str(out), "--no-jsonl", "--workers", "1"]) in (0, None)  # fmt: skip
     world = json.loads((out / "world.json").read_text())
     assert world["profile"] == "study" and world["creatives"]["creatives"] > 0
+
+
+def test_fresh_creatives_launch_after_the_log(worlds: dict[str, Path], tmp_path: Path) -> None:
+    """`fresh_share`: whole creatives launch after the interaction log. No logged event
+    shows one, a held-out next interaction may (flagged in heldout.parquet), and the
+    catalog is the catalog without the knob."""
+    summary = _gen(replace(TINY_STUDY, name="tiny-study-fresh", fresh_share=0.3), tmp_path / "f")
+    world, cat = load_world(tmp_path / "f"), _catalog(tmp_path / "f")
+    assert cat == _catalog(worlds["study"])
+    assert 0.2 < summary["fresh"]["share_of_ads"] < 0.4
+    flagged = world.heldout_fresh
+    assert flagged is not None and 0.05 < flagged.mean() < 0.6
+    assert summary["fresh"]["heldout_share"] == pytest.approx(flagged.mean())
+    logged = set(world.history_ad_ids.tolist())
+    fresh_ids = set(world.heldout_ad_ids[flagged].tolist())
+    assert fresh_ids and not fresh_ids & logged
+    assert set(world.heldout_ad_ids[~flagged].tolist()) & logged  # old ads recur
+    touched = 0
+    for g in _creatives(cat):  # a creative launches as a whole: none of its ads is logged
+        ids = {cat["ad_id"][i] for i in g}
+        if ids & fresh_ids:
+            touched += 1
+            assert not ids & logged
+    assert touched >= len(fresh_ids) // 2
+    assert load_world(worlds["study"]).heldout_fresh is None  # no column without the knob
