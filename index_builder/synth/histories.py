@@ -101,16 +101,22 @@ def _event_weights(p: WorldProfile, affinity: np.ndarray, logpop: np.ndarray) ->
     return w / w.sum()
 
 
+def _event_types(p: WorldProfile, affinity: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """VIEW / CLICK / CONVERSION of events with these affinities: clicks rise with it."""
+    n = len(affinity)
+    p_click = np.clip(p.click_rate * np.exp(2.0 * (affinity - 0.5)), 0.0, 0.9)
+    click = rng.random(n) < p_click
+    conv = click & (rng.random(n) < p.conversion_rate)
+    return (VIEW + click + conv).astype(np.int8)
+
+
 def _events(
     p: WorldProfile, affinity: np.ndarray, logpop: np.ndarray, n: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pick n events among eligible candidates: (choice index, type, timestamp_ms)."""
     w = _event_weights(p, affinity, logpop)
     pick = rng.choice(len(w), size=n, p=w)
-    p_click = np.clip(p.click_rate * np.exp(2.0 * (affinity[pick] - 0.5)), 0.0, 0.9)
-    click = rng.random(n) < p_click
-    conv = click & (rng.random(n) < p.conversion_rate)
-    types = (VIEW + click + conv).astype(np.int8)
+    types = _event_types(p, affinity[pick], rng)
     session_break = rng.random(n) < 0.15
     gaps = np.where(
         session_break, rng.exponential(20 * 3600e3, size=n), rng.exponential(90e3, size=n)
@@ -155,9 +161,10 @@ def sample_histories(
         pick, types, ts = _events(p, affinity, logpop, int(lengths[u]), rng)
         events = logged[pick]
         if fresh is not None:  # the next interaction may show an ad launched since
-            w = _event_weights(p, emb[eligible] @ users.interest[u],
-                               np.log(ads.popularity[eligible]))  # fmt: skip
-            events[-1] = eligible[rng.choice(len(w), p=w)]
+            a = emb[eligible] @ users.interest[u]
+            j = rng.choice(len(eligible), p=_event_weights(p, a, np.log(ads.popularity[eligible])))
+            events[-1] = eligible[j]
+            types[-1] = _event_types(p, a[j : j + 1], rng)[0]
         kept.append(u)
         seq_ad.append(events)
         seq_type.append(types)
