@@ -92,8 +92,19 @@ def probe(spec: str, args: argparse.Namespace) -> dict:
                                   round(gtm["eligible_ads_per_user"], 1)],
         "recall@100": [round(cd["recall@100"], 3), round(gtm["recall@100"], 3)],
         "recall@100_gtm_minus_cd": gtm["vs_first"]["recall@100"],
+        **_by_launch(cd, gtm),
         "seconds": round(time.time() - t0),
     }  # fmt: skip
+
+
+def _by_launch(cd: dict, gtm: dict) -> dict:
+    """recall@100 of CD only and CD+GTM for logged and for fresh held-out ads (a world
+    with fresh creatives only)."""
+    if "recall_by_launch" not in cd:
+        return {}
+    split = [[round(r["recall_by_launch"][s]["recall@100"], 3) for s in ("logged", "fresh")]
+             for r in (cd, gtm)]  # fmt: skip
+    return {"recall@100_logged_fresh": split}
 
 
 def main() -> None:
