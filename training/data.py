@@ -44,6 +44,13 @@ def valid_index(world: Histories) -> np.ndarray:
     return getattr(world, "valid_index", np.full(world.n_users, -1, dtype=np.int64))
 
 
+def heldout_fresh(world: Histories) -> np.ndarray | None:
+    """Per user, whether its held-out ad launched after the log (bool [U]: a synthetic
+    world with `fresh_share` > 0, docs/SYNTH.md); None where the data cannot say."""
+    flags = getattr(world, "heldout_fresh", None)
+    return None if flags is None else np.asarray(flags, bool)
+
+
 def evaluable_users(world: Histories) -> np.ndarray:
     """Positions of the users with a held-out event."""
     return np.flatnonzero(world.heldout_ad_ids >= 0)

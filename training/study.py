@@ -46,7 +46,7 @@ from contracts.targeting import (
 from service.index.loaded import LoadedIndex
 from service.model.retriever import GenerativeRetriever
 from service.post.expand import expand_leaves, location_rows
-from training.data import Examples
+from training.data import Examples, heldout_fresh
 from training.offline import OfflineRetriever
 from training.study_stats import (
     interval,
@@ -279,8 +279,8 @@ def run_study(
             bar.update(len(batch.users))
         bar.close()
         found.append(per_user)
-    flags = getattr(examples.world, "heldout_fresh", None)  # a synthetic world with fresh ads
-    fresh = None if flags is None else np.asarray(flags, bool)[users]
+    flags = heldout_fresh(examples.world)
+    fresh = None if flags is None else flags[users]
     out = [_summary(v, u, ks, draws, buckets, fresh) for v, u in zip(variants, found, strict=True)]
     for row, fixed in zip(out, fixed_generation(found, resamples, seed), strict=True):
         row["fixed_generation"] = fixed
