@@ -8,7 +8,9 @@
 # Knobs (env): ADS (1,000,000), USERS (50,000), EVAL_USERS (5,000), PROFILE (demo model),
 # BEAMS ("1 512 1024 1024", the paper's), WORK (/tmp/grace-study: the world, model and
 # index, kept between runs), FP8 (1: then also decode FP8_USERS (2,000) users with CD only and
-# CD+GTM in FP8 beside full precision, `grace eval --fp8`, docs/FP8.md), PYTHON.
+# CD+GTM in FP8 beside full precision, `grace eval --fp8`, docs/FP8.md), SET (knobs of the
+# `study` profile to override, "KNOB=VALUE ...", e.g. SET="fresh_share=0.3": `grace synth
+# --set`), PYTHON.
 # Writes OUT_DIR/train.json, OUT_DIR/eval_study.json (OUT_DIR/eval_fp8.json) and
 # OUT_DIR/plots/*.png; each step starts with a "study: grace STEP at TIME" line on stderr,
 # a finished step is skipped on a rerun and `grace train` resumes its last state, so the
@@ -20,10 +22,12 @@ py=${PYTHON:-python3}
 work=${WORK:-/tmp/grace-study}
 ads=${ADS:-1000000}; users=${USERS:-50000}; eval_users=${EVAL_USERS:-5000}
 profile=${PROFILE:-demo}; read -r -a beams <<< "${BEAMS:-1 512 1024 1024}"
+read -r -a knobs <<< "${SET:-}"; set_args=()
+for k in "${knobs[@]}"; do set_args+=(--set "$k"); done
 mkdir -p "$out" "$work"
 grace() { echo "study: grace $1 at $(date -u +%H:%M:%S)" >&2; "$py" -m cli "$@"; }
 [ -f "$work/world/world.json" ] || grace synth --profile study --seed 0 --ads "$ads" \
-    --users "$users" --out "$work/world" --no-jsonl --no-progress
+    --users "$users" --out "$work/world" --no-jsonl --no-progress "${set_args[@]}"
 [ -f "$work/model/config.json" ] || grace train --world "$work/world" --out "$work/model" \
     --profile "$profile" --last-token code --device "$device" --epochs "$epochs" \
     --batch-size 256 --lr 1e-3 --eval-users 1000 --no-progress | tee "$out/train.json"

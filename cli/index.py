@@ -63,8 +63,13 @@ def _synth(args: argparse.Namespace) -> int:
     from index_builder.parallel import default_workers
     from index_builder.synth import generate_world
 
+    profile = args.profile
+    if args.set:
+        from index_builder.synth import PROFILES
+
+        profile = PROFILES[args.profile].with_knobs(_knob_settings(args.set))
     summary = generate_world(
-        args.profile,
+        profile,
         args.seed,
         Path(args.out),
         n_ads=args.ads,
@@ -75,6 +80,17 @@ def _synth(args: argparse.Namespace) -> int:
     )
     print(json.dumps(summary, indent=1, default=str) if args.json else _world_line(summary, args))
     return 0
+
+
+def _knob_settings(pairs: list[str]) -> dict[str, str]:
+    """`--set KNOB=VALUE` arguments as {knob: text}."""
+    settings = {}
+    for pair in pairs:
+        knob, sep, text = pair.partition("=")
+        if not sep or not knob:
+            raise ValueError(f"--set takes KNOB=VALUE, got {pair!r}")
+        settings[knob.strip()] = text.strip()
+    return settings
 
 
 def _world_line(summary: dict, args: argparse.Namespace) -> str:
@@ -211,6 +227,14 @@ def register(add: AddCommand) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--ads", type=int, help="override the profile's number of ads")
     p.add_argument("--users", type=int, help="override the profile's number of users")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="override one knob of the profile (repeatable), e.g. --set fresh_share=0.3 "
+        "or --set style_mix=0.15,0.05,0.5,0.3; world.json records every knob (docs/SYNTH.md)",
+    )
     p.add_argument(
         "--no-jsonl",
         action="store_true",

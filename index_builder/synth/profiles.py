@@ -10,7 +10,8 @@ reads a profile in a hot loop; each stage pulls the few numbers it needs once.
 from __future__ import annotations
 
 import zlib
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
@@ -132,6 +133,19 @@ class WorldProfile:
     def knobs(self) -> dict[str, object]:
         return asdict(self)
 
+    def with_knobs(self, settings: Mapping[str, str]) -> WorldProfile:
+        """This profile with knobs set from text (`grace synth --set KNOB=VALUE`): numbers
+        as written, booleans as true / false, tuples as comma-separated numbers; an
+        unknown knob or a value of the wrong kind is a one-line ValueError, and the
+        profile's own checks then judge the result."""
+        known = [f.name for f in fields(self) if f.name != "name"]
+        changes: dict[str, object] = {}
+        for knob, text in settings.items():
+            if knob not in known:
+                raise ValueError(f"unknown knob {knob!r}; the knobs: {', '.join(known)}")
+            changes[knob] = _parse_knob(knob, text, getattr(self, knob))
+        return replace(self, **changes)
+
 
 PROFILES: dict[str, WorldProfile] = {
     p.name: p
@@ -187,6 +201,28 @@ PROFILES: dict[str, WorldProfile] = {
         WorldProfile(name="paper", n_ads=30_000_000, n_users=100_000, n_topics=128),
     )
 }
+
+
+def _parse_knob(knob: str, text: str, like: object) -> object:
+    """`text` as a value of the kind of `like` (the knob's current value)."""
+    try:
+        if isinstance(like, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return text.lower() in ("true", "1")
+        if isinstance(like, tuple):
+            parts = tuple(type(like[0])(v) for v in text.split(","))
+            if len(parts) != len(like):
+                raise ValueError
+            return parts
+        return type(like)(text)
+    except ValueError:
+        kind = (
+            f"{len(like)} comma-separated numbers"
+            if isinstance(like, tuple)
+            else type(like).__name__
+        )
+        raise ValueError(f"knob {knob}: {text!r} is not {kind} (now {like!r})") from None
 
 
 def stream(seed: int, name: str, *index: int) -> np.random.Generator:

@@ -211,6 +211,41 @@ def test_grace_synth_offers_every_profile(tmp_path: Path) -> None:
     assert world["profile"] == "study" and world["creatives"]["creatives"] > 0
 
 
+def test_grace_synth_sets_knobs_and_refuses_bad_ones_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`grace synth --set KNOB=VALUE` overrides a profile's knobs (numbers, tuples,
+    booleans), world.json records them, and a wrong knob or value is one line on stderr
+    before anything is written."""
+    from cli import main
+
+    out = tmp_path / "set"
+    argv = ["synth", "--profile", "tiny", "--out", str(out), "--no-progress", "--workers", "1",
+            "--set", "fresh_share=0.3", "--set", "style_mix=0.15,0.05,0.5,0.3",
+            "--set", "campaign_geo_by_creative=true", "--set", "history_len_max=64"]  # fmt: skip
+    assert main(argv) == 0
+    world = json.loads((out / "world.json").read_text())
+    knobs = world["knobs"]
+    assert knobs["fresh_share"] == 0.3 and knobs["style_mix"] == [0.15, 0.05, 0.5, 0.3]
+    assert knobs["campaign_geo_by_creative"] is True and knobs["history_len_max"] == 64
+    assert 0.2 < world["fresh"]["share_of_ads"] < 0.4
+    capsys.readouterr()
+    for bad, says in [
+        ("nope=1", "unknown knob 'nope'"),
+        ("fresh_share=abc", "knob fresh_share: 'abc' is not float"),
+        ("style_mix=0.5,0.5", "is not 4 comma-separated numbers"),
+        ("history_len_max=6.5", "is not int"),
+        ("campaign_geo_by_creative=maybe", "is not bool"),
+        ("fresh_share", "--set takes KNOB=VALUE"),
+        ("fresh_share=1.5", "fresh_share must lie in [0, 1)"),
+    ]:
+        target = tmp_path / bad.replace("=", "_")
+        assert main(["synth", "--profile", "tiny", "--out", str(target), "--set", bad]) != 0
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err
+        assert not target.exists()
+
+
 def test_fresh_creatives_launch_after_the_log(worlds: dict[str, Path], tmp_path: Path) -> None:
     """`fresh_share`: whole creatives launch after the interaction log. No logged event
     shows one, a held-out next interaction may (flagged in heldout.parquet), and the
