@@ -49,14 +49,15 @@ GRID = (
 
 def probe(spec: str, args: argparse.Namespace) -> dict:
     name, geo, demo, style, by_creative, *rest = spec.split(":")
-    fresh = float(rest[0]) if rest else 0.0
     root = args.work / name
     profile = dataclasses.replace(
-        PROFILES["study"], name=f"study-{name}", n_ads=args.ads, n_users=args.users,
-        campaign_geo_share=float(geo), campaign_demo_share=float(demo),
-        style_mix=tuple(map(float, style.split(","))), campaign_geo_by_creative=by_creative == "1",
-        fresh_share=fresh,
+        PROFILES["study"].with_knobs({
+            "campaign_geo_share": geo, "campaign_demo_share": demo, "style_mix": style,
+            "campaign_geo_by_creative": by_creative, "fresh_share": rest[0] if rest else "0",
+        }),
+        name=f"study-{name}", n_ads=args.ads, n_users=args.users,
     )  # fmt: skip
+    fresh = profile.fresh_share
     t0 = time.time()
     if not (root / "world" / "world.json").exists():
         generate_world(profile, 0, root / "world", progress=False)
@@ -79,7 +80,8 @@ def probe(spec: str, args: argparse.Namespace) -> dict:
     cd, gtm = run_study(loaded.model, examples, variants, users, tuple(args.beams), (10, 100),
                         resamples=200, device=args.device, progress=False)  # fmt: skip
     return {
-        "name": name, "campaign_geo_share": float(geo), "campaign_demo_share": float(demo),
+        "name": name, "campaign_geo_share": profile.campaign_geo_share,
+        "campaign_demo_share": profile.campaign_demo_share,
         "style_mix": profile.style_mix,
         "campaign_geo_by_creative": profile.campaign_geo_by_creative, "fresh_share": fresh,
         "cd_only_final_pass": round(cd["final_pass"], 3),
