@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import write_result
 from kernels.fp8 import Fp8Weight, quantize_rows
 from kernels.gelu_fp8 import gelu_fp8
-from kernels.layer_norm import layer_norm, layer_norm_fp8
+from kernels.layer_norm import add_layer_norm_fp8, layer_norm, layer_norm_fp8
 from service.model.config import profile
 
 ROWS = (8192, 16384)
@@ -110,6 +110,10 @@ def producer_rows(r: int, d_model: int, d_ff: int) -> list[dict]:
         {"rows": r, "op": "layer_norm bf16", "ms": ms(lambda: layer_norm(x, g, beta, 1e-5, shift))},
         {"rows": r, "op": "layer_norm -> e4m3 + scale",
          "ms": ms(lambda: layer_norm_fp8(x, g, beta, 1e-5, shift))},
+        {"rows": r, "op": "residual add (bf16, torch), separate",
+         "ms": ms(lambda: x.add(x))},
+        {"rows": r, "op": "residual add + layer_norm -> stream + e4m3 + scale (served FP8)",
+         "ms": ms(lambda: add_layer_norm_fp8(x, x, g, beta, 1e-5, shift))},
         {"rows": r, "op": "ffn_up bf16 GEMM + bias + GELU epilogue (served bf16)",
          "ms": ms(lambda: gelu_linear(x, w, bias))},
         {"rows": r, "op": "ffn_up FP8 GEMM (bf16 out)",

@@ -10,6 +10,12 @@ The fp32 `shift` vector is the bias the fused decoder step has not yet added to 
 residual stream (`service/decode/step.py`): adding it here, on the way in, costs no
 extra pass over the bytes.
 
+With a `residual` the kernel first adds a pending projection to the residual stream,
+`x + residual` rounded to x's dtype (what `x += residual` would store), normalises that
+sum and, with `STORE_SUM`, writes it out as the stream's next value: the FP8 step's
+GEMMs cannot accumulate into the stream (`torch._scaled_mm` has no `beta`), so the add
+rides in the LayerNorm that reads the stream next instead of a pass of its own.
+
 Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before
 this module is imported.
 """
@@ -32,10 +38,12 @@ def _configs() -> list[triton.Config]:
     return [triton.Config({"ROWS": rows}, num_warps=w) for rows in (1, 2, 4, 8) for w in (2, 4, 8)]
 
 
-@triton.autotune(configs=_configs(), key=["D", "HAS_SHIFT", "FP8_OUT"])
+@triton.autotune(configs=_configs(), key=["D", "HAS_SHIFT", "HAS_RES", "STORE_SUM", "FP8_OUT"])
 @triton.jit
 def _layer_norm_kernel(
     x_ptr,  # [R, D], last dim contiguous
+    res_ptr,  # [R, D] in x's dtype, last dim contiguous (unused without HAS_RES)
+    sum_ptr,  # out: [R, D] in x's dtype, contiguous: x + res (unused without STORE_SUM)
     shift_ptr,  # fp32 [D] (unused without HAS_SHIFT)
     w_ptr,  # [D]
     b_ptr,  # [D]
@@ -43,11 +51,14 @@ def _layer_norm_kernel(
     scale_ptr,  # fp32 [R] (unused without FP8_OUT)
     R,
     stride_x,
+    stride_res,
     eps,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_SHIFT: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    STORE_SUM: tl.constexpr,
     FP8_OUT: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -55,6 +66,13 @@ def _layer_norm_kernel(
     row_ok, col_ok = rows < R, cols < D
     ok = row_ok[:, None] & col_ok[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+    if HAS_RES:  # the stream's add, rounded to its dtype as `x += res` would round it
+        res = tl.load(
+            res_ptr + rows.to(tl.int64)[:, None] * stride_res + cols[None, :], mask=ok, other=0.0
+        )
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        if STORE_SUM:
+            tl.store(sum_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], x, mask=ok)
     x = x.to(tl.float32)
     if HAS_SHIFT:
         x += tl.load(shift_ptr + cols, mask=col_ok, other=0.0)[None, :]
@@ -79,9 +97,11 @@ def triton_layer_norm(
     bias: torch.Tensor,  # [D]
     eps: float,
     shift: torch.Tensor | None = None,  # fp32 [D]
+    residual: torch.Tensor | None = None,  # [R, D] in x's dtype, last dim contiguous
 ) -> torch.Tensor:  # [R, D], x's dtype, contiguous
+    """`LN(x + residual + shift)`, the first add rounded to x's dtype."""
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, eps, shift, y, None)
+    _launch(x, weight, bias, eps, shift, y, None, residual, None)
     return y
 
 
@@ -94,8 +114,24 @@ def triton_layer_norm_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, D], fp32 scale [R, 1]
     """`LN(x + shift)` quantised per row for an FP8 GEMM (`kernels/fp8.py`)."""
     y, scale = empty_fp8_rows(*x.shape, x.device)
-    _launch(x, weight, bias, eps, shift, y, scale)
+    _launch(x, weight, bias, eps, shift, y, scale, None, None)
     return y, scale
+
+
+def triton_add_layer_norm_fp8(
+    x: torch.Tensor,  # [R, D], last dim contiguous: the residual stream
+    residual: torch.Tensor,  # [R, D] in x's dtype, last dim contiguous: a pending add
+    weight: torch.Tensor,  # [D]
+    bias: torch.Tensor,  # [D]
+    eps: float,
+    shift: torch.Tensor | None = None,  # fp32 [D]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s, e4m3 [R, D], fp32 scale [R, 1]): s = x + residual in x's dtype (contiguous), and
+    `LN(s + shift)` quantised per row for an FP8 GEMM, in one pass."""
+    y, scale = empty_fp8_rows(*x.shape, x.device)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, eps, shift, y, scale, residual, total)
+    return total, y, scale
 
 
 def _launch(
@@ -106,10 +142,16 @@ def _launch(
     shift: torch.Tensor | None,
     y: torch.Tensor,  # out: [R, D] in x's dtype, or e4m3 with `scale`
     scale: torch.Tensor | None,  # out: fp32 [R, 1] (FP8 output), or None
+    residual: torch.Tensor | None,  # [R, D] in x's dtype, added to x first, or None
+    total: torch.Tensor | None,  # out: [R, D] contiguous, x + residual (or None)
 ) -> None:
     r, d = x.shape
     assert x.stride(1) == 1 and d <= MAX_D, "rows must be contiguous and at most MAX_D wide"
     assert shift is None or (shift.dtype == torch.float32 and shift.shape == (d,))
+    assert residual is None or (
+        residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+    ), "the residual must match x's shape and dtype, rows contiguous"
+    assert total is None or residual is not None
     if r == 0:
         return
     block_d = triton.next_power_of_2(d)
@@ -118,7 +160,10 @@ def _launch(
         return (triton.cdiv(r, meta["ROWS"]),)
 
     _layer_norm_kernel[grid](
-        x, shift if shift is not None else weight, weight, bias, y,
-        scale if scale is not None else weight, r, x.stride(0), eps,
-        D=d, BLOCK_D=block_d, HAS_SHIFT=shift is not None, FP8_OUT=scale is not None,
+        x, residual if residual is not None else x, total if total is not None else x,
+        shift if shift is not None else weight, weight, bias, y,
+        scale if scale is not None else weight, r, x.stride(0),
+        residual.stride(0) if residual is not None else 0, eps,
+        D=d, BLOCK_D=block_d, HAS_SHIFT=shift is not None, HAS_RES=residual is not None,
+        STORE_SUM=total is not None, FP8_OUT=scale is not None,
     )  # fmt: skip

@@ -9,7 +9,7 @@ stage 3), opt-in (`DecoderStep(..., fp8=True)`; docs/FP8.md).
 x ≈ q · scale row by row, with q = x · (1 / scale) rounded to nearest-even on the e4m3 grid and
 clamped to ±448 (e4m3's largest finite value), so no value saturates to NaN; a row of
 zeros gets scale 1. The LayerNorm kernel quantises its own output the same way
-(`kernels.layer_norm.layer_norm_fp8`), so the QKV, cross-attention query and FFN up
+(`kernels.layer_norm.add_layer_norm_fp8`), so the QKV, cross-attention query and FFN up
 projections read FP8 straight from it (`fp8_gemm`), and so does the FFN down projection
 from the bias + GELU kernel (`kernels.gelu_fp8`); the inputs of the two attention output
 projections are still quantised here, in a pass of their own (`fp8_matmul`; on CUDA one
@@ -99,7 +99,7 @@ def fp8_gemm(
     bias: torch.Tensor | None = None,  # [N], added in the GEMM's epilogue
 ) -> torch.Tensor:
     """(xq · xs) @ w.T (+ bias) -> [R, N] for activations quantised already (by the
-    kernel that made them: `kernels.layer_norm.layer_norm_fp8`). The bias rides in the
+    kernel that made them: `kernels.layer_norm.add_layer_norm_fp8`). The bias rides in the
     GEMM (cuBLASLt's epilogue on CUDA): a separate add would be one more pass over the
     output, which costs more than the bias epilogue at the decoder's shapes
     (docs/FP8.md)."""

@@ -7,6 +7,12 @@ vector per LayerNorm, `shift`, added here on the way in. Dispatcher: the Triton 
 (`_triton_layer_norm`) on CUDA tensors, torch's LayerNorm on the shifted fp32 input
 elsewhere (the reference, and the CPU path). `layer_norm_fp8` returns the same rows
 quantised per row for an FP8 GEMM (`kernels/fp8.py`), quantised inside the kernel.
+
+The FP8 step's GEMMs cannot add into the residual stream (`torch._scaled_mm` has no
+`beta = 1`), so it hands each projection to the next LayerNorm as a `residual`:
+`add_layer_norm_fp8` adds it to the stream (rounded to the stream's dtype, as `x += r`
+would), returns the new stream and the quantised `LN(x + r + shift)`, in one pass; and
+`layer_norm(..., residual=r)` does the add for the final norm, which needs no stream after.
 """
 
 from __future__ import annotations
@@ -17,9 +23,18 @@ import torch.nn.functional as F
 from kernels.fp8 import quantize_rows
 
 try:
-    from kernels._triton_layer_norm import MAX_D, triton_layer_norm, triton_layer_norm_fp8
+    from kernels._triton_layer_norm import (
+        MAX_D,
+        triton_add_layer_norm_fp8,
+        triton_layer_norm,
+        triton_layer_norm_fp8,
+    )
 except ImportError:  # no triton on this machine: the reference serves every call
-    MAX_D, triton_layer_norm, triton_layer_norm_fp8 = 0, None, None
+    MAX_D, triton_layer_norm, triton_layer_norm_fp8, triton_add_layer_norm_fp8 = 0, None, None, None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous() if x.stride(-1) != 1 else x
 
 
 def layer_norm(
@@ -28,14 +43,16 @@ def layer_norm(
     bias: torch.Tensor,  # [D]
     eps: float,
     shift: torch.Tensor | None = None,  # fp32 [D], added to every row first
+    residual: torch.Tensor | None = None,  # [R, D] in x's dtype, added to x before that
 ) -> torch.Tensor:  # [R, D], x's dtype
-    """`F.layer_norm(x + shift)` computed in fp32, returned in x's dtype."""
+    """`F.layer_norm((x + residual) + shift)` computed in fp32, returned in x's dtype;
+    `x + residual` is rounded to x's dtype first, as the residual stream would hold it."""
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if triton_layer_norm is not None and x.is_cuda and not grad and x.shape[-1] <= MAX_D:
         return triton_layer_norm(
-            x.contiguous() if x.stride(-1) != 1 else x, weight, bias, eps, shift
+            _rows(x), weight, bias, eps, shift, None if residual is None else _rows(residual)
         )
-    return layer_norm_reference(x, weight, bias, eps, shift)
+    return layer_norm_reference(x, weight, bias, eps, shift, residual)
 
 
 def layer_norm_reference(
@@ -44,7 +61,10 @@ def layer_norm_reference(
     bias: torch.Tensor,
     eps: float,
     shift: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if residual is not None:
+        x = x + residual  # in x's dtype: the residual stream's rounding
     if shift is None:
         return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
     y = F.layer_norm(x.float() + shift, x.shape[-1:], weight.float(), bias.float(), eps)
@@ -60,9 +80,7 @@ def layer_norm_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, D], fp32 scale [R, 1]
     """`LN(x + shift)` in fp32, quantised per row (`kernels.fp8.quantize_rows`)."""
     if triton_layer_norm_fp8 is not None and x.is_cuda and x.shape[-1] <= MAX_D:
-        return triton_layer_norm_fp8(
-            x.contiguous() if x.stride(-1) != 1 else x, weight, bias, eps, shift
-        )
+        return triton_layer_norm_fp8(_rows(x), weight, bias, eps, shift)
     return layer_norm_fp8_reference(x, weight, bias, eps, shift)
 
 
@@ -78,3 +96,32 @@ def layer_norm_fp8_reference(
     y = F.layer_norm(x.float() + (0 if shift is None else shift), x.shape[-1:],
                      weight.float(), bias.float(), eps)  # fmt: skip
     return quantize_rows(y)
+
+
+def add_layer_norm_fp8(
+    x: torch.Tensor,  # [R, D]: the residual stream
+    residual: torch.Tensor,  # [R, D] in x's dtype: a projection not yet added to it
+    weight: torch.Tensor,  # [D]
+    bias: torch.Tensor,  # [D]
+    eps: float,
+    shift: torch.Tensor | None = None,  # fp32 [D]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s, q, scale): the stream's next value s = x + residual in x's dtype, and
+    `layer_norm_fp8(s, ...)`, in one pass on CUDA. x is left as it was."""
+    if triton_add_layer_norm_fp8 is not None and x.is_cuda and x.shape[-1] <= MAX_D:
+        return triton_add_layer_norm_fp8(_rows(x), _rows(residual), weight, bias, eps, shift)
+    return add_layer_norm_fp8_reference(x, residual, weight, bias, eps, shift)
+
+
+def add_layer_norm_fp8_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    shift: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference of `add_layer_norm_fp8`: `x + residual` in torch, then
+    `layer_norm_fp8_reference` of that sum."""
+    total = x + residual
+    return (total, *layer_norm_fp8_reference(total, weight, bias, eps, shift))

@@ -23,7 +23,11 @@ With `fp8=True` the linear layers of the loop (QKV of layers >= 1, both attentio
 projections, the cross-attention query, the FFN) multiply in FP8 e4m3 (`kernels.fp8`:
 weights quantised once here per output channel, activations per row at each call); the
 layer-0 table, the cross K/V, the LayerNorms, the residual stream and the logits head stay
-in the model's dtype.
+in the model's dtype. An FP8 GEMM cannot add into the stream (`torch._scaled_mm` has no
+`beta`), so each output projection is handed on as a pending `residual`, and the
+LayerNorm that reads the stream next adds it (`kernels.layer_norm.add_layer_norm_fp8`:
+one pass writes the new stream and the next GEMM's FP8 input; the final norm adds the
+last one) — no separate add kernel runs in FP8 either.
 
 Self-attention's "write + attend" belongs to the KV cache (`service/decode/kv_cache.py`);
 cross-attention runs beam-as-query over the per-request K/V of `SIDDecoder.cross_kv`
@@ -41,7 +45,7 @@ from kernels.cross_attention import cross_attention
 from kernels.fp8 import Fp8Weight, check_fp8_device, fp8_gemm, fp8_matmul
 from kernels.gelu_fp8 import gelu_fp8
 from kernels.gelu_linear import gelu_linear
-from kernels.layer_norm import layer_norm, layer_norm_fp8
+from kernels.layer_norm import add_layer_norm_fp8, layer_norm
 from service.decode.kv_cache import PagedKVCache
 from service.model.decoder import CrossKV, DecoderLayer, SIDDecoder
 
@@ -49,8 +53,13 @@ from service.model.decoder import CrossKV, DecoderLayer, SIDDecoder
 _FP8_LINEARS = ("qkv", "self_out", "cross_q", "cross_out", "ffn_up", "ffn_down")
 
 
-def _ln(x: torch.Tensor, norm: nn.LayerNorm, shift: torch.Tensor | None) -> torch.Tensor:
-    return layer_norm(x, norm.weight, norm.bias, norm.eps, shift)
+def _ln(
+    x: torch.Tensor,
+    norm: nn.LayerNorm,
+    shift: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return layer_norm(x, norm.weight, norm.bias, norm.eps, shift, residual)
 
 
 def _bias(linear: nn.Linear) -> torch.Tensor:
@@ -109,36 +118,54 @@ class DecoderStep:
             return gelu_linear(h, layer.ffn_up.weight, layer.ffn_up.bias)
         return layer.ffn_hidden(h)
 
-    def ffn_fp8(self, x: torch.Tensor, i: int, layer: DecoderLayer, shift: torch.Tensor) -> None:
-        """x += FFN(LN(x + shift)) in FP8: the LayerNorm kernel quantises the up
-        projection's input, one kernel adds its bias, applies GELU and quantises the
-        down projection's input, whose bias is pending in the next LN's shift."""
+    def ffn_fp8(
+        self,
+        x: torch.Tensor,
+        pending: torch.Tensor,
+        i: int,
+        layer: DecoderLayer,
+        shift: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + pending, the FFN's output) in FP8: the LayerNorm kernel adds the pending
+        projection and quantises the up projection's input, one kernel adds its bias,
+        applies GELU and quantises the down projection's input. The FFN's output is
+        pending in turn, its bias in the next LN's shift."""
         assert self.fp8 is not None
         n = layer.norm_ffn
-        q, scale = layer_norm_fp8(x, n.weight, n.bias, n.eps, shift)
+        x, q, scale = add_layer_norm_fp8(x, pending, n.weight, n.bias, n.eps, shift)
         h = fp8_gemm(q, scale, self.fp8[i]["ffn_up"], x.dtype)
         q, scale = gelu_fp8(h, layer.ffn_up.bias, self.decoder.config.ffn_activation == "gelu_tanh")
-        x += fp8_gemm(q, scale, self.fp8[i]["ffn_down"], x.dtype)
+        return x, fp8_gemm(q, scale, self.fp8[i]["ffn_down"], x.dtype)
 
     def normed_linear(
-        self, x: torch.Tensor, norm: nn.LayerNorm, shift: torch.Tensor | None, i: int, name: str
-    ) -> torch.Tensor:
-        """Layer i's linear layer `name` of LN(x + shift); in FP8 the LayerNorm kernel
-        writes its rows quantised, for the FP8 GEMM to read."""
+        self,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        norm: nn.LayerNorm,
+        shift: torch.Tensor | None,
+        i: int,
+        name: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + pending, layer i's linear layer `name` of LN(x + pending + shift)); in FP8
+        the LayerNorm kernel adds the pending projection and writes its rows quantised,
+        for the FP8 GEMM to read. Without FP8 nothing is ever pending."""
         linear: nn.Linear = getattr(self.decoder.layers[i], name)
         if self.fp8 is None:
-            return linear(_ln(x, norm, shift))
-        q, scale = layer_norm_fp8(x, norm.weight, norm.bias, norm.eps, shift)
-        return fp8_gemm(q, scale, self.fp8[i][name], x.dtype, bias=linear.bias)
+            assert pending is None
+            return x, linear(_ln(x, norm, shift))
+        assert pending is not None  # every FP8 LayerNorm follows a projection
+        x, q, scale = add_layer_norm_fp8(x, pending, norm.weight, norm.bias, norm.eps, shift)
+        return x, fp8_gemm(q, scale, self.fp8[i][name], x.dtype, bias=linear.bias)
 
-    def add_projection(
+    def project(
         self, x: torch.Tensor, a: torch.Tensor, i: int, name: str, linear: nn.Linear
-    ) -> None:
-        """x += a @ W.T of layer i's `name` (its bias is pending in the next LN's shift)."""
+    ) -> torch.Tensor | None:
+        """a @ W.T of layer i's `name` (its bias is pending in the next LN's shift): added
+        to x in place inside the matmul (None), or in FP8 returned, pending."""
         if self.fp8 is None:
             x.addmm_(a, linear.weight.t())  # the add inside the matmul (cuBLAS beta = 1)
-        else:
-            x += fp8_matmul(a, self.fp8[i][name], x.dtype)
+            return None
+        return fp8_matmul(a, self.fp8[i][name], x.dtype)
 
     @torch.no_grad()
     def __call__(
@@ -151,18 +178,20 @@ class DecoderStep:
         d = self.decoder
         x = d.tok_emb[t, tokens]  # [R, d_model]: a fresh tensor, updated in place below
         r = x.shape[0]
+        pending: torch.Tensor | None = None  # FP8: a projection the next LN adds to x
         for i, (layer, kv) in enumerate(zip(d.layers, cross, strict=True)):
             at_self, at_cross, at_ffn = self.shifts[i]
             if i == 0:
                 a = self.attend_first(cache, t, tokens)
             else:
-                a = cache.attend(i, t, self.normed_linear(x, layer.norm_self, at_self, i, "qkv"))
-            self.add_projection(x, a.reshape(r, -1), i, "self_out", layer.self_out)
-            q = self.normed_linear(x, layer.norm_cross, at_cross, i, "cross_q")
+                x, qkv = self.normed_linear(x, pending, layer.norm_self, at_self, i, "qkv")
+                a = cache.attend(i, t, qkv)
+            pending = self.project(x, a.reshape(r, -1), i, "self_out", layer.self_out)
+            x, q = self.normed_linear(x, pending, layer.norm_cross, at_cross, i, "cross_q")
             a = self.cross(q.view(r, layer.h, layer.dh), *kv)
-            self.add_projection(x, a.reshape(r, -1), i, "cross_out", layer.cross_out)
-            if self.fp8 is not None:
-                self.ffn_fp8(x, i, layer, at_ffn)
+            pending = self.project(x, a.reshape(r, -1), i, "cross_out", layer.cross_out)
+            if pending is not None:
+                x, pending = self.ffn_fp8(x, pending, i, layer, at_ffn)
             else:
                 x.addmm_(self.ffn_up(x, layer, at_ffn), layer.ffn_down.weight.t())
-        return d.head(_ln(x, d.norm, self.final_shift))
+        return d.head(_ln(x, d.norm, self.final_shift, pending))

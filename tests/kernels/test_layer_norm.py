@@ -1,4 +1,5 @@
-"""The shifted LayerNorm kernel, LN(x + shift), against the torch reference.
+"""The shifted LayerNorm kernel, LN(x + shift), with the residual add the FP8 step hands
+it, against the torch reference.
 
 On CPU the Triton kernel runs under TRITON_INTERPRET=1 (tests/conftest.py) at small,
 awkward widths; the `gpu` test runs the autotuned dispatcher at the paper's shape.
@@ -10,9 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels._triton_layer_norm import triton_layer_norm, triton_layer_norm_fp8
+from kernels._triton_layer_norm import (
+    triton_add_layer_norm_fp8,
+    triton_layer_norm,
+    triton_layer_norm_fp8,
+)
 from kernels.fp8 import quantize_rows
 from kernels.layer_norm import (
+    add_layer_norm_fp8,
+    add_layer_norm_fp8_reference,
     layer_norm,
     layer_norm_fp8,
     layer_norm_fp8_reference,
@@ -121,3 +128,67 @@ def test_layer_norm_fp8_dispatches_to_the_reference_off_cuda() -> None:
     want_q, want_scale = quantize_rows(F.layer_norm(x + shift, (24,), w, b, 1e-5))
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     torch.testing.assert_close(scale, want_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("r", "d"), [(1, 16), (5, 48), (7, 100)])
+@pytest.mark.usefixtures("exact_fp8_casts")
+def test_add_then_fp8_writes_the_stream_and_its_quantised_norm(
+    dtype: torch.dtype, r: int, d: int
+) -> None:
+    """`add_layer_norm_fp8`'s kernel writes the stream's next value exactly as `x +
+    residual` would store it (bf16 rounding included), and quantises the LayerNorm of that
+    rounded sum, as the reference does; x itself is left unchanged."""
+    x, w, b, shift = inputs(r, d, dtype)
+    residual = inputs(r, d, dtype, seed=1)[0] * 0.5
+    before = x.clone()
+    total, q, scale = triton_add_layer_norm_fp8(x, residual, w, b, 1e-5, shift)
+    want_total, want_q, want_scale = add_layer_norm_fp8_reference(x, residual, w, b, 1e-5, shift)
+    assert torch.equal(x, before)
+    assert total.dtype == dtype and torch.equal(total, want_total)
+    assert torch.equal(want_total, x + residual)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
+    got, want = q.float() * scale, want_q.float() * want_scale
+    assert ((got - want).abs() <= 2.0**-3 * want.abs() + 1e-6).all()
+    assert (q.view(torch.uint8) == want_q.view(torch.uint8)).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_residual_is_added_before_the_norm(dtype: torch.dtype) -> None:
+    """`layer_norm(..., residual=r)` (the final norm of the FP8 step) normalises the
+    stream's rounded sum: the kernel and the reference equal the norm of `x + r`, and a
+    strided residual (a row-slice of a wider tensor) is read through its stride."""
+    x, w, b, shift = inputs(6, 40, dtype)
+    wide = inputs(6, 72, dtype, seed=2)[0]
+    residual = wide[:, 16:56]
+    want = layer_norm_reference(x + residual, w, b, 1e-5, shift)
+    torch.testing.assert_close(layer_norm_reference(x, w, b, 1e-5, shift, residual), want)
+    got = triton_layer_norm(x, w, b, 1e-5, shift, residual)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    # without the residual the result differs: the add is not silently dropped
+    assert not torch.allclose(triton_layer_norm(x, w, b, 1e-5, shift), want, **TOL[dtype])
+
+
+def test_add_layer_norm_fp8_dispatches_to_the_reference_off_cuda() -> None:
+    x, w, b, shift = inputs(4, 24, torch.float32)
+    residual = inputs(4, 24, torch.float32, seed=3)[0]
+    total, q, scale = add_layer_norm_fp8(x, residual, w, b, 1e-5, shift)
+    assert torch.equal(total, x + residual)
+    want_q, want_scale = quantize_rows(F.layer_norm(x + residual + shift, (24,), w, b, 1e-5))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    torch.testing.assert_close(scale, want_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_add_then_fp8_at_the_paper_shape() -> None:
+    """The autotuned kernel at 16,384 × 1,024 in bf16: the stream byte for byte, the
+    scales to fp32 rounding, the codes within one e4m3 step."""
+    x, w, b, shift = inputs(16384, 1024, torch.bfloat16, "cuda")
+    residual = inputs(16384, 1024, torch.bfloat16, "cuda", seed=1)[0]
+    total, q, scale = add_layer_norm_fp8(x, residual, w, b, 1e-5, shift)
+    want_total, want_q, want_scale = add_layer_norm_fp8_reference(x, residual, w, b, 1e-5, shift)
+    assert torch.equal(total, want_total)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
+    got, want = q.float() * scale, want_q.float() * want_scale
+    assert ((got - want).abs() <= 2.0**-3 * want.abs() + 1e-6).all()
