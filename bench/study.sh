@@ -8,7 +8,8 @@
 # Knobs (env): ADS (1,000,000), USERS (50,000), EVAL_USERS (5,000), PROFILE (demo model),
 # BEAMS ("1 512 1024 1024", the paper's), WORK (/tmp/grace-study: the world, model and
 # index, kept between runs), FP8 (1: then also decode FP8_USERS (2,000) users with CD only and
-# CD+GTM in FP8 beside full precision, `grace eval --fp8`, docs/FP8.md), SET (knobs of the
+# CD+GTM in FP8 beside the model in FP8_BASE (bfloat16, the served dtype; float32), `grace
+# eval --fp8 --dtype`, docs/FP8.md), SET (knobs of the
 # `study` profile to override, "KNOB=VALUE ...", e.g. SET="fresh_share=0.3": `grace synth
 # --set`), PYTHON.
 # Writes OUT_DIR/train.json, OUT_DIR/eval_study.json (OUT_DIR/eval_fp8.json) and
@@ -40,4 +41,4 @@ grace() { echo "study: grace $1 at $(date -u +%H:%M:%S)" >&2; "$py" -m cli "$@";
 [ "${FP8:-0}" != 1 ] || [ -f "$out/eval_fp8.json" ] || grace eval --world "$work/world" \
     --index "$work/index" --model "$work/model" --users "${FP8_USERS:-2000}" \
     --beams "${beams[@]}" --k 10 100 1000 --scoring masked --kway "" --fp8 --device "$device" \
-    --out "$out/eval_fp8.json" --no-progress
+    --dtype "${FP8_BASE:-bfloat16}" --out "$out/eval_fp8.json" --no-progress

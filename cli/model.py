@@ -84,6 +84,7 @@ def _init_model(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     import numpy as np
+    import torch
 
     from contracts.request import FilterMode
     from index_builder.build import with_partitions
@@ -105,6 +106,7 @@ def _eval(args: argparse.Namespace) -> int:
             print(f"grace eval: {e}", file=sys.stderr)
             return 2
     loaded = load_checkpoint(resolve_checkpoint(Path(args.model)), args.device)
+    loaded.model.to(getattr(torch, args.dtype))  # every variant, and the FP8 ones' twins
     index = validate_index(resolve(Path(args.index)), expect_tokenizer=loaded.sid_space)
     arrays = index.arrays
     world = load_world(Path(args.world))
@@ -139,6 +141,7 @@ def _eval(args: argparse.Namespace) -> int:
         "world": str(args.world),
         "index_version": index.manifest["index_version"],
         "model_version": loaded.model_version,
+        "dtype": args.dtype,
         "beams": list(beams),
         "users": len(users),
         "seed": args.seed,
@@ -266,6 +269,10 @@ def register(add: AddCommand) -> None:
     p.add_argument("--fp8", action="store_true",
                    help="also decode CD only and CD+GTM with the decoder step's linear "
                    "layers in FP8 e4m3 (setting dtype = fp8), in the first scoring")  # fmt: skip
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the model's weights in every variant (float32, the checkpoint's "
+                   "own); bfloat16 is what a GPU serves, so with --fp8 it compares FP8 "
+                   "with the served dtype")  # fmt: skip
     p.add_argument("--fixed", type=int, nargs="*", default=[], metavar="N",
                    help="also compare pass rates among the first N generated ads (users "
                    "with at least N), e.g. --fixed 1000 5000")  # fmt: skip

@@ -117,6 +117,7 @@ def test_fp8_variants_keep_the_filters_effect_and_exactness(report) -> None:
 
 def test_the_report_has_its_documented_schema(report) -> None:
     assert report["format"] == "grace.eval" and report["format_version"] == 3
+    assert report["dtype"] == "float32"  # the checkpoint's own, unless --dtype says
     assert report["users"] == 64 and report["ks"] == [10, 32] and report["beams"] == [1, 16, 32, 32]
     for i, r in enumerate(report["variants"]):
         assert r["mode"] in {"cd_only", "cd_gtm", "cd_gtm_kway"}
@@ -278,3 +279,24 @@ def test_recall_is_split_by_launch_on_a_world_with_fresh_ads(tmp_path: Path) -> 
         for k in (10, 32):
             weighted = sum(split[s]["users"] * split[s][f"recall@{k}"] for s in split) / 48
             assert weighted == pytest.approx(r[f"recall@{k}"])
+
+
+def test_fp8_is_compared_with_the_served_bfloat16_model(setup, tmp_path: Path) -> None:
+    """`--dtype bfloat16 --fp8`: every variant runs the model in bf16 (what a GPU serves),
+    so the FP8 rows' twins are the bf16 rows; the report says so, and FP8 still keeps
+    the SIDs and the exactness."""
+    out = tmp_path / "eval_bf16.json"
+    code = main(["eval", "--world", str(setup["world"]), "--index", str(setup["index"]),
+                 "--model", str(setup["model"]), "--users", "16", "--beams", *BEAMS,
+                 "--k", "10", "32", "--kway", "", "--fp8", "--dtype", "bfloat16",
+                 "--resamples", "50", "--out", str(out), "--no-progress"])  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16"
+    rows = {r["variant"]: r for r in report["variants"]}
+    assert list(rows) == ["cd_only", "cd_gtm", "cd_only_fp8", "cd_gtm_fp8"]
+    for name in ("cd_only", "cd_gtm"):
+        vs = rows[f"{name}_fp8"]["vs_full_precision"]
+        assert vs["variant"] == name
+        assert vs["sid_overlap"]["@32"]["mean"] > 0.5
+    assert all(r["ineligible_returned"] == 0 for r in rows.values())
