@@ -1,12 +1,16 @@
 """A small served world for tests that need a real server: the tiny synthetic world, a
 small SID tokenizer, an untrained tiny model and a published index, plus the settings to
-serve it on free localhost ports (tests/service, tests/ops)."""
+serve it on free localhost ports (tests/service, tests/ops), and a hold on a server's
+stop so a drain's NOT_SERVING can be read before its port closes."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pyarrow.parquet as pq
 import torch
 
@@ -54,3 +58,19 @@ def catalog_ads(root: Path) -> dict[int, Ad]:
         )
         for r in rows
     }
+
+
+def hold_stop(server: grpc.aio.Server, timeout: float = 60.0) -> asyncio.Event:
+    """Hold `server.stop` (a drain's closing of the port, after its NOT_SERVING notice)
+    until the returned event is set, or `timeout` seconds: a test reads NOT_SERVING on
+    a condition, not inside the notice's 0.5 s."""
+    release, stop = asyncio.Event(), server.stop
+
+    async def held_stop(grace: float | None) -> None:
+        # a test that never releases it: stop anyway after `timeout` (it fails on its own)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(release.wait(), timeout)
+        await stop(grace)
+
+    server.stop = held_stop  # type: ignore[method-assign]
+    return release

@@ -189,40 +189,50 @@ def test_expect_version_refuses_a_manifest_of_another_name(tmp_path: Path) -> No
 
 CHILD = textwrap.dedent(
     """
-    import sys, time
-    import contracts.index_format as fmt
+    import os, sys, time
+    from pathlib import Path
     from tests.helpers.indexes import small_index, writer
     from index_builder.publish import publish
-    real_fsync = fmt.os.fsync
-    def slow_fsync(fd):  # widen the write window so the kill lands inside it
-        real_fsync(fd); time.sleep(0.05)
-    fmt.os.fsync = slow_fsync
+    real_fsync, stall_at, calls = os.fsync, int(sys.argv[2]), []
+    def stalling_fsync(fd):  # the write stops at the given fsync, to be killed there
+        real_fsync(fd)
+        calls.append(fd)
+        if len(calls) == stall_at:
+            Path(sys.argv[3]).touch()
+            time.sleep(3600)
+    os.fsync = stalling_fsync
     publish(sys.argv[1], writer(small_index(3000)))
     """
 )
 
 
-@pytest.mark.parametrize("kill_after", [0.0, 0.15, 0.4])
+# after the 1st, 4th and 9th of the 17 arrays written: the kill lands inside the write
+# on a condition, not after a sleep that a busy machine could outlast
+@pytest.mark.parametrize("stall_at", [1, 4, 9])
 def test_build_killed_mid_write_leaves_current_on_the_previous_version(
-    tmp_path: Path, kill_after: float
+    tmp_path: Path, stall_at: int
 ) -> None:
-    good = publish(tmp_path, writer(small_index()))
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], cwd=REPO)
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".tmp-*/*.npy")):  # the child is writing arrays
-        assert child.poll() is None, "child finished before it was killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    time.sleep(kill_after)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
-    assert current_version(tmp_path) == good
-    assert list_versions(tmp_path) == [good]
-    validate_index(current_path(tmp_path))
+    root, stalled = tmp_path / "index", tmp_path / "stalled"
+    good = publish(root, writer(small_index()))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(root), str(stall_at),
+                              str(stalled)], cwd=REPO)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not stalled.exists():  # the child stopped mid-write
+            assert child.poll() is None, "child finished before it was killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert list(root.glob(".tmp-*/*.npy"))  # arrays written, none published
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert current_version(root) == good
+    assert list_versions(root) == [good]
+    validate_index(current_path(root))
     # the next writer cleans up the dead one's temp dir and publishes normally
-    newer = publish(tmp_path, writer(small_index()))
-    assert current_version(tmp_path) == newer
-    assert not list(tmp_path.glob(".tmp-*"))
+    newer = publish(root, writer(small_index()))
+    assert current_version(root) == newer
+    assert not list(root.glob(".tmp-*"))
 
 
 def test_flipped_byte_is_caught(published: Path) -> None:

@@ -24,6 +24,7 @@ import torch
 from cli import build_parser
 from cli.index import model_sids
 from contracts.index_format import read_manifest
+from index_builder import sidecar
 from index_builder.catalog import read_catalog
 from index_builder.publish import current_path, current_version
 from index_builder.sidecar import BuilderConfig, SidChoice, run_builder
@@ -36,18 +37,24 @@ from service.model.retriever import GenerativeRetriever
 from tests.helpers.indexes import corrupt_builds
 
 
-def test_builder_waits_for_the_tokenizer_then_builds(tmp_path: Path) -> None:
+def test_builder_waits_for_the_tokenizer_then_builds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     generate_world("tiny", 0, tmp_path / "world", progress=False)
     catalog = tmp_path / "world" / "catalog.parquet"
     tokenizer = tmp_path / "model" / "tokenizer"
     cfg = BuilderConfig(catalog=catalog, out=tmp_path / "index", interval=0.05,
                         tokenizer=tokenizer, max_builds=1)  # fmt: skip
+    checks = []  # one catalog fingerprint a check: the checks counted, not timed
+    fingerprint = sidecar.catalog_fingerprint
+    monkeypatch.setattr(sidecar, "catalog_fingerprint",
+                        lambda path: (checks.append(1), fingerprint(path))[1])  # fmt: skip
     stop = threading.Event()
     result = {}
     thread = threading.Thread(target=lambda: result.update(stats=run_builder(cfg, stop)))
     thread.start()
     try:
-        time.sleep(0.5)  # several checks without a tokenizer
+        _wait(lambda: len(checks) > 3)  # several checks without a tokenizer
         assert current_version(tmp_path / "index") is None
         emb = read_catalog(catalog, progress=False).embedding
         tok = SIDTokenizer.train(emb, TokenizerConfig(codebook_size=16, iterations=3),

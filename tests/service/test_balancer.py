@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from pathlib import Path
 
 import grpc
@@ -15,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from service.balancer import Front, FrontThread, _client_metadata
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.settings import load_settings
+from tests.helpers.serving import hold_stop
 
 METHOD = "/grace.v1.AdRetrieval/Retrieve"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -67,7 +69,7 @@ class Worker(grpc.GenericRpcHandler):
         self.health.set("grace.v1.AdRetrieval", SERVING)
 
 
-async def until(condition, seconds: float = 10.0) -> None:
+async def until(condition, seconds: float = 60.0) -> None:
     """Wait (polling) until `condition()` holds; fail after `seconds`."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
@@ -112,11 +114,7 @@ def test_front_serves_only_once_every_worker_does_and_forwards_faithfully(
         await asyncio.sleep(1.2)
         assert front.server is None
         workers[1].ready()
-        for _ in range(50):
-            if front.port:
-                break
-            await asyncio.sleep(0.1)
-        assert front.port
+        await until(lambda: front.port)  # its next readiness poll (every 0.5 s) sees both
         async with grpc.aio.insecure_channel(f"127.0.0.1:{front.port}") as ch:
             stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
             check = health_pb2_grpc.HealthStub(ch).Check
@@ -143,11 +141,13 @@ def test_front_serves_only_once_every_worker_does_and_forwards_faithfully(
             reply = await stub.Retrieve(retrieval_pb2.RetrieveRequest())
             assert reply.index_version == "None|"
 
-            # deadline and the caller's metadata reach the worker
-            reply = await stub.Retrieve(retrieval_pb2.RetrieveRequest(), timeout=2,
+            # deadline and the caller's metadata reach the worker (the hop takes far less
+            # than the 30 s margin: a default or a lost deadline would show; gRPC's
+            # timeout header may round the 60 s up a little)
+            reply = await stub.Retrieve(retrieval_pb2.RetrieveRequest(), timeout=60,
                                         metadata=(("x-trace", "t-42"),))  # fmt: skip
             remaining, trace = reply.index_version.split("|")
-            assert 1.0 < float(remaining) <= 2.0 and trace == "t-42"
+            assert 30.0 < float(remaining) <= 61.0 and trace == "t-42"
 
             # the worker's status, details and trailing metadata come back unchanged
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -168,13 +168,16 @@ def test_front_serves_only_once_every_worker_does_and_forwards_faithfully(
                 stub.Retrieve(retrieval_pb2.RetrieveRequest(request_id="slow"))
             )
             await until(lambda: sum(front.inflight) == 1)
+            # the port closes 0.5 s after NOT_SERVING: held open until the Checks are in
+            port_open = hold_stop(front.server)
             stopping.set()
-            for _ in range(200):  # NOT_SERVING at once, while the call is still in flight
-                if (await check(health_pb2.HealthCheckRequest())).status == NOT_SERVING:
-                    break
-                await asyncio.sleep(0.01)
+            end = time.monotonic() + 60
+            while (await check(health_pb2.HealthCheckRequest())).status != NOT_SERVING:
+                assert time.monotonic() < end, "still SERVING after stopping"
+                await asyncio.sleep(0.01)  # NOT_SERVING at once, the call still in flight
             assert (await check(health_pb2.HealthCheckRequest())).status == NOT_SERVING
             assert not slow.done()
+            port_open.set()  # the drain's grace begins with the call in flight
             for w in workers:
                 w.release.set()
             assert (await slow).model_version in ("w0", "w1")
@@ -192,7 +195,7 @@ def test_stop_before_the_front_thread_starts_is_kept() -> None:
     thread = FrontThread(load_settings({"port": 0}), ["unix:/nonexistent/w.sock"], lambda: None)
     thread.stop()
     thread.start()
-    thread.join(10)
+    thread.join(60)
     assert not thread.is_alive() and not thread.failed and thread.front.server is None
 
 
@@ -218,10 +221,9 @@ def test_front_that_cannot_bind_reports_and_fails(tmp_path: Path) -> None:
         thread = FrontThread(settings, [f"unix:{tmp_path}/w{i}.sock" for i in range(2)],
                              lambda: called.append(True))  # fmt: skip
         thread.start()
-        for _ in range(100):  # the stand-in workers answer health on this loop
-            loop.run_until_complete(asyncio.sleep(0.1))
-            if not thread.is_alive():
-                break
+        end = time.monotonic() + 60
+        while thread.is_alive() and time.monotonic() < end:
+            loop.run_until_complete(asyncio.sleep(0.1))  # the stand-in workers answer here
         assert not thread.is_alive() and thread.failed and called
         for s in servers:
             loop.run_until_complete(s.stop(None))

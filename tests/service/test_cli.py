@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -93,7 +94,7 @@ def _write_catalog(path: Path, n: int, bad: bool = False) -> None:
     tmp.replace(path)
 
 
-def _wait(predicate, timeout: float = 30.0) -> None:
+def _wait(predicate, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
@@ -110,6 +111,14 @@ def test_builder_sidecar_rebuilds_on_change_skips_bad_catalogs_and_stops_on_sigt
          "--out", str(root), "--interval", "0.2"],
         cwd=REPO, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    lines: list[str] = []  # its log, read as it runs: what it did is waited for
+
+    def read_log() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+
+    reader = threading.Thread(target=read_log, daemon=True)
+    reader.start()
     try:
         _wait(lambda: current_version(root) is not None)
         first = current_version(root)
@@ -121,14 +130,15 @@ def test_builder_sidecar_rebuilds_on_change_skips_bad_catalogs_and_stops_on_sigt
         second = current_version(root)
         assert read_manifest(current_path(root))["counts"]["ads"] == 30
         _write_catalog(catalog, 40, bad=True)
-        time.sleep(1.0)
+        _wait(lambda: any("build failed" in line for line in lines))
         assert current_version(root) == second  # the bad catalog published nothing
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
+        assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    log = proc.stderr.read()
+    reader.join(60)
+    log = "".join(lines)
     assert "build failed" in log and "line 2" in log and "genders" in log
     assert "received SIGTERM" in log and "builder stopped: 2 builds, 1 failures" in log
 

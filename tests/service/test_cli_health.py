@@ -15,7 +15,7 @@ import pytest
 
 from cli import main
 from service.app import start
-from tests.helpers.serving import make_serving_data, serving_settings
+from tests.helpers.serving import hold_stop, make_serving_data, serving_settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,9 +50,17 @@ def test_serving_exits_0_then_draining_exits_1(data: Path, capsys, monkeypatch) 
         }
         monkeypatch.setenv("GRACE_PORT", str(app.port))  # what the image's HEALTHCHECK relies on
         codes["default target"] = await asyncio.to_thread(probe)
-        drain = asyncio.ensure_future(app.drain())  # NOT_SERVING for 0.5 s before the port closes
-        await asyncio.sleep(0.1)
+        # the drain says NOT_SERVING 0.5 s before its port closes; held open here until
+        # the probe has its answer, so a slow probe cannot meet a closed port instead
+        port_open = hold_stop(app.server)
+        drain = asyncio.ensure_future(app.drain())
+        get = app.metrics.registry.get_sample_value
+        end = time.monotonic() + 60
+        while get("grace_serving") != 0:  # the drain has begun: NOT_SERVING
+            assert time.monotonic() < end, "the drain did not begin"
+            await asyncio.sleep(0.01)
         codes["draining"] = await asyncio.to_thread(probe, "--target", target)
+        port_open.set()
         await drain
         codes["stopped"] = await asyncio.to_thread(probe, "--target", target, "--timeout", "5")
         return codes
@@ -71,8 +79,9 @@ def test_serving_exits_0_then_draining_exits_1(data: Path, capsys, monkeypatch) 
 
 def test_nothing_listening_fails_fast_not_after_the_timeout(capsys) -> None:
     t0 = time.perf_counter()
-    assert probe("--target", f"127.0.0.1:{closed_port()}", "--timeout", "10") == 1
-    assert time.perf_counter() - t0 < 3.0  # connection refused is an answer: no waiting
+    assert probe("--target", f"127.0.0.1:{closed_port()}", "--timeout", "120") == 1
+    # connection refused is an answer: milliseconds, where waiting out the timeout is 120 s
+    assert time.perf_counter() - t0 < 60.0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "UNAVAILABLE" in err
 
@@ -83,9 +92,10 @@ def test_a_silent_peer_fails_after_the_timeout(capsys) -> None:
         silent.listen()
         target = f"127.0.0.1:{silent.getsockname()[1]}"
         t0 = time.perf_counter()
-        assert probe("--target", target, "--timeout", "0.5") == 1
+        assert probe("--target", target, "--timeout", "4") == 1
         elapsed = time.perf_counter() - t0
-    assert 0.4 < elapsed < 3.0, elapsed
+    # waited for the 4 s given, not the 3 s default; the upper bound only catches a hang
+    assert 3.6 < elapsed < 60.0, elapsed
     assert "DEADLINE_EXCEEDED" in capsys.readouterr().err
 
 
@@ -107,4 +117,6 @@ def test_the_probe_process_is_quick_and_never_imports_torch() -> None:
                           text=True, timeout=60)  # fmt: skip
     elapsed = time.perf_counter() - t0
     assert proc.stdout.split() == ["1", "False"], (proc.stdout, proc.stderr)
-    assert elapsed < 10.0, elapsed  # ~0.2 s here; a torch import would add seconds
+    # ~0.3 s here, ~1.7 s on a busy 2-core box: the bound only catches a hang; the torch
+    # import (seconds) is checked directly above
+    assert elapsed < 30.0, elapsed

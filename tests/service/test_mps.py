@@ -104,15 +104,17 @@ def test_serve_flag_reports_a_missing_daemon_as_bad_input(tmp_path: Path) -> Non
 def test_a_daemon_start_that_hangs_is_told_to_quit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`-d` that does not return in time: MpsError, and 'quit' is sent in case it is up."""
+    """`-d` that does not return in time: MpsError, and 'quit' is sent in case it is up.
+    TIMEOUT_S bounds both calls: 2 s (all the hang costs here) leaves the 'quit' script
+    time to run on a busy machine; `-d` hangs an hour (exec'd: the timeout's kill ends it)."""
     log = tmp_path / "calls.log"
     exe = tmp_path / "nvidia-cuda-mps-control"
     exe.write_text(
-        f'#!/bin/sh\nif [ "$1" = "-d" ]; then sleep 5; exit 0; fi\necho "quit:$(cat)" >> {log}\n'
+        f'#!/bin/sh\nif [ "$1" = "-d" ]; then exec sleep 3600; fi\necho "quit:$(cat)" >> {log}\n'
     )
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(mps, "TIMEOUT_S", 0.5)
+    monkeypatch.setattr(mps, "TIMEOUT_S", 2.0)
     with pytest.raises(MpsError, match="failed"), mps_daemon():
         pass
     assert log.read_text().strip() == "quit:quit"

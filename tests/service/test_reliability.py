@@ -69,16 +69,18 @@ def test_open_health_watches_wedge_neither_checks_nor_sigterm(data: Path, tmp_pa
                 watches = [asyncio.ensure_future(watch(i)) for i in range(6)]
                 while not all(seen):  # every stream open and answered once
                     await asyncio.sleep(0.01)
-                for _ in range(3):
-                    r = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                for _ in range(3):  # a wedged Check would hang: 30 s catches it
+                    r = await stub.Check(health_pb2.HealthCheckRequest(), timeout=30)
                     assert r.status == health_pb2.HealthCheckResponse.SERVING
                 t = time.monotonic()
                 server.proc.send_signal(signal.SIGTERM)
                 await asyncio.wait_for(asyncio.gather(*watches), timeout=60)
                 code = await asyncio.to_thread(server.proc.wait, 60)
                 took = time.monotonic() - t
+                # exit 0: the drain ended inside its own limit (drain + 5.5 s, else exit 1);
+                # the bound only catches a hang after it
                 assert code == 0, server.log_tail()
-                assert took < drain + 10, f"SIGTERM took {took:.1f} s"
+                assert took < drain + 30, f"SIGTERM took {took:.1f} s"
                 return seen
 
         seen = asyncio.run(main())
@@ -116,7 +118,10 @@ def test_goodput_holds_at_twice_capacity_with_a_one_second_deadline(
     # range from 0.70 to 0.95x (docs/RELIABILITY.md), so the test holds a margin below that.
     assert goodput >= 0.6 * capacity, (goodput, before, after, overload.outcomes)
     assert overload.count("RESOURCE_EXHAUSTED") > 0 and refused > 0
-    assert overload.refusal_p99_ms is not None and overload.refusal_p99_ms < 500
+    # refused at once, not behind the queue as the OKs are: compared with them, not with
+    # a time (the refusals' P99 is the event loop's lag, 218 ms on the bench's quiet box)
+    assert overload.refusal_p50_ms is not None and overload.ok_p50_ms is not None
+    assert overload.refusal_p50_ms < overload.ok_p50_ms, overload.outcomes
 
 
 def test_undecodable_and_oversized_requests_are_refused_and_counted(

@@ -72,19 +72,21 @@ def test_full_queue_drops_and_counts_instead_of_blocking(monkeypatch, tmp_path: 
 
     def slow_writer(request):  # the writer thread stalls on its first request
         taken.set()
-        release.wait(10)
+        release.wait(60)
         return serialise(request)
 
     monkeypatch.setattr(request_log, "to_json_line", slow_writer)
     log = RequestLog(tmp_path / "r.jsonl", capacity=4)
     requests = [retrieval_pb2.RetrieveRequest(request_id=f"r{i}") for i in range(11)]
     log.append(requests[0])
-    assert taken.wait(5)
+    assert taken.wait(60)
     t0 = time.perf_counter()
-    for r in requests[1:]:
-        log.append(r)  # 4 fit in the queue, 6 are dropped
-    assert time.perf_counter() - t0 < 0.05  # never waited for the stalled writer
-    assert (log.overflowed, log.dropped) == (6, 6)
+    for r in requests[1:] + requests[-1:] * 1000:
+        log.append(r)  # 4 fit in the queue, 1006 are dropped
+    # microseconds each; a wait for the stalled writer (until release, 60 s), even 10 ms
+    # per drop, would show; a busy machine's stall would not
+    assert time.perf_counter() - t0 < 10.0  # never waited for the stalled writer
+    assert (log.overflowed, log.dropped) == (1006, 1006)
     release.set()
     log.close()
     assert [r.request_id for r in read_requests(tmp_path / "r.jsonl")] == [
@@ -151,9 +153,8 @@ def test_the_server_exports_the_request_logs_counts(data: Path, tmp_path: Path) 
             for u in range(3):
                 await stub.Retrieve(request_for_user(data / "world", u, 5, retrieval_pb2.CD_GTM))
         get = app.metrics.registry.get_sample_value
-        for _ in range(500):  # the writer wakes every 0.1 s: wait for it, not for a time
-            if get("grace_request_log_lines_total") == 3:
-                break
+        end = time.monotonic() + 60  # the writer wakes every 0.1 s: wait for it, not a time
+        while get("grace_request_log_lines_total") != 3 and time.monotonic() < end:
             await asyncio.sleep(0.01)
         assert get("grace_request_log_lines_total") == 3
         assert get("grace_request_log_dropped_total") == 0

@@ -7,8 +7,9 @@ import asyncio
 import logging
 import re
 import threading
+import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,7 +30,8 @@ from service.rpc_status import Abort
 from service.server import SERVICE, RetrievalServicer
 from service.validation import Limits
 from tests.helpers.oracle import eligible
-from tests.helpers.serving import catalog_ads, make_serving_data, serving_settings
+from tests.helpers.server_process import ServerProcess
+from tests.helpers.serving import catalog_ads, hold_stop, make_serving_data, serving_settings
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,15 @@ async def retrieve_users(port: int, root: Path, users: range) -> list:
 
 def settings(root: Path, **kw):
     return serving_settings(root, **kw)
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Wait for a condition (never for a time): the machine may be busy."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
 
 
 def test_retrieve_returns_only_eligible_ads_and_reports_stats(data: Path) -> None:
@@ -165,16 +176,21 @@ def test_health_metrics_and_drain(data: Path) -> None:
                 assert name in text, name
             assert "grace_index_swaps_total 0.0" in text  # the first load is not a swap
             assert 'grpc_code="OK"' in text and 'le="0.1"' in text
+            port_open = hold_stop(app.server)  # the Check below never races the notice
             drain = asyncio.ensure_future(app.drain())
-            await asyncio.sleep(0.1)
+            get = app.metrics.registry.get_sample_value
+            await until(lambda: get("grace_serving") == 0, "the drain to begin")
             status = await hc.Check(health_pb2.HealthCheckRequest(service=""))
             assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            port_open.set()
             await drain
 
     asyncio.run(main())
 
 
 def test_hot_swaps_under_load_lose_no_request(data: Path, tmp_path: Path) -> None:
+    """Two index versions published while six clients call back to back: each is swapped
+    in under that load (waited for, not timed) and no call fails."""
     import shutil
 
     root = tmp_path / "index"
@@ -185,25 +201,33 @@ def test_hot_swaps_under_load_lose_no_request(data: Path, tmp_path: Path) -> Non
         app = await start(settings(data, index_root=root))
         versions: set[str] = set()
         failures: list[Exception] = []
+        answered = [0]
+        swapped = asyncio.Event()
 
         async def client(stub, u: int) -> None:
-            for _ in range(12):
+            while True:  # until both swaps are in, then one call more: the newest answers
+                last = swapped.is_set()
                 try:
                     r = await stub.Retrieve(
                         request_for_user(data / "world", u, 20, retrieval_pb2.CD_GTM)
                     )
                     versions.add(r.index_version)
+                    answered[0] += 1
                 except grpc.aio.AioRpcError as exc:
                     failures.append(exc)
+                if last:
+                    return
 
         async def swapper() -> None:
             cat = data / "world" / "catalog.parquet"
-            for _ in range(2):
-                await asyncio.sleep(0.3)
+            swaps = app.metrics.registry.get_sample_value
+            await until(lambda: answered[0] >= 6, "the load to start")
+            for n in (1, 2):
                 await asyncio.to_thread(build_index, cat, root,
                                         tokenizer_path=data / "model" / "tokenizer",
                                         progress=False)  # fmt: skip
-            await asyncio.sleep(0.3)
+                await until(lambda n=n: (swaps("grace_index_swaps_total") or 0) >= n, f"swap {n}")
+            swapped.set()
 
         async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
             stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
@@ -257,50 +281,36 @@ def test_reflection_lists_the_services(data: Path) -> None:
     assert "grace.v1.AdRetrieval" in names and "grpc.health.v1.Health" in names
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_cleanly(data: Path) -> None:
+def test_sigterm_drains_in_flight_requests_and_exits_cleanly(data: Path, tmp_path: Path) -> None:
+    """SIGTERM once the server has all eight calls: each is answered, the process exits 0."""
     import signal
-    import socket
-    import subprocess
-    import sys
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    server = ServerProcess.start(data, tmp_path / "serve.log")
+    started = {"grpc_service": SERVICE, "grpc_method": "Retrieve"}
 
-    port, metrics_port = free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "serve", "--data-dir", str(data), "--port",
-         str(port), "--metrics-port", str(metrics_port), "--device", "cpu", "--no-progress"],
-        cwd=Path(__file__).resolve().parents[2], stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    def received(n: int) -> None:
+        end = time.monotonic() + 60
+        while server.metric("grpc_server_started_total", started) < n:
+            assert time.monotonic() < end, "the calls never reached the server"
+            time.sleep(0.01)
 
     async def main() -> list:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            health = health_pb2_grpc.HealthStub(ch)
-            for _ in range(300):  # start-up: model, index, threads
-                try:
-                    r = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.aio.AioRpcError:
-                    pass
-                await asyncio.sleep(0.1)
+        async with grpc.aio.insecure_channel(server.target) as ch:
             stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
             req = request_for_user(data / "world", 0, 10, retrieval_pb2.CD_GTM)
             calls = [asyncio.ensure_future(stub.Retrieve(req)) for _ in range(8)]
-            await asyncio.sleep(0.05)
-            proc.send_signal(signal.SIGTERM)  # while those are in flight
+            await asyncio.to_thread(received, 8)
+            server.proc.send_signal(signal.SIGTERM)  # while those are in flight
             return await asyncio.gather(*calls, return_exceptions=True)
 
     try:
+        server.wait_serving()  # start-up: model, index, threads (minutes on a busy box)
         replies = asyncio.run(main())
-        assert proc.wait(timeout=30) == 0
+        assert server.proc.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        server.stop()
     assert all(isinstance(r, retrieval_pb2.RetrieveResponse) for r in replies), replies
-    log = proc.stderr.read()
+    log = server.log_text()
     assert "draining" in log and "stopped" in log
 
 
@@ -382,24 +392,20 @@ def test_deadline_misses_and_cancellations_are_not_counted_as_ok(data: Path) -> 
         async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
             stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
             call = stub.Retrieve(request)
-            late = [asyncio.ensure_future(stub.Retrieve(request, timeout=2.0)) for _ in range(7)]
-            for _ in range(500):  # all eight in one batch, stalled in stage 3
-                if app.batcher.inflight_requests == 8:
-                    break
-                await asyncio.sleep(0.01)
+            # 5 s: time enough to be batched and stalled in stage 3 before expiring
+            late = [asyncio.ensure_future(stub.Retrieve(request, timeout=5.0)) for _ in range(7)]
+            await until(lambda: app.batcher.inflight_requests == 8,
+                        "all eight in one batch, stalled in stage 3")  # fmt: skip
             call.cancel()
             for err in await asyncio.gather(*late, return_exceptions=True):
                 assert isinstance(err, grpc.aio.AioRpcError)
                 assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            for _ in range(500):  # the server-side handlers finish asynchronously
-                if handled(app, "DEADLINE_EXCEEDED") == 7 and handled(app, "CANCELLED"):
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: handled(app, "DEADLINE_EXCEEDED") == 7
+                        and handled(app, "CANCELLED") == 1,
+                        "the server-side handlers to finish")  # fmt: skip
             gate.set()
-            for _ in range(500):  # the batch leaves the pipeline at its next hand-off
-                if app.batcher.inflight_requests == 0:
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: app.batcher.inflight_requests == 0,
+                        "the batch to leave the pipeline at its next hand-off")  # fmt: skip
         ok = handled(app, "OK")
         gone = dropped(app)
         await app.drain()

@@ -113,8 +113,10 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
     data: Path, device: str, balance: str, mps: bool
 ) -> None:
     """'connection': 24 connections land on both workers (SO_REUSEPORT). 'request': 24
-    calls on ONE connection are split evenly by the front (service/balancer.py). On a GPU
-    with `--mps` the workers run through a private MPS daemon, quit at the end."""
+    calls on ONE connection, one after another, are split evenly by the front
+    (service/balancer.py: least in flight, then in turn; concurrent calls would split by
+    which worker answers first, a busy machine's doing). On a GPU with `--mps` the
+    workers run through a private MPS daemon, quit at the end."""
     port, metrics = free_ports(1), free_ports(2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli", "serve", "--data-dir", str(data), "--port",
@@ -153,7 +155,7 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
             if balance == "connection":
                 return await asyncio.gather(*(one(None) for _ in range(24)))
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                return await asyncio.gather(*(one(ch) for _ in range(24)))
+                return [await one(ch) for _ in range(24)]
 
         for i, text in enumerate(scrape(metrics + n) or "" for n in range(2)):
             info = re.search(r"^grace_worker_info\{(.*)\} 1\.0$", text, re.M)
@@ -205,7 +207,7 @@ def test_a_worker_that_exits_stops_the_others_and_the_supervisor_fails(tmp_path:
     )  # fmt: skip
     t = time.monotonic()
     assert supervise(s) == 1
-    assert time.monotonic() - t < 120
+    assert time.monotonic() - t < 240  # only a hang (seconds here, ~15 s on a busy box)
 
 
 def test_the_grpc_port_may_not_be_a_workers_metrics_port() -> None:
@@ -227,7 +229,8 @@ def test_a_front_that_cannot_take_the_port_stops_the_workers(data: Path) -> None
         )  # fmt: skip
         t = time.monotonic()
         assert supervise(s) == 1
-        assert time.monotonic() - t < 120
+        # only a hang: two workers' start-up took ~30 s on a busy 2-core box
+        assert time.monotonic() - t < 240
 
 
 def test_a_warm_worker_opens_the_port_only_past_the_gate(data: Path) -> None:

@@ -144,7 +144,9 @@ async def serve(
     for i, r in enumerate(reqs):
         tasks.append(asyncio.ensure_future(batcher.submit(r)))
         if swap is not None and i == len(reqs) // 2:
-            await asyncio.sleep(0.05)
+            # once the first batch is answered by the first pair (a condition, not a
+            # time): the swap lands while the later batches are queued or in flight
+            await asyncio.wait_for(asyncio.wait(tasks[:1]), 60)
             holder.swap(swap)
     results = await asyncio.gather(*tasks, return_exceptions=True)
     await batcher.stop()
