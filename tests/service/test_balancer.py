@@ -17,6 +17,7 @@ from service.balancer import Front, FrontThread, _client_metadata
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.settings import load_settings
 from tests.helpers.serving import hold_stop
+from tests.helpers.waiting import until
 
 METHOD = "/grace.v1.AdRetrieval/Retrieve"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -69,15 +70,6 @@ class Worker(grpc.GenericRpcHandler):
         self.health.set("grace.v1.AdRetrieval", SERVING)
 
 
-async def until(condition, seconds: float = 60.0) -> None:
-    """Wait (polling) until `condition()` holds; fail after `seconds`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while not condition():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 def test_least_in_flight_then_in_turn() -> None:
     front = Front(load_settings({"port": 0}), ["unix:a", "unix:b", "unix:c"])
     front.inflight = [2, 1, 1]
@@ -114,7 +106,9 @@ def test_front_serves_only_once_every_worker_does_and_forwards_faithfully(
         await asyncio.sleep(1.2)
         assert front.server is None
         workers[1].ready()
-        await until(lambda: front.port)  # its next readiness poll (every 0.5 s) sees both
+        await until(
+            lambda: front.port, "the front to listen"
+        )  # its next readiness poll (every 0.5 s) sees both
         async with grpc.aio.insecure_channel(f"127.0.0.1:{front.port}") as ch:
             stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
             check = health_pb2_grpc.HealthStub(ch).Check
@@ -129,7 +123,7 @@ def test_front_serves_only_once_every_worker_does_and_forwards_faithfully(
             slow = asyncio.ensure_future(
                 stub.Retrieve(retrieval_pb2.RetrieveRequest(request_id="slow"))
             )
-            await until(lambda: sum(front.inflight) == 1)
+            await until(lambda: sum(front.inflight) == 1, "one call in flight")
             idle = front.inflight.index(0)
             quick = [(await stub.Retrieve(retrieval_pb2.RetrieveRequest())).model_version
                      for _ in range(3)]  # fmt: skip
@@ -167,7 +161,7 @@ def test_front_serves_only_once_every_worker_does_and_forwards_faithfully(
             slow = asyncio.ensure_future(
                 stub.Retrieve(retrieval_pb2.RetrieveRequest(request_id="slow"))
             )
-            await until(lambda: sum(front.inflight) == 1)
+            await until(lambda: sum(front.inflight) == 1, "one call in flight")
             # the port closes 0.5 s after NOT_SERVING: held open until the Checks are in
             port_open = hold_stop(front.server)
             stopping.set()

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -37,6 +36,7 @@ from tests.helpers.indexes import flip_byte
 from tests.helpers.oracle import eligible
 from tests.helpers.server_process import ServerProcess
 from tests.helpers.serving import catalog_ads, make_serving_data, serving_settings
+from tests.helpers.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -65,15 +65,6 @@ def sid_catalog(data: Path, out: Path) -> Path:
 
 def sample(app: App, name: str, labels: dict[str, str] | None = None) -> float:
     return app.metrics.registry.get_sample_value(name, labels or {}) or 0.0
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
-    """Wait for a condition (never for a time): the machine may be busy."""
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 class Load:

@@ -9,7 +9,7 @@ import re
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,6 +32,7 @@ from service.validation import Limits
 from tests.helpers.oracle import eligible
 from tests.helpers.server_process import ServerProcess
 from tests.helpers.serving import catalog_ads, hold_stop, make_serving_data, serving_settings
+from tests.helpers.waiting import until
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +54,6 @@ async def retrieve_users(port: int, root: Path, users: range) -> list:
 
 def settings(root: Path, **kw):
     return serving_settings(root, **kw)
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    """Wait for a condition (never for a time): the machine may be busy."""
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def test_retrieve_returns_only_eligible_ads_and_reports_stats(data: Path) -> None:
