@@ -176,7 +176,9 @@ class DecoderStep:
         cache: PagedKVCache,
     ) -> torch.Tensor:  # logits [R, V]
         d = self.decoder
-        x = d.tok_emb[t, tokens]  # [R, d_model]: a fresh tensor, updated in place below
+        # [R, d_model]: a fresh tensor, updated in place below (in FP8: replaced by each
+        # LayerNorm that adds a pending projection)
+        x = d.tok_emb[t, tokens]
         r = x.shape[0]
         pending: torch.Tensor | None = None  # FP8: a projection the next LN adds to x
         for i, (layer, kv) in enumerate(zip(d.layers, cross, strict=True)):
@@ -190,7 +192,8 @@ class DecoderStep:
             x, q = self.normed_linear(x, pending, layer.norm_cross, at_cross, i, "cross_q")
             a = self.cross(q.view(r, layer.h, layer.dh), *kv)
             pending = self.project(x, a.reshape(r, -1), i, "cross_out", layer.cross_out)
-            if pending is not None:
+            if self.fp8 is not None:
+                assert pending is not None
                 x, pending = self.ffn_fp8(x, pending, i, layer, at_ffn)
             else:
                 x.addmm_(self.ffn_up(x, layer, at_ffn), layer.ffn_down.weight.t())

@@ -281,10 +281,22 @@ def test_recall_is_split_by_launch_on_a_world_with_fresh_ads(tmp_path: Path) -> 
             assert weighted == pytest.approx(r[f"recall@{k}"])
 
 
-def test_fp8_is_compared_with_the_served_bfloat16_model(setup, tmp_path: Path) -> None:
-    """`--dtype bfloat16 --fp8`: every variant runs the model in bf16 (what a GPU serves),
-    so the FP8 rows' twins are the bf16 rows; the report says so, and FP8 still keeps
-    the SIDs and the exactness."""
+def test_fp8_is_compared_with_the_served_bfloat16_model(
+    setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--dtype bfloat16 --fp8`: every variant decodes with the model in bf16 (what a GPU
+    serves), so the FP8 rows' twins are the bf16 rows; the report says so, and FP8 still
+    keeps the SIDs and the exactness."""
+    import training.study
+
+    decoded: list[tuple[torch.dtype, bool]] = []  # (the model's dtype, fp8) per variant
+
+    class Recording(OfflineRetriever):
+        def __init__(self, model, *args, **kw) -> None:
+            decoded.append((next(model.parameters()).dtype, kw["fp8"]))
+            super().__init__(model, *args, **kw)
+
+    monkeypatch.setattr(training.study, "OfflineRetriever", Recording)
     out = tmp_path / "eval_bf16.json"
     code = main(["eval", "--world", str(setup["world"]), "--index", str(setup["index"]),
                  "--model", str(setup["model"]), "--users", "16", "--beams", *BEAMS,
@@ -293,6 +305,7 @@ def test_fp8_is_compared_with_the_served_bfloat16_model(setup, tmp_path: Path) -
     assert code == 0
     report = json.loads(out.read_text())
     assert report["dtype"] == "bfloat16"
+    assert decoded == [(torch.bfloat16, False)] * 2 + [(torch.bfloat16, True)] * 2
     rows = {r["variant"]: r for r in report["variants"]}
     assert list(rows) == ["cd_only", "cd_gtm", "cd_only_fp8", "cd_gtm_fp8"]
     for name in ("cd_only", "cd_gtm"):
