@@ -196,6 +196,7 @@ def train(
     step, state_file = 0, work / "state.pt"
     validation: list[float] = []  # loss on the validation events after each epoch
     best: dict[str, Any] | None = None  # the weights of the best epoch so far
+    earlier_s = 0.0  # seconds of steps before the saved state (a resumed run adds them)
     if state_file.exists():
         state = torch.load(state_file, map_location=settings.device, weights_only=False)
         if not _same_run(state["settings"], settings) or state["tokenizer"] != space:
@@ -204,6 +205,7 @@ def train(
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
         validation, best = state.get("validation", []), state.get("best")
+        earlier_s = float(state.get("train_seconds", 0.0))  # absent in older states
         log.info("resuming at step %d of %d", step, total)
 
     def save_state() -> None:
@@ -217,6 +219,7 @@ def train(
                 "tokenizer": space,
                 "validation": validation,
                 "best": best,
+                "train_seconds": earlier_s + time.perf_counter() - t0,
             },
             tmp,
         )
@@ -296,7 +299,7 @@ def train(
                 if step >= total:
                     break
     bar.close()
-    train_s = time.perf_counter() - t0
+    train_s = earlier_s + time.perf_counter() - t0  # over every run that made these steps
     if best is not None:  # the checkpoint keeps the epoch with the lowest validation loss
         model.load_state_dict(best["model"])
     rng = np.random.default_rng(settings.seed + 1)

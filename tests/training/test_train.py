@@ -74,10 +74,15 @@ def test_interrupted_training_resumes_to_the_same_weights(
     monkeypatch.setattr(train_module.Examples, "batch", flaky)
     with pytest.raises(Interrupt):
         train(world, tmp_path / "b", settings, progress=False)
-    assert (tmp_path / "b.partial" / "state.pt").exists()
+    state_file = tmp_path / "b.partial" / "state.pt"
+    state = torch.load(state_file, weights_only=False)
+    assert state["step"] == 10 and state["train_seconds"] > 0
+    state["train_seconds"] = 1000.0  # as if the first run had taken long: the total keeps it
+    torch.save(state, state_file)
     monkeypatch.setattr(train_module.Examples, "batch", real_batch)
     resumed = train(world, tmp_path / "b", settings, progress=False)
     assert resumed["steps"] == straight["steps"]
+    assert resumed["train_seconds"] > 1000.0  # the earlier run's seconds are counted
     a = load_checkpoint(tmp_path / "a").model.state_dict()
     b = load_checkpoint(tmp_path / "b").model.state_dict()
     for name in a:
