@@ -43,7 +43,7 @@ GRID = (
     "E:0.9:0.7:0.7,0.2,0.05,0.05:1",
     "F:1.0:0.9:0.8,0.1,0.05,0.05:1",
     "G:0.95:0.8:0.7,0.2,0.05,0.05:1",  # the study profile of the first scaled run (1.40x)
-    "K:0.95:0.8:0.15,0.05,0.50,0.30:1",  # the study profile now: mostly regional / local markets
+    "K:0.95:0.8:0.15,0.05,0.50,0.30:1",  # the study markets (regional / local), no fresh ads
 )
 
 

@@ -172,12 +172,15 @@ def test_markets_by_creative_are_shared_by_a_creatives_ads(
 
 def test_study_profile_is_in_the_papers_regime(tmp_path: Path) -> None:
     """A scaled-down `study` world: creatives of several ads in one market each, of
-    several targetings; eligibility sparse by design (~1 % of the catalog per user)."""
+    several targetings; eligibility sparse by design (~1 % of the catalog per user); 40 %
+    of the creatives launched after the log, some held-out ads among them."""
     s = _gen("study", tmp_path / "study", n_ads=20_000, n_users=200, jsonl=False)
     assert PROFILES["demo"].n_ads < PROFILES["study"].n_ads < PROFILES["paper"].n_ads
     assert s["creatives"]["mean_ads_per_creative"] > 5
     assert s["creatives"]["share_multi_targeting_of_multi_ad"] > 0.9
     assert 0.005 < s["eligibility"]["mean_eligible_share"] < 0.05
+    assert 0.3 < s["fresh"]["share_of_ads"] < 0.5
+    assert 0.0 < s["fresh"]["heldout_share"] < 1.0
 
 
 @pytest.mark.parametrize(
