@@ -13,11 +13,12 @@
 # `study` profile to override, "KNOB=VALUE ...", e.g. SET="fresh_share=0.3": `grace synth
 # --set`), STOP_AFTER (synth, train, index or eval: end there, to split the run over device
 # calls: STOP_AFTER=index in the first, the rest in the second), PYTHON.
-# Writes OUT_DIR/train.json, OUT_DIR/eval_study.json (OUT_DIR/eval_fp8.json) and
-# OUT_DIR/plots/*.png; each step starts with a "study: grace STEP at TIME" line on stderr,
-# a finished step is skipped on a rerun and `grace train` resumes its last state, so the
-# run may span several device calls (docs/EVALUATION.md). A CPU smoke run: ADS=20000 USERS=2000 EVAL_USERS=200
-# PROFILE=tiny BEAMS="1 16 64 64" bench/study.sh /tmp/study-smoke cpu 0.5
+# Writes OUT_DIR/train.json, OUT_DIR/eval_study.json (OUT_DIR/eval_fp8.json),
+# OUT_DIR/plots/*.png and OUT_DIR/study.log (all it printed, appended run after run).
+# Each step starts with a "study: grace STEP at TIME" line on stderr; a finished step is
+# skipped on a rerun and `grace train` resumes its last state, so the run may span several
+# device calls (docs/EVALUATION.md). A CPU smoke run: ADS=20000 USERS=2000
+# EVAL_USERS=200 PROFILE=tiny BEAMS="1 16 64 64" bench/study.sh /tmp/study-smoke cpu 0.5
 set -euo pipefail
 out=${1:?output directory}; device=${2:-cpu}; epochs=${3:-1}
 py=${PYTHON:-python3}
@@ -32,6 +33,9 @@ case "$stop_after" in ""|synth|train|index|eval) ;;
        exit 2 ;;
 esac
 mkdir -p "$out" "$work"
+# everything the run prints also goes to OUT_DIR/study.log, so a call cut at its time limit
+# keeps what its steps said
+exec > >(tee -a "$out/study.log") 2> >(tee -a "$out/study.log" >&2)
 grace() { echo "study: grace $1 at $(date -u +%H:%M:%S)" >&2; "$py" -m cli "$@"; }
 stop() { [ "$stop_after" != "$1" ] || { echo "study: stopped after $1 (STOP_AFTER)" >&2; exit 0; }; }
 [ -f "$work/world/world.json" ] || grace synth --profile study --seed 0 --ads "$ads" \

@@ -27,6 +27,8 @@ def test_stop_after_synth_writes_the_world_and_nothing_after(tmp_path: Path) -> 
     assert (tmp_path / "work" / "world" / "world.json").is_file()
     assert not (tmp_path / "work" / "model").exists()
     assert "stopped after synth" in proc.stderr
+    log = (tmp_path / "out" / "study.log").read_text()  # what it printed, kept in OUT
+    assert "study: grace synth at" in log and "stopped after synth" in log
     # a rerun skips the finished step and stops at the same place
     again = study(tmp_path / "out", tmp_path / "work", STOP_AFTER="synth")
     assert again.returncode == 0 and "grace synth" not in again.stderr
