@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The opt-in FP8 step on the lent H200 (docs/FP8.md), in one device call; wheels from
 # bench/fetch_gpu_wheels.sh, `. bench/gpu_env.sh` first:
-#   1. the FP8 pieces' GPU tests (cuBLASLt's FP8 GEMM, the LayerNorm and bias + GELU
-#      kernels compiled at the paper's widths) and the workers' GPU tests (the start gate);
+#   1. the FP8 pieces' GPU tests (cuBLASLt's FP8 GEMM, the LayerNorm, bias + GELU and
+#      self-attention kernels compiled at the paper's widths) and the workers' GPU tests (the start gate);
 #   2. the FP8 pieces against the bf16 ops they replace (bench/bench_fp8_gemm.py);
 #   3. the decode loop at the paper's shape: the served bf16 row beside the served engine
 #      with FP8 on, one run (bench/bench_decoder_loop.py, `graph_fp8`), with their SID
@@ -13,7 +13,8 @@ set -uo pipefail
 OUT=${1:?output directory}
 mkdir -p "$OUT"
 python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_layer_norm.py \
-    tests/kernels/test_gelu_fp8.py tests/service/decode/test_step.py \
+    tests/kernels/test_gelu_fp8.py tests/kernels/test_self_attention.py \
+    tests/service/decode/test_step.py \
     tests/service/test_workers.py 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
 python3 -m pytest -q tests/kernels/test_jit_globals.py 2>&1 | tail -3 | tee -a "$OUT/gpu_tests.txt"
 python3 bench/bench_fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" 2>&1 | tail -14

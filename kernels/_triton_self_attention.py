@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._triton_fp8 import empty_fp8_rows, quantize_rows_fp8
 from kernels._tuning import AUTOTUNE
 
 # Two ways to evaluate a tile, both in the autotune space:
@@ -98,7 +99,8 @@ def _self_attn_kernel(
     v_ptr,  # same layout as k_ptr, strides s_vr/s_vt
     table_ptr,  # PAGED: int32/int64 [R, L] block of row r's token j
     q_rows_ptr,  # GATHER: int64 [R]: the row of q/kn/vn that row r reads
-    out_ptr,  # [R, H, D] contiguous
+    out_ptr,  # [R, H, D] contiguous (FP8_OUT: e4m3 [R, H·D])
+    scale_ptr,  # FP8_OUT: fp32 [R], each row's e4m3 scale
     n_queries,  # R * H
     s_q,
     s_kr,  # k: row stride (block stride when PAGED)
@@ -118,6 +120,7 @@ def _self_attn_kernel(
     PAGED: tl.constexpr,
     STORE: tl.constexpr,  # FUSED: write the new k/v into the cache
     GATHER: tl.constexpr,  # q/kn/vn rows through q_rows_ptr
+    FP8_OUT: tl.constexpr,  # write each row quantised for the FP8 out projection
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no tf32 rounding), else "tf32"
     BLOCK_N: tl.constexpr,
     MASKED_DOT: tl.constexpr,
@@ -200,12 +203,36 @@ def _self_attn_kernel(
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s_new, vn)
 
     out = acc / l_i[:, None]
-    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * D + dd[None, :], out, mask=n_ok[:, None])
+    if FP8_OUT:
+        # the tile holds BLOCK_N // H whole rows (H divides BLOCK_N): each row's H·D values,
+        # rounded to the model's dtype as the unfused path would store them, quantised with
+        # one scale per row, the numbers `quantize_rows` gives on that stored output
+        G: tl.constexpr = BLOCK_N // H
+        o = tl.reshape(out.to(q_ptr.dtype.element_ty).to(tl.float32), (G, H * D))
+        rows = tl.program_id(0) * G + tl.arange(0, G)
+        row_ok = rows < n_queries // H
+        cols = tl.arange(0, H * D)
+        codes, scale = quantize_rows_fp8(o, row_ok[:, None] & (cols < H * D)[None, :])
+        dst = out_ptr + rows.to(tl.int64)[:, None] * (H * D) + cols[None, :]
+        tl.store(dst, codes.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+    else:
+        dst = out_ptr + offs_n[:, None].to(tl.int64) * D + dd[None, :]
+        tl.store(dst, out, mask=n_ok[:, None])
 
 
 _self_attn_tuned = triton.autotune(
-    configs=CONFIGS, key=["N_BUCKET", "H", "D", "T", "FUSED", "PAGED", "STORE", "GATHER"]
+    configs=CONFIGS,
+    key=["N_BUCKET", "H", "D", "T", "FUSED", "PAGED", "STORE", "GATHER", "FP8_OUT"],
 )(_self_attn_kernel)
+# FP8_OUT needs whole rows in a tile: H must divide every config's BLOCK_N
+FP8_MAX_HEADS = min(DEFAULT_CONFIG["BLOCK_N"], *(c.kwargs["BLOCK_N"] for c in CONFIGS))
+
+
+def fp8_out_supported(h: int) -> bool:
+    """Whether the kernel can write its output quantised for `h` heads (a power of two
+    dividing every tile's BLOCK_N)."""
+    return h & (h - 1) == 0 and h <= FP8_MAX_HEADS
 
 
 def _packed(x: torch.Tensor) -> bool:
@@ -228,19 +255,28 @@ def _launch(
     store: bool,
     config: dict | None,
     q_rows: torch.Tensor | None = None,  # int64 [R]: GATHER (fused only)
-) -> torch.Tensor:
+    fp8_out: bool = False,  # write (e4m3 [R, H·D], fp32 scale [R, 1]) instead (fused only)
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     h, d = q.shape[1:]
     r = q.shape[0] if q_rows is None else q_rows.shape[0]
-    if out is None:
-        out = torch.empty(r, h, d, dtype=q.dtype, device=q.device)
-    assert out.shape == (r, h, d) and out.dtype == q.dtype and out.is_contiguous()
     assert d >= 16 and d & (d - 1) == 0, "d_h must be a power of two ≥ 16"
+    if fp8_out:
+        assert out is None and fp8_out_supported(h), (h, "heads: no FP8 output")
+        out, scale = empty_fp8_rows(r, h * d, q.device)
+        result: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (out, scale)
+    else:
+        if out is None:
+            out = torch.empty(r, h, d, dtype=q.dtype, device=q.device)
+        assert out.shape == (r, h, d) and out.dtype == q.dtype and out.is_contiguous()
+        scale = out  # an unused pointer without FP8_OUT
+        result = out
     n = r * h
     if n == 0:
-        return out
+        return result
     tab = table if table is not None else q  # an unused pointer when not PAGED
     rows = q_rows if q_rows is not None else q  # an unused pointer without GATHER
-    args = (q, kn, vn, k, v, tab, rows, out, n, q.stride(0), k.stride(0), token_strides[0])
+    args = (q, kn, vn, k, v, tab, rows, out, scale, n, q.stride(0), k.stride(0))
+    args += (token_strides[0],)
     args += (v.stride(0), token_strides[1])
     args += (tab.stride(0), tab.stride(1)) if table is not None else (0, 0)
     consts = {
@@ -252,17 +288,19 @@ def _launch(
         "PAGED": table is not None,
         "STORE": store,
         "GATHER": q_rows is not None,
+        "FP8_OUT": fp8_out,
         "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
     }
-    scale = math.log2(math.e) / math.sqrt(d)
+    qk_scale = math.log2(math.e) / math.sqrt(d)
     if config is None and q.is_cuda and AUTOTUNE:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _self_attn_tuned[grid](*args, scale, triton.next_power_of_2(n), **consts)
+        _self_attn_tuned[grid](*args, qk_scale, triton.next_power_of_2(n), **consts)
     else:
         config = dict(DEFAULT_CONFIG if config is None else config)
+        assert not fp8_out or config["BLOCK_N"] % h == 0, "FP8_OUT: whole rows per tile"
         grid = (triton.cdiv(n, config["BLOCK_N"]),)
-        _self_attn_kernel[grid](*args, scale, triton.next_power_of_2(n), **consts, **config)
-    return out
+        _self_attn_kernel[grid](*args, qk_scale, triton.next_power_of_2(n), **consts, **config)
+    return result
 
 
 def prefix_self_attention_triton(
@@ -280,7 +318,9 @@ def prefix_self_attention_triton(
     assert q.dtype == k.dtype == v.dtype and q.device == k.device == v.device
     assert _packed(q) and _packed(k) and _packed(v), "heads and d_h must be contiguous"
     strides = (k.stride(1), v.stride(1))
-    return _launch(q, q, q, k, v, None, out, k.shape[1], strides, False, False, config)
+    result = _launch(q, q, q, k, v, None, out, k.shape[1], strides, False, False, config)
+    assert isinstance(result, torch.Tensor)
+    return result
 
 
 def fused_self_attention_triton(
@@ -294,7 +334,8 @@ def fused_self_attention_triton(
     out: torch.Tensor | None = None,  # [R, H, d_h] contiguous, written in full
     config: dict | None = None,
     qkv_rows: torch.Tensor | None = None,  # int64 [R]: row r's QKV is qkv[qkv_rows[r]]
-) -> torch.Tensor:  # [R, H, d_h]
+    fp8_out: bool = False,  # return (e4m3 [R, H·d_h], fp32 scale [R, 1]) for an FP8 GEMM
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [R, H, d_h]
     """Write the new k/v at position t, attend over 0..t: one pass over the step's bytes.
 
     Read 3·H·d_h + 2·t·H·d_h elements a row, write 2·H·d_h (store) + H·d_h. Paged: the
@@ -326,4 +367,4 @@ def fused_self_attention_triton(
     assert 0 <= t < length, (t, length)
     q, kn, vn = (qkv[:, i * hd : (i + 1) * hd].view(n_src, h, d) for i in range(3))
     args = (q, kn, vn, k_cache, v_cache, block_table, out, t, strides, True, store, config)
-    return _launch(*args, q_rows=qkv_rows)
+    return _launch(*args, q_rows=qkv_rows, fp8_out=fp8_out)

@@ -21,8 +21,11 @@ import math
 
 import torch
 
+from kernels.fp8 import quantize_rows
+
 try:
     from kernels._triton_self_attention import (
+        fp8_out_supported,
         fused_self_attention_triton,
         prefix_self_attention_triton,
     )
@@ -100,15 +103,25 @@ def fused_self_attention(
     *,
     store: bool = True,
     qkv_rows: torch.Tensor | None = None,
-) -> torch.Tensor:
+    fp8_out: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dispatcher: the fused (dense) or paged Triton kernel on CUDA, the reference elsewhere.
 
     Same arguments as `fused_self_attention_reference`. Paged: the step's blocks
     `block_table[:, t]` must be fresh (distinct, not among any row's blocks 0..t-1).
     `store=False` at the last SID position saves the 2·H·d_h-element write per row that
     no later step would read (at t = 3 on the paper shape: 805 MB → 671 MB moved).
+    `fp8_out`: the output [R, H·d_h] quantised per row for the FP8 out projection,
+    (e4m3, fp32 scale [R, 1]) as `kernels.fp8.quantize_rows` gives on the output; the
+    kernel writes it so when a tile holds whole rows (`fp8_out_supported`), else the
+    output is quantised in a pass of its own.
     """
     args = (qkv, k_cache, v_cache, t, block_table)
     if _use_triton(qkv, k_cache, v_cache, block_table, qkv_rows):
-        return fused_self_attention_triton(*args, store=store, qkv_rows=qkv_rows)
-    return fused_self_attention_reference(*args, store=store, qkv_rows=qkv_rows)
+        if fp8_out and fp8_out_supported(k_cache.shape[-2]):
+            return fused_self_attention_triton(*args, store=store, qkv_rows=qkv_rows, fp8_out=True)
+        out = fused_self_attention_triton(*args, store=store, qkv_rows=qkv_rows)
+    else:
+        out = fused_self_attention_reference(*args, store=store, qkv_rows=qkv_rows)
+    assert isinstance(out, torch.Tensor)
+    return quantize_rows(out.reshape(out.shape[0], -1)) if fp8_out else out

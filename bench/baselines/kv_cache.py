@@ -52,9 +52,10 @@ class GatherPagedKVCache(PagedKVCache):
         super().__init__(*args, **kwargs)
         self.attention = attention
 
-    def attend(self, layer, t, qkv, rows=None):
+    def attend(self, layer, t, qkv, rows=None, fp8_out=False):
         if self.attention == "fused":
-            return super().attend(layer, t, qkv, rows)
+            return super().attend(layer, t, qkv, rows, fp8_out)
+        assert not fp8_out, "the unfused baselines serve the bf16 step only"
         q, k, v = _split(qkv, rows, self.h, self.d)
         r = q.shape[0]
         fresh = slice(self.base[t], self.base[t] + r)  # = table[:, t]: contiguous blocks
@@ -86,8 +87,14 @@ class DenseKVCache:
         self.v = torch.empty_like(self.k)
 
     def attend(
-        self, layer: int, t: int, qkv: torch.Tensor, rows: torch.Tensor | None = None
+        self,
+        layer: int,
+        t: int,
+        qkv: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        fp8_out: bool = False,
     ) -> torch.Tensor:
+        assert not fp8_out, "the dense baseline serves the bf16 step only"
         r = qkv.shape[0] if rows is None else rows.shape[0]
         assert r == self.rows[t], f"step {t} has {self.rows[t]} rows, got {r}"
         k_rows, v_rows = self.k[layer, :r], self.v[layer, :r]  # [R_t, L, H, d_h], contiguous

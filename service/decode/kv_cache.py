@@ -56,18 +56,24 @@ class PagedKVCache:
             self.tables.append(table)
 
     def attend(
-        self, layer: int, t: int, qkv: torch.Tensor, rows: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        layer: int,
+        t: int,
+        qkv: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        fp8_out: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """qkv [R_t, 3·H·d_h] of the rows' token t (or, with `rows` int64 [R_t], row r's
-        is qkv[rows[r]]) -> self-attention output [R_t, H, d_h]."""
+        is qkv[rows[r]]) -> self-attention output [R_t, H, d_h]; with `fp8_out`, that
+        output [R_t, H·d_h] quantised per row (e4m3, fp32 scale [R_t, 1]) for the FP8
+        out projection (`kernels.self_attention.fused_self_attention`)."""
         r = qkv.shape[0] if rows is None else rows.shape[0]
         assert r == self.rows[t], f"step {t} has {self.rows[t]} rows, got {r}"
         # the last position's k/v are never read again: skip writing them (1/6 of the
         # step's bytes at t = 3)
         store = t + 1 < len(self.rows)
-        return fused_self_attention(
-            qkv, self.k[layer], self.v[layer], t, self.tables[t], store=store, qkv_rows=rows
-        )
+        return fused_self_attention(qkv, self.k[layer], self.v[layer], t, self.tables[t],
+                                    store=store, qkv_rows=rows, fp8_out=fp8_out)  # fmt: skip
 
     def reorder(self, t: int, parent: torch.Tensor) -> None:
         """Row i of step t+1 continues row parent[i] of step t: copy block ids only."""

@@ -27,7 +27,9 @@ in the model's dtype. An FP8 GEMM cannot add into the stream (`torch._scaled_mm`
 `beta`), so each output projection is handed on as a pending `residual`, and the
 LayerNorm that reads the stream next adds it (`kernels.layer_norm.add_layer_norm_fp8`:
 one pass writes the new stream and the next GEMM's FP8 input; the final norm adds the
-last one) — no separate add kernel runs in FP8 either.
+last one) — no separate add kernel runs in FP8 either. The self-attention kernel writes
+its output quantised for the out projection (`PagedKVCache.attend(..., fp8_out=True)`);
+the cross-attention output takes a quantising pass of its own (`kernels.fp8.fp8_matmul`).
 
 Self-attention's "write + attend" belongs to the KV cache (`service/decode/kv_cache.py`);
 cross-attention runs beam-as-query over the per-request K/V of `SIDDecoder.cross_kv`
@@ -104,9 +106,9 @@ class DecoderStep:
 
     def attend_first(
         self, cache: PagedKVCache, t: int, tokens: torch.Tensor
-    ) -> torch.Tensor:  # [R, H, d_h]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [R, H, d_h], or in FP8
         """Layer 0's self-attention: row r reads table entry (t, tokens[r])."""
-        return cache.attend(0, t, self.qkv0[t], rows=tokens)
+        return cache.attend(0, t, self.qkv0[t], rows=tokens, fp8_out=self.fp8 is not None)
 
     def cross(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return cross_attention(q, k, v)
@@ -158,10 +160,21 @@ class DecoderStep:
         return x, fp8_gemm(q, scale, self.fp8[i][name], x.dtype, bias=linear.bias)
 
     def project(
-        self, x: torch.Tensor, a: torch.Tensor, i: int, name: str, linear: nn.Linear
+        self,
+        x: torch.Tensor,
+        a: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        i: int,
+        name: str,
+        linear: nn.Linear,
     ) -> torch.Tensor | None:
         """a @ W.T of layer i's `name` (its bias is pending in the next LN's shift): added
-        to x in place inside the matmul (None), or in FP8 returned, pending."""
+        to x in place inside the matmul (None), or in FP8 returned, pending. `a`: the
+        attention output [R, H, d_h], or (FP8) already quantised by the kernel that made it
+        (e4m3 [R, H·d_h], scales)."""
+        if isinstance(a, tuple):
+            assert self.fp8 is not None
+            return fp8_gemm(*a, self.fp8[i][name], x.dtype)
+        a = a.reshape(len(x), -1)
         if self.fp8 is None:
             x.addmm_(a, linear.weight.t())  # the add inside the matmul (cuBLAS beta = 1)
             return None
@@ -187,11 +200,11 @@ class DecoderStep:
                 a = self.attend_first(cache, t, tokens)
             else:
                 x, qkv = self.normed_linear(x, pending, layer.norm_self, at_self, i, "qkv")
-                a = cache.attend(i, t, qkv)
-            pending = self.project(x, a.reshape(r, -1), i, "self_out", layer.self_out)
+                a = cache.attend(i, t, qkv, fp8_out=self.fp8 is not None)
+            pending = self.project(x, a, i, "self_out", layer.self_out)
             x, q = self.normed_linear(x, pending, layer.norm_cross, at_cross, i, "cross_q")
             a = self.cross(q.view(r, layer.h, layer.dh), *kv)
-            pending = self.project(x, a.reshape(r, -1), i, "cross_out", layer.cross_out)
+            pending = self.project(x, a, i, "cross_out", layer.cross_out)
             if self.fp8 is not None:
                 assert pending is not None
                 x, pending = self.ffn_fp8(x, pending, i, layer, at_ffn)

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 
 from kernels._triton_self_attention import (
     CONFIGS,
+    fp8_out_supported,
     fused_self_attention_triton,
     prefix_self_attention_triton,
 )
+from kernels.fp8 import quantize_rows_reference
 from kernels.self_attention import (
     fused_self_attention,
     fused_self_attention_reference,
@@ -221,6 +223,59 @@ def test_rows_read_through_an_index_equal_the_gathered_rows(t, paged, tile) -> N
     torch.testing.assert_close(ref, want, **TOL[dtype])
 
 
+def _codes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)  # e4m3 bytes: equality without NaN / -0 subtleties
+
+
+@pytest.mark.usefixtures("exact_fp8_casts")
+@pytest.mark.parametrize("t", [0, 3])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("heads", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tile", list(TILES))
+def test_fp8_out_is_the_stored_output_quantised(t, paged, heads, dtype, tile) -> None:
+    """With fp8_out the kernel writes each row's H·d_h outputs as e4m3 codes and one
+    scale, byte for byte what `quantize_rows` makes of the output it would have stored
+    (the FP8 out projection's input, with no pass of its own); the cache writes are the
+    same. 7 rows: the last tile holds fewer rows than it has room for."""
+    _skip_interpreter_bf16_dot(dtype, tile)
+    rows, d_h = 7, 16
+    gen = _gen("fp8-out", t, paged, heads, dtype, tile)
+    qkv = _qkv(rows, heads, d_h, dtype, gen)
+    if paged:
+        k_cache, v_cache, table = _paged_step(rows, t, heads, d_h, dtype, torch.int32, gen)
+    else:
+        (k_cache, v_cache), table = _dense_cache(rows, t, heads, d_h, dtype, gen), None
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    stored = fused_self_attention_triton(qkv, k_ref, v_ref, t, table, config=TILES[tile])
+    want_q, want_scale = quantize_rows_reference(stored.reshape(rows, -1))
+    got_q, got_scale = fused_self_attention_triton(
+        qkv, k_cache, v_cache, t, table, config=TILES[tile], fp8_out=True
+    )
+    assert got_q.shape == (rows, heads * d_h) and got_q.dtype == torch.float8_e4m3fn
+    assert torch.equal(_codes(got_q), _codes(want_q))
+    assert torch.equal(got_scale, want_scale)
+    exact = {"atol": 0, "rtol": 0, "equal_nan": True}
+    torch.testing.assert_close((k_cache, v_cache), (k_ref, v_ref), **exact)
+
+
+def test_fp8_out_needs_whole_rows_in_a_tile_and_the_dispatcher_quantises_otherwise() -> None:
+    """A head count that does not divide the tiles (3) has no FP8 output in the kernel;
+    the dispatcher then quantises the output itself, so callers get the same pair. Off
+    CUDA it quantises the reference's output."""
+    assert fp8_out_supported(1) and fp8_out_supported(16)
+    assert not fp8_out_supported(3) and not fp8_out_supported(32)
+    gen = _gen("fp8-out-dispatch")
+    qkv = _qkv(5, 3, 16, torch.float32, gen)
+    k_cache, v_cache = _dense_cache(5, 2, 3, 16, torch.float32, gen)
+    with pytest.raises(AssertionError, match="no FP8 output"):
+        fused_self_attention_triton(qkv, k_cache.clone(), v_cache.clone(), 2, fp8_out=True)
+    want = fused_self_attention_reference(qkv, k_cache.clone(), v_cache.clone(), 2)
+    got_q, got_scale = fused_self_attention(qkv, k_cache, v_cache, 2, fp8_out=True)
+    want_q, want_scale = quantize_rows_reference(want.reshape(5, -1))
+    assert torch.equal(_codes(got_q), _codes(want_q)) and torch.equal(got_scale, want_scale)
+
+
 @pytest.mark.parametrize("tile", list(TILES))
 def test_query_sees_only_its_own_row(tile: str) -> None:
     """The block-diagonal mask: changing row 1's keys/values leaves rows 0 and 2 alone."""
@@ -328,6 +383,24 @@ def test_gpu_last_position_without_store(variant: str) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_gpu_fp8_out_at_the_paper_heads(config) -> None:
+    """The paper's 16 heads of 128 at t = 3, paged, every tile config: the FP8 output is
+    the stored bf16 output quantised, byte for byte (the compiled casts, not the
+    interpreter's)."""
+    fixed = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    qkv, k_cache, v_cache, table = _gpu_inputs(3, "paged")
+    stored = fused_self_attention_triton(qkv, k_cache.clone(), v_cache.clone(), 3, table,
+                                         config=fixed)  # fmt: skip
+    want_q, want_scale = quantize_rows_reference(stored.reshape(ROWS, -1))
+    got_q, got_scale = fused_self_attention_triton(qkv, k_cache, v_cache, 3, table,
+                                                   config=fixed, fp8_out=True)  # fmt: skip
+    assert torch.equal(_codes(got_q), _codes(want_q))
+    assert torch.equal(got_scale, want_scale)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_dispatchers_run_the_kernels() -> None:
     qkv, k_cache, v_cache, table = _gpu_inputs(3, "paged")
     with torch.no_grad():
@@ -352,4 +425,4 @@ def test_tuning_key_is_the_queries_rounded_up_to_a_power_of_two(monkeypatch) -> 
         q = torch.randn(rows, 2, 16)
         k = torch.randn(rows, 2, 2, 16)
         mod.prefix_self_attention_triton(q, k, k.clone())
-    assert [(args[8], args[-1]) for args in seen] == [(6, 8), (10, 16), (16, 16)]
+    assert [(args[9], args[-1]) for args in seen] == [(6, 8), (10, 16), (16, 16)]
