@@ -2,7 +2,8 @@
 # The opt-in FP8 step on the lent H200 (docs/FP8.md), in one device call; wheels from
 # bench/fetch_gpu_wheels.sh, `. bench/gpu_env.sh` first:
 #   1. the FP8 pieces' GPU tests (cuBLASLt's FP8 GEMM, the LayerNorm, bias + GELU and
-#      self-attention kernels compiled at the paper's widths) and the workers' GPU tests (the start gate);
+#      self-attention kernels compiled at the paper's widths) and the workers' GPU tests
+#      (the start gate);
 #   2. the FP8 pieces against the bf16 ops they replace (bench/bench_fp8_gemm.py);
 #   3. the decode loop at the paper's shape: the served bf16 row beside the served engine
 #      with FP8 on, one run (bench/bench_decoder_loop.py, `graph_fp8`), with their SID
