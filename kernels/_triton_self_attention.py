@@ -207,9 +207,8 @@ def _self_attn_kernel(
         # the tile holds BLOCK_N // H whole rows (H divides BLOCK_N): each row's H·D values,
         # rounded to the model's dtype as the unfused path would store them, quantised with
         # one scale per row, the numbers `quantize_rows` gives on that stored output
-        G: tl.constexpr = BLOCK_N // H
-        o = tl.reshape(out.to(q_ptr.dtype.element_ty).to(tl.float32), (G, H * D))
-        rows = tl.program_id(0) * G + tl.arange(0, G)
+        o = tl.reshape(out.to(q_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // H, H * D))
+        rows = tl.program_id(0) * (BLOCK_N // H) + tl.arange(0, BLOCK_N // H)
         row_ok = rows < n_queries // H
         cols = tl.arange(0, H * D)
         codes, scale = quantize_rows_fp8(o, row_ok[:, None] & (cols < H * D)[None, :])
