@@ -10,6 +10,9 @@ body, three variants by `tl.constexpr` flags:
   cache;
 - paged (FUSED=True, PAGED=True): the same, every token addressed through the block
   table (a block = one beam row × one token × all heads).
+With FP8_OUT (fused variants) the output is written as e4m3 rows and one fp32 scale
+per row, the FP8 out projection's input (`kernels/_triton_fp8.py`); a tile then holds
+whole rows, so H must divide BLOCK_N (`fp8_out_supported`).
 With GATHER (fused variants) row r's q/k/v come from row `q_rows[r]` of the QKV source:
 the decoder's layer 0 reads its per-(position, token) QKV table this way (a few MB that
 stay in L2) instead of having each row's 3·H·d_h copied out first.
