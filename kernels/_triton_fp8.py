@@ -1,8 +1,9 @@
 """The per-row e4m3 quantisation of the FP8 decoder step on the GPU: `quantize_rows_fp8`,
-which FP8-emitting kernels share (`_triton_layer_norm` with FP8_OUT, `_triton_gelu_fp8`)
-on the fp32 rows they already hold, and `triton_quantize_rows`, one pass over a tensor
-for the inputs no kernel emits in FP8 (the cross-attention output) — the same numbers as
-`kernels.fp8.quantize_rows`' torch reference.
+which FP8-emitting kernels share (`_triton_layer_norm` and `_triton_self_attention`
+with FP8_OUT, `_triton_gelu_fp8`) on the fp32 rows they already hold, and
+`triton_quantize_rows`, one pass over a tensor for the input no kernel emits in FP8 (the
+cross-attention output) — the same numbers as `kernels.fp8.quantize_rows`' torch
+reference.
 
 Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before
 this module is imported.

@@ -11,9 +11,10 @@ clamped to ±448 (e4m3's largest finite value), so no value saturates to NaN; a 
 zeros gets scale 1. The LayerNorm kernel quantises its own output the same way
 (`kernels.layer_norm.add_layer_norm_fp8`), so the QKV, cross-attention query and FFN up
 projections read FP8 straight from it (`fp8_gemm`), and so does the FFN down projection
-from the bias + GELU kernel (`kernels.gelu_fp8`); the inputs of the two attention output
-projections are still quantised here, in a pass of their own (`fp8_matmul`; on CUDA one
-Triton kernel, `_triton_fp8.triton_quantize_rows`). The same
+from the bias + GELU kernel (`kernels.gelu_fp8`), and the self-attention output
+projection from the self-attention kernel (`kernels.self_attention`, `fp8_out`); the
+cross-attention output is still quantised here, in a pass of its own (`fp8_matmul`; on
+CUDA one Triton kernel, `_triton_fp8.triton_quantize_rows`). The same
 `torch._scaled_mm` call runs on CPU (the numerics CI checks) and on CUDA (cuBLASLt FP8 on
 Hopper); a K or N that is not a multiple of 16 (which cuBLASLt refuses) takes the
 reference: the same quantised numbers multiplied in fp32.
