@@ -27,8 +27,10 @@ of a tile is one contiguous BLOCK_N·d_h run (4 KiB at BLOCK_N = 16, bf16) rathe
 step is bound by HBM bytes (≈ 1 FLOP per byte loaded), so the tile exists for wide,
 contiguous loads and enough bytes in flight per SM, not for FLOPs.
 
-At ~330 lines this is longer than the house's modules: one jit body serves the three
-variants, and its launcher and autotuning configs belong beside it.
+At ~370 lines this is longer than the house's modules: one jit body serves the three
+variants and their FP8 output, and its launcher, autotuning configs and the two entry
+points that check the layouts it assumes belong beside it (split, the layout checks
+would sit a module away from the kernel that relies on them).
 """
 
 from __future__ import annotations

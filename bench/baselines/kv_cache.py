@@ -86,14 +86,8 @@ class DenseKVCache:
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
 
-    def attend(
-        self,
-        layer: int,
-        t: int,
-        qkv: torch.Tensor,
-        rows: torch.Tensor | None = None,
-        fp8_out: bool = False,
-    ) -> torch.Tensor:
+    def attend(self, layer: int, t: int, qkv: torch.Tensor, rows: torch.Tensor | None = None,
+               fp8_out: bool = False) -> torch.Tensor:  # fmt: skip
         assert not fp8_out, "the dense baseline serves the bf16 step only"
         r = qkv.shape[0] if rows is None else rows.shape[0]
         assert r == self.rows[t], f"step {t} has {self.rows[t]} rows, got {r}"
