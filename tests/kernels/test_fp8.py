@@ -24,6 +24,7 @@ from kernels.fp8 import (
     quantize_rows,
     quantize_rows_reference,
 )
+from tests.helpers.fp8_codes import assert_codes_close, e4m3_ordinals
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 HALF_ULP = 2.0**-4  # e4m3: 3 mantissa bits, so rounding is within 2^-4 relative (normals)
@@ -66,6 +67,25 @@ def test_the_one_pass_kernel_equals_the_reference(dtype: torch.dtype, r: int, k:
         got, want = triton_quantize_rows(edge), quantize_rows_reference(edge)
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
         assert torch.equal(got[1], want[1])
+
+
+def test_e4m3_steps_are_counted_in_codes_through_zero_and_the_subnormals() -> None:
+    """The kernels' tests allow one e4m3 step between a kernel's code and the
+    reference's (tests/helpers/fp8_codes.py): ordered by value, the 253 finite e4m3fn
+    values (±0 one) sit at consecutive ordinals, and a two-step gap fails the check."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes[~codes.float().isnan()]
+    by_value = e4m3_ordinals(finite)[finite.float().argsort(stable=True)]
+    assert (by_value.diff() >= 0).all()  # ordinals order the values
+    assert torch.equal(by_value.unique_consecutive(), torch.arange(-126, 127))  # no gaps
+    scale = torch.ones(1, 1)
+    q = torch.tensor([[2.0**-9, 2.0**-6, 416.0, 448.0]]).to(torch.float8_e4m3fn)
+    # one step: zero to the smallest subnormal, across the first binade, between normals
+    near = torch.tensor([[0.0, 2.0**-6 - 2.0**-9, 384.0, 448.0]]).to(torch.float8_e4m3fn)
+    assert_codes_close(q, scale, near, scale, same=0.2)
+    far = torch.tensor([[-(2.0**-9), 2.0**-6, 416.0, 448.0]]).to(torch.float8_e4m3fn)
+    with pytest.raises(AssertionError, match="more than one step"):
+        assert_codes_close(q, scale, far, scale, same=0.2)
 
 
 def test_quantize_rows_is_the_reference_off_cuda() -> None:

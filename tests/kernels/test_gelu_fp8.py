@@ -12,6 +12,7 @@ import triton
 from kernels._triton_gelu_fp8 import triton_gelu_fp8
 from kernels.fp8 import quantize_rows
 from kernels.gelu_fp8 import gelu_fp8, gelu_fp8_reference
+from tests.helpers.fp8_codes import assert_codes_close
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
@@ -23,15 +24,6 @@ def inputs(r: int, n: int, dtype: torch.dtype, device: str = "cpu"):
     return h, bias
 
 
-def close_codes(q, scale, want_q, want_scale) -> None:
-    """Equal scales, and codes equal but where fp32 rounding moves a value across an
-    e4m3 rounding boundary (then one e4m3 step, 2^-3 relative, apart)."""
-    torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
-    got, want = q.float() * scale, want_q.float() * want_scale
-    assert ((got - want).abs() <= 2.0**-3 * want.abs() + 1e-6).all()
-    assert (q.view(torch.uint8) == want_q.view(torch.uint8)).float().mean() > 0.97
-
-
 @pytest.mark.usefixtures("exact_fp8_casts")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("r", "n"), [(1, 16), (5, 48), (7, 100)])
@@ -40,7 +32,7 @@ def test_kernel_equals_reference(dtype: torch.dtype, r: int, n: int, tanh: bool)
     h, bias = inputs(r, n, dtype)
     q, scale = triton_gelu_fp8(h, bias, tanh)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (r, n) and scale.shape == (r, 1)
-    close_codes(q, scale, *gelu_fp8_reference(h, bias, tanh))
+    assert_codes_close(q, scale, *gelu_fp8_reference(h, bias, tanh))
     assert (q.float().abs().amax(dim=1) == 448).all()
 
 
@@ -55,7 +47,7 @@ def test_column_chunks_give_the_one_pass_numbers(rows: int, block: int, tanh: bo
     chunked = triton_gelu_fp8(h, bias, tanh, triton.Config({"ROWS": rows, "BLOCK_N": block}))
     assert torch.equal(chunked[0].view(torch.uint8), whole[0].view(torch.uint8))
     assert torch.equal(chunked[1], whole[1])
-    close_codes(*chunked, *gelu_fp8_reference(h, bias, tanh))
+    assert_codes_close(*chunked, *gelu_fp8_reference(h, bias, tanh))
 
 
 @pytest.mark.usefixtures("exact_fp8_casts")
@@ -90,7 +82,7 @@ def test_dispatcher_uses_the_reference_off_cuda() -> None:
 def test_gpu_kernel_equals_reference_at_the_paper_width() -> None:
     h, bias = inputs(4096, 7680, torch.bfloat16, "cuda")
     q, scale = gelu_fp8(h, bias, True)
-    close_codes(q, scale, *gelu_fp8_reference(h, bias, True))
+    assert_codes_close(q, scale, *gelu_fp8_reference(h, bias, True))
     chunked = triton_gelu_fp8(h, bias, True, triton.Config({"ROWS": 2, "BLOCK_N": 1024}))
     assert torch.equal(chunked[0].view(torch.uint8), q.view(torch.uint8))  # compiled, too
     assert torch.equal(chunked[1], scale)

@@ -25,6 +25,7 @@ from kernels.layer_norm import (
     layer_norm_fp8_reference,
     layer_norm_reference,
 )
+from tests.helpers.fp8_codes import assert_codes_close
 
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
@@ -99,13 +100,9 @@ def test_fp8_output_is_the_quantised_reference(
     q, scale = triton_layer_norm_fp8(x, w, b, 1e-5, s)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (r, d) and scale.shape == (r, 1)
     want_q, want_scale = layer_norm_fp8_reference(x, w, b, 1e-5, s)
-    torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
     # the same e4m3 codes, but where the fp32 sums' order moves a value across a rounding
-    # boundary: then one e4m3 step (2^-3 relative) apart
-    got, want = q.float() * scale, want_q.float() * want_scale
-    assert ((got - want).abs() <= 2.0**-3 * want.abs() + 1e-6).all()
-    same = (q.view(torch.uint8) == want_q.view(torch.uint8)).float().mean()
-    assert same > 0.97
+    # boundary: then one e4m3 step apart
+    assert_codes_close(q, scale, want_q, want_scale)
     assert (q.float().abs().amax(dim=1) == 448).all()
 
 
@@ -147,10 +144,7 @@ def test_add_then_fp8_writes_the_stream_and_its_quantised_norm(
     assert torch.equal(x, before)
     assert total.dtype == dtype and torch.equal(total, want_total)
     assert torch.equal(want_total, x + residual)
-    torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
-    got, want = q.float() * scale, want_q.float() * want_scale
-    assert ((got - want).abs() <= 2.0**-3 * want.abs() + 1e-6).all()
-    assert (q.view(torch.uint8) == want_q.view(torch.uint8)).float().mean() > 0.97
+    assert_codes_close(q, scale, want_q, want_scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -183,12 +177,11 @@ def test_add_layer_norm_fp8_dispatches_to_the_reference_off_cuda() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_add_then_fp8_at_the_paper_shape() -> None:
     """The autotuned kernel at 16,384 × 1,024 in bf16: the stream byte for byte, the
-    scales to fp32 rounding, the codes within one e4m3 step."""
+    scales to fp32 rounding, the codes within one e4m3 step (16.8 M of them: some lie on
+    a rounding boundary, the subnormals near zero included)."""
     x, w, b, shift = inputs(16384, 1024, torch.bfloat16, "cuda")
     residual = inputs(16384, 1024, torch.bfloat16, "cuda", seed=1)[0]
     total, q, scale = add_layer_norm_fp8(x, residual, w, b, 1e-5, shift)
     want_total, want_q, want_scale = add_layer_norm_fp8_reference(x, residual, w, b, 1e-5, shift)
     assert torch.equal(total, want_total)
-    torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
-    got, want = q.float() * scale, want_q.float() * want_scale
-    assert ((got - want).abs() <= 2.0**-3 * want.abs() + 1e-6).all()
+    assert_codes_close(q, scale, want_q, want_scale, same=0.999)

@@ -110,7 +110,7 @@ GPU_MPS = [
     ],
 )
 def test_two_workers_share_the_port_and_drain_on_sigterm(
-    data: Path, device: str, balance: str, mps: bool
+    data: Path, tmp_path: Path, device: str, balance: str, mps: bool
 ) -> None:
     """'connection': 24 connections land on both workers (SO_REUSEPORT). 'request': 24
     calls on ONE connection, one after another, are split evenly by the front
@@ -118,11 +118,15 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
     which worker answers first, a busy machine's doing). On a GPU with `--mps` the
     workers run through a private MPS daemon, quit at the end."""
     port, metrics = free_ports(1), free_ports(2)
+    # stderr to a file (appended to: the processes share it), read while it runs: the
+    # stack dumps are waited for, and a pipe nobody drains could fill
+    log_path = tmp_path / "serve.log"
+    err = log_path.open("a")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli", "serve", "--data-dir", str(data), "--port",
          str(port), "--metrics-port", str(metrics), "--device", device, "--no-progress",
          "--workers", "2", "--balance", balance, *(["--mps"] if mps else [])],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, stderr=err, text=True,
     )  # fmt: skip
     try:
         # each worker warms up (its first batch; on a GPU after capturing its CUDA graphs),
@@ -133,7 +137,7 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
             texts = [scrape(metrics + i) for i in range(2)]
             if all(t and counter(t, "grace_serving ") == 1 for t in texts):
                 break
-            assert proc.poll() is None, proc.stderr.read()
+            assert proc.poll() is None, log_path.read_text()
             time.sleep(0.2)
         while not serving(port):  # behind the front: its own port opens after the workers'
             assert time.monotonic() < deadline and proc.poll() is None
@@ -174,17 +178,25 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
             assert abs(handled[0] - handled[1]) <= 2, handled  # one connection, split evenly
         proc.send_signal(signal.SIGUSR1)  # to the supervisor: every worker dumps its stacks
         assert all(len(r.ads) > 0 for r in asyncio.run(many_connections()))  # and serves on
+        # both dumps are in before SIGTERM, waited for rather than assumed: a missing one
+        # fails here, with the log, not after the stop
+        while log_path.read_text().count("<module>") < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, (
+                "a worker wrote no stack dump: " + log_path.read_text()[-3000:]
+            )
+            time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    log = proc.stderr.read()
+        err.close()
+    log = log_path.read_text()
     assert "started 2 workers" in log and log.count("stopped") >= 2
     # one dump per worker (SIGUSR1 forwarded): each dump holds one main thread, whose stack
     # ends in the spawned interpreter's <module>. Not "Current thread": the kernel hands the
     # signal to any thread, and a CUDA driver thread has no Python frame to call current.
-    # The two dumps share one pipe and interleave write by write (a busy machine showed
+    # The two dumps share one file and interleave write by write (a busy machine showed
     # it); faulthandler writes each frame's name in one write, so "<module>" stays whole.
     assert log.count("<module>") == 2, log[-3000:]
     assert log.count('File "') > 10  # the stacks of both workers' threads
