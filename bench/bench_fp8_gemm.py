@@ -8,6 +8,10 @@ at 1 024 beams), with the GEMM's median time and TFLOP/s:
   * fp8_rowwise: `torch._scaled_mm` with a scale per row and per output channel (what the
     FP8 step runs), bf16 out; `+bias` with the bias given to `_scaled_mm`;
   * fp8_tensorwise: one scale per operand (coarser numbers, the GEMM's speed of light);
+  * fp8_blockwise: `torch._scaled_mm` with a scale per row and 128 columns of the input
+    (1 x 128) and per 128 x 128 block of the weight, the scales an epilogue could write
+    tile by tile (docs/FP8.md, the next step); its error against the fp32 product of the
+    dequantised operands says the scales were read as meant;
   * the FP8 step's per-layer extras: the residual add after the GEMM (no beta in
     `_scaled_mm`), the separate quantise pass of the attention outputs.
 And the producers: the LayerNorm kernel writing bf16 vs e4m3 + scale, the up projection's
@@ -21,6 +25,7 @@ GPU times are `triton.testing.do_bench` medians (L2 flushed between calls).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import traceback
 from collections.abc import Callable
@@ -53,6 +58,41 @@ def layers(d_model: int, d_attn: int, d_ff: int) -> list[tuple[str, int, int, st
             ("ffn_up", d_model, d_ff, "bias"), ("ffn_down", d_ff, d_model, "residual")]  # fmt: skip
 
 
+def blockwise_operands(x: torch.Tensor, w: torch.Tensor):
+    """(x codes, x scales [R, K/128], w codes, w scales [K/128, N/128]): amax / 448 per
+    1 x 128 block of x and per 128 x 128 block of w (K and N multiples of 128)."""
+    r, k = x.shape
+    n = w.shape[0]
+    tiny, f8 = torch.finfo(torch.float32).tiny, torch.float8_e4m3fn
+    xb = x.float().view(r, k // 128, 128)
+    xs = xb.abs().amax(-1).clamp(min=tiny) / 448.0
+    xq = (xb / xs[..., None]).clamp(-448.0, 448.0).to(f8).view(r, k)
+    wb = w.float().view(n // 128, 128, k // 128, 128)
+    ws = wb.abs().amax((1, 3)).clamp(min=tiny) / 448.0  # [N/128, K/128]
+    wq = (wb / ws[:, None, :, None]).clamp(-448.0, 448.0).to(f8).view(n, k)
+    return xq, xs, wq, ws.t().contiguous()
+
+
+def blockwise_row(x: torch.Tensor, w: torch.Tensor) -> dict:
+    """The 1 x 128 / 128 x 128 GEMM's time, the scale layout cuBLASLt took, its error."""
+    xq, xs, wq, ws = blockwise_operands(x, w)
+    want = (xq.float().view(*xs.shape, 128) * xs[..., None]).view(x.shape) @ (
+        wq.float().view(ws.shape[1], 128, ws.shape[0], 128) * ws.t()[:, None, :, None]
+    ).view(w.shape).t()
+    errors = []
+    for layout, sa in (("scale_a M-major", xs.t().contiguous().t()), ("scale_a K-major", xs)):
+        gemm = functools.partial(torch._scaled_mm, xq, wq.t(), scale_a=sa, scale_b=ws,
+                                 out_dtype=torch.bfloat16)  # fmt: skip
+        try:
+            err = float((gemm().float() - want).norm() / want.norm())
+        except (RuntimeError, ValueError) as e:  # a layout (or a torch, a device) without it
+            errors.append(f"{layout}: {str(e).splitlines()[0][:160]}")
+            continue
+        return {"fp8_blockwise_ms": ms(gemm), "fp8_blockwise_layout": layout,
+                "fp8_blockwise_rel_err": err}  # fmt: skip
+    return {"fp8_blockwise_error": "; ".join(errors)}
+
+
 def gemm_rows(r: int, name: str, k: int, n: int, adds: str) -> dict:
     dev, bf = DEVICE, torch.bfloat16
     x = torch.randn(r, k, device=dev, dtype=bf)
@@ -83,13 +123,17 @@ def gemm_rows(r: int, name: str, k: int, n: int, adds: str) -> dict:
         row["fp8_rowwise_bias_error"] = str(e).splitlines()[0][:200]
     row["fp8_tensorwise_ms"] = ms(lambda: torch._scaled_mm(
         xq_t, wq8_t.t(), scale_a=one, scale_b=wq_t, out_dtype=bf))  # fmt: skip
+    if k % 128 == 0 and n % 128 == 0:
+        row.update(blockwise_row(x, w))
     out = rowwise()
     if adds == "bias":
         row["bias_add_ms"] = ms(lambda: out + b)
     else:
         row["residual_add_ms"] = ms(lambda: res.add_(out))
         row["quantise_input_ms"] = ms(lambda: quantize_rows(x))
-    for key in ("bf16_ms", "fp8_rowwise_ms", "fp8_tensorwise_ms"):
+    for key in ("bf16_ms", "fp8_rowwise_ms", "fp8_tensorwise_ms", "fp8_blockwise_ms"):
+        if key not in row:
+            continue
         row[key.replace("_ms", "_tflops")] = round(flops / row[key] / 1e9, 1)
     return row
 
