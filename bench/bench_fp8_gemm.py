@@ -15,7 +15,9 @@ at 1 024 beams), with the GEMM's median time and TFLOP/s:
   * the FP8 step's per-layer extras: the residual add after the GEMM (no beta in
     `_scaled_mm`), the separate quantise pass of the attention outputs.
 And the producers: the LayerNorm kernel writing bf16 vs e4m3 + scale, the up projection's
-bias + GELU + quantise kernel vs the bf16 step's GELU in the GEMM's epilogue.
+bias + GELU + quantise kernel vs the bf16 step's GELU in the GEMM's epilogue, and the
+baseline FFN with 1 x 128 activation scales, its quantisation in the up GEMM's epilogue
+(`bench/baselines/_triton_fp8_ffn.py`).
 
 GPU times are `triton.testing.do_bench` medians (L2 flushed between calls).
 
@@ -165,9 +167,31 @@ def producer_rows(r: int, d_model: int, d_ff: int) -> list[dict]:
                                             out_dtype=bf))},
         {"rows": r, "op": "bias + GELU -> e4m3 + scale (gelu_fp8, autotuned)",
          "ms": ms(lambda: gelu_fp8(h, bias, True))},
+        *baseline_ffn_rows(r, xq, xs, fw, bias, d_model, d_ff),
         *(gelu_config_row(r, h, bias, rows, block, warps)
           for rows, block, warps in ((1, 8192, 8), (1, 8192, 16), (2, 1024, 4), (4, 1024, 4),
                                      (2, 2048, 8))),
+    ]  # fmt: skip
+
+
+def baseline_ffn_rows(r: int, xq, xs, fw: Fp8Weight, bias, d_model: int, d_ff: int) -> list:
+    """The FFN with 1 x 128 activation scales (`bench/baselines/_triton_fp8_ffn.py`): the
+    up GEMM with bias + GELU + quantise in its epilogue (against the served FP8 GEMM plus
+    the bias + GELU kernel above), the down GEMM reading those codes (against the served
+    rowwise one)."""
+    from bench.baselines._triton_fp8_ffn import triton_fp8_down, triton_fp8_up_gelu
+
+    w_down = Fp8Weight.of(torch.randn(d_model, d_ff, device=DEVICE) / d_ff**0.5)
+    hq, hs = triton_fp8_up_gelu(xq, xs, fw, bias, True)
+    rq, rs = quantize_rows(torch.randn(r, d_ff, device=DEVICE, dtype=torch.bfloat16))
+    return [
+        {"rows": r, "op": "ffn_up FP8 Triton GEMM + bias + GELU + 1x128 quantise epilogue "
+         "(baseline)", "ms": ms(lambda: triton_fp8_up_gelu(xq, xs, fw, bias, True))},
+        {"rows": r, "op": "ffn_down FP8 Triton GEMM, 1x128 input scales (baseline)",
+         "ms": ms(lambda: triton_fp8_down(hq, hs, w_down))},
+        {"rows": r, "op": "ffn_down FP8 GEMM, rowwise (served)",
+         "ms": ms(lambda: torch._scaled_mm(rq, w_down.q.t(), scale_a=rs, scale_b=w_down.scale,
+                                            out_dtype=torch.bfloat16))},
     ]  # fmt: skip
 
 

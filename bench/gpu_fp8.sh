@@ -15,9 +15,10 @@ OUT=${1:?output directory}
 mkdir -p "$OUT"
 python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_layer_norm.py \
     tests/kernels/test_gelu_fp8.py tests/kernels/test_self_attention.py \
+    tests/bench/test_fp8_ffn_baseline.py \
     tests/service/decode/test_step.py \
     tests/service/test_workers.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -60  # all of it kept
 python3 -m pytest -q tests/kernels/test_jit_globals.py 2>&1 | tail -3 | tee -a "$OUT/gpu_tests.txt"
-python3 bench/bench_fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" 2>&1 | tail -14
+python3 bench/bench_fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" 2>&1 | tail -20
 python3 bench/bench_decoder_loop.py --rows graph_advance,graph_fp8 --no-full --trace \
     --out "$OUT/decoder_loop_fp8.json" 2>&1 | tail -70

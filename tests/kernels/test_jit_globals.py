@@ -1,4 +1,5 @@
-"""Every @triton.jit function of kernels/ reads only globals a compiled kernel may read.
+"""Every @triton.jit function of kernels/ and bench/baselines/ reads only globals a
+compiled kernel may read.
 
 Compiled Triton refuses a plain global inside a kernel (`Cannot access global variable
 X ...`: it must be `tl.constexpr(...)`, a module, a jit function, a dtype or a
@@ -16,6 +17,7 @@ import pytest
 import triton.language as tl
 from triton.runtime.jit import KernelInterface
 
+import bench.baselines
 import kernels
 
 
@@ -31,13 +33,14 @@ def _python_function(value: object) -> types.FunctionType | None:
 
 def _jit_functions() -> list[tuple[str, types.FunctionType]]:
     found = []
-    for info in pkgutil.iter_modules(kernels.__path__):
-        if info.name.startswith("_triton"):
-            module = importlib.import_module(f"kernels.{info.name}")
-            for name, value in vars(module).items():
-                fn = _python_function(value)
-                if fn is not None and fn.__module__ == module.__name__:  # its own, not imports
-                    found.append((f"{info.name}.{name}", fn))
+    for package in (kernels, bench.baselines):  # the served kernels and the measured baselines
+        for info in pkgutil.iter_modules(package.__path__):
+            if info.name.startswith("_triton"):
+                module = importlib.import_module(f"{package.__name__}.{info.name}")
+                for name, value in vars(module).items():
+                    fn = _python_function(value)
+                    if fn is not None and fn.__module__ == module.__name__:  # not imports
+                        found.append((f"{info.name}.{name}", fn))
     return found
 
 

@@ -1,0 +1,190 @@
+"""Baseline (not served): the FP8 step's FFN as two Triton GEMMs with 1 x 128 activation
+scales, the next step docs/FP8.md names for the FP8 loop's largest extra pass.
+
+The served FP8 FFN runs the up projection as a cuBLASLt GEMM writing bf16, then one
+kernel over that [R, N] output for the bias, the GELU and the per-row quantisation
+(`kernels/_triton_gelu_fp8.py`): a row's scale spans all N columns, which many GEMM tiles
+write, so it cannot be taken inside the GEMM. With one scale per 128 columns of a row it
+can:
+
+- `triton_fp8_up_gelu`: GELU((xq · sx) @ (wq · sw).T + bias), with the dequantisation,
+  the bias, the GELU and the quantisation in the GEMM's epilogue. A program's tile is 128
+  columns wide, so each row of the tile gets its own scale (its amax / 448, as
+  `kernels._triton_fp8.quantize_rows_fp8`): e4m3 [R, N] and fp32 scales [R, ceil(N/128)],
+  and the activation never reaches memory in bf16.
+- `triton_fp8_down`: (hq · sh) @ (wq · sw).T for those codes: the product of each
+  128-wide K block scaled by its input scale, summed in fp32, times the weight's
+  per-output-channel scale; out in bf16.
+
+Tested under `TRITON_INTERPRET=1` against torch (tests/bench/test_fp8_ffn_baseline.py);
+`bench/bench_fp8_gemm.py` times the pair against the served one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton_fp8 import quantize_rows_fp8
+from kernels._triton_gelu_fp8 import _gelu
+from kernels._tuning import AUTOTUNE
+from kernels.fp8 import Fp8Weight
+
+SCALE_BLOCK = 128  # columns per activation scale: the up GEMM's tile width, the down's K step
+DEFAULTS = {  # BLOCK_N (up) and BLOCK_K (down) are SCALE_BLOCK: the scales' width fixes them
+    "up": triton.Config({"BLOCK_M": 64, "BLOCK_N": SCALE_BLOCK, "BLOCK_K": 64}, num_warps=4),
+    "down": triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": SCALE_BLOCK}, num_warps=4),
+}
+
+
+def _configs(tile: str) -> list[triton.Config]:
+    if not AUTOTUNE:
+        return [DEFAULTS[tile]]
+    if tile == "up":
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": SCALE_BLOCK, "BLOCK_K": k},
+                              num_warps=w, num_stages=s)
+                for m in (64, 128) for k in (64, 128) for w in (4, 8) for s in (3, 4)]  # fmt: skip
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": SCALE_BLOCK},
+                          num_warps=w, num_stages=s)
+            for m in (64, 128) for n in (64, 128) for w in (4, 8) for s in (3, 4)]  # fmt: skip
+
+
+@triton.jit
+def _fp8_up_gelu_kernel(
+    x_ptr,  # e4m3 [R, K], last dim contiguous
+    sx_ptr,  # fp32 [R]: the rows' scales
+    w_ptr,  # e4m3 [N, K], contiguous
+    sw_ptr,  # fp32 [N]: the output channels' scales
+    b_ptr,  # [N]
+    q_ptr,  # out: e4m3 [R, N], contiguous
+    sq_ptr,  # out: fp32 [R, NB]: one scale per row and 128 columns
+    R,
+    stride_x,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    NB: tl.constexpr,
+    TANH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # SCALE_BLOCK
+    BLOCK_K: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < R, cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + cols.to(tl.int64)[None, :] * K + ks[:, None],
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # fmt: skip
+        acc = tl.dot(a, w, acc)
+    sx = tl.load(sx_ptr + rows, mask=row_ok, other=1.0)
+    sw = tl.load(sw_ptr + cols, mask=col_ok, other=1.0)
+    bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
+    y = _gelu(acc * sx[:, None] * sw[None, :], bias, TANH)
+    ok = row_ok[:, None] & col_ok[None, :]
+    codes, scale = quantize_rows_fp8(y, ok)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+             codes.to(q_ptr.dtype.element_ty), mask=ok)  # fmt: skip
+    tl.store(sq_ptr + rows.to(tl.int64) * NB + pid_n, scale, mask=row_ok)
+
+
+@triton.jit
+def _fp8_down_kernel(
+    h_ptr,  # e4m3 [R, K], contiguous
+    sh_ptr,  # fp32 [R, KB]: one scale per row and 128 columns of h
+    w_ptr,  # e4m3 [N, K], contiguous
+    sw_ptr,  # fp32 [N]
+    out_ptr,  # out: [R, N] bf16, contiguous
+    R,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    KB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # SCALE_BLOCK
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < R, cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, KB):
+        ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(h_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + cols.to(tl.int64)[None, :] * K + ks[:, None],
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # fmt: skip
+        s = tl.load(sh_ptr + rows.to(tl.int64) * KB + kb, mask=row_ok, other=0.0)
+        acc += tl.dot(a, w) * s[:, None]  # each K block's product at its own scale
+    sw = tl.load(sw_ptr + cols, mask=col_ok, other=1.0)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+             (acc * sw[None, :]).to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+
+
+_TUNED = {
+    "up": triton.autotune(configs=_configs("up"), key=["N", "K", "TANH"])(_fp8_up_gelu_kernel),
+    "down": triton.autotune(configs=_configs("down"), key=["N", "K"])(_fp8_down_kernel),
+}
+_KERNELS = {"up": _fp8_up_gelu_kernel, "down": _fp8_down_kernel}
+
+
+def _launch(tile: str, r: int, n: int, config: triton.Config | None, *args, **meta) -> None:
+    """The autotuned kernel, or one config (tests sweep them)."""
+
+    def grid(m: dict) -> tuple[int, int]:
+        return (triton.cdiv(r, m["BLOCK_M"]), triton.cdiv(n, m["BLOCK_N"]))
+
+    if config is None:
+        _TUNED[tile][grid](*args, **meta)
+    else:
+        kw = config.kwargs
+        assert kw["BLOCK_N" if tile == "up" else "BLOCK_K"] == SCALE_BLOCK, "one scale per tile"
+        _KERNELS[tile][grid(kw)](*args, **meta, **kw, num_warps=config.num_warps,
+                                 num_stages=config.num_stages)  # fmt: skip
+
+
+def triton_fp8_up_gelu(
+    xq: torch.Tensor,  # e4m3 [R, K], last dim contiguous
+    xs: torch.Tensor,  # fp32 [R, 1]
+    w: Fp8Weight,  # [N, K]
+    bias: torch.Tensor,  # [N]
+    tanh: bool,
+    config: triton.Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, N], fp32 [R, ceil(N / 128)]
+    """GELU(xq·xs @ (w.q·w.scale).T + bias), quantised per row and 128 columns."""
+    r, k = xq.shape
+    n = w.q.shape[0]
+    assert xq.stride(1) == 1 and w.q.shape[1] == k and w.q.is_contiguous()
+    nb = triton.cdiv(n, SCALE_BLOCK)
+    q = torch.empty((r, n), dtype=torch.float8_e4m3fn, device=xq.device)
+    scales = torch.empty((r, nb), dtype=torch.float32, device=xq.device)
+    if r:
+        _launch("up", r, n, config, xq, xs.reshape(-1).contiguous(), w.q, w.scale.reshape(-1),
+                bias, q, scales, r, xq.stride(0), N=n, K=k, NB=nb, TANH=tanh)  # fmt: skip
+    return q, scales
+
+
+def triton_fp8_down(
+    hq: torch.Tensor,  # e4m3 [R, K], contiguous
+    hs: torch.Tensor,  # fp32 [R, ceil(K / 128)]
+    w: Fp8Weight,  # [N, K]
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: triton.Config | None = None,
+) -> torch.Tensor:  # [R, N]
+    """(hq · hs per 128 columns) @ (w.q · w.scale).T in `out_dtype`."""
+    r, k = hq.shape
+    n = w.q.shape[0]
+    kb = triton.cdiv(k, SCALE_BLOCK)
+    assert hq.is_contiguous() and hs.shape == (r, kb) and w.q.shape[1] == k
+    out = torch.empty((r, n), dtype=out_dtype, device=hq.device)
+    if r:
+        _launch("down", r, n, config, hq, hs.contiguous(), w.q, w.scale.reshape(-1), out, r,
+                N=n, K=k, KB=kb)  # fmt: skip
+    return out
