@@ -61,18 +61,16 @@ def layers(d_model: int, d_attn: int, d_ff: int) -> list[tuple[str, int, int, st
 
 
 def blockwise_operands(x: torch.Tensor, w: torch.Tensor):
-    """(x codes, x scales [R, K/128], w codes, w scales [K/128, N/128]): amax / 448 per
-    1 x 128 block of x and per 128 x 128 block of w (K and N multiples of 128)."""
+    """(x codes, x scales [R, K/128], w codes, w scales [K/128, N/128]): `quantize_rows`
+    of each 1 x 128 block of x and each 128 x 128 block of w (K and N multiples of 128)."""
     r, k = x.shape
-    n = w.shape[0]
-    tiny, f8 = torch.finfo(torch.float32).tiny, torch.float8_e4m3fn
-    xb = x.float().view(r, k // 128, 128)
-    xs = xb.abs().amax(-1).clamp(min=tiny) / 448.0
-    xq = (xb / xs[..., None]).clamp(-448.0, 448.0).to(f8).view(r, k)
-    wb = w.float().view(n // 128, 128, k // 128, 128)
-    ws = wb.abs().amax((1, 3)).clamp(min=tiny) / 448.0  # [N/128, K/128]
-    wq = (wb / ws[:, None, :, None]).clamp(-448.0, 448.0).to(f8).view(n, k)
-    return xq, xs, wq, ws.t().contiguous()
+    n, kb, nb = w.shape[0], k // 128, w.shape[0] // 128
+    xq, xs = quantize_rows(x.reshape(r * kb, 128))
+    blocks = w.reshape(nb, 128, kb, 128).transpose(1, 2).reshape(nb * kb, 128 * 128)
+    wq, ws = quantize_rows(blocks)
+    wq = wq.view(torch.uint8).reshape(nb, kb, 128, 128).transpose(1, 2).reshape(n, k)
+    return (xq.reshape(r, k), xs.reshape(r, kb), wq.view(torch.float8_e4m3fn),
+            ws.reshape(nb, kb).t().contiguous())  # fmt: skip
 
 
 def blockwise_row(x: torch.Tensor, w: torch.Tensor) -> dict:
