@@ -127,6 +127,8 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
         ("graph_compiled", "final, torch.compile'd bookkeeping", {"advance": "compiled"}, GTM),
         # the opt-in FP8 step (docs/FP8.md): the served engine with fp8=True
         ("graph_fp8", "final, FP8 linear layers", {"fp8": True}, GTM),
+        # the next step for FP8 (docs/FP8.md): its FFN with 1 x 128 activation scales
+        ("graph_fp8_block", "final, FP8, 1x128 FFN", {"fp8": True, "fp8_ffn": "block"}, GTM),
     ]
     out, options = [], NAIVE
     for key, label, change, mode in steps:

@@ -129,8 +129,8 @@ def _fp8_down_kernel(
 
 
 _TUNED = {
-    "up": triton.autotune(configs=_configs("up"), key=["N", "K", "TANH"])(_fp8_up_gelu_kernel),
-    "down": triton.autotune(configs=_configs("down"), key=["N", "K"])(_fp8_down_kernel),
+    "up": triton.autotune(configs=_configs("up"), key=["R", "N", "K", "TANH"])(_fp8_up_gelu_kernel),
+    "down": triton.autotune(configs=_configs("down"), key=["R", "N", "K"])(_fp8_down_kernel),
 }
 _KERNELS = {"up": _fp8_up_gelu_kernel, "down": _fp8_down_kernel}
 

@@ -6,8 +6,8 @@ bench/bench_decoder_loop.py's ladder (the paper's Table 6). None of this is serv
 seams the options touch replaced: the per-beam cross-attention layout, torch SDPA or
 gather + attend self-attention, the dense KV cache, fixed beam widths, no mask, bitmask-only
 GTM, eager (uncaptured) plans, the layer-by-layer decoder step, the unfused mask tail,
-a different stream split, the Triton GELU GEMM, and the bookkeeping as torch launches or
-through torch.compile.
+a different stream split, the Triton GELU GEMM, the bookkeeping as torch launches or
+through torch.compile, and (with FP8) the FFN with 1 x 128 activation scales.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.baselines._triton_fp8_ffn import triton_fp8_down, triton_fp8_up_gelu
 from bench.baselines.cross_attention import cross_attention_per_beam
 from bench.baselines.gelu_linear import gelu_linear_triton
 from bench.baselines.kv_cache import ATTENTION_MODES, DenseKVCache, GatherPagedKVCache
@@ -23,7 +24,7 @@ from contracts.request import FilterMode
 from kernels.beam_advance import beam_advance_reference
 from kernels.cross_attention import cross_attention
 from kernels.gtm_mask import bitmask_only, candidates, masked_candidates, masked_logits
-from kernels.layer_norm import layer_norm
+from kernels.layer_norm import add_layer_norm_fp8, layer_norm
 from service.decode.engine import DecodeEngine
 from service.decode.step import DecoderStep
 
@@ -49,6 +50,9 @@ class DecodeOptions:
     # reference, ~10 launches), "compiled" (the reference through torch.compile)
     advance: str = "kernel"
     fp8: bool = False  # the served step's linear layers in FP8 (setting dtype = fp8)
+    # with fp8: "rowwise" (served), "block": the FFN with 1 x 128 activation scales, its
+    # bias + GELU + quantisation in the up GEMM's epilogue (bench/baselines/_triton_fp8_ffn.py)
+    fp8_ffn: str = "rowwise"
 
     def __post_init__(self) -> None:
         for name, value, known in (
@@ -57,16 +61,19 @@ class DecodeOptions:
             ("kv", self.kv, ("paged", "dense")),
             ("ffn_up", self.ffn_up, ("cublaslt", "triton")),
             ("advance", self.advance, ("kernel", "eager", "compiled")),
+            ("fp8_ffn", self.fp8_ffn, ("rowwise", "block")),
         ):
             if value not in known:
                 raise ValueError(f"{name} must be one of {known}, got {value!r}")
+        if self.fp8_ffn != "rowwise" and not (self.fp8 and self.fused_layers):
+            raise ValueError("fp8_ffn applies to the fused FP8 step: set fp8 (and fused_layers)")
 
 
 class VariantStep(DecoderStep):
-    """The served step with its table read, cross layout or FFN GEMM changed."""
+    """The served step with its table read, cross layout, FFN GEMM or FP8 FFN changed."""
 
     def __init__(self, decoder, options: DecodeOptions) -> None:
-        super().__init__(decoder)
+        super().__init__(decoder, fp8=options.fp8)
         self.options = options
 
     def attend_first(self, cache, t, tokens):
@@ -83,6 +90,15 @@ class VariantStep(DecoderStep):
             h = layer_norm(x, layer.norm_ffn.weight, layer.norm_ffn.bias, layer.norm_ffn.eps, shift)
             return gelu_linear_triton(h, layer.ffn_up.weight, layer.ffn_up.bias)
         return super().ffn_up(x, layer, shift)
+
+    def ffn_fp8(self, x, pending, i, layer, shift):
+        if self.options.fp8_ffn != "block":
+            return super().ffn_fp8(x, pending, i, layer, shift)
+        assert self.fp8 is not None
+        n, tanh = layer.norm_ffn, self.decoder.config.ffn_activation == "gelu_tanh"
+        x, q, scale = add_layer_norm_fp8(x, pending, n.weight, n.bias, n.eps, shift)
+        hq, hs = triton_fp8_up_gelu(q, scale, self.fp8[i]["ffn_up"], layer.ffn_up.bias, tanh)
+        return x, triton_fp8_down(hq, hs, self.fp8[i]["ffn_down"], x.dtype)
 
 
 class LayerByLayerStep:

@@ -27,6 +27,7 @@ from service.pipeline.stages import GRAPH_BUCKETS
 from tests.service.decode.cases import (
     CONFIG,
     TARGETING,
+    WIDE,
     assert_same,
     check_served_buckets_on_gpu,
     ctx_for,
@@ -266,3 +267,30 @@ def test_gpu_triton_up_projection_equals_teacher_forcing(dtype: torch.dtype) -> 
     tol = {"rtol": 1e-3, "atol": 1e-3} if dtype == torch.float32 else {"rtol": 5e-2, "atol": 1e-1}
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.float(), w.float(), **tol)
+
+
+@pytest.mark.usefixtures("exact_fp8_casts")
+def test_the_block_scaled_fp8_ffn_searches_like_the_served_fp8_engine() -> None:
+    """`fp8_ffn="block"` (the FFN with 1 x 128 activation scales) in a search wide enough
+    to keep every prefix: the served FP8 engine's SIDs, with scores close to its own but
+    not equal (the FFN's activations quantised per 128 columns, not per row)."""
+    case = setup(make_ads(60))
+    ctx, reqs = ctx_for(len(TARGETING)), requests(TARGETING)
+    served = case.served(fp8=True).run(ctx, reqs, WIDE, FilterMode.CD_GTM)
+    block = case.served(VariantEngine, DecodeOptions(fp8=True, fp8_ffn="block")).run(
+        ctx, reqs, WIDE, FilterMode.CD_GTM
+    )
+    assert torch.equal(block.leaves.sort(dim=1).values, served.leaves.sort(dim=1).values)
+    assert (served.leaves >= 0).any()
+    a = served.scores.gather(1, served.leaves.argsort(dim=1))
+    b = block.scores.gather(1, block.leaves.argsort(dim=1))
+    live = served.leaves.gather(1, served.leaves.argsort(dim=1)) >= 0
+    assert not torch.equal(a[live], b[live])
+    torch.testing.assert_close(b[live], a[live], rtol=0.05, atol=0.05)
+
+
+def test_the_block_scaled_ffn_is_an_fp8_switch() -> None:
+    with pytest.raises(ValueError, match="fp8_ffn applies to the fused FP8 step"):
+        DecodeOptions(fp8_ffn="block")
+    with pytest.raises(ValueError, match="fp8_ffn must be one of"):
+        DecodeOptions(fp8=True, fp8_ffn="tensorwise")
