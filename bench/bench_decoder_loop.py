@@ -274,7 +274,8 @@ class Bound:
 
     def __init__(self, model, index, options: DecodeOptions, bucket: int) -> None:
         self.options = options
-        if dataclasses.replace(options, fp8=False) == DecodeOptions():  # the served engine
+        served = options.fp8_ffn == "rowwise" and dataclasses.replace(options, fp8=False)
+        if served == DecodeOptions():  # the served engine, in bf16 or FP8
             self.engine = DecodeEngine(model.decoder, batch_buckets=(bucket,), fp8=options.fp8)
         else:
             self.engine = VariantEngine(model.decoder, options, batch_buckets=(bucket,))

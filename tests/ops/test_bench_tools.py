@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bench import bench_startup, bench_topk_capacity
-from bench.baselines.decode_variants import DecodeOptions
+from bench.baselines.decode_variants import DecodeOptions, VariantEngine
 from bench.bench_decoder_loop import FINAL_ROW, ROWS, paired, tail_spread, times_interleaved
 from bench.bench_model_swap import summarise as summarise_swap
 from contracts.index_format import VOCAB_SIZE
@@ -124,6 +124,7 @@ def test_decoder_loop_final_row_is_the_served_configuration() -> None:
     assert rows["graph_tail"] == dataclasses.replace(DecodeOptions(), advance="eager")
     assert rows["graph_compiled"] == dataclasses.replace(DecodeOptions(), advance="compiled")
     assert rows["graph_fp8"] == dataclasses.replace(DecodeOptions(), fp8=True)  # the served one
+    assert rows["graph_fp8_block"] == dataclasses.replace(rows["graph_fp8"], fp8_ffn="block")
 
 
 def test_decoder_loop_fp8_row_runs_the_served_engine_in_fp8() -> None:
@@ -140,6 +141,8 @@ def test_decoder_loop_fp8_row_runs_the_served_engine_in_fp8() -> None:
     bound = Bound(model, index, rows["graph_fp8"], 2)
     assert type(bound.engine) is DecodeEngine and bound.engine.step.fp8 is not None
     assert Bound(model, index, rows[FINAL_ROW], 2).engine.step.fp8 is None
+    block = Bound(model, index, rows["graph_fp8_block"], 2).engine  # the 1 x 128 FFN variant
+    assert type(block) is VariantEngine and block.step.fp8 is not None
 
 
 def test_model_swap_summary_times_the_swap_and_lays_out_each_second() -> None:
