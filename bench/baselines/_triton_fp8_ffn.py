@@ -162,6 +162,7 @@ def triton_fp8_up_gelu(
     r, k = xq.shape
     n = w.q.shape[0]
     assert xq.stride(1) == 1 and w.q.shape[1] == k and w.q.is_contiguous()
+    assert xs.numel() == r and bias.shape == (n,), "a scale per row, a bias per output"
     nb = triton.cdiv(n, SCALE_BLOCK)
     q = torch.empty((r, n), dtype=torch.float8_e4m3fn, device=xq.device)
     scales = torch.empty((r, nb), dtype=torch.float32, device=xq.device)
