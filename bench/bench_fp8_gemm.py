@@ -61,16 +61,18 @@ def layers(d_model: int, d_attn: int, d_ff: int) -> list[tuple[str, int, int, st
 
 
 def blockwise_operands(x: torch.Tensor, w: torch.Tensor):
-    """(x codes, x scales [R, K/128], w codes, w scales [K/128, N/128]): `quantize_rows`
-    of each 1 x 128 block of x and each 128 x 128 block of w (K and N multiples of 128)."""
-    r, k = x.shape
+    """(x codes, x scales [R, K/128], w codes, w scales [K/128, N/128]): each 1 x 128
+    block of x (`quantize_row_blocks`, the baseline FFN's layout) and each 128 x 128 block
+    of w quantised by `quantize_rows` (K and N multiples of 128)."""
+    from bench.baselines._triton_fp8_ffn import quantize_row_blocks
+
+    k = x.shape[1]
     n, kb, nb = w.shape[0], k // 128, w.shape[0] // 128
-    xq, xs = quantize_rows(x.reshape(r * kb, 128))
+    xq, xs = quantize_row_blocks(x)
     blocks = w.reshape(nb, 128, kb, 128).transpose(1, 2).reshape(nb * kb, 128 * 128)
     wq, ws = quantize_rows(blocks)
     wq = wq.view(torch.uint8).reshape(nb, kb, 128, 128).transpose(1, 2).reshape(n, k)
-    return (xq.reshape(r, k), xs.reshape(r, kb), wq.view(torch.float8_e4m3fn),
-            ws.reshape(nb, kb).t().contiguous())  # fmt: skip
+    return xq, xs, wq.view(torch.float8_e4m3fn), ws.reshape(nb, kb).t().contiguous()
 
 
 def blockwise_row(x: torch.Tensor, w: torch.Tensor) -> dict:
@@ -180,22 +182,22 @@ def baseline_ffn_rows(r: int, xq, xs, fw: Fp8Weight, bias, d_model: int, d_ff: i
     from bench.baselines._triton_fp8_ffn import triton_fp8_down, triton_fp8_up_gelu
 
     w_down = Fp8Weight.of(torch.randn(d_model, d_ff, device=DEVICE) / d_ff**0.5)
-    try:
+    rq, rs = quantize_rows(torch.randn(r, d_ff, device=DEVICE, dtype=torch.bfloat16))
+    try:  # a baseline that does not compile here must not cost the rest of the table
         hq, hs = triton_fp8_up_gelu(xq, xs, fw, bias, True)
-    except Exception as e:  # a baseline that does not compile here must not cost the rest
+        return [
+            {"rows": r, "op": "ffn_up FP8 Triton GEMM + bias + GELU + 1x128 quantise epilogue "
+             "(baseline)", "ms": ms(lambda: triton_fp8_up_gelu(xq, xs, fw, bias, True))},
+            {"rows": r, "op": "ffn_down FP8 Triton GEMM, 1x128 input scales (baseline)",
+             "ms": ms(lambda: triton_fp8_down(hq, hs, w_down))},
+            {"rows": r, "op": "ffn_down FP8 GEMM, rowwise (served)",
+             "ms": ms(lambda: torch._scaled_mm(rq, w_down.q.t(), scale_a=rs,
+                                                scale_b=w_down.scale, out_dtype=torch.bfloat16))},
+        ]  # fmt: skip
+    except Exception as e:
         traceback.print_exc()
         error = (str(e).splitlines() or [type(e).__name__])[0][:200]
         return [{"rows": r, "op": "FFN with 1x128 scales (baseline)", "error": error}]
-    rq, rs = quantize_rows(torch.randn(r, d_ff, device=DEVICE, dtype=torch.bfloat16))
-    return [
-        {"rows": r, "op": "ffn_up FP8 Triton GEMM + bias + GELU + 1x128 quantise epilogue "
-         "(baseline)", "ms": ms(lambda: triton_fp8_up_gelu(xq, xs, fw, bias, True))},
-        {"rows": r, "op": "ffn_down FP8 Triton GEMM, 1x128 input scales (baseline)",
-         "ms": ms(lambda: triton_fp8_down(hq, hs, w_down))},
-        {"rows": r, "op": "ffn_down FP8 GEMM, rowwise (served)",
-         "ms": ms(lambda: torch._scaled_mm(rq, w_down.q.t(), scale_a=rs, scale_b=w_down.scale,
-                                            out_dtype=torch.bfloat16))},
-    ]  # fmt: skip
 
 
 def gelu_config_row(r: int, h, bias, rows: int, block: int, warps: int) -> dict:

@@ -23,19 +23,30 @@ Tested under `TRITON_INTERPRET=1` against torch (tests/bench/test_fp8_ffn_baseli
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels._triton_fp8 import quantize_rows_fp8
 from kernels._triton_gelu_fp8 import _gelu
 from kernels._tuning import AUTOTUNE
-from kernels.fp8 import Fp8Weight
+from kernels.fp8 import Fp8Weight, quantize_rows
 
 SCALE_BLOCK = 128  # columns per activation scale: the up GEMM's tile width, the down's K step
 DEFAULTS = {  # BLOCK_N (up) and BLOCK_K (down) are SCALE_BLOCK: the scales' width fixes them
     "up": triton.Config({"BLOCK_M": 64, "BLOCK_N": SCALE_BLOCK, "BLOCK_K": 64}, num_warps=4),
     "down": triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": SCALE_BLOCK}, num_warps=4),
 }
+
+
+def quantize_row_blocks(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout the up kernel writes, in torch: `kernels.fp8.quantize_rows` of each
+    row's 128-column blocks (the last one may be short) -> e4m3 [R, N], fp32 [R, NB]."""
+    r, n = y.shape
+    nb = triton.cdiv(n, SCALE_BLOCK)
+    padded = F.pad(y, (0, nb * SCALE_BLOCK - n)).reshape(r * nb, SCALE_BLOCK)
+    q, s = quantize_rows(padded)
+    return q.reshape(r, nb * SCALE_BLOCK)[:, :n].contiguous(), s.reshape(r, nb)
 
 
 def _configs(tile: str) -> list[triton.Config]:

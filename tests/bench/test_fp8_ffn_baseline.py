@@ -18,6 +18,7 @@ import triton
 from bench.baselines._triton_fp8_ffn import (
     DEFAULTS,
     SCALE_BLOCK,
+    quantize_row_blocks,
     triton_fp8_down,
     triton_fp8_up_gelu,
 )
@@ -44,17 +45,9 @@ def ffn_inputs(r: int, k: int, n: int, device: str = "cpu", seed: int = 0):
     return x, Fp8Weight.of(w_up), bias, Fp8Weight.of(w_down)
 
 
-def blocks_quantised(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kernels.fp8.quantize_rows` of each row's 128-column blocks (the last one short)."""
-    r, n = y.shape
-    nb = triton.cdiv(n, SCALE_BLOCK)
-    q, s = quantize_rows(F.pad(y, (0, nb * SCALE_BLOCK - n)).reshape(r * nb, SCALE_BLOCK))
-    return q.reshape(r, nb * SCALE_BLOCK)[:, :n].contiguous(), s.reshape(r, nb)
-
-
 def up_reference(xq, xs, w: Fp8Weight, bias, tanh: bool):
     y = (xq.float() * xs) @ w.dequantized().t() + bias.float()
-    return blocks_quantised(F.gelu(y, approximate="tanh" if tanh else "none"))
+    return quantize_row_blocks(F.gelu(y, approximate="tanh" if tanh else "none"))
 
 
 def down_reference(hq, hs, w: Fp8Weight) -> torch.Tensor:
@@ -87,7 +80,7 @@ def test_down_applies_each_k_blocks_scale(config, r, k, n) -> None:
     h = torch.randn(r, k, generator=g)
     h *= 10.0 ** torch.randint(-2, 2, (1, triton.cdiv(k, SCALE_BLOCK)), generator=g).float(
     ).repeat_interleave(SCALE_BLOCK, 1)[:, :k]  # fmt: skip
-    hq, hs = blocks_quantised(h)
+    hq, hs = quantize_row_blocks(h)
     w = Fp8Weight.of(torch.randn(n, k, generator=g) / k**0.5)
     got = triton_fp8_down(hq, hs, w, config=config)
     assert got.dtype == torch.bfloat16 and got.shape == (r, n)
@@ -135,8 +128,8 @@ def test_gpu_pair_at_the_paper_ffn() -> None:
     """The autotuned pair at 16,384 rows, d_model 1,024, d_ff 7,680 (compiled casts)."""
     x, w_up, bias, w_down = ffn_inputs(16384, 1024, 7680, "cuda")
     xq, xs = quantize_rows(x)
-    hq, hs = triton_fp8_up_gelu(xq, xs, w_up, bias.cuda(), True)
-    assert_codes_close(hq, hs, *up_reference(xq, xs, w_up, bias.cuda(), True), same=0.99)
+    hq, hs = triton_fp8_up_gelu(xq, xs, w_up, bias, True)
+    assert_codes_close(hq, hs, *up_reference(xq, xs, w_up, bias, True), same=0.99)
     got = triton_fp8_down(hq, hs, w_down).float()
     want = down_reference(hq, hs, w_down)
     assert float((got - want).norm() / want.norm()) < 2**-7
