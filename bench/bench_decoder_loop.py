@@ -420,9 +420,9 @@ def main() -> None:
                     "first) on the CPU")  # fmt: skip
     ap.add_argument("--out", type=Path, help="result JSON (default: bench/results or /tmp)")
     ap.add_argument("--trace", action="store_true",
-                    help="also profile the final configuration (eager; with the graph_fp8 row "
-                    "its FP8 twin too) and print its top CUDA kernels by time: where the "
-                    "milliseconds go")  # fmt: skip
+                    help="also profile the final configuration (eager; with the graph_fp8 and "
+                    "graph_fp8_block rows their FP8 twins too) and print the top CUDA kernels: "
+                    "where the milliseconds go")  # fmt: skip
     a = ap.parse_args()
     distinct = 8  # batches cycled through by every row
     if a.small:
@@ -463,7 +463,7 @@ def main() -> None:
                      if "vs_baseline" in r else "  (baseline)"), flush=True)  # fmt: skip
         wanted = set()  # the A/B run replaces the table's rows
     rows: list[dict] = []
-    final = eager_bloom = unfused = triton_ffn = fp8 = None
+    final = eager_bloom = unfused = triton_ffn = fp8 = fp8_block = None
     same_arithmetic = {}  # rows that must return exactly the final row's result
     for key, label, options, mode in ROWS:
         if key not in wanted:
@@ -486,6 +486,8 @@ def main() -> None:
                 triton_ffn = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == "graph_fp8":  # opt-in: its SIDs compared with the final row's below
                 fp8 = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
+            if key == "graph_fp8_block":  # not served: compared with both rows above
+                fp8_block = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key in ("graph_tail", "graph_compiled"):  # other bookkeeping, same arithmetic
                 same_arithmetic[key] = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == FINAL_ROW:
@@ -535,6 +537,10 @@ def main() -> None:
             figures["triton_ffn_vs_final_sid_overlap"] = sid_overlap(triton_ffn, again)
         if fp8 is not None:  # random weights: the trained model's overlap is grace eval's
             figures["fp8_vs_final_sid_overlap"] = sid_overlap(fp8, again)
+        if fp8_block is not None:
+            figures["fp8_block_vs_final_sid_overlap"] = sid_overlap(fp8_block, again)
+            if fp8 is not None:
+                figures["fp8_block_vs_fp8_sid_overlap"] = sid_overlap(fp8_block, fp8)
         for key, other in same_arithmetic.items():
             figures[f"{key}_equals_final"] = all(
                 torch.equal(x, y)
@@ -547,6 +553,10 @@ def main() -> None:
         figures["trace"] = kernel_profile(model, index, batches, beams)
         if "graph_fp8" in wanted:
             figures["trace_fp8"] = kernel_profile(model, index, batches, beams, fp8=True)
+        if "graph_fp8_block" in wanted:
+            block = next(o for k, _, o, _ in ROWS if k == "graph_fp8_block")
+            block = dataclasses.replace(block, cuda_graph=False)  # the profiler names kernels
+            figures["trace_fp8_block"] = kernel_profile(model, index, batches, beams, variant=block)
     figures["targets"] = {"final_p50_ms": 12, "final_p99_ms": 13, "gtm_cost_ms": 0.5}
     print_summary(figures)
     if a.out or a.small or not cuda:
@@ -558,12 +568,19 @@ def main() -> None:
     print(out)
 
 
-def kernel_profile(model, index, batches, beams, fp8: bool = False, top: int = 25) -> list[dict]:
-    """CUDA time per kernel over 5 eager batches of the served engine (FP8 or not)."""
+def kernel_profile(
+    model, index, batches, beams, fp8: bool = False, variant: DecodeOptions | None = None
+) -> list[dict]:
+    """CUDA time per kernel over 5 eager batches of the served engine (FP8 or not), or of
+    the variant engine with the switches `variant` (the 1 x 128 FFN row)."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = DecodeEngine(model.decoder, batch_buckets=(len(batches[0].ctx),), fp8=fp8)
-    engine.cuda_graphs = False  # eager: the profiler names every kernel
+    bucket = (len(batches[0].ctx),)
+    if variant is None:
+        engine = DecodeEngine(model.decoder, batch_buckets=bucket, fp8=fp8)
+        engine.cuda_graphs = False  # eager: the profiler names every kernel
+    else:
+        engine = VariantEngine(model.decoder, variant, batch_buckets=bucket)
     plans = engine.plan(index.tables, index.level_offsets)
     for b in batches[:2]:
         engine.run(plans, b.ctx, b.requests, beams, GTM)
@@ -578,9 +595,10 @@ def kernel_profile(model, index, batches, beams, fp8: bool = False, top: int = 2
     out = [
         {"kernel": e.key[:90], "ms_per_batch": round(e.device_time_total / 5e3, 3),
          "share": round(e.device_time_total / total, 3), "calls_per_batch": e.count // 5}
-        for e in events[:top]
+        for e in events[:25]  # the top 25
     ]  # fmt: skip
-    print(f"kernel time per batch{' (FP8)' if fp8 else ''}: {total / 5e3:.3f} ms")
+    name = " (FP8, 1 x 128 FFN)" if variant else " (FP8)" if fp8 else ""
+    print(f"kernel time per batch{name}: {total / 5e3:.3f} ms")
     for r in out:
         print(f"  {r['ms_per_batch']:8.3f} ms {r['share']:6.1%} x{r['calls_per_batch']:<4} "
               f"{r['kernel']}")  # fmt: skip

@@ -8,17 +8,32 @@
 #   3. the decode loop at the paper's shape: the served bf16 row beside the served engine
 #      with FP8 on, one run (bench/bench_decoder_loop.py, `graph_fp8`), with their SID
 #      overlap on random weights, and both engines' kernel traces (--trace).
-# Usage: bash bench/gpu_fp8.sh OUT
+#      The 1 x 128 FFN row (`graph_fp8_block`, bench/baselines/_triton_fp8_ffn.py) runs
+#      beside them.
+# Usage: [STEPS="tests gemm loop"] bash bench/gpu_fp8.sh OUT
 #   -> OUT/gpu_tests.txt, OUT/fp8_gemm_h200.json, OUT/decoder_loop_fp8.json
+#   STEPS picks the steps (a device call is at most 10 minutes: the three together take
+#   about 7, so split them when a call has other work).
 set -uo pipefail
 OUT=${1:?output directory}
+STEPS=${STEPS:-tests gemm loop}
+for step in $STEPS; do
+    case $step in tests|gemm|loop) ;; *) echo "gpu_fp8.sh: unknown step '$step' (tests, gemm, loop)" >&2; exit 2 ;; esac
+done
 mkdir -p "$OUT"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+if has tests; then
 python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_layer_norm.py \
     tests/kernels/test_gelu_fp8.py tests/kernels/test_self_attention.py \
     tests/bench/test_fp8_ffn_baseline.py \
     tests/service/decode/test_step.py \
     tests/service/test_workers.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -60  # all of it kept
 python3 -m pytest -q tests/kernels/test_jit_globals.py 2>&1 | tail -3 | tee -a "$OUT/gpu_tests.txt"
-python3 bench/bench_fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" 2>&1 | tail -20
-python3 bench/bench_decoder_loop.py --rows graph_advance,graph_fp8 --no-full --trace \
-    --out "$OUT/decoder_loop_fp8.json" 2>&1 | tail -70
+fi
+if has gemm; then
+python3 bench/bench_fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" 2>&1 | tail -30
+fi
+if has loop; then
+python3 bench/bench_decoder_loop.py --rows graph_advance,graph_fp8,graph_fp8_block --no-full \
+    --trace --out "$OUT/decoder_loop_fp8.json" 2>&1 | tail -90
+fi
