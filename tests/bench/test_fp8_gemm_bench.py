@@ -17,6 +17,7 @@ def test_each_block_has_its_own_scale_and_dequantises_within_half_a_step() -> No
     w[128:256, 128:] *= 0.01  # one quiet block of the weight
     xq, xs, wq, ws = blockwise_operands(x, w)
     assert xs.shape == (4, 2) and ws.shape == (2, 3)
+    assert ws.stride() == (1, 2)  # ATen's 128 x 128 check: the transpose of a row-major one
     assert xq.dtype == wq.dtype == torch.float8_e4m3fn
     torch.testing.assert_close(xs, x.view(4, 2, 128).abs().amax(-1) / 448)
     assert xs[0, 0] > 50 * xs[0, 1]
