@@ -24,7 +24,7 @@ from bench.baselines._triton_fp8_ffn import (
 )
 from kernels.fp8 import Fp8Weight, quantize_rows
 from kernels.gelu_fp8 import gelu_fp8_reference
-from tests.helpers.fp8_codes import assert_codes_close
+from tests.helpers.fp8_codes import assert_codes_close, e4m3_ordinals
 
 UP_CONFIGS = [
     DEFAULTS["up"],
@@ -126,15 +126,22 @@ def test_a_config_whose_tile_is_not_one_scale_wide_is_refused() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_pair_at_the_paper_ffn() -> None:
     """The autotuned pair at 16,384 rows, d_model 1,024, d_ff 7,680 (compiled casts).
-    Hopper's FP8 tensor cores add the products with fewer mantissa bits than fp32 (the
-    H200 run of this test: block scales up to 0.34 % from the fp32 reference's, 97.8 % of
-    them off by more than 1e-5), so the scales are held to 2⁻⁷ here, not to fp32 rounding;
-    the codes still to one step."""
+    On Hopper, Triton adds FP8 products in the tensor cores' own reduced precision,
+    never promoting to fp32 (`max_num_imprecise_acc` 2³⁰ by default on sm90; cuBLASLt,
+    the served GEMM, promotes: `use_fast_accum=False`). The H200 run measured it: block
+    scales up to 0.34 % from the fp32 reference's and 0.13 % of the codes more than one
+    e4m3 step away (values near zero, where one step is far finer than the sum's error),
+    so the codes are held to a relative error here, not to one step each."""
     x, w_up, bias, w_down = ffn_inputs(16384, 1024, 7680, "cuda")
     xq, xs = quantize_rows(x)
     hq, hs = triton_fp8_up_gelu(xq, xs, w_up, bias, True)
-    want = up_reference(xq, xs, w_up, bias, True)
-    assert_codes_close(hq, hs, *want, same=0.9, scale_rtol=2**-7)
+    want_q, want_s = up_reference(xq, xs, w_up, bias, True)
+    torch.testing.assert_close(hs, want_s, rtol=2**-7, atol=0)
+    steps = (e4m3_ordinals(hq) - e4m3_ordinals(want_q)).abs()
+    assert (steps > 1).float().mean() < 0.01 and (steps == 0).float().mean() > 0.9
+    got_h = hq.float() * hs.repeat_interleave(SCALE_BLOCK, 1)
+    want_h = want_q.float() * want_s.repeat_interleave(SCALE_BLOCK, 1)
+    assert float((got_h - want_h).norm() / want_h.norm()) < 2**-6
     got = triton_fp8_down(hq, hs, w_down).float()
     want = down_reference(hq, hs, w_down)
     assert float((got - want).norm() / want.norm()) < 2**-7

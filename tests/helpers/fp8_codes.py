@@ -27,12 +27,10 @@ def assert_codes_close(
     want_q: torch.Tensor,
     want_scale: torch.Tensor,
     same: float = 0.97,
-    scale_rtol: float = 1e-5,
 ) -> None:
-    """Scales equal to fp32 rounding (or within `scale_rtol`); every code at most one
-    e4m3 step from the reference's; more than `same` of them byte for byte the
-    reference's."""
-    torch.testing.assert_close(scale, want_scale, rtol=scale_rtol, atol=0)
+    """Scales equal to fp32 rounding; every code at most one e4m3 step from the
+    reference's; more than `same` of them byte for byte the reference's."""
+    torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
     steps = (e4m3_ordinals(q) - e4m3_ordinals(want_q)).abs()
     assert int(steps.max()) <= 1, f"{int((steps > 1).sum())} codes more than one step off"
     assert (steps == 0).float().mean() > same
