@@ -129,6 +129,13 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
         ("graph_fp8", "final, FP8 linear layers", {"fp8": True}, GTM),
         # the next step for FP8 (docs/FP8.md): its FFN with 1 x 128 activation scales
         ("graph_fp8_block", "final, FP8, 1x128 FFN", {"fp8": True, "fp8_ffn": "block"}, GTM),
+        # ... with its down GEMM cuBLASLt's block-scaled one (faster than Triton's on the H200)
+        (
+            "graph_fp8_block_lt",
+            "final, FP8, 1x128 FFN, LT down",
+            {"fp8": True, "fp8_ffn": "block_lt"},
+            GTM,
+        ),
     ]
     out, options = [], NAIVE
     for key, label, change, mode in steps:
@@ -421,7 +428,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="result JSON (default: bench/results or /tmp)")
     ap.add_argument("--trace", action="store_true",
                     help="also profile the final configuration (eager; with the graph_fp8 and "
-                    "graph_fp8_block rows their FP8 twins too) and print the top CUDA kernels: "
+                    "graph_fp8_block* rows their FP8 twins too) and print the top CUDA kernels: "
                     "where the milliseconds go")  # fmt: skip
     a = ap.parse_args()
     distinct = 8  # batches cycled through by every row
@@ -463,7 +470,8 @@ def main() -> None:
                      if "vs_baseline" in r else "  (baseline)"), flush=True)  # fmt: skip
         wanted = set()  # the A/B run replaces the table's rows
     rows: list[dict] = []
-    final = eager_bloom = unfused = triton_ffn = fp8 = fp8_block = None
+    final = eager_bloom = unfused = triton_ffn = fp8 = None
+    fp8_blocks: dict[str, object] = {}  # the 1 x 128 rows' results, compared below
     same_arithmetic = {}  # rows that must return exactly the final row's result
     for key, label, options, mode in ROWS:
         if key not in wanted:
@@ -486,8 +494,8 @@ def main() -> None:
                 triton_ffn = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == "graph_fp8":  # opt-in: its SIDs compared with the final row's below
                 fp8 = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
-            if key == "graph_fp8_block":  # not served: compared with both rows above
-                fp8_block = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
+            if key.startswith("graph_fp8_block"):  # not served: compared with the rows above
+                fp8_blocks[key] = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key in ("graph_tail", "graph_compiled"):  # other bookkeeping, same arithmetic
                 same_arithmetic[key] = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == FINAL_ROW:
@@ -537,10 +545,11 @@ def main() -> None:
             figures["triton_ffn_vs_final_sid_overlap"] = sid_overlap(triton_ffn, again)
         if fp8 is not None:  # random weights: the trained model's overlap is grace eval's
             figures["fp8_vs_final_sid_overlap"] = sid_overlap(fp8, again)
-        if fp8_block is not None:
-            figures["fp8_block_vs_final_sid_overlap"] = sid_overlap(fp8_block, again)
+        for key, result in fp8_blocks.items():
+            name = key.removeprefix("graph_")
+            figures[f"{name}_vs_final_sid_overlap"] = sid_overlap(result, again)
             if fp8 is not None:
-                figures["fp8_block_vs_fp8_sid_overlap"] = sid_overlap(fp8_block, fp8)
+                figures[f"{name}_vs_fp8_sid_overlap"] = sid_overlap(result, fp8)
         for key, other in same_arithmetic.items():
             figures[f"{key}_equals_final"] = all(
                 torch.equal(x, y)
@@ -553,10 +562,13 @@ def main() -> None:
         figures["trace"] = kernel_profile(model, index, batches, beams)
         if "graph_fp8" in wanted:
             figures["trace_fp8"] = kernel_profile(model, index, batches, beams, fp8=True)
-        if "graph_fp8_block" in wanted:
-            block = next(o for k, _, o, _ in ROWS if k == "graph_fp8_block")
-            block = dataclasses.replace(block, cuda_graph=False)  # the profiler names kernels
-            figures["trace_fp8_block"] = kernel_profile(model, index, batches, beams, variant=block)
+        for key in ("graph_fp8_block", "graph_fp8_block_lt"):
+            if key in wanted:  # eager: the profiler names every kernel
+                block = next(o for k, _, o, _ in ROWS if k == key)
+                block = dataclasses.replace(block, cuda_graph=False)
+                figures[f"trace_{key.removeprefix('graph_')}"] = kernel_profile(
+                    model, index, batches, beams, variant=block
+                )
     figures["targets"] = {"final_p50_ms": 12, "final_p99_ms": 13, "gtm_cost_ms": 0.5}
     print_summary(figures)
     if a.out or a.small or not cuda:
@@ -597,7 +609,7 @@ def kernel_profile(
          "share": round(e.device_time_total / total, 3), "calls_per_batch": e.count // 5}
         for e in events[:25]  # the top 25
     ]  # fmt: skip
-    name = " (FP8, 1 x 128 FFN)" if variant else " (FP8)" if fp8 else ""
+    name = f" ({variant.fp8_ffn} FP8 FFN)" if variant else " (FP8)" if fp8 else ""
     print(f"kernel time per batch{name}: {total / 5e3:.3f} ms")
     for r in out:
         print(f"  {r['ms_per_batch']:8.3f} ms {r['share']:6.1%} x{r['calls_per_batch']:<4} "

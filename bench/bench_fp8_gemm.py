@@ -64,17 +64,13 @@ def blockwise_operands(x: torch.Tensor, w: torch.Tensor):
     """(x codes, x scales [R, K/128], w codes, w scales [K/128, N/128]): each 1 x 128
     block of x (`quantize_row_blocks`, the baseline FFN's layout) and each 128 x 128 block
     of w quantised by `quantize_rows` (K and N multiples of 128)."""
-    from bench.baselines._triton_fp8_ffn import quantize_row_blocks
+    from bench.baselines._triton_fp8_ffn import quantize_row_blocks, quantize_weight_blocks
 
-    k = x.shape[1]
-    n, kb, nb = w.shape[0], k // 128, w.shape[0] // 128
     xq, xs = quantize_row_blocks(x)
-    blocks = w.reshape(nb, 128, kb, 128).transpose(1, 2).reshape(nb * kb, 128 * 128)
-    wq, ws = quantize_rows(blocks)
-    wq = wq.view(torch.uint8).reshape(nb, kb, 128, 128).transpose(1, 2).reshape(n, k)
+    wq, ws = quantize_weight_blocks(w)
     # [K/128, N/128] as the transpose of a row-major [N/128, K/128]: the layout ATen's
     # 128 x 128 check asks of the scales of w.t() (the H200 refused a contiguous one)
-    return xq, xs, wq.view(torch.float8_e4m3fn), ws.reshape(nb, kb).t()
+    return xq, xs, wq, ws.t()
 
 
 def blockwise_row(x: torch.Tensor, w: torch.Tensor) -> dict:

@@ -8,8 +8,9 @@
 #   3. the decode loop at the paper's shape: the served bf16 row beside the served engine
 #      with FP8 on, one run (bench/bench_decoder_loop.py, `graph_fp8`), with their SID
 #      overlap on random weights, and both engines' kernel traces (--trace).
-#      The 1 x 128 FFN row (`graph_fp8_block`, bench/baselines/_triton_fp8_ffn.py) runs
-#      beside them.
+#      The 1 x 128 FFN row with cuBLASLt's block-scaled down GEMM (`graph_fp8_block_lt`,
+#      bench/baselines/_triton_fp8_ffn.py) runs beside them (`graph_fp8_block`, its Triton
+#      down GEMM, measured slower: docs/FP8.md).
 # Usage: [STEPS="tests gemm loop"] bash bench/gpu_fp8.sh OUT
 #   -> OUT/gpu_tests.txt, OUT/fp8_gemm_h200.json, OUT/decoder_loop_fp8.json
 #   STEPS picks the steps (a device call is at most 10 minutes: the three together take
@@ -34,6 +35,6 @@ if has gemm; then
 python3 bench/bench_fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" 2>&1 | tail -30
 fi
 if has loop; then
-python3 bench/bench_decoder_loop.py --rows graph_advance,graph_fp8,graph_fp8_block --no-full \
+python3 bench/bench_decoder_loop.py --rows graph_advance,graph_fp8,graph_fp8_block_lt --no-full \
     --trace --out "$OUT/decoder_loop_fp8.json" 2>&1 | tail -90
 fi

@@ -15,6 +15,15 @@ can:
 - `triton_fp8_down`: (hq · sh) @ (wq · sw).T for those codes: the product of each
   128-wide K block scaled by its input scale, summed in fp32, times the weight's
   per-output-channel scale; out in bf16.
+- `block_fp8_down`: the same product through cuBLASLt's block-scaled GEMM
+  (`torch._scaled_mm` with 1 x 128 input scales and 128 x 128 weight scales,
+  `quantize_weight_blocks`), which runs at the rowwise GEMM's speed on the H200 where
+  the Triton down GEMM takes 1.8x its time (docs/FP8.md); the up kernel then writes its
+  scales M-major, the layout cuBLASLt takes. On a CPU: the fp32 product of the
+  dequantised operands.
+
+Triton's FP8 dots on sm90 accumulate in the tensor cores' reduced precision (its
+default `max_num_imprecise_acc`), unlike the served cuBLASLt GEMMs (docs/FP8.md).
 
 Tested under `TRITON_INTERPRET=1` against torch (tests/bench/test_fp8_ffn_baseline.py);
 `bench/bench_fp8_gemm.py` times the pair against the served one.
@@ -37,6 +46,38 @@ DEFAULTS = {  # BLOCK_N (up) and BLOCK_K (down) are SCALE_BLOCK: the scales' wid
     "up": triton.Config({"BLOCK_M": 64, "BLOCK_N": SCALE_BLOCK, "BLOCK_K": 64}, num_warps=4),
     "down": triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": SCALE_BLOCK}, num_warps=4),
 }
+
+
+def quantize_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each 128 x 128 block of w [N, K] quantised on its own (`kernels.fp8.quantize_rows`
+    of the block's 16,384 values) -> e4m3 [N, K], fp32 [N/128, K/128] row-major; N and K
+    multiples of 128."""
+    n, k = w.shape
+    if n % SCALE_BLOCK or k % SCALE_BLOCK:
+        raise ValueError(f"128 x 128 weight blocks need both dims multiples of 128, got {n} x {k}")
+    nb, kb = n // SCALE_BLOCK, k // SCALE_BLOCK
+    blocks = w.reshape(nb, SCALE_BLOCK, kb, SCALE_BLOCK).transpose(1, 2)
+    q, s = quantize_rows(blocks.reshape(nb * kb, SCALE_BLOCK * SCALE_BLOCK))
+    q = q.view(torch.uint8).reshape(nb, kb, SCALE_BLOCK, SCALE_BLOCK).transpose(1, 2)
+    return q.reshape(n, k).view(torch.float8_e4m3fn), s.reshape(nb, kb)
+
+
+def block_fp8_down(
+    hq: torch.Tensor,  # e4m3 [R, K]
+    hs: torch.Tensor,  # fp32 [R, K/128], M-major on CUDA (strides (1, R))
+    wq: torch.Tensor,  # e4m3 [N, K]
+    ws: torch.Tensor,  # fp32 [N/128, K/128] row-major
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:  # [R, N]
+    """(hq · hs per 1 x 128) @ (wq · ws per 128 x 128).T: cuBLASLt's block-scaled GEMM on
+    CUDA (scale_b: the transpose of the row-major [N/128, K/128], as ATen's check asks),
+    the fp32 product of the dequantised operands elsewhere."""
+    if hq.is_cuda:
+        return torch._scaled_mm(hq, wq.t(), scale_a=hs, scale_b=ws.t(), out_dtype=out_dtype)
+    k = wq.shape[1]
+    h = hq.float() * hs.repeat_interleave(SCALE_BLOCK, 1)[:, :k]
+    w = wq.float() * ws.repeat_interleave(SCALE_BLOCK, 0).repeat_interleave(SCALE_BLOCK, 1)
+    return (h @ w.t()).to(out_dtype)
 
 
 def quantize_row_blocks(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +113,8 @@ def _fp8_up_gelu_kernel(
     sq_ptr,  # out: fp32 [R, NB]: one scale per row and 128 columns
     R,
     stride_x,
+    stride_sr,  # sq's strides: (NB, 1) row-major, (1, R) M-major
+    stride_sb,
     N: tl.constexpr,
     K: tl.constexpr,
     NB: tl.constexpr,
@@ -101,7 +144,7 @@ def _fp8_up_gelu_kernel(
     codes, scale = quantize_rows_fp8(y, ok)
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
              codes.to(q_ptr.dtype.element_ty), mask=ok)  # fmt: skip
-    tl.store(sq_ptr + rows.to(tl.int64) * NB + pid_n, scale, mask=row_ok)
+    tl.store(sq_ptr + rows.to(tl.int64) * stride_sr + pid_n * stride_sb, scale, mask=row_ok)
 
 
 @triton.jit
@@ -168,6 +211,7 @@ def triton_fp8_up_gelu(
     bias: torch.Tensor,  # [N]
     tanh: bool,
     config: triton.Config | None = None,
+    m_major: bool = False,  # the scales with strides (1, R): cuBLASLt's 1 x 128 layout
 ) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, N], fp32 [R, ceil(N / 128)]
     """GELU(xq·xs @ (w.q·w.scale).T + bias), quantised per row and 128 columns."""
     r, k = xq.shape
@@ -176,10 +220,12 @@ def triton_fp8_up_gelu(
     assert xs.numel() == r and bias.shape == (n,), "a scale per row, a bias per output"
     nb = triton.cdiv(n, SCALE_BLOCK)
     q = torch.empty((r, n), dtype=torch.float8_e4m3fn, device=xq.device)
-    scales = torch.empty((r, nb), dtype=torch.float32, device=xq.device)
+    scales = torch.empty((nb, r) if m_major else (r, nb), dtype=torch.float32, device=xq.device)
+    scales = scales.t() if m_major else scales
     if r:
         _launch("up", r, n, config, xq, xs.reshape(-1).contiguous(), w.q, w.scale.reshape(-1),
-                bias, q, scales, r, xq.stride(0), N=n, K=k, NB=nb, TANH=tanh)  # fmt: skip
+                bias, q, scales, r, xq.stride(0), scales.stride(0), scales.stride(1),
+                N=n, K=k, NB=nb, TANH=tanh)  # fmt: skip
     return q, scales
 
 

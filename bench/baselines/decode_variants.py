@@ -7,7 +7,8 @@ seams the options touch replaced: the per-beam cross-attention layout, torch SDP
 gather + attend self-attention, the dense KV cache, fixed beam widths, no mask, bitmask-only
 GTM, eager (uncaptured) plans, the layer-by-layer decoder step, the unfused mask tail,
 a different stream split, the Triton GELU GEMM, the bookkeeping as torch launches or
-through torch.compile, and (with FP8) the FFN with 1 x 128 activation scales.
+through torch.compile, and (with FP8) the FFN with 1 x 128 activation scales (its down
+GEMM in Triton, or cuBLASLt's block-scaled one).
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.baselines._triton_fp8_ffn import triton_fp8_down, triton_fp8_up_gelu
+from bench.baselines._triton_fp8_ffn import (
+    block_fp8_down,
+    quantize_weight_blocks,
+    triton_fp8_down,
+    triton_fp8_up_gelu,
+)
 from bench.baselines.cross_attention import cross_attention_per_beam
 from bench.baselines.gelu_linear import gelu_linear_triton
 from bench.baselines.kv_cache import ATTENTION_MODES, DenseKVCache, GatherPagedKVCache
@@ -52,6 +58,8 @@ class DecodeOptions:
     fp8: bool = False  # the served step's linear layers in FP8 (setting dtype = fp8)
     # with fp8: "rowwise" (served), "block": the FFN with 1 x 128 activation scales, its
     # bias + GELU + quantisation in the up GEMM's epilogue (bench/baselines/_triton_fp8_ffn.py)
+    # and the Triton down GEMM; "block_lt": that up GEMM, the down one cuBLASLt's
+    # block-scaled GEMM (128 x 128 weight scales)
     fp8_ffn: str = "rowwise"
 
     def __post_init__(self) -> None:
@@ -61,7 +69,7 @@ class DecodeOptions:
             ("kv", self.kv, ("paged", "dense")),
             ("ffn_up", self.ffn_up, ("cublaslt", "triton")),
             ("advance", self.advance, ("kernel", "eager", "compiled")),
-            ("fp8_ffn", self.fp8_ffn, ("rowwise", "block")),
+            ("fp8_ffn", self.fp8_ffn, ("rowwise", "block", "block_lt")),
         ):
             if value not in known:
                 raise ValueError(f"{name} must be one of {known}, got {value!r}")
@@ -75,6 +83,11 @@ class VariantStep(DecoderStep):
     def __init__(self, decoder, options: DecodeOptions) -> None:
         super().__init__(decoder, fp8=options.fp8)
         self.options = options
+        # block_lt: each layer's FFN down weight in 128 x 128 blocks, quantised once here
+        self.down_blocks = [
+            quantize_weight_blocks(layer.ffn_down.weight)
+            for layer in (decoder.layers if options.fp8_ffn == "block_lt" else ())
+        ]
 
     def attend_first(self, cache, t, tokens):
         if self.options.fused_tail:
@@ -92,12 +105,16 @@ class VariantStep(DecoderStep):
         return super().ffn_up(x, layer, shift)
 
     def ffn_fp8(self, x, pending, i, layer, shift):
-        if self.options.fp8_ffn != "block":
+        if self.options.fp8_ffn == "rowwise":
             return super().ffn_fp8(x, pending, i, layer, shift)
         assert self.fp8 is not None
         n, tanh = layer.norm_ffn, self.decoder.config.ffn_activation == "gelu_tanh"
         x, q, scale = add_layer_norm_fp8(x, pending, n.weight, n.bias, n.eps, shift)
-        hq, hs = triton_fp8_up_gelu(q, scale, self.fp8[i]["ffn_up"], layer.ffn_up.bias, tanh)
+        lt = self.options.fp8_ffn == "block_lt"
+        up = self.fp8[i]["ffn_up"]
+        hq, hs = triton_fp8_up_gelu(q, scale, up, layer.ffn_up.bias, tanh, m_major=lt)
+        if lt:
+            return x, block_fp8_down(hq, hs, *self.down_blocks[i], x.dtype)
         return x, triton_fp8_down(hq, hs, self.fp8[i]["ffn_down"], x.dtype)
 
 

@@ -1,6 +1,7 @@
 """The FP8 FFN baseline with 1 x 128 activation scales (`bench.baselines._triton_fp8_ffn`):
 the up GEMM with its bias, GELU and quantisation in the epilogue, the down GEMM reading
-those codes, against torch on the dequantised operands.
+those codes (in Triton, or cuBLASLt's block-scaled GEMM), against torch on the
+dequantised operands.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) at small, ragged
 shapes with several tile configs, with torch's float32 -> e4m3 cast
@@ -18,7 +19,9 @@ import triton
 from bench.baselines._triton_fp8_ffn import (
     DEFAULTS,
     SCALE_BLOCK,
+    block_fp8_down,
     quantize_row_blocks,
+    quantize_weight_blocks,
     triton_fp8_down,
     triton_fp8_up_gelu,
 )
@@ -89,6 +92,42 @@ def test_down_applies_each_k_blocks_scale(config, r, k, n) -> None:
 
 
 @pytest.mark.usefixtures("exact_fp8_casts")
+def test_the_up_kernel_writes_m_major_scales_for_the_block_scaled_down_gemm() -> None:
+    """`m_major=True`: the same scales and codes, laid out with strides (1, R), the
+    layout cuBLASLt's 1 x 128 GEMM takes its input scales in."""
+    x, w_up, bias, _ = ffn_inputs(37, 128, 384)
+    xq, xs = quantize_rows(x)
+    q, scales = triton_fp8_up_gelu(xq, xs, w_up, bias, True)
+    q_m, scales_m = triton_fp8_up_gelu(xq, xs, w_up, bias, True, m_major=True)
+    assert scales_m.shape == scales.shape == (37, 3) and scales_m.stride() == (1, 37)
+    assert torch.equal(q_m.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(scales_m, scales)
+
+
+def test_block_scaled_down_gemm_on_cpu_is_the_dequantised_product() -> None:
+    """The down GEMM with 128 x 128 weight scales (`block_fp8_down`; on a CPU the fp32
+    product of the dequantised operands): within FP8's error of the exact product, each
+    weight block at its own scale (blocks four decades apart)."""
+    g = torch.Generator().manual_seed(3)
+    r, k, n = 9, 384, 256
+    h = torch.randn(r, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    w *= 10.0 ** torch.randint(-2, 2, (2, 3), generator=g).float().repeat_interleave(
+        SCALE_BLOCK, 0).repeat_interleave(SCALE_BLOCK, 1)  # fmt: skip
+    hq, hs = quantize_row_blocks(h)
+    wq, ws = quantize_weight_blocks(w)
+    assert wq.shape == (n, k) and ws.shape == (2, 3)
+    got = block_fp8_down(hq, hs, wq, ws, torch.float32)
+    want = h @ w.t()
+    assert float((got - want).norm() / want.norm()) < 2**-4
+
+
+def test_weight_blocks_need_dims_of_whole_blocks() -> None:
+    with pytest.raises(ValueError, match="multiples of 128, got 128 x 96"):
+        quantize_weight_blocks(torch.randn(128, 96))
+
+
+@pytest.mark.usefixtures("exact_fp8_casts")
 def test_block_scales_keep_quiet_blocks_precise_next_to_an_outlier_feature() -> None:
     """Why the scales are per 128 columns: e4m3's normals span 448 / 2^-6 ≈ 28,700×, so
     next to one block of outlier activations (~1e5, the rest ~1) one scale per row puts
@@ -144,4 +183,22 @@ def test_gpu_pair_at_the_paper_ffn() -> None:
     assert float((got_h - want_h).norm() / want_h.norm()) < 2**-6
     got = triton_fp8_down(hq, hs, w_down).float()
     want = down_reference(hq, hs, w_down)
+    assert float((got - want).norm() / want.norm()) < 2**-7
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_up_kernel_feeds_cublaslt_block_scaled_down_gemm() -> None:
+    """The `block_lt` pair at the paper's FFN shape: the up kernel's M-major scales taken
+    by cuBLASLt's block-scaled GEMM, whose product is the dequantised operands' fp32
+    product to 2⁻⁷ (0.17 % measured by bench/bench_fp8_gemm.py --blockwise)."""
+    x, w_up, bias, _ = ffn_inputs(16384, 1024, 7680, "cuda")
+    w_down = torch.randn(1024, 7680, device="cuda") / 7680**0.5
+    xq, xs = quantize_rows(x)
+    hq, hs = triton_fp8_up_gelu(xq, xs, w_up, bias, True, m_major=True)
+    wq, ws = quantize_weight_blocks(w_down)
+    got = block_fp8_down(hq, hs, wq, ws).float()
+    h = hq.float() * hs.repeat_interleave(SCALE_BLOCK, 1)
+    w = wq.float() * ws.repeat_interleave(SCALE_BLOCK, 0).repeat_interleave(SCALE_BLOCK, 1)
+    want = h @ w.t()
     assert float((got - want).norm() / want.norm()) < 2**-7

@@ -125,6 +125,8 @@ def test_decoder_loop_final_row_is_the_served_configuration() -> None:
     assert rows["graph_compiled"] == dataclasses.replace(DecodeOptions(), advance="compiled")
     assert rows["graph_fp8"] == dataclasses.replace(DecodeOptions(), fp8=True)  # the served one
     assert rows["graph_fp8_block"] == dataclasses.replace(rows["graph_fp8"], fp8_ffn="block")
+    lt = dataclasses.replace(rows["graph_fp8"], fp8_ffn="block_lt")
+    assert rows["graph_fp8_block_lt"] == lt
 
 
 def test_decoder_loop_fp8_row_runs_the_served_engine_in_fp8() -> None:
