@@ -75,10 +75,10 @@ def blockwise_operands(x: torch.Tensor, w: torch.Tensor):
 
 def blockwise_row(x: torch.Tensor, w: torch.Tensor) -> dict:
     """The 1 x 128 / 128 x 128 GEMM's time, the scale layout cuBLASLt took, its error."""
+    from bench.baselines._triton_fp8_ffn import block_fp8_reference
+
     xq, xs, wq, ws = blockwise_operands(x, w)
-    want = (xq.float().view(*xs.shape, 128) * xs[..., None]).view(x.shape) @ (
-        wq.float().view(ws.shape[1], 128, ws.shape[0], 128) * ws.t()[:, None, :, None]
-    ).view(w.shape).t()
+    want = block_fp8_reference(xq, xs, wq, ws.t())
     # ATen's 1 x 128 check: scale_a [M, K/128] with strides (1, M), M-major
     errors = []
     for layout, sa in (("scale_a M-major", xs.t().contiguous().t()), ("scale_a K-major", xs)):

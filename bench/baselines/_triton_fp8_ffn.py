@@ -71,13 +71,20 @@ def block_fp8_down(
 ) -> torch.Tensor:  # [R, N]
     """(hq · hs per 1 x 128) @ (wq · ws per 128 x 128).T: cuBLASLt's block-scaled GEMM on
     CUDA (scale_b: the transpose of the row-major [N/128, K/128], as ATen's check asks),
-    the fp32 product of the dequantised operands elsewhere."""
+    `block_fp8_reference` elsewhere."""
     if hq.is_cuda:
         return torch._scaled_mm(hq, wq.t(), scale_a=hs, scale_b=ws.t(), out_dtype=out_dtype)
+    return block_fp8_reference(hq, hs, wq, ws).to(out_dtype)
+
+
+def block_fp8_reference(
+    hq: torch.Tensor, hs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor
+) -> torch.Tensor:  # fp32 [R, N]
+    """What `block_fp8_down` computes, in fp32 from the dequantised operands."""
     k = wq.shape[1]
     h = hq.float() * hs.repeat_interleave(SCALE_BLOCK, 1)[:, :k]
     w = wq.float() * ws.repeat_interleave(SCALE_BLOCK, 0).repeat_interleave(SCALE_BLOCK, 1)
-    return (h @ w.t()).to(out_dtype)
+    return h @ w.t()
 
 
 def quantize_row_blocks(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
