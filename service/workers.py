@@ -209,10 +209,15 @@ def _run_workers(
     def front_done() -> bool:
         return front is None or not front.is_alive() or time.monotonic() > front_deadline[0]
 
+    dumps: list[list[int]] = []  # the pids each SIGUSR1 reached, logged by the loop below
+
     def dump_stacks(signum: int, _frame: object) -> None:  # SIGUSR1: every worker's stacks
+        reached = []
         for p in procs:
             if p.pid is not None and p.is_alive():
                 os.kill(p.pid, signal.SIGUSR1)
+                reached.append(p.pid)
+        dumps.append(reached)  # logged off the handler: logging takes locks
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, dump_stacks)
@@ -233,6 +238,8 @@ def _run_workers(
         log.info("started %d workers%s on port %d%s: pids %s", len(procs), where, settings.port,
                  " behind the request front" if front else "", [p.pid for p in procs])  # fmt: skip
         while any(p.is_alive() for p in procs):
+            while dumps:
+                log.info("SIGUSR1: stack dumps asked of workers %s", dumps.pop(0))
             if asked[0] and not stopping.is_set():
                 stop_all()
             if stopping.is_set() and front_done():

@@ -183,10 +183,11 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
         # timeout, which would fail it without the log (a dump takes milliseconds: the
         # bound only catches a worker that never writes one)
         dumps_by = time.monotonic() + 60
-        while log_path.read_text().count("<module>") < 2:
+        forwarded = re.compile(r"SIGUSR1: stack dumps asked of workers \[\d+, \d+\]")
+        while (text := log_path.read_text()).count("<module>") < 2 or not forwarded.search(text):
             assert time.monotonic() < dumps_by and proc.poll() is None, (
-                f"{log_path.read_text().count('<module>')} of 2 stack dumps after SIGUSR1: "
-                + log_path.read_text()[-6000:]
+                f"{text.count('<module>')} of 2 stack dumps after SIGUSR1, the supervisor's "
+                f"forward {'logged' if forwarded.search(text) else 'not logged'}: " + text[-6000:]
             )
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
