@@ -199,6 +199,8 @@ def baseline_ffn_rows(r: int, xq, xs, fw: Fp8Weight, bias, d_model: int, d_ff: i
         return [
             {"rows": r, "op": "ffn_up FP8 Triton GEMM + bias + GELU + 1x128 quantise epilogue "
              "(baseline)", "ms": ms(lambda: triton_fp8_up_gelu(xq, xs, fw, bias, True))},
+            {"rows": r, "op": "ffn_up ... the same, each K step's product added in fp32",
+             "ms": ms(lambda: triton_fp8_up_gelu(xq, xs, fw, bias, True, promote=True))},
             {"rows": r, "op": "ffn_down FP8 Triton GEMM, 1x128 input scales (baseline)",
              "ms": ms(lambda: triton_fp8_down(hq, hs, w_down))},
             {"rows": r, "op": "ffn_down FP8 GEMM, rowwise (served)",

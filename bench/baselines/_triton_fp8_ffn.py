@@ -23,7 +23,9 @@ can:
   dequantised operands.
 
 Triton's FP8 dots on sm90 accumulate in the tensor cores' reduced precision (its
-default `max_num_imprecise_acc`), unlike the served cuBLASLt GEMMs (docs/FP8.md).
+default `max_num_imprecise_acc`), unlike the served cuBLASLt GEMMs (docs/FP8.md): the
+down GEMM adds each 128-wide K block's product in fp32 (it scales each anyway), the up
+GEMM does with `promote=True`.
 
 Tested under `TRITON_INTERPRET=1` against torch (tests/bench/test_fp8_ffn_baseline.py);
 `bench/bench_fp8_gemm.py` times the pair against the served one.
@@ -126,6 +128,7 @@ def _fp8_up_gelu_kernel(
     K: tl.constexpr,
     NB: tl.constexpr,
     TANH: tl.constexpr,
+    PROMOTE: tl.constexpr,  # each K step's product added in fp32 (else one MMA chain)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # SCALE_BLOCK
     BLOCK_K: tl.constexpr,
@@ -142,7 +145,10 @@ def _fp8_up_gelu_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         w = tl.load(w_ptr + cols.to(tl.int64)[None, :] * K + ks[:, None],
                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # fmt: skip
-        acc = tl.dot(a, w, acc)
+        if PROMOTE:  # sm90's FP8 MMA adds in reduced precision: promote every BLOCK_K
+            acc += tl.dot(a, w)
+        else:
+            acc = tl.dot(a, w, acc)
     sx = tl.load(sx_ptr + rows, mask=row_ok, other=1.0)
     sw = tl.load(sw_ptr + cols, mask=col_ok, other=1.0)
     bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
@@ -190,7 +196,9 @@ def _fp8_down_kernel(
 
 
 _TUNED = {
-    "up": triton.autotune(configs=_configs("up"), key=["R", "N", "K", "TANH"])(_fp8_up_gelu_kernel),
+    "up": triton.autotune(configs=_configs("up"), key=["R", "N", "K", "TANH", "PROMOTE"])(
+        _fp8_up_gelu_kernel
+    ),
     "down": triton.autotune(configs=_configs("down"), key=["R", "N", "K"])(_fp8_down_kernel),
 }
 _KERNELS = {"up": _fp8_up_gelu_kernel, "down": _fp8_down_kernel}
@@ -219,8 +227,12 @@ def triton_fp8_up_gelu(
     tanh: bool,
     config: triton.Config | None = None,
     m_major: bool = False,  # the scales with strides (1, R): cuBLASLt's 1 x 128 layout
+    promote: bool = False,  # add each BLOCK_K step's product in fp32 (the down GEMM does)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, N], fp32 [R, ceil(N / 128)]
-    """GELU(xq·xs @ (w.q·w.scale).T + bias), quantised per row and 128 columns."""
+    """GELU(xq·xs @ (w.q·w.scale).T + bias), quantised per row and 128 columns. On sm90
+    Triton chains the FP8 MMAs over all of K in the tensor cores' reduced precision;
+    `promote` adds each K step's product to an fp32 accumulator instead, as cuBLASLt
+    (`use_fast_accum=False`) and the down GEMM here do."""
     r, k = xq.shape
     n = w.q.shape[0]
     assert xq.stride(1) == 1 and w.q.shape[1] == k and w.q.is_contiguous()
@@ -232,7 +244,7 @@ def triton_fp8_up_gelu(
     if r:
         _launch("up", r, n, config, xq, xs.reshape(-1).contiguous(), w.q, w.scale.reshape(-1),
                 bias, q, scales, r, xq.stride(0), scales.stride(0), scales.stride(1),
-                N=n, K=k, NB=nb, TANH=tanh)  # fmt: skip
+                N=n, K=k, NB=nb, TANH=tanh, PROMOTE=promote)  # fmt: skip
     return q, scales
 
 
