@@ -27,7 +27,6 @@ GPU times are `triton.testing.do_bench` medians (L2 flushed between calls).
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import traceback
 from collections.abc import Callable
@@ -61,37 +60,30 @@ def layers(d_model: int, d_attn: int, d_ff: int) -> list[tuple[str, int, int, st
 
 
 def blockwise_operands(x: torch.Tensor, w: torch.Tensor):
-    """(x codes, x scales [R, K/128], w codes, w scales [K/128, N/128]): each 1 x 128
-    block of x (`quantize_row_blocks`, the baseline FFN's layout) and each 128 x 128 block
-    of w quantised by `quantize_rows` (K and N multiples of 128)."""
+    """(x codes, x scales [R, K/128] M-major, w codes, w scales [N/128, K/128] row-major):
+    each 1 x 128 block of x (`quantize_row_blocks`, the baseline FFN's layout) and each
+    128 x 128 block of w (`quantize_weight_blocks`), in the layouts `block_fp8_down` hands
+    cuBLASLt (K and N multiples of 128)."""
     from bench.baselines._triton_fp8_ffn import quantize_row_blocks, quantize_weight_blocks
 
     xq, xs = quantize_row_blocks(x)
-    wq, ws = quantize_weight_blocks(w)
-    # [K/128, N/128] as the transpose of a row-major [N/128, K/128]: the layout ATen's
-    # 128 x 128 check asks of the scales of w.t() (the H200 refused a contiguous one)
-    return xq, xs, wq, ws.t()
+    return (xq, xs.t().contiguous().t(), *quantize_weight_blocks(w))
 
 
 def blockwise_row(x: torch.Tensor, w: torch.Tensor) -> dict:
-    """The 1 x 128 / 128 x 128 GEMM's time, the scale layout cuBLASLt took, its error."""
-    from bench.baselines._triton_fp8_ffn import block_fp8_reference
+    """The 1 x 128 / 128 x 128 GEMM's time (`block_fp8_down`) and its error against the
+    dequantised operands' fp32 product."""
+    from bench.baselines._triton_fp8_ffn import block_fp8_down, block_fp8_reference
 
-    xq, xs, wq, ws = blockwise_operands(x, w)
-    want = block_fp8_reference(xq, xs, wq, ws.t())
-    # ATen's 1 x 128 check: scale_a [M, K/128] with strides (1, M), M-major
-    errors = []
-    for layout, sa in (("scale_a M-major", xs.t().contiguous().t()), ("scale_a K-major", xs)):
-        gemm = functools.partial(torch._scaled_mm, xq, wq.t(), scale_a=sa, scale_b=ws,
-                                 out_dtype=torch.bfloat16)  # fmt: skip
-        try:
-            err = float((gemm().float() - want).norm() / want.norm())
-        except (RuntimeError, ValueError) as e:  # a layout (or a torch, a device) without it
-            errors.append(f"{layout}: {str(e).splitlines()[0][:160]}")
-            continue
-        return {"fp8_blockwise_ms": ms(gemm), "fp8_blockwise_layout": layout,
-                "fp8_blockwise_rel_err": err}  # fmt: skip
-    return {"fp8_blockwise_error": "; ".join(errors)}
+    operands = blockwise_operands(x, w)
+    try:
+        got = block_fp8_down(*operands).float()
+    except (RuntimeError, ValueError) as e:  # a torch, a cuBLASLt or a device without it
+        return {"fp8_blockwise_error": str(e).splitlines()[0][:200]}
+    want = block_fp8_reference(*operands)
+    err = float((got - want).norm() / want.norm())
+    return {"fp8_blockwise_ms": ms(lambda: block_fp8_down(*operands)),
+            "fp8_blockwise_rel_err": err}  # fmt: skip
 
 
 def blockwise_only_row(r: int, name: str, k: int, n: int, adds: str) -> dict:

@@ -13,8 +13,8 @@
 #      down GEMM, measured slower: docs/FP8.md).
 # Usage: [STEPS="tests gemm loop"] bash bench/gpu_fp8.sh OUT
 #   -> OUT/gpu_tests.txt, OUT/fp8_gemm_h200.json, OUT/decoder_loop_fp8.json
-#   STEPS picks the steps (a device call is at most 10 minutes: the three together take
-#   about 7, so split them when a call has other work).
+#   STEPS picks the steps (a device call is at most 10 minutes and the three together take
+#   about 9: split them over calls).
 set -uo pipefail
 OUT=${1:?output directory}
 STEPS=${STEPS:-tests gemm loop}

@@ -281,10 +281,7 @@ def test_the_block_scaled_fp8_ffn_searches_like_the_served_fp8_engine(ffn: str) 
         torch.manual_seed(0)
         wide = dataclasses.replace(CONFIG, d_model=128, d_ff=256)
         case = dataclasses.replace(case, decoder=SIDDecoder(wide).eval())
-    d_model = case.decoder.config.d_model
-    ctx = torch.randn(
-        len(TARGETING), CONFIG.t_ctx, d_model, generator=torch.Generator().manual_seed(1)
-    )
+    ctx = ctx_for(len(TARGETING), d_model=case.decoder.config.d_model)
     reqs = requests(TARGETING)
     served = case.served(fp8=True).run(ctx, reqs, WIDE, FilterMode.CD_GTM)
     block = case.served(VariantEngine, DecodeOptions(fp8=True, fp8_ffn=ffn)).run(

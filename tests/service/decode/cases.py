@@ -151,10 +151,8 @@ def setup(ads: list[Ad], seed: int = 0, kway: KwaySpec | None = None) -> Case:
     return Case(index, decoder, tables, level_offsets, reference)
 
 
-def ctx_for(b: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(
-        b, CONFIG.t_ctx, CONFIG.d_model, generator=torch.Generator().manual_seed(seed)
-    )
+def ctx_for(b: int, seed: int = 1, d_model: int = CONFIG.d_model) -> torch.Tensor:
+    return torch.randn(b, CONFIG.t_ctx, d_model, generator=torch.Generator().manual_seed(seed))
 
 
 def requests(ts: list[Targeting], device: str = "cpu") -> RequestTensors:
