@@ -2,15 +2,16 @@
 # The opt-in FP8 step on the lent H200 (docs/FP8.md), in one device call; wheels from
 # bench/fetch_gpu_wheels.sh, `. bench/gpu_env.sh` first:
 #   1. the FP8 pieces' GPU tests (cuBLASLt's FP8 GEMM, the LayerNorm, bias + GELU and
-#      self-attention kernels compiled at the paper's widths) and the workers' GPU tests
-#      (the start gate);
+#      self-attention kernels compiled at the paper's widths), the workers' GPU tests
+#      (the start gate, SIGUSR1 dumps through MPS) and the stack-dump guard after a cold
+#      Triton compile (tests/service/test_stackdump.py);
 #   2. the FP8 pieces against the bf16 ops they replace (bench/bench_fp8_gemm.py);
 #   3. the decode loop at the paper's shape: the served bf16 row beside the served engine
 #      with FP8 on, one run (bench/bench_decoder_loop.py, `graph_fp8`), with their SID
 #      overlap on random weights, and both engines' kernel traces (--trace).
 #      The 1 x 128 FFN row with cuBLASLt's block-scaled down GEMM (`graph_fp8_block_lt`,
-#      bench/baselines/_triton_fp8_ffn.py) runs beside them (`graph_fp8_block`, its Triton
-#      down GEMM, measured slower: docs/FP8.md).
+#      bench/baselines/_triton_fp8_ffn.py) runs beside them (docs/FP8.md: 2 % faster than
+#      the served FP8 row, not served; `graph_fp8_block`, its Triton down GEMM, is slower).
 # Usage: [STEPS="tests gemm loop"] bash bench/gpu_fp8.sh OUT
 #   -> OUT/gpu_tests.txt, OUT/fp8_gemm_h200.json, OUT/decoder_loop_fp8.json
 #   STEPS picks the steps (a device call is at most 10 minutes and the three together take
@@ -28,7 +29,7 @@ python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_layer_n
     tests/kernels/test_gelu_fp8.py tests/kernels/test_self_attention.py \
     tests/bench/test_fp8_ffn_baseline.py \
     tests/service/decode/test_step.py \
-    tests/service/test_workers.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -60  # all of it kept
+    tests/service/test_workers.py tests/service/test_stackdump.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -60  # all of it kept
 python3 -m pytest -q tests/kernels/test_jit_globals.py 2>&1 | tail -3 | tee -a "$OUT/gpu_tests.txt"
 fi
 if has gemm; then

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import faulthandler
 import logging
 import os
 import signal
@@ -36,6 +35,7 @@ import torch
 
 from contracts.request import FilterMode
 from contracts.targeting import Targeting
+from service import stackdump
 from service.batcher import Batcher
 from service.errors import StartupError
 from service.grpc_server import (
@@ -308,8 +308,8 @@ def run(settings: ServerSettings, **how: Any) -> int:
     """Serve one process until stopped (`how`: `start`'s keywords); returns the exit
     status. One event loop per process (uvloop when available). SIGUSR1 writes every
     thread's stack to stderr (what a wedged process is doing, without stopping it:
-    docs/OPERATIONS.md)."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    service/stackdump.py, docs/OPERATIONS.md)."""
+    stackdump.install()
     main = serve_forever(settings, **how)
     try:
         import uvloop

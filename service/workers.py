@@ -18,7 +18,7 @@ drains as a single server does; the front, if any, drains first) and watches the
 one exits on its own, it stops the others and exits non-zero, so the orchestrator
 restarts the whole pod; a worker whose supervisor dies gets SIGTERM (PR_SET_PDEATHSIG)
 instead of living on. SIGUSR1 to the supervisor reaches every worker: each writes its
-threads' stacks to stderr (service/app.py). On the shared port a gRPC health or liveness
+threads' stacks to stderr (service/stackdump.py). On the shared port a gRPC health or liveness
 probe reaches whichever worker the kernel picks: one wedged worker out of N fails a probe
 only 1/N of the time, so do not rely on probes alone to catch it: each worker's
 `grace_serving` gauge (on its own metrics port) says whether that one is SERVING (and a

