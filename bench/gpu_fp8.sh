@@ -11,11 +11,13 @@
 #      overlap on random weights, and both engines' kernel traces (--trace).
 #      The 1 x 128 FFN row with cuBLASLt's block-scaled down GEMM (`graph_fp8_block_lt`,
 #      bench/baselines/_triton_fp8_ffn.py) runs beside them (docs/FP8.md: 2 % faster than
-#      the served FP8 row, not served; `graph_fp8_block`, its Triton down GEMM, is slower).
+#      the served FP8 row, not served; `graph_fp8_block`, its Triton down GEMM, is slower),
+#      and the same pair with the up GEMM's K steps added in fp32
+#      (`graph_fp8_block_lt_promoted`: what cuBLASLt's accumulation costs it).
 # Usage: [STEPS="tests gemm loop"] bash bench/gpu_fp8.sh OUT
 #   -> OUT/gpu_tests.txt, OUT/fp8_gemm_h200.json, OUT/decoder_loop_fp8.json
 #   STEPS picks the steps (a device call is at most 10 minutes and the three together take
-#   about 9: split them over calls).
+#   about 11: split them over calls).
 set -uo pipefail
 OUT=${1:?output directory}
 STEPS=${STEPS:-tests gemm loop}
@@ -36,6 +38,6 @@ if has gemm; then
 python3 bench/bench_fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" 2>&1 | tail -30
 fi
 if has loop; then
-python3 bench/bench_decoder_loop.py --rows graph_advance,graph_fp8,graph_fp8_block_lt --no-full \
+python3 bench/bench_decoder_loop.py --rows graph_advance,graph_fp8,graph_fp8_block_lt,graph_fp8_block_lt_promoted --no-full \
     --trace --out "$OUT/decoder_loop_fp8.json" 2>&1 | tail -90
 fi

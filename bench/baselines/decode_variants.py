@@ -34,6 +34,8 @@ from kernels.layer_norm import add_layer_norm_fp8, layer_norm
 from service.decode.engine import DecodeEngine
 from service.decode.step import DecoderStep
 
+FP8_FFNS = ("rowwise", "block", "block_lt", "block_lt_promoted")  # DecodeOptions.fp8_ffn
+
 
 @dataclass(frozen=True)
 class DecodeOptions:
@@ -59,7 +61,8 @@ class DecodeOptions:
     # with fp8: "rowwise" (served), "block": the FFN with 1 x 128 activation scales, its
     # bias + GELU + quantisation in the up GEMM's epilogue (bench/baselines/_triton_fp8_ffn.py)
     # and the Triton down GEMM; "block_lt": that up GEMM, the down one cuBLASLt's
-    # block-scaled GEMM (128 x 128 weight scales)
+    # block-scaled GEMM (128 x 128 weight scales); "block_lt_promoted": the same with the up
+    # GEMM adding each K step's product in fp32 (`promote`, cuBLASLt's accumulation)
     fp8_ffn: str = "rowwise"
 
     def __post_init__(self) -> None:
@@ -69,7 +72,7 @@ class DecodeOptions:
             ("kv", self.kv, ("paged", "dense")),
             ("ffn_up", self.ffn_up, ("cublaslt", "triton")),
             ("advance", self.advance, ("kernel", "eager", "compiled")),
-            ("fp8_ffn", self.fp8_ffn, ("rowwise", "block", "block_lt")),
+            ("fp8_ffn", self.fp8_ffn, FP8_FFNS),
         ):
             if value not in known:
                 raise ValueError(f"{name} must be one of {known}, got {value!r}")
@@ -86,7 +89,7 @@ class VariantStep(DecoderStep):
         # block_lt: each layer's FFN down weight in 128 x 128 blocks, quantised once here
         self.down_blocks = [
             quantize_weight_blocks(layer.ffn_down.weight)
-            for layer in (decoder.layers if options.fp8_ffn == "block_lt" else ())
+            for layer in (decoder.layers if options.fp8_ffn.startswith("block_lt") else ())
         ]
 
     def attend_first(self, cache, t, tokens):
@@ -110,9 +113,11 @@ class VariantStep(DecoderStep):
         assert self.fp8 is not None
         n, tanh = layer.norm_ffn, self.decoder.config.ffn_activation == "gelu_tanh"
         x, q, scale = add_layer_norm_fp8(x, pending, n.weight, n.bias, n.eps, shift)
-        lt = self.options.fp8_ffn == "block_lt"
+        lt = self.options.fp8_ffn.startswith("block_lt")
+        promote = self.options.fp8_ffn == "block_lt_promoted"
         up = self.fp8[i]["ffn_up"]
-        hq, hs = triton_fp8_up_gelu(q, scale, up, layer.ffn_up.bias, tanh, m_major=lt)
+        hq, hs = triton_fp8_up_gelu(q, scale, up, layer.ffn_up.bias, tanh, m_major=lt,
+                                    promote=promote)  # fmt: skip
         if lt:
             return x, block_fp8_down(hq, hs, *self.down_blocks[i], x.dtype)
         return x, triton_fp8_down(hq, hs, self.fp8[i]["ffn_down"], x.dtype)

@@ -270,14 +270,15 @@ def test_gpu_triton_up_projection_equals_teacher_forcing(dtype: torch.dtype) -> 
 
 
 @pytest.mark.usefixtures("exact_fp8_casts")
-@pytest.mark.parametrize("ffn", ["block", "block_lt"])
+@pytest.mark.parametrize("ffn", ["block", "block_lt", "block_lt_promoted"])
 def test_the_block_scaled_fp8_ffn_searches_like_the_served_fp8_engine(ffn: str) -> None:
     """`fp8_ffn="block"` (the FFN with 1 x 128 activation scales; `block_lt` with its down
-    GEMM block-scaled, 128 x 128 weight scales) in a search wide enough to keep every
+    GEMM block-scaled, 128 x 128 weight scales; `block_lt_promoted` with the up GEMM's K
+    steps added in fp32) in a search wide enough to keep every
     prefix: the served FP8 engine's SIDs, with scores close to its own but not equal (the
     FFN's activations quantised per 128 columns, not per row)."""
     case = setup(make_ads(60))
-    if ffn == "block_lt":  # 128 x 128 weight blocks: d_model and d_ff multiples of 128
+    if ffn.startswith("block_lt"):  # 128 x 128 weight blocks: d_model and d_ff multiples of 128
         torch.manual_seed(0)
         wide = dataclasses.replace(CONFIG, d_model=128, d_ff=256)
         case = dataclasses.replace(case, decoder=SIDDecoder(wide).eval())

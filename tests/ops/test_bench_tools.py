@@ -127,6 +127,8 @@ def test_decoder_loop_final_row_is_the_served_configuration() -> None:
     assert rows["graph_fp8_block"] == dataclasses.replace(rows["graph_fp8"], fp8_ffn="block")
     lt = dataclasses.replace(rows["graph_fp8"], fp8_ffn="block_lt")
     assert rows["graph_fp8_block_lt"] == lt
+    promoted = dataclasses.replace(rows["graph_fp8"], fp8_ffn="block_lt_promoted")
+    assert rows["graph_fp8_block_lt_promoted"] == promoted
 
 
 def test_decoder_loop_fp8_row_runs_the_served_engine_in_fp8() -> None:
