@@ -14,15 +14,19 @@
 #      the served FP8 row, not served; `graph_fp8_block`, its Triton down GEMM, is slower),
 #      and the same pair with the up GEMM's K steps added in fp32
 #      (`graph_fp8_block_lt_promoted`: what cuBLASLt's accumulation costs it).
+#   4. (only when asked: STEPS="ncu") Nsight Compute on the FP8 loop's kernels that are not
+#      cuBLASLt GEMMs (bias + GELU, LayerNorm, quantise, self-attention, the Triton up
+#      GEMM): DRAM, SM and issue utilisation per kernel and shape (bench/summarize_ncu.py),
+#      default configs (GRACE_AUTOTUNE=0: ncu replays every autotuner trial otherwise).
 # Usage: [STEPS="tests gemm loop"] bash bench/gpu_fp8.sh OUT
-#   -> OUT/gpu_tests.txt, OUT/fp8_gemm_h200.json, OUT/decoder_loop_fp8.json
+#   -> OUT/gpu_tests.txt, OUT/fp8_gemm_h200.json, OUT/decoder_loop_fp8.json, OUT/ncu_ROW.json
 #   STEPS picks the steps (a device call is at most 10 minutes and the three together take
 #   about 11: split them over calls).
 set -uo pipefail
 OUT=${1:?output directory}
 STEPS=${STEPS:-tests gemm loop}
 for step in $STEPS; do
-    case $step in tests|gemm|loop) ;; *) echo "gpu_fp8.sh: unknown step '$step' (tests, gemm, loop)" >&2; exit 2 ;; esac
+    case $step in tests|gemm|loop|ncu) ;; *) echo "gpu_fp8.sh: unknown step '$step' (tests, gemm, loop, ncu)" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -40,4 +44,17 @@ fi
 if has loop; then
 python3 bench/bench_decoder_loop.py --rows graph_advance,graph_fp8,graph_fp8_block_lt,graph_fp8_block_lt_promoted --no-full \
     --trace --out "$OUT/decoder_loop_fp8.json" 2>&1 | tail -90
+fi
+if has ncu; then
+# one ncu run per row: -c counts launches from the start, warm-up included
+for row in graph_fp8 graph_fp8_block_lt; do
+NCU=(ncu --clock-control none -k 'regex:^_(gelu_fp8|layer_norm|quantize|self_attn|fp8_up_gelu)_kernel'
+     -c 300 --section SpeedOfLight --section Occupancy --section LaunchStats
+     --section SchedulerStats --section ComputeWorkloadAnalysis --csv --page details
+     python3 bench/bench_decoder_loop.py --ads 200000 --rows "$row" --no-full --batches 2)
+GRACE_AUTOTUNE=0 "${NCU[@]}" > "$OUT/ncu_$row.csv" 2> "$OUT/ncu_$row.err"
+echo "ncu $row: exit $? (stderr in $OUT/ncu_$row.err)"
+python3 bench/summarize_ncu.py "$OUT/ncu_$row.csv" --command "GRACE_AUTOTUNE=0 ${NCU[*]}" \
+    --out "$OUT/ncu_$row.json"
+done
 fi
