@@ -284,9 +284,9 @@ def test_unmasked_reference_is_the_models_full_log_softmax(world) -> None:
     masked, _ = masked_candidates(logits, tables, nodes, request, requests, score)
     mass = torch.exp(masked).sum(dim=1)
     rows = allowed.any(dim=1)
-    # to 1e-4, not fp32's default 1.3e-6: torch's CPU log_softmax may take an approximate
-    # exp, and one full CI run read 1 + 3.4e-5 for a row of six tokens (not reproduced
-    # alone); a renormalisation that missed would be off by the barred tokens' mass
+    # to 1e-4, not fp32's default 1.3e-6: one full CI run read 1 + 3.4e-5 for a row of six
+    # tokens, not reproduced alone (cause not found); a renormalisation that missed would
+    # be off by the barred tokens' mass, orders of magnitude more
     torch.testing.assert_close(mass[rows], torch.ones_like(mass[rows]), rtol=0, atol=1e-4)
     with pytest.raises(ValueError, match="needs the step's logits"):
         candidates(score, masked, allowed, scoring="unmasked")
