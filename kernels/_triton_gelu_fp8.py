@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton_fp8 import empty_fp8_rows, fp8_row_scale, fp8_scaled, quantize_rows_fp8
-from kernels._tuning import AUTOTUNE
+from kernels._tuning import AUTOTUNE, INTERPRET
 
 MAX_N = 16384  # the widest row the launcher takes
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # jit globals must be constexpr
@@ -45,11 +45,17 @@ def _configs(n: int) -> list[triton.Config]:
 
 
 @triton.jit
-def _gelu(h, bias, TANH: tl.constexpr):
-    """The model's GELU of h + bias in fp32."""
+def _gelu(h, bias, TANH: tl.constexpr, HW_TANH: tl.constexpr):
+    """The model's GELU of h + bias in fp32. HW_TANH (with TANH, GPU only): tanh by the
+    hardware's `tanh.approx.f32`, one instruction for an exp and a division, relative
+    error about 2^-11, far below the e4m3 step of 2^-3 the result is rounded to."""
     x = h.to(tl.float32) + bias.to(tl.float32)[None, :]
     if TANH:  # 0.5 x (1 + tanh(u)); tanh(|u| > 20) is ±1 in fp32, and exp never overflows
         u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
+        if HW_TANH:
+            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u],
+                                          dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+            return 0.5 * x * (1.0 + t)
         t = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.abs(u), 20.0)) + 1.0)
         return 0.5 * x * (1.0 + tl.where(u < 0, -t, t))
     return 0.5 * x * (1.0 + tl.erf(x * SQRT_HALF))
@@ -57,13 +63,13 @@ def _gelu(h, bias, TANH: tl.constexpr):
 
 @triton.jit
 def _gelu_chunk(h_rows, bias_ptr, row_ok, c, N: tl.constexpr, BLOCK_N: tl.constexpr,
-                TANH: tl.constexpr):  # fmt: skip
+                TANH: tl.constexpr, HW_TANH: tl.constexpr):  # fmt: skip
     """GELU(h + bias) of the rows' columns [c, c + BLOCK_N): (y, the columns, the mask)."""
     cols = c + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ok = row_ok[:, None] & col_ok[None, :]
     h = tl.load(h_rows + cols[None, :], mask=ok, other=0.0)
-    return _gelu(h, tl.load(bias_ptr + cols, mask=col_ok, other=0.0), TANH), cols, ok
+    return _gelu(h, tl.load(bias_ptr + cols, mask=col_ok, other=0.0), TANH, HW_TANH), cols, ok
 
 
 @triton.jit
@@ -78,23 +84,24 @@ def _gelu_fp8_kernel(
     BLOCK_N: tl.constexpr,  # >= N: the whole row at once; else column chunks, two passes
     ROWS: tl.constexpr,
     TANH: tl.constexpr,  # tanh-approximated GELU, else erf GELU
+    HW_TANH: tl.constexpr,  # with TANH: the hardware's tanh.approx (bench/bench_fp8_gemm.py)
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < R
     h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * N
     if BLOCK_N >= N:  # one pass: the row stays in registers between its amax and its codes
-        y, cols, ok = _gelu_chunk(h_rows, bias_ptr, row_ok, 0, N, BLOCK_N, TANH)
+        y, cols, ok = _gelu_chunk(h_rows, bias_ptr, row_ok, 0, N, BLOCK_N, TANH, HW_TANH)
         q, scale = quantize_rows_fp8(y, ok)
         tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
     else:  # the row's amax over its chunks, then each chunk again, quantised
         amax = tl.zeros((ROWS,), tl.float32)
         for c in tl.range(0, N, BLOCK_N):
-            y, cols, ok = _gelu_chunk(h_rows, bias_ptr, row_ok, c, N, BLOCK_N, TANH)
+            y, cols, ok = _gelu_chunk(h_rows, bias_ptr, row_ok, c, N, BLOCK_N, TANH, HW_TANH)
             amax = tl.maximum(amax, tl.max(tl.where(ok, tl.abs(y), 0.0), axis=1))
         scale = fp8_row_scale(amax)
         for c in tl.range(0, N, BLOCK_N):
-            y, cols, ok = _gelu_chunk(h_rows, bias_ptr, row_ok, c, N, BLOCK_N, TANH)
+            y, cols, ok = _gelu_chunk(h_rows, bias_ptr, row_ok, c, N, BLOCK_N, TANH, HW_TANH)
             tl.store(q_rows + cols[None, :], fp8_scaled(y, scale).to(q_ptr.dtype.element_ty),
                      mask=ok)  # fmt: skip
     tl.store(scale_ptr + rows, scale, mask=row_ok)
@@ -103,7 +110,7 @@ def _gelu_fp8_kernel(
 @functools.cache
 def _tuned(n: int) -> triton.runtime.Autotuner:
     """The kernel autotuned over `_configs(n)` (they depend on the row's width)."""
-    return triton.autotune(configs=_configs(n), key=["N", "TANH"])(_gelu_fp8_kernel)
+    return triton.autotune(configs=_configs(n), key=["N", "TANH", "HW_TANH"])(_gelu_fp8_kernel)
 
 
 def triton_gelu_fp8(
@@ -111,9 +118,12 @@ def triton_gelu_fp8(
     bias: torch.Tensor,  # [N]
     tanh: bool,
     config: triton.Config | None = None,  # tests: this config instead of the autotuner's
+    hw_tanh: bool = False,  # with tanh: the hardware's tanh.approx (a GPU; not served)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, N], fp32 scale [R, 1]
     """Launch the kernel: `quantize_rows(GELU(h + bias))`, one read of h or two."""
     r, n = h.shape
+    if hw_tanh and (INTERPRET or not tanh):
+        raise ValueError("hw_tanh is the tanh GELU's, on a GPU (the interpreter has no PTX)")
     assert h.stride(1) == 1 and n <= MAX_N, "rows must be contiguous and at most MAX_N wide"
     assert bias.shape == (n,)
     q, scale = empty_fp8_rows(r, n, h.device)
@@ -125,5 +135,5 @@ def triton_gelu_fp8(
 
     kernel = _tuned(n) if config is None else _gelu_fp8_kernel
     extra = {} if config is None else {**config.kwargs, "num_warps": config.num_warps}
-    kernel[grid](h, bias, q, scale, r, h.stride(0), N=n, TANH=tanh, **extra)
+    kernel[grid](h, bias, q, scale, r, h.stride(0), N=n, TANH=tanh, HW_TANH=hw_tanh, **extra)
     return q, scale

@@ -152,7 +152,7 @@ def _fp8_up_gelu_kernel(
     sx = tl.load(sx_ptr + rows, mask=row_ok, other=1.0)
     sw = tl.load(sw_ptr + cols, mask=col_ok, other=1.0)
     bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
-    y = _gelu(acc * sx[:, None] * sw[None, :], bias, TANH)
+    y = _gelu(acc * sx[:, None] * sw[None, :], bias, TANH, False)
     ok = row_ok[:, None] & col_ok[None, :]
     codes, scale = quantize_rows_fp8(y, ok)
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
