@@ -52,8 +52,7 @@ def _number(text: str) -> float | None:
 
 def short_name(kernel: str, width: int = 90) -> str:
     """A kernel's name without its argument list (C++ kernels carry their signature)."""
-    name = kernel.split("(", 1)[0] if not kernel.startswith("void ") else kernel[5:]
-    return name.split("(", 1)[0][:width].strip()
+    return kernel.removeprefix("void ").split("(", 1)[0][:width].strip()
 
 
 def rows(text: str) -> list[dict[str, str]]:
