@@ -127,6 +127,8 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
         ("graph_compiled", "final, torch.compile'd bookkeeping", {"advance": "compiled"}, GTM),
         # the opt-in FP8 step (docs/FP8.md): the served engine with fp8=True
         ("graph_fp8", "final, FP8 linear layers", {"fp8": True}, GTM),
+        # ... its bias + GELU kernel with the hardware's tanh.approx.f32 (docs/FP8.md)
+        ("graph_fp8_hw_tanh", "final, FP8, hw tanh GELU", {"fp8": True, "fp8_ffn": "hw_tanh"}, GTM),
         # the next step for FP8 (docs/FP8.md): its FFN with 1 x 128 activation scales
         ("graph_fp8_block", "final, FP8, 1x128 FFN", {"fp8": True, "fp8_ffn": "block"}, GTM),
         # ... with its down GEMM cuBLASLt's block-scaled one (faster than Triton's on the H200)
@@ -569,7 +571,9 @@ def main() -> None:
         figures["trace"] = kernel_profile(model, index, batches, beams)
         if "graph_fp8" in wanted:
             figures["trace_fp8"] = kernel_profile(model, index, batches, beams, fp8=True)
-        for key in ("graph_fp8_block", "graph_fp8_block_lt", "graph_fp8_block_lt_promoted"):
+        variants = ("graph_fp8_hw_tanh", "graph_fp8_block", "graph_fp8_block_lt",
+                    "graph_fp8_block_lt_promoted")  # fmt: skip
+        for key in variants:
             if key in wanted:  # eager: the profiler names every kernel
                 block = next(o for k, _, o, _ in ROWS if k == key)
                 block = dataclasses.replace(block, cuda_graph=False)

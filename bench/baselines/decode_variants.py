@@ -27,14 +27,16 @@ from bench.baselines.cross_attention import cross_attention_per_beam
 from bench.baselines.gelu_linear import gelu_linear_triton
 from bench.baselines.kv_cache import ATTENTION_MODES, DenseKVCache, GatherPagedKVCache
 from contracts.request import FilterMode
+from kernels._triton_gelu_fp8 import triton_gelu_fp8
 from kernels.beam_advance import beam_advance_reference
 from kernels.cross_attention import cross_attention
+from kernels.fp8 import fp8_gemm
 from kernels.gtm_mask import bitmask_only, candidates, masked_candidates, masked_logits
 from kernels.layer_norm import add_layer_norm_fp8, layer_norm
 from service.decode.engine import DecodeEngine
 from service.decode.step import DecoderStep
 
-FP8_FFNS = ("rowwise", "block", "block_lt", "block_lt_promoted")  # DecodeOptions.fp8_ffn
+FP8_FFNS = ("rowwise", "hw_tanh", "block", "block_lt", "block_lt_promoted")  # DecodeOptions.fp8_ffn
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,9 @@ class DecodeOptions:
     # reference, ~10 launches), "compiled" (the reference through torch.compile)
     advance: str = "kernel"
     fp8: bool = False  # the served step's linear layers in FP8 (setting dtype = fp8)
-    # with fp8: "rowwise" (served), "block": the FFN with 1 x 128 activation scales, its
+    # with fp8: "rowwise" (served), "hw_tanh": the served FFN, its bias + GELU kernel taking
+    # tanh from the hardware's tanh.approx.f32 (`triton_gelu_fp8(hw_tanh=True)`), "block":
+    # the FFN with 1 x 128 activation scales, its
     # bias + GELU + quantisation in the up GEMM's epilogue (bench/baselines/_triton_fp8_ffn.py)
     # and the Triton down GEMM; "block_lt": that up GEMM, the down one cuBLASLt's
     # block-scaled GEMM (128 x 128 weight scales); "block_lt_promoted": the same with the up
@@ -113,6 +117,10 @@ class VariantStep(DecoderStep):
         assert self.fp8 is not None
         n, tanh = layer.norm_ffn, self.decoder.config.ffn_activation == "gelu_tanh"
         x, q, scale = add_layer_norm_fp8(x, pending, n.weight, n.bias, n.eps, shift)
+        if self.options.fp8_ffn == "hw_tanh":  # the served FFN but for the GELU's tanh
+            h = fp8_gemm(q, scale, self.fp8[i]["ffn_up"], x.dtype)
+            hq, hs = triton_gelu_fp8(h, layer.ffn_up.bias, tanh, hw_tanh=True)
+            return x, fp8_gemm(hq, hs, self.fp8[i]["ffn_down"], x.dtype)
         lt = self.options.fp8_ffn.startswith("block_lt")
         promote = self.options.fp8_ffn == "block_lt_promoted"
         up = self.fp8[i]["ffn_up"]
