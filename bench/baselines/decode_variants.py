@@ -36,7 +36,13 @@ from kernels.layer_norm import add_layer_norm_fp8, layer_norm
 from service.decode.engine import DecodeEngine
 from service.decode.step import DecoderStep
 
-FP8_FFNS = ("rowwise", "hw_tanh", "block", "block_lt", "block_lt_promoted")  # DecodeOptions.fp8_ffn
+FP8_FFNS = (
+    "rowwise",
+    "exp_tanh",
+    "block",
+    "block_lt",
+    "block_lt_promoted",
+)  # DecodeOptions.fp8_ffn
 
 
 @dataclass(frozen=True)
@@ -60,8 +66,8 @@ class DecodeOptions:
     # reference, ~10 launches), "compiled" (the reference through torch.compile)
     advance: str = "kernel"
     fp8: bool = False  # the served step's linear layers in FP8 (setting dtype = fp8)
-    # with fp8: "rowwise" (served), "hw_tanh": the served FFN, its bias + GELU kernel taking
-    # tanh from the hardware's tanh.approx.f32 (`triton_gelu_fp8(hw_tanh=True)`), "block":
+    # with fp8: "rowwise" (served), "exp_tanh": the served FFN, its bias + GELU kernel taking
+    # tanh from exp and a division, not tanh.approx.f32 (`hw_tanh=False`), "block":
     # the FFN with 1 x 128 activation scales, its
     # bias + GELU + quantisation in the up GEMM's epilogue (bench/baselines/_triton_fp8_ffn.py)
     # and the Triton down GEMM; "block_lt": that up GEMM, the down one cuBLASLt's
@@ -117,9 +123,9 @@ class VariantStep(DecoderStep):
         assert self.fp8 is not None
         n, tanh = layer.norm_ffn, self.decoder.config.ffn_activation == "gelu_tanh"
         x, q, scale = add_layer_norm_fp8(x, pending, n.weight, n.bias, n.eps, shift)
-        if self.options.fp8_ffn == "hw_tanh":  # the served FFN but for the GELU's tanh
+        if self.options.fp8_ffn == "exp_tanh":  # the served FFN but for the GELU's tanh
             h = fp8_gemm(q, scale, self.fp8[i]["ffn_up"], x.dtype)
-            hq, hs = triton_gelu_fp8(h, layer.ffn_up.bias, tanh, hw_tanh=True)
+            hq, hs = triton_gelu_fp8(h, layer.ffn_up.bias, tanh, hw_tanh=False)
             return x, fp8_gemm(hq, hs, self.fp8[i]["ffn_down"], x.dtype)
         lt = self.options.fp8_ffn.startswith("block_lt")
         promote = self.options.fp8_ffn == "block_lt_promoted"

@@ -299,10 +299,11 @@ def test_the_block_scaled_fp8_ffn_searches_like_the_served_fp8_engine(ffn: str) 
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_hw_tanh_ffn_searches_like_the_served_fp8_engine() -> None:
-    """`fp8_ffn="hw_tanh"` (the served FP8 FFN, its GELU's tanh by tanh.approx.f32) on
-    CUDA, in a search wide enough to keep every prefix: the served FP8 engine's SIDs and
-    scores within FP8's noise of its own (a few codes one e4m3 step apart)."""
+def test_gpu_exp_tanh_ffn_searches_like_the_served_fp8_engine() -> None:
+    """`fp8_ffn="exp_tanh"` (the served FP8 FFN, its GELU's tanh from exp and a division
+    rather than the served tanh.approx.f32) on CUDA, in a search wide enough to keep every
+    prefix: the served FP8 engine's SIDs and scores within FP8's noise of its own (a few
+    codes one e4m3 step apart)."""
     torch.manual_seed(0)
     wide = dataclasses.replace(CONFIG, d_model=128, d_ff=256)
     case = dataclasses.replace(setup(make_ads(60)), decoder=SIDDecoder(wide).eval().cuda())
@@ -311,15 +312,17 @@ def test_gpu_hw_tanh_ffn_searches_like_the_served_fp8_engine() -> None:
     results = []
     for engine in (
         DecodeEngine(case.decoder, batch_buckets=(8,), fp8=True),
-        VariantEngine(case.decoder, DecodeOptions(fp8=True, fp8_ffn="hw_tanh"), batch_buckets=(8,)),
+        VariantEngine(
+            case.decoder, DecodeOptions(fp8=True, fp8_ffn="exp_tanh"), batch_buckets=(8,)
+        ),
     ):
         plans = engine.plan(tables, case.level_offsets)
         results.append(engine.run(plans, ctx, reqs, WIDE, FilterMode.CD_GTM))
-    served, hw = results
-    assert torch.equal(hw.leaves.sort(dim=1).values, served.leaves.sort(dim=1).values)
+    served, exp = results
+    assert torch.equal(exp.leaves.sort(dim=1).values, served.leaves.sort(dim=1).values)
     assert (served.leaves >= 0).any()
     a = served.scores.gather(1, served.leaves.argsort(dim=1))
-    b = hw.scores.gather(1, hw.leaves.argsort(dim=1))
+    b = exp.scores.gather(1, exp.leaves.argsort(dim=1))
     live = served.leaves.gather(1, served.leaves.argsort(dim=1)) >= 0
     torch.testing.assert_close(b[live], a[live], rtol=0.05, atol=0.05)
 

@@ -90,22 +90,33 @@ def test_dispatcher_uses_the_reference_off_cuda() -> None:
 @gpu
 def test_gpu_kernel_equals_reference_at_the_paper_width() -> None:
     h, bias = inputs(4096, 7680, torch.bfloat16, "cuda")
-    q, scale = gelu_fp8(h, bias, True)
+    q, scale = triton_gelu_fp8(h, bias, True)  # tanh from exp and a division
     assert_codes_close(q, scale, *gelu_fp8_reference(h, bias, True))
     chunked = triton_gelu_fp8(h, bias, True, triton.Config({"ROWS": 2, "BLOCK_N": 1024}))
     assert torch.equal(chunked[0].view(torch.uint8), q.view(torch.uint8))  # compiled, too
     assert torch.equal(chunked[1], scale)
+    served = gelu_fp8(h, bias, True)  # tanh.approx.f32, in every config alike
+    config = triton.Config({"ROWS": 2, "BLOCK_N": 1024})
+    chunked = triton_gelu_fp8(h, bias, True, config, hw_tanh=True)
+    assert torch.equal(chunked[0].view(torch.uint8), served[0].view(torch.uint8))
+    assert torch.equal(chunked[1], served[1])
 
 
 @pytest.mark.gpu
 @gpu
 def test_gpu_hw_tanh_stays_within_one_step_of_the_reference() -> None:
-    """`hw_tanh` (the bench's row, not served): tanh.approx.f32's error (~2^-11) moves a
-    row's amax, so its scale, by about that, and a code only where it sits on a rounding
-    boundary: every code at most one e4m3 step from the reference's, 95 % equal."""
+    """The served kernel (`gelu_fp8` on a GPU: tanh.approx.f32): its error (~2^-11) moves
+    a row's amax, so its scale, by about that, and a code only where it sits on a rounding
+    boundary: every code at most one e4m3 step from the reference's, 95 % equal. The erf
+    GELU is untouched: it keeps the kernel's codes without hw_tanh."""
     h, bias = inputs(4096, 7680, torch.bfloat16, "cuda")
-    q, scale = triton_gelu_fp8(h, bias, True, hw_tanh=True)
+    q, scale = gelu_fp8(h, bias, True)
     want_q, want_scale = gelu_fp8_reference(h, bias, True)
     torch.testing.assert_close(scale, want_scale, rtol=2.0**-9, atol=0)
     steps = (e4m3_ordinals(q) - e4m3_ordinals(want_q)).abs()
     assert int(steps.max()) <= 1 and (steps == 0).float().mean() > 0.95
+    assert not torch.equal(q.view(torch.uint8), triton_gelu_fp8(h, bias, True)[0].view(torch.uint8))
+    erf = gelu_fp8(h, bias, False)
+    assert torch.equal(
+        erf[0].view(torch.uint8), triton_gelu_fp8(h, bias, False)[0].view(torch.uint8)
+    )

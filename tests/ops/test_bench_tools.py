@@ -125,8 +125,8 @@ def test_decoder_loop_final_row_is_the_served_configuration() -> None:
     assert rows["graph_compiled"] == dataclasses.replace(DecodeOptions(), advance="compiled")
     assert rows["graph_fp8"] == dataclasses.replace(DecodeOptions(), fp8=True)  # the served one
     assert rows["graph_fp8_block"] == dataclasses.replace(rows["graph_fp8"], fp8_ffn="block")
-    hw_tanh = dataclasses.replace(rows["graph_fp8"], fp8_ffn="hw_tanh")
-    assert rows["graph_fp8_hw_tanh"] == hw_tanh
+    exp_tanh = dataclasses.replace(rows["graph_fp8"], fp8_ffn="exp_tanh")
+    assert rows["graph_fp8_exp_tanh"] == exp_tanh
     lt = dataclasses.replace(rows["graph_fp8"], fp8_ffn="block_lt")
     assert rows["graph_fp8_block_lt"] == lt
     promoted = dataclasses.replace(rows["graph_fp8"], fp8_ffn="block_lt_promoted")

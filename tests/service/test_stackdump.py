@@ -6,8 +6,10 @@ getpid as the handler, which swallows the signal as LLVM's does)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -34,10 +36,17 @@ def plant():  # a C library's handler for SIGUSR1: libc's getpid, which ignores 
 
 
 def run(body: str) -> str:
-    """Run `body` after PLANT in a fresh interpreter; its stderr (asserting it exited 0)."""
-    code = PLANT + textwrap.dedent(body)
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    """Run `body` after PLANT in a fresh interpreter, from a file (Triton's @jit reads its
+    kernels' source); its stderr (asserting it exited 0)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "body.py"
+        script.write_text(PLANT + textwrap.dedent(body))
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stderr
 
