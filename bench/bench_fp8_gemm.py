@@ -15,7 +15,8 @@ at 1 024 beams), with the GEMM's median time and TFLOP/s:
   * the FP8 step's per-layer extras: the residual add after the GEMM (no beta in
     `_scaled_mm`), the separate quantise pass of the attention outputs.
 And the producers: the LayerNorm kernel writing bf16 vs e4m3 + scale, the up projection's
-bias + GELU + quantise kernel vs the bf16 step's GELU in the GEMM's epilogue, and the
+bias + GELU + quantise kernel (its tanh by tanh.approx.f32, served, and from exp) vs the
+bf16 step's GELU in the GEMM's epilogue, and the
 baseline FFN with 1 x 128 activation scales, its quantisation in the up GEMM's epilogue
 (`bench/baselines/_triton_fp8_ffn.py`).
 

@@ -8,11 +8,12 @@
 #   2. the FP8 pieces against the bf16 ops they replace (bench/bench_fp8_gemm.py);
 #   3. the decode loop at the paper's shape: the served bf16 row beside the served engine
 #      with FP8 on, one run (bench/bench_decoder_loop.py, `graph_fp8`), with their SID
-#      overlap on random weights, and both engines' kernel traces (--trace).
+#      overlap on random weights, and both engines' kernel traces (--trace); the FP8 step
+#      with the GELU's tanh from exp instead of tanh.approx.f32 (`graph_fp8_exp_tanh`).
 #      The 1 x 128 FFN row with cuBLASLt's block-scaled down GEMM (`graph_fp8_block_lt`,
-#      bench/baselines/_triton_fp8_ffn.py) runs beside them (docs/FP8.md: 2 % faster than
-#      the served FP8 row, not served; `graph_fp8_block`, its Triton down GEMM, is slower),
-#      and the same pair with the up GEMM's K steps added in fp32
+#      bench/baselines/_triton_fp8_ffn.py) runs beside them (docs/FP8.md: 0.2 ms slower
+#      than the served FP8 row, not served; `graph_fp8_block`, its Triton down GEMM, is
+#      slower still), and the same pair with the up GEMM's K steps added in fp32
 #      (`graph_fp8_block_lt_promoted`: what cuBLASLt's accumulation costs it).
 #   4. (only when asked: STEPS="ncu") Nsight Compute on the FP8 loop's kernels that are not
 #      cuBLASLt GEMMs (bias + GELU, LayerNorm, quantise, self-attention, the Triton up
@@ -21,7 +22,7 @@
 # Usage: [STEPS="tests gemm loop"] bash bench/gpu_fp8.sh OUT
 #   -> OUT/gpu_tests.txt, OUT/fp8_gemm_h200.json, OUT/decoder_loop_fp8.json, OUT/ncu_ROW.json
 #   STEPS picks the steps (a device call is at most 10 minutes and the three together take
-#   about 11: split them over calls).
+#   about 12: split them over calls; on a fresh machine "gemm" takes over 3 minutes).
 set -uo pipefail
 OUT=${1:?output directory}
 STEPS=${STEPS:-tests gemm loop}
