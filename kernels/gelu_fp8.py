@@ -27,7 +27,7 @@ def gelu_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, N], fp32 scale [R, 1]
     """GELU(h + bias) in fp32, quantised per row (`kernels.fp8.quantize_rows`). On a GPU
     the tanh GELU takes tanh from `tanh.approx.f32` (relative error ~2^-11, below the
-    2^-9 of the bf16 h it is applied to): 29 % off the kernel's time in the loop."""
+    2^-9 of the bf16 h it is applied to; docs/FP8.md has its cost and its tests)."""
     if triton_gelu_fp8 is not None and h.is_cuda and h.shape[-1] <= MAX_N:
         h = h.contiguous() if h.stride(-1) != 1 else h
         return triton_gelu_fp8(h, bias, tanh, hw_tanh=tanh and not INTERPRET)
