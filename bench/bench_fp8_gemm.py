@@ -205,12 +205,8 @@ def baseline_ffn_rows(r: int, xq, xs, fw: Fp8Weight, bias, d_model: int, d_ff: i
         ]  # fmt: skip
     except Exception as e:
         traceback.print_exc()
-        return [{"rows": r, "op": "FFN with 1x128 scales (baseline)", "error": first_line(e)}]
-
-
-def first_line(e: Exception) -> str:
-    """An exception's first line (or its type), at most 200 characters, for a row."""
-    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+        error = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        return [{"rows": r, "op": "FFN with 1x128 scales (baseline)", "error": error}]
 
 
 def gelu_config_row(r: int, h, bias, rows: int, block: int, warps: int) -> dict:
