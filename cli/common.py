@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Protocol
 
@@ -27,6 +28,26 @@ def positive_float(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+AUTOTUNE_HELP = (
+    "autotune the Triton kernels, as the server does: each new shape first benchmarks "
+    "every config, minutes in all on a GPU; by default the kernels' fixed configs run "
+    "(the same kernels; GRACE_AUTOTUNE=1 in the environment also asks for tuning)"
+)
+
+
+def offline_kernels(autotune: bool) -> None:
+    """Before an offline command that decodes (grace train's evaluation, grace eval)
+    imports the kernels: their autotuner keys hold batch rows and location buckets, so
+    offline decoding meets new shapes as it goes and benchmarks every config of each (an
+    H200's 1,000-user FP8 eval had not ended after 160 s tuning; 54 s untuned). So these
+    commands run the fixed configs unless `--autotune` or GRACE_AUTOTUNE says otherwise
+    (`kernels/_tuning.py` reads it once, at import)."""
+    if autotune:
+        os.environ["GRACE_AUTOTUNE"] = "1"
+    else:
+        os.environ.setdefault("GRACE_AUTOTUNE", "0")
 
 
 CATALOG_HELP = (

@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 from cli.common import (
+    AUTOTUNE_HELP,
     LAST_TOKEN_HELP,
     SID_SPACE_HELP,
     AddCommand,
+    offline_kernels,
     positive_float,
     positive_int,
 )
@@ -22,6 +24,7 @@ EVAL_FORMAT_VERSION = 3  # of `grace eval --out` (docs/EVALUATION.md, "The repor
 
 
 def _train(args: argparse.Namespace) -> int:
+    offline_kernels(args.autotune)
     from index_builder.catalog import CatalogError
     from training.train import TrainingData, TrainSettings, train
     from training.user_data import DataError
@@ -83,6 +86,7 @@ def _init_model(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    offline_kernels(args.autotune)
     import numpy as np
     import torch
 
@@ -223,6 +227,7 @@ def register(add: AddCommand) -> None:
                    help="fp32 (default), or bf16 autocast: matmuls in bf16, weights, "
                    "optimizer and loss in fp32 (slower at the demo profile on an H200: "
                    "docs/PERFORMANCE.md)")  # fmt: skip
+    p.add_argument("--autotune", action="store_true", help=AUTOTUNE_HELP)
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar; log a line each tenth of the run instead")  # fmt: skip
 
@@ -281,6 +286,7 @@ def register(add: AddCommand) -> None:
     p.add_argument("--seed", type=int, default=0, help="user sample and bootstrap seed")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", help="also write the report as JSON here")
+    p.add_argument("--autotune", action="store_true", help=AUTOTUNE_HELP)
     p.add_argument("--plots", metavar="DIR",
                    help="write the report's pictures as PNGs here (needs matplotlib: the "
                    "eval extra)")  # fmt: skip

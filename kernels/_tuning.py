@@ -5,7 +5,8 @@ grids and tiles by.
 AUTOTUNE: the launchers autotune (the default: benches and the server) or run each
 kernel's fixed default config. The test suite sets `GRACE_AUTOTUNE=0` (tests/conftest.py)
 so a GPU test run does not benchmark every config at every awkward shape it checks; tests
-that sweep configs pass them explicitly. Both switches are read once, at import.
+that sweep configs pass them explicitly. `grace train` and `grace eval` set it too unless
+asked (`cli/common.py::offline_kernels`). Both switches are read once, at import.
 """
 
 import functools
