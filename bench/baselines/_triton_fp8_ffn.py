@@ -8,7 +8,8 @@ write, so it cannot be taken inside the GEMM. With one scale per 128 columns of 
 can:
 
 - `triton_fp8_up_gelu`: GELU((xq · sx) @ (wq · sw).T + bias), with the dequantisation,
-  the bias, the GELU and the quantisation in the GEMM's epilogue. A program's tile is 128
+  the bias, the GELU (on a GPU its tanh by `tanh.approx.f32`, as served) and the
+  quantisation in the GEMM's epilogue. A program's tile is 128
   columns wide, so each row of the tile gets its own scale (its amax / 448, as
   `kernels._triton_fp8.quantize_rows_fp8`): e4m3 [R, N] and fp32 scales [R, ceil(N/128)],
   and the activation never reaches memory in bf16.
@@ -40,7 +41,7 @@ import triton.language as tl
 
 from kernels._triton_fp8 import quantize_rows_fp8
 from kernels._triton_gelu_fp8 import _gelu
-from kernels._tuning import AUTOTUNE
+from kernels._tuning import AUTOTUNE, INTERPRET
 from kernels.fp8 import Fp8Weight, quantize_rows
 
 SCALE_BLOCK = 128  # columns per activation scale: the up GEMM's tile width, the down's K step
@@ -128,6 +129,7 @@ def _fp8_up_gelu_kernel(
     K: tl.constexpr,
     NB: tl.constexpr,
     TANH: tl.constexpr,
+    HW_TANH: tl.constexpr,  # with TANH: the hardware's tanh.approx, as the served kernel
     PROMOTE: tl.constexpr,  # each K step's product added in fp32 (else one MMA chain)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # SCALE_BLOCK
@@ -152,7 +154,7 @@ def _fp8_up_gelu_kernel(
     sx = tl.load(sx_ptr + rows, mask=row_ok, other=1.0)
     sw = tl.load(sw_ptr + cols, mask=col_ok, other=1.0)
     bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
-    y = _gelu(acc * sx[:, None] * sw[None, :], bias, TANH, False)
+    y = _gelu(acc * sx[:, None] * sw[None, :], bias, TANH, HW_TANH)
     ok = row_ok[:, None] & col_ok[None, :]
     codes, scale = quantize_rows_fp8(y, ok)
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
@@ -196,9 +198,9 @@ def _fp8_down_kernel(
 
 
 _TUNED = {
-    "up": triton.autotune(configs=_configs("up"), key=["R", "N", "K", "TANH", "PROMOTE"])(
-        _fp8_up_gelu_kernel
-    ),
+    "up": triton.autotune(
+        configs=_configs("up"), key=["R", "N", "K", "TANH", "HW_TANH", "PROMOTE"]
+    )(_fp8_up_gelu_kernel),
     "down": triton.autotune(configs=_configs("down"), key=["R", "N", "K"])(_fp8_down_kernel),
 }
 _KERNELS = {"up": _fp8_up_gelu_kernel, "down": _fp8_down_kernel}
@@ -232,7 +234,8 @@ def triton_fp8_up_gelu(
     """GELU(xq·xs @ (w.q·w.scale).T + bias), quantised per row and 128 columns. On sm90
     Triton chains the FP8 MMAs over all of K in the tensor cores' reduced precision;
     `promote` adds each K step's product to an fp32 accumulator instead, as cuBLASLt
-    (`use_fast_accum=False`) and the down GEMM here do."""
+    (`use_fast_accum=False`) and the down GEMM here do. On a GPU the tanh GELU takes its
+    tanh from the hardware's `tanh.approx.f32`, as the served bias + GELU kernel does."""
     r, k = xq.shape
     n = w.q.shape[0]
     assert xq.stride(1) == 1 and w.q.shape[1] == k and w.q.is_contiguous()
@@ -244,7 +247,8 @@ def triton_fp8_up_gelu(
     if r:
         _launch("up", r, n, config, xq, xs.reshape(-1).contiguous(), w.q, w.scale.reshape(-1),
                 bias, q, scales, r, xq.stride(0), scales.stride(0), scales.stride(1),
-                N=n, K=k, NB=nb, TANH=tanh, PROMOTE=promote)  # fmt: skip
+                N=n, K=k, NB=nb, TANH=tanh, HW_TANH=tanh and not INTERPRET,
+                PROMOTE=promote)  # fmt: skip
     return q, scales
 
 
