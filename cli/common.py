@@ -40,10 +40,10 @@ AUTOTUNE_HELP = (
 def offline_kernels(autotune: bool) -> None:
     """Before an offline command that decodes (grace train's evaluation, grace eval)
     imports the kernels: their autotuner keys hold batch rows and location buckets, so
-    offline decoding meets new shapes as it goes and benchmarks every config of each (an
-    H200's 1,000-user FP8 eval had not ended after 160 s tuning; 54 s untuned). So these
-    commands run the fixed configs unless `--autotune` or GRACE_AUTOTUNE says otherwise
-    (`kernels/_tuning.py` reads it once, at import)."""
+    offline decoding meets new shapes as it goes and benchmarks every config of each
+    (docs/MODEL.md has the cost). So these commands run the fixed configs unless
+    `--autotune` or GRACE_AUTOTUNE says otherwise (`kernels/_tuning.py` reads it once, at
+    import)."""
     if autotune:
         os.environ["GRACE_AUTOTUNE"] = "1"
     else:
