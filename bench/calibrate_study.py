@@ -20,8 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import write_result
 from contracts.request import FilterMode
@@ -32,7 +30,7 @@ from index_builder.validate import validate_index
 from service.model.checkpoint import load_checkpoint
 from service.model.features import SidLookup
 from training.data import Examples
-from training.study import Variant, run_study
+from training.study import Variant, run_study, sample_users
 from training.train import TrainSettings, train
 
 GRID = (
@@ -74,7 +72,7 @@ def probe(spec: str, args: argparse.Namespace) -> dict:
     arrays = validate_index(resolve(root / "index"), expect_tokenizer=loaded.sid_space).arrays
     world = load_world(root / "world")
     examples = Examples(world, SidLookup.from_ads(arrays.ads), loaded.config)
-    users = np.sort(np.random.default_rng(0).permutation(world.n_users)[: args.eval_users])
+    users = sample_users(world.n_users, args.eval_users, 0)
     variants = [Variant("cd_only", arrays, FilterMode.CD_ONLY),
                 Variant("cd_gtm", arrays, FilterMode.CD_GTM)]  # fmt: skip
     cd, gtm = run_study(loaded.model, examples, variants, users, tuple(args.beams), (10, 100),

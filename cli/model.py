@@ -87,7 +87,6 @@ def _init_model(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     offline_kernels(args.autotune)
-    import numpy as np
     import torch
 
     from contracts.request import FilterMode
@@ -100,7 +99,7 @@ def _eval(args: argparse.Namespace) -> int:
     from service.model.features import SidLookup
     from service.model.repository import resolve_checkpoint
     from training.data import Examples
-    from training.study import Variant, run_study
+    from training.study import Variant, run_study, sample_users
     from training.study_plots import MissingPlotting, require_plotting, write_plots
 
     if args.plots:  # a missing matplotlib is a one-line error before minutes of decoding
@@ -119,7 +118,7 @@ def _eval(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     examples = Examples(world, SidLookup.from_ads(arrays.ads), loaded.config)
-    users = np.sort(np.random.default_rng(args.seed).permutation(world.n_users)[: args.users])
+    users = sample_users(world.n_users, args.users, args.seed)
     beams = tuple(args.beams) if args.beams else loaded.config.beams
     scorings = list(dict.fromkeys(args.scoring))
     variants = []

@@ -23,7 +23,7 @@ bootstrap intervals, and each variant's paired difference to the first one
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from contracts.targeting import (
     request_bitmask,
     request_blooms,
 )
+from service.decode.engine import DecodeEngine
 from service.index.loaded import LoadedIndex
 from service.model.retriever import GenerativeRetriever
 from service.post.expand import expand_leaves, location_rows
@@ -66,13 +67,20 @@ CURVE_KS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 @dataclass(frozen=True)
 class Variant:
     """One decoding of every user: the index's arrays (k-way partitions differ), the
-    filter mode, the scoring and whether the decoder step runs in FP8."""
+    filter mode, the scoring and whether the decoder step runs in FP8; `engine` builds
+    the decode engine (the served one; a bench baseline with its interface)."""
 
     name: str
     arrays: IndexArrays
     mode: FilterMode
     scoring: str = "masked"
     fp8: bool = False
+    engine: Callable[..., DecodeEngine] = DecodeEngine
+
+
+def sample_users(n_users: int, count: int, seed: int) -> np.ndarray:
+    """The users a study evaluates, in id order: the same for every tool given the seed."""
+    return np.sort(np.random.default_rng(seed).permutation(n_users)[:count])
 
 
 @dataclass
@@ -236,7 +244,9 @@ def run_study(
     for vi, v in enumerate(variants):
         keep_sids = vi in kept
         index = LoadedIndex.from_arrays(v.arrays, device)
-        retriever = OfflineRetriever(model, index, batch_size, scoring=v.scoring, fp8=v.fp8)
+        retriever = OfflineRetriever(
+            model, index, batch_size, scoring=v.scoring, fp8=v.fp8, engine=v.engine
+        )
         ads = v.arrays.ads
         if id(ads) not in bloom_rows:  # k-way variants share the plain index's ad arrays
             bloom_rows[id(ads)] = ad_blooms(
