@@ -127,6 +127,8 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
         ("graph_compiled", "final, torch.compile'd bookkeeping", {"advance": "compiled"}, GTM),
         # the opt-in FP8 step (docs/FP8.md): the served engine with fp8=True
         ("graph_fp8", "final, FP8 linear layers", {"fp8": True}, GTM),
+        # ... its FFN as served until the 1 x 128 one: rowwise GEMMs, a GELU pass between
+        ("graph_fp8_rowwise", "final, FP8, rowwise FFN", {"fp8": True, "fp8_ffn": "rowwise"}, GTM),
         # ... its GELU's tanh from exp and a division, not tanh.approx.f32 (docs/FP8.md)
         (
             "graph_fp8_exp_tanh",
@@ -134,20 +136,18 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
             {"fp8": True, "fp8_ffn": "exp_tanh"},
             GTM,
         ),
-        # the next step for FP8 (docs/FP8.md): its FFN with 1 x 128 activation scales
-        ("graph_fp8_block", "final, FP8, 1x128 FFN", {"fp8": True, "fp8_ffn": "block"}, GTM),
-        # ... with its down GEMM cuBLASLt's block-scaled one (faster than Triton's on the H200)
+        # ... its FFN's down GEMM in Triton, not cuBLASLt's block-scaled one
         (
-            "graph_fp8_block_lt",
-            "final, FP8, 1x128 FFN, LT down",
-            {"fp8": True, "fp8_ffn": "block_lt"},
+            "graph_fp8_triton_down",
+            "final, FP8, Triton down GEMM",
+            {"fp8": True, "fp8_ffn": "triton_down"},
             GTM,
         ),
         # ... with the up GEMM's K steps added in fp32 (cuBLASLt's accumulation; its cost)
         (
-            "graph_fp8_block_lt_promoted",
-            "final, FP8, 1x128 FFN, LT down, promoted",
-            {"fp8": True, "fp8_ffn": "block_lt_promoted"},
+            "graph_fp8_promoted",
+            "final, FP8, up GEMM promoted",
+            {"fp8": True, "fp8_ffn": "promoted"},
             GTM,
         ),
     ]
@@ -162,6 +162,9 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
 
 ROWS = _rows()
 FINAL_ROW = "graph_advance"  # the served configuration; rows after it are comparisons
+# the FP8 rows whose FFN is not the served one: SIDs compared with graph_fp8's, traced eagerly
+FP8_VARIANT_ROWS = ("graph_fp8_rowwise", "graph_fp8_exp_tanh", "graph_fp8_triton_down",
+                    "graph_fp8_promoted")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- inputs
@@ -295,7 +298,7 @@ class Bound:
 
     def __init__(self, model, index, options: DecodeOptions, bucket: int) -> None:
         self.options = options
-        served = options.fp8_ffn == "rowwise" and dataclasses.replace(options, fp8=False)
+        served = options.fp8_ffn == "block" and dataclasses.replace(options, fp8=False)
         if served == DecodeOptions():  # the served engine, in bf16 or FP8
             self.engine = DecodeEngine(model.decoder, batch_buckets=(bucket,), fp8=options.fp8)
         else:
@@ -442,7 +445,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="result JSON (default: bench/results or /tmp)")
     ap.add_argument("--trace", action="store_true",
                     help="also profile the final configuration (eager; with the graph_fp8 and "
-                    "graph_fp8_block* rows their FP8 twins too) and print the top CUDA kernels: "
+                    "other graph_fp8_* rows their FP8 twins too) and print the top CUDA kernels: "
                     "where the milliseconds go")  # fmt: skip
     a = ap.parse_args()
     distinct = 8  # batches cycled through by every row
@@ -485,7 +488,7 @@ def main() -> None:
         wanted = set()  # the A/B run replaces the table's rows
     rows: list[dict] = []
     final = eager_bloom = unfused = triton_ffn = fp8 = None
-    fp8_blocks: dict[str, object] = {}  # the 1 x 128 rows' results, compared below
+    fp8_forms: dict[str, object] = {}  # the other FP8 FFNs' results, compared below
     same_arithmetic = {}  # rows that must return exactly the final row's result
     for key, label, options, mode in ROWS:
         if key not in wanted:
@@ -508,8 +511,8 @@ def main() -> None:
                 triton_ffn = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == "graph_fp8":  # opt-in: its SIDs compared with the final row's below
                 fp8 = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
-            if key.startswith("graph_fp8_block"):  # not served: compared with the rows above
-                fp8_blocks[key] = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
+            if key in FP8_VARIANT_ROWS:  # not served: compared with the rows above
+                fp8_forms[key] = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key in ("graph_tail", "graph_compiled"):  # other bookkeeping, same arithmetic
                 same_arithmetic[key] = engine.run(batches[0].ctx, batches[0].requests, beams, mode)
             if key == FINAL_ROW:
@@ -559,7 +562,7 @@ def main() -> None:
             figures["triton_ffn_vs_final_sid_overlap"] = sid_overlap(triton_ffn, again)
         if fp8 is not None:  # random weights: the trained model's overlap is grace eval's
             figures["fp8_vs_final_sid_overlap"] = sid_overlap(fp8, again)
-        for key, result in fp8_blocks.items():
+        for key, result in fp8_forms.items():
             name = key.removeprefix("graph_")
             figures[f"{name}_vs_final_sid_overlap"] = sid_overlap(result, again)
             if fp8 is not None:
@@ -576,14 +579,12 @@ def main() -> None:
         figures["trace"] = kernel_profile(model, index, batches, beams)
         if "graph_fp8" in wanted:
             figures["trace_fp8"] = kernel_profile(model, index, batches, beams, fp8=True)
-        variants = ("graph_fp8_exp_tanh", "graph_fp8_block", "graph_fp8_block_lt",
-                    "graph_fp8_block_lt_promoted")  # fmt: skip
-        for key in variants:
+        for key in FP8_VARIANT_ROWS:
             if key in wanted:  # eager: the profiler names every kernel
-                block = next(o for k, _, o, _ in ROWS if k == key)
-                block = dataclasses.replace(block, cuda_graph=False)
+                variant = next(o for k, _, o, _ in ROWS if k == key)
+                variant = dataclasses.replace(variant, cuda_graph=False)
                 figures[f"trace_{key.removeprefix('graph_')}"] = kernel_profile(
-                    model, index, batches, beams, variant=block
+                    model, index, batches, beams, variant=variant
                 )
     figures["targets"] = {"final_p50_ms": 12, "final_p99_ms": 13, "gtm_cost_ms": 0.5}
     print_summary(figures)
@@ -600,7 +601,7 @@ def kernel_profile(
     model, index, batches, beams, fp8: bool = False, variant: DecodeOptions | None = None
 ) -> list[dict]:
     """CUDA time per kernel over 5 eager batches of the served engine (FP8 or not), or of
-    the variant engine with the switches `variant` (the 1 x 128 FFN row)."""
+    the variant engine with the switches `variant` (an FP8 FFN row that is not served)."""
     from torch.profiler import ProfilerActivity, profile
 
     bucket = (len(batches[0].ctx),)

@@ -6,19 +6,20 @@ out, FFN up and down) at R rows (8 192: one part of a split step; 16 384: one ba
 at 1 024 beams), with the GEMM's median time and TFLOP/s:
   * bf16: what the served bf16 step runs (`addmm`: the bias, or the residual with beta 1);
   * fp8_rowwise: `torch._scaled_mm` with a scale per row and per output channel (what the
-    FP8 step runs), bf16 out; `+bias` with the bias given to `_scaled_mm`;
+    FP8 step runs but in the FFN down projection), bf16 out; `+bias` with the bias given
+    to `_scaled_mm`;
   * fp8_tensorwise: one scale per operand (coarser numbers, the GEMM's speed of light);
   * fp8_blockwise: `torch._scaled_mm` with a scale per row and 128 columns of the input
-    (1 x 128) and per 128 x 128 block of the weight, the scales an epilogue could write
-    tile by tile (docs/FP8.md, the next step); its error against the fp32 product of the
-    dequantised operands says the scales were read as meant;
+    (1 x 128) and per 128 x 128 block of the weight (`kernels.fp8.block_fp8_gemm`: the
+    served FFN down projection); its error against the fp32 product of the dequantised
+    operands says the scales were read as meant;
   * the FP8 step's per-layer extras: the residual add after the GEMM (no beta in
     `_scaled_mm`), the separate quantise pass of the attention outputs.
-And the producers: the LayerNorm kernel writing bf16 vs e4m3 + scale, the up projection's
-bias + GELU + quantise kernel (its tanh by tanh.approx.f32, served, and from exp) vs the
-bf16 step's GELU in the GEMM's epilogue, and the
-baseline FFN with 1 x 128 activation scales, its quantisation in the up GEMM's epilogue
-(`bench/baselines/_triton_fp8_ffn.py`).
+And the producers: the LayerNorm kernel writing bf16 vs e4m3 + scale; the served FFN up
+GEMM with bias + GELU + 1 x 128 quantisation in its epilogue (`kernels._triton_fp8_ffn`)
+vs the bf16 step's GELU in the GEMM's epilogue and vs the rowwise FFN served before it
+(a rowwise GEMM, then the bias + GELU + quantise kernel, `bench/baselines/gelu_fp8.py`);
+the down GEMMs reading those codes (block-scaled, served; Triton, rowwise: baselines).
 
 GPU times are `triton.testing.do_bench` medians (L2 flushed between calls).
 
@@ -37,9 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.baselines.gelu_fp8 import gelu_fp8
 from bench.common import write_result
 from kernels.fp8 import Fp8Weight, quantize_rows
-from kernels.gelu_fp8 import gelu_fp8
 from kernels.layer_norm import add_layer_norm_fp8, layer_norm, layer_norm_fp8
 from service.model.config import profile
 
@@ -61,29 +62,29 @@ def layers(d_model: int, d_attn: int, d_ff: int) -> list[tuple[str, int, int, st
 
 
 def blockwise_operands(x: torch.Tensor, w: torch.Tensor):
-    """(x codes, x scales [R, K/128] M-major, w codes, w scales [N/128, K/128] row-major):
-    each 1 x 128 block of x (`quantize_row_blocks`, the baseline FFN's layout) and each
-    128 x 128 block of w (`quantize_weight_blocks`), in the layouts `block_fp8_down` hands
-    cuBLASLt (K and N multiples of 128)."""
-    from bench.baselines._triton_fp8_ffn import quantize_row_blocks, quantize_weight_blocks
+    """(x codes, x scales [R, K/128] M-major, w in 128 x 128 blocks): each 1 x 128 block
+    of x (`quantize_row_blocks`, the served up kernel's layout) and each 128 x 128 block
+    of w (`Fp8BlockWeight`), as `block_fp8_gemm` hands them to cuBLASLt (K and N
+    multiples of 128)."""
+    from kernels.fp8 import Fp8BlockWeight, quantize_row_blocks
 
     xq, xs = quantize_row_blocks(x)
-    return (xq, xs.t().contiguous().t(), *quantize_weight_blocks(w))
+    return (xq, xs.t().contiguous().t(), Fp8BlockWeight.of(w))
 
 
 def blockwise_row(x: torch.Tensor, w: torch.Tensor) -> dict:
-    """The 1 x 128 / 128 x 128 GEMM's time (`block_fp8_down`) and its error against the
+    """The 1 x 128 / 128 x 128 GEMM's time (`block_fp8_gemm`) and its error against the
     dequantised operands' fp32 product."""
-    from bench.baselines._triton_fp8_ffn import block_fp8_down, block_fp8_reference
+    from kernels.fp8 import block_fp8_gemm, block_fp8_reference
 
     operands = blockwise_operands(x, w)
     try:
-        got = block_fp8_down(*operands).float()
+        got = block_fp8_gemm(*operands).float()
     except (RuntimeError, ValueError) as e:  # a torch, a cuBLASLt or a device without it
         return {"fp8_blockwise_error": str(e).splitlines()[0][:200]}
     want = block_fp8_reference(*operands)
     err = float((got - want).norm() / want.norm())
-    return {"fp8_blockwise_ms": ms(lambda: block_fp8_down(*operands)),
+    return {"fp8_blockwise_ms": ms(lambda: block_fp8_gemm(*operands)),
             "fp8_blockwise_rel_err": err}  # fmt: skip
 
 
@@ -145,7 +146,7 @@ def gemm_rows(r: int, name: str, k: int, n: int, adds: str) -> dict:
 
 
 def producer_rows(r: int, d_model: int, d_ff: int) -> list[dict]:
-    from kernels._triton_gelu_fp8 import triton_gelu_fp8
+    from bench.baselines._triton_gelu_fp8 import triton_gelu_fp8
     from kernels.gelu_linear import gelu_linear
 
     dev, bf = DEVICE, torch.bfloat16
@@ -170,50 +171,58 @@ def producer_rows(r: int, d_model: int, d_ff: int) -> list[dict]:
         {"rows": r, "op": "ffn_up FP8 GEMM (bf16 out)",
          "ms": ms(lambda: torch._scaled_mm(xq, fw.q.t(), scale_a=xs, scale_b=fw.scale,
                                             out_dtype=bf))},
-        {"rows": r, "op": "bias + GELU -> e4m3 + scale (gelu_fp8, autotuned; served)",
+        {"rows": r, "op": "bias + GELU -> e4m3 + scale (gelu_fp8, autotuned; rowwise FFN)",
          "ms": ms(lambda: gelu_fp8(h, bias, True))},
         {"rows": r, "op": "... the same, tanh from exp and a division (no tanh.approx.f32)",
          "ms": ms(lambda: triton_gelu_fp8(h, bias, True))},
-        *baseline_ffn_rows(r, xq, xs, fw, bias, d_model, d_ff),
+        *ffn_rows(r, xq, xs, fw, bias, d_model, d_ff),
         *(gelu_config_row(r, h, bias, rows, block, warps)
           for rows, block, warps in ((1, 8192, 8), (1, 8192, 16), (2, 1024, 4), (4, 1024, 4),
                                      (2, 2048, 8))),
     ]  # fmt: skip
 
 
-def baseline_ffn_rows(r: int, xq, xs, fw: Fp8Weight, bias, d_model: int, d_ff: int) -> list:
-    """The FFN with 1 x 128 activation scales (`bench/baselines/_triton_fp8_ffn.py`): the
-    up GEMM with bias + GELU + quantise in its epilogue (against the served FP8 GEMM plus
-    the bias + GELU kernel above), the down GEMM reading those codes (against the served
-    rowwise one)."""
-    from bench.baselines._triton_fp8_ffn import triton_fp8_down, triton_fp8_up_gelu
+def ffn_rows(r: int, xq, xs, fw: Fp8Weight, bias, d_model: int, d_ff: int) -> list:
+    """The FFN with 1 x 128 activation scales: the served up GEMM with bias + GELU +
+    quantise in its epilogue (`kernels._triton_fp8_ffn`; against the rowwise GEMM plus the
+    bias + GELU kernel above), the down GEMMs reading those codes: cuBLASLt's block-scaled
+    one (served), Triton's (`bench/baselines/_triton_fp8_down.py`), and the rowwise one on
+    rowwise codes."""
+    from bench.baselines._triton_fp8_down import triton_fp8_down
+    from kernels._triton_fp8_ffn import triton_fp8_up_gelu
+    from kernels.fp8 import Fp8BlockWeight, block_fp8_gemm
+    from kernels.fp8_ffn import fp8_up_gelu
 
-    w_down = Fp8Weight.of(torch.randn(d_model, d_ff, device=DEVICE) / d_ff**0.5)
+    w = torch.randn(d_model, d_ff, device=DEVICE) / d_ff**0.5
+    w_down, w_blocks = Fp8Weight.of(w), Fp8BlockWeight.of(w)
     rq, rs = quantize_rows(torch.randn(r, d_ff, device=DEVICE, dtype=torch.bfloat16))
-    try:  # a baseline that does not compile here must not cost the rest of the table
+    try:  # a kernel that does not compile here must not cost the rest of the table
         hq, hs = triton_fp8_up_gelu(xq, xs, fw, bias, True)
+        mq, ms_ = fp8_up_gelu(xq, xs, fw, bias, True)  # M-major scales, as served
         return [
             {"rows": r, "op": "ffn_up FP8 Triton GEMM + bias + GELU + 1x128 quantise epilogue "
-             "(baseline)", "ms": ms(lambda: triton_fp8_up_gelu(xq, xs, fw, bias, True))},
+             "(served)", "ms": ms(lambda: fp8_up_gelu(xq, xs, fw, bias, True))},
             {"rows": r, "op": "ffn_up ... the same, each K step's product added in fp32",
              "ms": ms(lambda: triton_fp8_up_gelu(xq, xs, fw, bias, True, promote=True))},
+            {"rows": r, "op": "ffn_down FP8 GEMM, 1x128 / 128x128 block-scaled (served)",
+             "ms": ms(lambda: block_fp8_gemm(mq, ms_, w_blocks))},
             {"rows": r, "op": "ffn_down FP8 Triton GEMM, 1x128 input scales (baseline)",
              "ms": ms(lambda: triton_fp8_down(hq, hs, w_down))},
-            {"rows": r, "op": "ffn_down FP8 GEMM, rowwise (served)",
+            {"rows": r, "op": "ffn_down FP8 GEMM, rowwise (rowwise FFN)",
              "ms": ms(lambda: torch._scaled_mm(rq, w_down.q.t(), scale_a=rs,
                                                 scale_b=w_down.scale, out_dtype=torch.bfloat16))},
         ]  # fmt: skip
     except Exception as e:
         traceback.print_exc()
         error = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        return [{"rows": r, "op": "FFN with 1x128 scales (baseline)", "error": error}]
+        return [{"rows": r, "op": "FFN with 1x128 scales", "error": error}]
 
 
 def gelu_config_row(r: int, h, bias, rows: int, block: int, warps: int) -> dict:
     """The bias + GELU + quantise kernel at one config: whole rows (BLOCK_N >= N) or chunks."""
     import triton
 
-    from kernels._triton_gelu_fp8 import triton_gelu_fp8
+    from bench.baselines._triton_gelu_fp8 import triton_gelu_fp8
 
     config = triton.Config({"ROWS": rows, "BLOCK_N": block}, num_warps=warps)
     return {"rows": r, "op": f"gelu_fp8, ROWS {rows}, BLOCK_N {block}, {warps} warps",

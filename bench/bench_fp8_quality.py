@@ -1,8 +1,9 @@
 """FP8 variants on a trained model, side by side in one run: the served FP8 step, the same
 model in the served dtype, and bench variants of the FP8 FFN that the server cannot run
-(`bench/baselines/decode_variants.py`, `DecodeOptions.fp8_ffn`: `exp_tanh`, the GELU's
-tanh from exp as served until fb99ad5; `block_lt`, the 1 x 128 FFN), each decoding the
-same users (docs/FP8.md, "Quality on a trained model").
+(`bench/baselines/decode_variants.py`, `DecodeOptions.fp8_ffn`: `rowwise`, the FFN with
+rowwise scales served before the 1 x 128 one; `exp_tanh`, the GELU's tanh from exp;
+`promoted`, the up GEMM's sums in fp32), each decoding the same users (docs/FP8.md,
+"Quality on a trained model").
 
 `grace eval --fp8` compares served FP8 with the model's dtype only; this asks what a
 variant changes against served FP8 itself: every row after the first carries `vs_first`,
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cli.common import offline_kernels
 
-FFN_VARIANTS = ("exp_tanh", "block_lt", "block_lt_promoted", "block")
+FFN_VARIANTS = ("rowwise", "exp_tanh", "promoted", "triton_down")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "grace eval's sample with the same --seed)")  # fmt: skip
     ap.add_argument(
         "--variants",
-        default="exp_tanh,block_lt",
+        default="rowwise,exp_tanh",
         help=f"FP8 FFN variants, comma-separated, of {', '.join(FFN_VARIANTS)}",
     )
     ap.add_argument("--mode", choices=("cd_gtm", "cd_only"), default="cd_gtm")
@@ -69,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     offline_kernels(a.autotune)  # before the kernels are imported
-    if a.device == "cpu":  # the 1 x 128 FFN's Triton kernels, under the interpreter
+    if a.device == "cpu":  # the variants' Triton kernels, under the interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 

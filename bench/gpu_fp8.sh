@@ -2,19 +2,17 @@
 # The opt-in FP8 step on the lent H200 (docs/FP8.md), in one device call; wheels from
 # bench/fetch_gpu_wheels.sh, `. bench/gpu_env.sh` first:
 #   1. the FP8 pieces' GPU tests (cuBLASLt's FP8 GEMM, the LayerNorm, bias + GELU and
-#      self-attention kernels compiled at the paper's widths), the workers' GPU tests
+#      self-attention kernels and the FFN's up GEMM compiled at the paper's widths), the workers' GPU tests
 #      (the start gate, SIGUSR1 dumps through MPS) and the stack-dump guard after a cold
 #      Triton compile (tests/service/test_stackdump.py);
 #   2. the FP8 pieces against the bf16 ops they replace (bench/bench_fp8_gemm.py);
 #   3. the decode loop at the paper's shape: the served bf16 row beside the served engine
 #      with FP8 on, one run (bench/bench_decoder_loop.py, `graph_fp8`), with their SID
 #      overlap on random weights, and both engines' kernel traces (--trace); the FP8 step
-#      with the GELU's tanh from exp instead of tanh.approx.f32 (`graph_fp8_exp_tanh`).
-#      The 1 x 128 FFN row with cuBLASLt's block-scaled down GEMM (`graph_fp8_block_lt`,
-#      bench/baselines/_triton_fp8_ffn.py) runs beside them (docs/FP8.md: 0.2 ms slower
-#      than the served FP8 row, not served; `graph_fp8_block`, its Triton down GEMM, is
-#      slower still), and the same pair with the up GEMM's K steps added in fp32
-#      (`graph_fp8_block_lt_promoted`: what cuBLASLt's accumulation costs it).
+#      with the GELU's tanh from exp instead of tanh.approx.f32 (`graph_fp8_exp_tanh`),
+#      the rowwise FFN served before the 1 x 128 one (`graph_fp8_rowwise`) and the up
+#      GEMM with its K steps added in fp32 (`graph_fp8_promoted`: what cuBLASLt's
+#      accumulation would cost it).
 #   4. (only when asked: STEPS="ncu") Nsight Compute on the FP8 loop's kernels that are not
 #      cuBLASLt GEMMs (bias + GELU, LayerNorm, quantise, self-attention, the Triton up
 #      GEMM): DRAM, SM and issue utilisation per kernel and shape (bench/summarize_ncu.py),
@@ -33,8 +31,8 @@ mkdir -p "$OUT"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has tests; then
 python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_layer_norm.py \
-    tests/kernels/test_gelu_fp8.py tests/kernels/test_self_attention.py \
-    tests/bench/test_fp8_ffn_baseline.py tests/bench/test_decode_variants.py \
+    tests/kernels/test_fp8_ffn.py tests/kernels/test_self_attention.py \
+    tests/bench/test_gelu_fp8_rows.py tests/bench/test_fp8_ffn_baseline.py tests/bench/test_decode_variants.py \
     tests/service/decode/test_step.py \
     tests/service/test_workers.py tests/service/test_stackdump.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -60  # all of it kept
 python3 -m pytest -q tests/kernels/test_jit_globals.py 2>&1 | tail -3 | tee -a "$OUT/gpu_tests.txt"
@@ -43,12 +41,12 @@ if has gemm; then
 python3 bench/bench_fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" 2>&1 | tail -30
 fi
 if has loop; then
-python3 bench/bench_decoder_loop.py --rows graph_advance,graph_fp8,graph_fp8_exp_tanh,graph_fp8_block_lt,graph_fp8_block_lt_promoted --no-full \
+python3 bench/bench_decoder_loop.py --rows graph_advance,graph_fp8,graph_fp8_rowwise,graph_fp8_exp_tanh,graph_fp8_promoted --no-full \
     --trace --out "$OUT/decoder_loop_fp8.json" 2>&1 | tail -90
 fi
 if has ncu; then
 # one ncu run per row: -c counts launches from the start, warm-up included
-for row in graph_fp8 graph_fp8_block_lt; do
+for row in graph_fp8 graph_fp8_rowwise; do
 NCU=(ncu --clock-control none -k 'regex:^_(gelu_fp8|layer_norm|quantize|self_attn|fp8_up_gelu)_kernel'
      -c 300 --section SpeedOfLight --section Occupancy --section LaunchStats
      --section SchedulerStats --section ComputeWorkloadAnalysis --csv --page details

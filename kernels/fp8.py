@@ -10,14 +10,18 @@ x ≈ q · scale row by row, with q = x · (1 / scale) rounded to nearest-even o
 clamped to ±448 (e4m3's largest finite value), so no value saturates to NaN; a row of
 zeros gets scale 1. The LayerNorm kernel quantises its own output the same way
 (`kernels.layer_norm.add_layer_norm_fp8`), so the QKV, cross-attention query and FFN up
-projections read FP8 straight from it (`fp8_gemm`), and so does the FFN down projection
-from the bias + GELU kernel (`kernels.gelu_fp8`), and the self-attention output
+projections read FP8 straight from it (`fp8_gemm`), and so does the self-attention output
 projection from the self-attention kernel (`kernels.self_attention`, `fp8_out`); the
 cross-attention output is still quantised here, in a pass of its own (`fp8_matmul`; on
 CUDA one Triton kernel, `_triton_fp8.triton_quantize_rows`). The same
 `torch._scaled_mm` call runs on CPU (the numerics CI checks) and on CUDA (cuBLASLt FP8 on
 Hopper); a K or N that is not a multiple of 16 (which cuBLASLt refuses) takes the
 reference: the same quantised numbers multiplied in fp32.
+
+The FFN's down projection reads finer scales, one per row and 128 columns, which its
+producer takes inside the up GEMM's epilogue (`kernels.fp8_ffn`): `quantize_row_blocks`
+is that layout's reference, `Fp8BlockWeight` the down weight with one scale per 128 x 128
+block, and `block_fp8_gemm` their product (cuBLASLt's block-scaled GEMM on CUDA).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 try:
     from kernels._triton_fp8 import MAX_K, triton_quantize_rows
@@ -35,6 +40,11 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _ALIGN = 16  # cuBLASLt FP8: K and N multiples of 16 (any row count)
 _TINY = torch.finfo(torch.float32).tiny  # the smallest normal fp32
+SCALE_BLOCK = 128  # the FFN down projection's scales: 1 x 128 (input), 128 x 128 (weight)
+# cuBLASLt's block-scaled GEMM takes row counts in multiples of this: on the H200 it ran
+# 4, 8, 12, 16 and 24 rows and refused 1, 2, 3 and 6 (step 0 of a small batch), so such
+# counts are padded with zero rows
+BLOCK_GEMM_ROWS = 4
 
 
 def check_fp8_device(device: torch.device) -> None:
@@ -128,3 +138,75 @@ def fp8_matmul_reference(
 
 def _reference(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     return (xq.float() * xs) @ w.dequantized().t()
+
+
+def _blocks(n: int) -> int:
+    return -(-n // SCALE_BLOCK)
+
+
+def quantize_row_blocks(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """y [R, N] -> (e4m3 [R, N], fp32 scales [R, ceil(N / 128)]): `quantize_rows` of each
+    row's 128-column blocks (the last one may be short), the layout the FFN's up kernel
+    writes (`kernels.fp8_ffn`)."""
+    r, n = y.shape
+    nb = _blocks(n)
+    padded = F.pad(y, (0, nb * SCALE_BLOCK - n)).reshape(r * nb, SCALE_BLOCK)
+    q, s = quantize_rows(padded)
+    return q.reshape(r, nb * SCALE_BLOCK)[:, :n].contiguous(), s.reshape(r, nb)
+
+
+@dataclass(frozen=True)
+class Fp8BlockWeight:
+    """A linear layer's weight [N, K] in e4m3 with one fp32 scale per 128 x 128 block (the
+    last row or column of blocks may be short): the FFN down projection's."""
+
+    q: torch.Tensor  # e4m3 [N, K], row-major
+    scale: torch.Tensor  # fp32 [ceil(N / 128), ceil(K / 128)], row-major
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> Fp8BlockWeight:
+        """Each block quantised on its own (`quantize_rows` of its values; zero padding
+        to whole blocks does not move an amax)."""
+        n, k = weight.shape
+        nb, kb = _blocks(n), _blocks(k)
+        w = F.pad(weight.detach(), (0, kb * SCALE_BLOCK - k, 0, nb * SCALE_BLOCK - n))
+        blocks = w.reshape(nb, SCALE_BLOCK, kb, SCALE_BLOCK).transpose(1, 2)
+        q, s = quantize_rows(blocks.reshape(nb * kb, SCALE_BLOCK * SCALE_BLOCK))
+        q = q.view(torch.uint8).reshape(nb, kb, SCALE_BLOCK, SCALE_BLOCK).transpose(1, 2)
+        q = q.reshape(nb * SCALE_BLOCK, kb * SCALE_BLOCK)[:n, :k]
+        return cls(q.contiguous().view(E4M3), s.reshape(nb, kb).contiguous())
+
+    def dequantized(self) -> torch.Tensor:  # fp32 [N, K]
+        n, k = self.q.shape
+        s = self.scale.repeat_interleave(SCALE_BLOCK, 0).repeat_interleave(SCALE_BLOCK, 1)
+        return self.q.float() * s[:n, :k]
+
+
+def block_fp8_gemm(
+    hq: torch.Tensor,  # e4m3 [R, K]
+    hs: torch.Tensor,  # fp32 [R, ceil(K / 128)]: one scale per row and 128 columns
+    w: Fp8BlockWeight,  # [N, K]
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:  # [R, N]
+    """(hq · hs per 1 x 128) @ (w.q · w.scale per 128 x 128).T: cuBLASLt's block-scaled
+    GEMM on CUDA where N and K are whole blocks (its input scales M-major, strides
+    (1, R); the weight's the transpose of the row-major grid, as ATen's check asks), else
+    `block_fp8_reference`."""
+    n, k = w.q.shape
+    if not hq.is_cuda or n % SCALE_BLOCK or k % SCALE_BLOCK:
+        return block_fp8_reference(hq, hs, w).to(out_dtype)
+    r = hq.shape[0]
+    pad = -r % BLOCK_GEMM_ROWS
+    if pad:  # step 0 of a small batch: cuBLASLt has no block-scaled kernel for it
+        hq = F.pad(hq.view(torch.uint8), (0, 0, 0, pad)).view(E4M3)
+        hs = F.pad(hs, (0, 0, 0, pad), value=1.0)
+    if hs.stride(0) != 1:  # the up kernel writes them M-major already
+        hs = hs.t().contiguous().t()
+    out = torch._scaled_mm(hq, w.q.t(), scale_a=hs, scale_b=w.scale.t(), out_dtype=out_dtype)
+    return out[:r] if pad else out
+
+
+def block_fp8_reference(hq: torch.Tensor, hs: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
+    """What `block_fp8_gemm` computes, in fp32 from the dequantised operands."""
+    k = hq.shape[1]
+    return (hq.float() * hs.repeat_interleave(SCALE_BLOCK, 1)[:, :k]) @ w.dequantized().t()

@@ -7,8 +7,8 @@ seams the options touch replaced: the per-beam cross-attention layout, torch SDP
 gather + attend self-attention, the dense KV cache, fixed beam widths, no mask, bitmask-only
 GTM, eager (uncaptured) plans, the layer-by-layer decoder step, the unfused mask tail,
 a different stream split, the Triton GELU GEMM, the bookkeeping as torch launches or
-through torch.compile, and (with FP8) the FFN with 1 x 128 activation scales (its down
-GEMM in Triton, or cuBLASLt's block-scaled one).
+through torch.compile, and (with FP8) other forms of the FP8 FFN: the rowwise one served
+before, the GELU's tanh from exp, the down GEMM in Triton, the up GEMM's sums promoted.
 """
 
 from __future__ import annotations
@@ -17,32 +17,22 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.baselines._triton_fp8_ffn import (
-    block_fp8_down,
-    quantize_weight_blocks,
-    triton_fp8_down,
-    triton_fp8_up_gelu,
-)
+from bench.baselines._triton_fp8_down import triton_fp8_down
 from bench.baselines.cross_attention import cross_attention_per_beam
+from bench.baselines.gelu_fp8 import gelu_fp8
 from bench.baselines.gelu_linear import gelu_linear_triton
 from bench.baselines.kv_cache import ATTENTION_MODES, DenseKVCache, GatherPagedKVCache
 from contracts.request import FilterMode
-from kernels._triton_gelu_fp8 import triton_gelu_fp8
+from kernels._triton_fp8_ffn import triton_fp8_up_gelu
 from kernels.beam_advance import beam_advance_reference
 from kernels.cross_attention import cross_attention
-from kernels.fp8 import fp8_gemm
+from kernels.fp8 import Fp8Weight, block_fp8_gemm, fp8_gemm
 from kernels.gtm_mask import bitmask_only, candidates, masked_candidates, masked_logits
 from kernels.layer_norm import add_layer_norm_fp8, layer_norm
 from service.decode.engine import DecodeEngine
 from service.decode.step import DecoderStep
 
-FP8_FFNS = (
-    "rowwise",
-    "exp_tanh",
-    "block",
-    "block_lt",
-    "block_lt_promoted",
-)  # DecodeOptions.fp8_ffn
+FP8_FFNS = ("block", "rowwise", "exp_tanh", "triton_down", "promoted")  # DecodeOptions.fp8_ffn
 
 
 @dataclass(frozen=True)
@@ -66,14 +56,14 @@ class DecodeOptions:
     # reference, ~10 launches), "compiled" (the reference through torch.compile)
     advance: str = "kernel"
     fp8: bool = False  # the served step's linear layers in FP8 (setting dtype = fp8)
-    # with fp8: "rowwise" (served), "exp_tanh": the served FFN, its bias + GELU kernel taking
-    # tanh from exp and a division, not tanh.approx.f32 (`hw_tanh=False`), "block":
-    # the FFN with 1 x 128 activation scales, its
-    # bias + GELU + quantisation in the up GEMM's epilogue (bench/baselines/_triton_fp8_ffn.py)
-    # and the Triton down GEMM; "block_lt": that up GEMM, the down one cuBLASLt's
-    # block-scaled GEMM (128 x 128 weight scales); "block_lt_promoted": the same with the up
-    # GEMM adding each K step's product in fp32 (`promote`, cuBLASLt's accumulation)
-    fp8_ffn: str = "rowwise"
+    # with fp8: "block" (served: bias + GELU + 1 x 128 quantisation in the up GEMM's
+    # epilogue, cuBLASLt's block-scaled down GEMM); "rowwise": served until then, both
+    # GEMMs cuBLASLt's rowwise ones with a bias + GELU + per-row quantise pass between
+    # (bench/baselines/gelu_fp8.py); "exp_tanh": the served FFN, the GELU's tanh from exp
+    # and a division, not tanh.approx.f32; "triton_down": the served up GEMM, the down one
+    # in Triton (bench/baselines/_triton_fp8_down.py); "promoted": the served FFN with the
+    # up GEMM adding each K step's product in fp32 (`promote`, cuBLASLt's accumulation)
+    fp8_ffn: str = "block"
 
     def __post_init__(self) -> None:
         for name, value, known in (
@@ -86,7 +76,7 @@ class DecodeOptions:
         ):
             if value not in known:
                 raise ValueError(f"{name} must be one of {known}, got {value!r}")
-        if self.fp8_ffn != "rowwise" and not (self.fp8 and self.fused_layers):
+        if self.fp8_ffn != "block" and not (self.fp8 and self.fused_layers):
             raise ValueError("fp8_ffn applies to the fused FP8 step: set fp8 (and fused_layers)")
 
 
@@ -96,10 +86,10 @@ class VariantStep(DecoderStep):
     def __init__(self, decoder, options: DecodeOptions) -> None:
         super().__init__(decoder, fp8=options.fp8)
         self.options = options
-        # block_lt: each layer's FFN down weight in 128 x 128 blocks, quantised once here
-        self.down_blocks = [
-            quantize_weight_blocks(layer.ffn_down.weight)
-            for layer in (decoder.layers if options.fp8_ffn.startswith("block_lt") else ())
+        # rowwise, triton_down: each layer's FFN down weight per output channel, once here
+        self.down_rows = [
+            Fp8Weight.of(layer.ffn_down.weight)
+            for layer in (decoder.layers if options.fp8_ffn in ("rowwise", "triton_down") else ())
         ]
 
     def attend_first(self, cache, t, tokens):
@@ -118,23 +108,22 @@ class VariantStep(DecoderStep):
         return super().ffn_up(x, layer, shift)
 
     def ffn_fp8(self, x, pending, i, layer, shift):
-        if self.options.fp8_ffn == "rowwise":
+        ffn = self.options.fp8_ffn
+        if ffn == "block":
             return super().ffn_fp8(x, pending, i, layer, shift)
         assert self.fp8 is not None
         n, tanh = layer.norm_ffn, self.decoder.config.ffn_activation == "gelu_tanh"
         x, q, scale = add_layer_norm_fp8(x, pending, n.weight, n.bias, n.eps, shift)
-        if self.options.fp8_ffn == "exp_tanh":  # the served FFN but for the GELU's tanh
-            h = fp8_gemm(q, scale, self.fp8[i]["ffn_up"], x.dtype)
-            hq, hs = triton_gelu_fp8(h, layer.ffn_up.bias, tanh, hw_tanh=False)
-            return x, fp8_gemm(hq, hs, self.fp8[i]["ffn_down"], x.dtype)
-        lt = self.options.fp8_ffn.startswith("block_lt")
-        promote = self.options.fp8_ffn == "block_lt_promoted"
         up = self.fp8[i]["ffn_up"]
-        hq, hs = triton_fp8_up_gelu(q, scale, up, layer.ffn_up.bias, tanh, m_major=lt,
-                                    promote=promote)  # fmt: skip
-        if lt:
-            return x, block_fp8_down(hq, hs, *self.down_blocks[i], x.dtype)
-        return x, triton_fp8_down(hq, hs, self.fp8[i]["ffn_down"], x.dtype)
+        if ffn == "rowwise":  # rowwise up GEMM, bias + GELU + per-row quantise, rowwise down
+            hq, hs = gelu_fp8(fp8_gemm(q, scale, up, x.dtype), layer.ffn_up.bias, tanh)
+            return x, fp8_gemm(hq, hs, self.down_rows[i], x.dtype)
+        hq, hs = triton_fp8_up_gelu(q, scale, up, layer.ffn_up.bias, tanh,
+                                    m_major=ffn != "triton_down", promote=ffn == "promoted",
+                                    hw_tanh=False if ffn == "exp_tanh" else None)  # fmt: skip
+        if ffn == "triton_down":
+            return x, triton_fp8_down(hq, hs, self.down_rows[i], x.dtype)
+        return x, block_fp8_gemm(hq, hs, self.fp8_down[i], x.dtype)
 
 
 class LayerByLayerStep:

@@ -21,7 +21,9 @@ activations (docs/ARCHITECTURE.md §7, "fewer kernels per step"):
 
 With `fp8=True` the linear layers of the loop (QKV of layers >= 1, both attention output
 projections, the cross-attention query, the FFN) multiply in FP8 e4m3 (`kernels.fp8`:
-weights quantised once here per output channel, activations per row at each call); the
+weights quantised once here per output channel, activations per row at each call; the
+FFN's hidden activation per 128 columns by the up GEMM's epilogue, `kernels.fp8_ffn`,
+for a down GEMM whose weight has one scale per 128 x 128 block); the
 layer-0 table, the cross K/V, the LayerNorms, the residual stream and the logits head stay
 in the model's dtype. An FP8 GEMM cannot add into the stream (`torch._scaled_mm` has no
 `beta`), so each output projection is handed on as a pending `residual`, and the
@@ -44,15 +46,23 @@ import torch
 from torch import nn
 
 from kernels.cross_attention import cross_attention
-from kernels.fp8 import Fp8Weight, check_fp8_device, fp8_gemm, fp8_matmul
-from kernels.gelu_fp8 import gelu_fp8
+from kernels.fp8 import (
+    Fp8BlockWeight,
+    Fp8Weight,
+    block_fp8_gemm,
+    check_fp8_device,
+    fp8_gemm,
+    fp8_matmul,
+)
+from kernels.fp8_ffn import fp8_up_gelu
 from kernels.gelu_linear import gelu_linear
 from kernels.layer_norm import add_layer_norm_fp8, layer_norm
 from service.decode.kv_cache import PagedKVCache
 from service.model.decoder import CrossKV, DecoderLayer, SIDDecoder
 
-# the linear layers an FP8 step multiplies in e4m3 (layer 0's QKV is the table: never)
-_FP8_LINEARS = ("qkv", "self_out", "cross_q", "cross_out", "ffn_up", "ffn_down")
+# the linear layers an FP8 step multiplies in e4m3 with rowwise scales (layer 0's QKV is
+# the table: never); the FFN down projection's weight is quantised in 128 x 128 blocks
+_FP8_LINEARS = ("qkv", "self_out", "cross_q", "cross_out", "ffn_up")
 
 
 def _ln(
@@ -77,6 +87,7 @@ class DecoderStep:
         self.decoder = decoder
         # per layer, the FP8 weights of its linear layers by name (None: the model's dtype)
         self.fp8: list[dict[str, Fp8Weight]] | None = None
+        self.fp8_down: list[Fp8BlockWeight] = []  # per layer, the FFN down weight's blocks
         if fp8:
             check_fp8_device(decoder.tok_emb.device)
             self.fp8 = [
@@ -84,6 +95,7 @@ class DecoderStep:
                  if not (i == 0 and n == "qkv")}  # layer 0's QKV is the table above
                 for i, layer in enumerate(decoder.layers)
             ]  # fmt: skip
+            self.fp8_down = [Fp8BlockWeight.of(layer.ffn_down.weight) for layer in decoder.layers]
         c = decoder.config
         first = decoder.layers[0]
         # [sid_length, vocab + 1, 3·H·d_h]: layer 0's QKV for every (position, token)
@@ -129,15 +141,15 @@ class DecoderStep:
         shift: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + pending, the FFN's output) in FP8: the LayerNorm kernel adds the pending
-        projection and quantises the up projection's input, one kernel adds its bias,
-        applies GELU and quantises the down projection's input. The FFN's output is
+        projection and quantises the up projection's input; the up GEMM adds its bias,
+        applies GELU and quantises the down projection's input per 128 columns in its
+        epilogue (`kernels.fp8_ffn`); the down GEMM is block-scaled. The FFN's output is
         pending in turn, its bias in the next LN's shift."""
         assert self.fp8 is not None
-        n = layer.norm_ffn
+        n, tanh = layer.norm_ffn, self.decoder.config.ffn_activation == "gelu_tanh"
         x, q, scale = add_layer_norm_fp8(x, pending, n.weight, n.bias, n.eps, shift)
-        h = fp8_gemm(q, scale, self.fp8[i]["ffn_up"], x.dtype)
-        q, scale = gelu_fp8(h, layer.ffn_up.bias, self.decoder.config.ffn_activation == "gelu_tanh")
-        return x, fp8_gemm(q, scale, self.fp8[i]["ffn_down"], x.dtype)
+        hq, hs = fp8_up_gelu(q, scale, self.fp8[i]["ffn_up"], layer.ffn_up.bias, tanh)
+        return x, block_fp8_gemm(hq, hs, self.fp8_down[i], x.dtype)
 
     def normed_linear(
         self,

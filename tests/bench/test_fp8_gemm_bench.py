@@ -1,6 +1,7 @@
 """The block-scaled operands of bench/bench_fp8_gemm.py's `fp8_blockwise` probe: one scale
 per 1 x 128 block of the input and per 128 x 128 block of the weight, in the layouts
-`block_fp8_down` hands `torch._scaled_mm` ([R, K/128] M-major, [N/128, K/128] row-major)."""
+`kernels.fp8.block_fp8_gemm` hands `torch._scaled_mm` ([R, K/128] M-major, [N/128, K/128]
+row-major)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def test_each_block_has_its_own_scale_and_dequantises_within_half_a_step() -> No
     x[0, :128] *= 100  # one loud block: only its own scale grows
     w = torch.randn(384, 256, generator=g)
     w[128:256, 128:] *= 0.01  # one quiet block of the weight
-    xq, xs, wq, ws = blockwise_operands(x, w)
+    xq, xs, wb = blockwise_operands(x, w)
+    wq, ws = wb.q, wb.scale
     assert xs.shape == (4, 2) and ws.shape == (3, 2)
     assert xs.stride() == (1, 4)  # ATen's 1 x 128 check: M-major
     assert ws.stride() == (2, 1)  # its 128 x 128 check (of ws.t()): row-major [N/128, K/128]

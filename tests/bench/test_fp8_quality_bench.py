@@ -39,11 +39,11 @@ def test_rows_compare_each_variant_with_served_fp8_and_the_models_dtype(inputs, 
             "--resamples", "50", "--no-progress", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["figures"]["variants"]}
-    assert list(rows) == ["cd_gtm_fp8", "cd_gtm", "cd_gtm_fp8_exp_tanh", "cd_gtm_fp8_block_lt"]
+    assert list(rows) == ["cd_gtm_fp8", "cd_gtm", "cd_gtm_fp8_rowwise", "cd_gtm_fp8_exp_tanh"]
     assert all(r["users"] == 24 and r["ineligible_returned"] == 0 for r in rows.values())
-    for name in ("cd_gtm", "cd_gtm_fp8_exp_tanh", "cd_gtm_fp8_block_lt"):
+    for name in ("cd_gtm", "cd_gtm_fp8_rowwise", "cd_gtm_fp8_exp_tanh"):
         assert rows[name]["vs_first"]["variant"] == "cd_gtm_fp8"
-    for name in ("cd_gtm_fp8", "cd_gtm_fp8_exp_tanh", "cd_gtm_fp8_block_lt"):
+    for name in ("cd_gtm_fp8", "cd_gtm_fp8_rowwise", "cd_gtm_fp8_exp_tanh"):
         full = rows[name]["vs_full_precision"]
         assert full["variant"] == "cd_gtm"
         assert all(0 < v["mean"] <= 1 for v in full["sid_overlap"].values())
@@ -51,7 +51,7 @@ def test_rows_compare_each_variant_with_served_fp8_and_the_models_dtype(inputs, 
         d = rows["cd_gtm_fp8_exp_tanh"]["vs_first"][m]
         assert d["lo"] <= d["mean"] <= d["hi"] and isinstance(d["resolved"], bool)
     printed = capsys.readouterr().out
-    assert "cd_gtm_fp8_block_lt" in printed and "SIDs kept" in printed
+    assert "cd_gtm_fp8_rowwise" in printed and "SIDs kept" in printed
 
 
 def test_each_variant_decodes_with_its_own_engine(inputs, monkeypatch) -> None:
@@ -91,4 +91,4 @@ def test_an_unknown_variant_is_one_line_naming_the_choices(capsys) -> None:
         main(["--world", "w", "--index", "i", "--model", "m", "--variants", "exp_tanh,fast"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "unknown --variants fast" in err and "block_lt" in err
+    assert "unknown --variants fast" in err and "triton_down" in err

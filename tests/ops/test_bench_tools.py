@@ -124,13 +124,8 @@ def test_decoder_loop_final_row_is_the_served_configuration() -> None:
     assert rows["graph_tail"] == dataclasses.replace(DecodeOptions(), advance="eager")
     assert rows["graph_compiled"] == dataclasses.replace(DecodeOptions(), advance="compiled")
     assert rows["graph_fp8"] == dataclasses.replace(DecodeOptions(), fp8=True)  # the served one
-    assert rows["graph_fp8_block"] == dataclasses.replace(rows["graph_fp8"], fp8_ffn="block")
-    exp_tanh = dataclasses.replace(rows["graph_fp8"], fp8_ffn="exp_tanh")
-    assert rows["graph_fp8_exp_tanh"] == exp_tanh
-    lt = dataclasses.replace(rows["graph_fp8"], fp8_ffn="block_lt")
-    assert rows["graph_fp8_block_lt"] == lt
-    promoted = dataclasses.replace(rows["graph_fp8"], fp8_ffn="block_lt_promoted")
-    assert rows["graph_fp8_block_lt_promoted"] == promoted
+    for ffn in ("rowwise", "exp_tanh", "triton_down", "promoted"):  # one switch each
+        assert rows[f"graph_fp8_{ffn}"] == dataclasses.replace(rows["graph_fp8"], fp8_ffn=ffn)
 
 
 def test_decoder_loop_fp8_row_runs_the_served_engine_in_fp8() -> None:
@@ -147,8 +142,8 @@ def test_decoder_loop_fp8_row_runs_the_served_engine_in_fp8() -> None:
     bound = Bound(model, index, rows["graph_fp8"], 2)
     assert type(bound.engine) is DecodeEngine and bound.engine.step.fp8 is not None
     assert Bound(model, index, rows[FINAL_ROW], 2).engine.step.fp8 is None
-    block = Bound(model, index, rows["graph_fp8_block"], 2).engine  # the 1 x 128 FFN variant
-    assert type(block) is VariantEngine and block.step.fp8 is not None
+    rowwise = Bound(model, index, rows["graph_fp8_rowwise"], 2).engine  # not the served FFN
+    assert type(rowwise) is VariantEngine and rowwise.step.fp8 is not None
 
 
 def test_model_swap_summary_times_the_swap_and_lays_out_each_second() -> None:

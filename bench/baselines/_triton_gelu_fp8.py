@@ -1,7 +1,9 @@
-"""Triton bias + GELU + FP8 quantisation, one pass: the GPU fast path behind
-`kernels.gelu_fp8.gelu_fp8` (pipeline stage 3, the FP8 decoder step's FFN).
+"""Baseline (not served): Triton bias + GELU + per-row FP8 quantisation, one pass, behind
+`bench.baselines.gelu_fp8.gelu_fp8`: the FP8 step's FFN middle as served until the up
+GEMM took it into its epilogue (`kernels._triton_fp8_ffn`; DecodeOptions.fp8_ffn
+"rowwise", docs/FP8.md).
 
-In the FP8 step the FFN up projection is one FP8 GEMM without its bias; this kernel
+In that FFN the up projection is one rowwise FP8 GEMM without its bias; this kernel
 reads that [R, N] output once, adds the bias, applies the model's GELU (tanh or erf),
 and writes what the down projection's FP8 GEMM reads: each row divided by its scale
 (its amax / 448; 1 for a zero row, never below the smallest normal fp32), clamped to
@@ -22,11 +24,10 @@ import triton
 import triton.language as tl
 
 from kernels._triton_fp8 import empty_fp8_rows, fp8_row_scale, fp8_scaled, quantize_rows_fp8
+from kernels._triton_fp8_ffn import _gelu
 from kernels._tuning import AUTOTUNE, INTERPRET
 
 MAX_N = 16384  # the widest row the launcher takes
-SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # jit globals must be constexpr
-SQRT_HALF = tl.constexpr(0.7071067811865476)
 
 
 def _configs(n: int) -> list[triton.Config]:
@@ -42,24 +43,6 @@ def _configs(n: int) -> list[triton.Config]:
             for block in (1024, 2048) if block < whole
             for rows in (1, 2, 4) for w in (4, 8)]  # fmt: skip
     return out
-
-
-@triton.jit
-def _gelu(h, bias, TANH: tl.constexpr, HW_TANH: tl.constexpr):
-    """The model's GELU of h + bias in fp32. HW_TANH (with TANH, GPU only; served): tanh
-    by the hardware's `tanh.approx.f32`, one instruction for an exp and a division,
-    relative error about 2^-11, below the bf16 input's own rounding (2^-9) and far below
-    the e4m3 step of 2^-3 the result is rounded to."""
-    x = h.to(tl.float32) + bias.to(tl.float32)[None, :]
-    if TANH:  # 0.5 x (1 + tanh(u)); tanh(|u| > 20) is ±1 in fp32, and exp never overflows
-        u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
-        if HW_TANH:
-            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u],
-                                          dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
-            return 0.5 * x * (1.0 + t)
-        t = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.abs(u), 20.0)) + 1.0)
-        return 0.5 * x * (1.0 + tl.where(u < 0, -t, t))
-    return 0.5 * x * (1.0 + tl.erf(x * SQRT_HALF))
 
 
 @triton.jit

@@ -1,6 +1,7 @@
-"""The FP8 FFN's middle (kernels/gelu_fp8.py): bias + GELU + per-row e4m3 quantisation
-in one Triton pass, against the torch reference. On CPU the kernel runs under
-TRITON_INTERPRET=1 with torch's float32 -> e4m3 cast (tests/helpers/triton_fp8.py)."""
+"""The rowwise FP8 FFN's middle (bench/baselines/gelu_fp8.py, served before the 1 x 128 FFN):
+bias + GELU + per-row e4m3 quantisation in one Triton pass, against the torch reference. On
+CPU the kernel runs under TRITON_INTERPRET=1 with torch's float32 -> e4m3 cast
+(tests/helpers/triton_fp8.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels._triton_gelu_fp8 import triton_gelu_fp8
+from bench.baselines._triton_gelu_fp8 import triton_gelu_fp8
+from bench.baselines.gelu_fp8 import gelu_fp8, gelu_fp8_reference
 from kernels.fp8 import quantize_rows
-from kernels.gelu_fp8 import gelu_fp8, gelu_fp8_reference
 from tests.helpers.fp8_codes import assert_codes_close, e4m3_ordinals
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")

@@ -1,0 +1,46 @@
+"""The FP8 decoder step's FFN (`service/decode/step.py`, pipeline stage 3; docs/FP8.md):
+
+    LN kernel ─► e4m3 x + row scales ─► `fp8_up_gelu` ─► e4m3 h + 1 x 128 scales
+              ─► `kernels.fp8.block_fp8_gemm` (128 x 128 weight scales) ─► bf16 out
+
+`fp8_up_gelu` is the up projection with its bias, the model's GELU and the quantisation
+of its output in one kernel (`_triton_fp8_ffn`: the GEMM's epilogue, one scale per row
+and 128 columns, written M-major for cuBLASLt) on CUDA; elsewhere (CPU serving and the
+tests' oracle) `fp8_up_gelu_reference`: the fp32 product of the dequantised operands,
+torch's GELU, `kernels.fp8.quantize_row_blocks`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.fp8 import Fp8Weight, quantize_row_blocks
+
+try:
+    from kernels._triton_fp8_ffn import triton_fp8_up_gelu
+except ImportError:  # no triton on this machine: the reference serves every call
+    triton_fp8_up_gelu = None
+
+
+def fp8_up_gelu(
+    xq: torch.Tensor,  # e4m3 [R, K]: the LayerNorm kernel's output
+    xs: torch.Tensor,  # fp32 [R, 1]
+    w: Fp8Weight,  # the up projection's weight [N, K]
+    bias: torch.Tensor,  # [N]
+    tanh: bool,  # the model's activation: tanh-approximated GELU, else erf GELU
+) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, N], fp32 [R, ceil(N / 128)]
+    """GELU((xq · xs) @ w.T + bias), quantised per row and 128 columns. On a GPU the GEMM
+    chains its FP8 products in the tensor cores' precision and the tanh GELU takes tanh
+    from `tanh.approx.f32` (docs/FP8.md measures both on a trained model)."""
+    if triton_fp8_up_gelu is not None and xq.is_cuda and xq.stride(-1) == 1:
+        return triton_fp8_up_gelu(xq, xs, w, bias, tanh, m_major=True)
+    return fp8_up_gelu_reference(xq, xs, w, bias, tanh)
+
+
+def fp8_up_gelu_reference(
+    xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, bias: torch.Tensor, tanh: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `fp8_up_gelu` computes, in fp32 from the dequantised operands."""
+    y = (xq.float() * xs) @ w.dequantized().t() + bias.float()
+    return quantize_row_blocks(F.gelu(y, approximate="tanh" if tanh else "none"))
