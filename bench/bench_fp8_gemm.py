@@ -198,14 +198,14 @@ def ffn_rows(r: int, xq, xs, fw: Fp8Weight, bias, d_model: int, d_ff: int) -> li
     rq, rs = quantize_rows(torch.randn(r, d_ff, device=DEVICE, dtype=torch.bfloat16))
     try:  # a kernel that does not compile here must not cost the rest of the table
         hq, hs = triton_fp8_up_gelu(xq, xs, fw, bias, True)
-        mq, ms_ = fp8_up_gelu(xq, xs, fw, bias, True)  # M-major scales, as served
+        mq, mqs = fp8_up_gelu(xq, xs, fw, bias, True)  # M-major scales, as served
         return [
             {"rows": r, "op": "ffn_up FP8 Triton GEMM + bias + GELU + 1x128 quantise epilogue "
              "(served)", "ms": ms(lambda: fp8_up_gelu(xq, xs, fw, bias, True))},
             {"rows": r, "op": "ffn_up ... the same, each K step's product added in fp32",
              "ms": ms(lambda: triton_fp8_up_gelu(xq, xs, fw, bias, True, promote=True))},
             {"rows": r, "op": "ffn_down FP8 GEMM, 1x128 / 128x128 block-scaled (served)",
-             "ms": ms(lambda: block_fp8_gemm(mq, ms_, w_blocks))},
+             "ms": ms(lambda: block_fp8_gemm(mq, mqs, w_blocks))},
             {"rows": r, "op": "ffn_down FP8 Triton GEMM, 1x128 input scales (baseline)",
              "ms": ms(lambda: triton_fp8_down(hq, hs, w_down))},
             {"rows": r, "op": "ffn_down FP8 GEMM, rowwise (rowwise FFN)",
