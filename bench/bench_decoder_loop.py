@@ -150,6 +150,13 @@ def _rows() -> list[tuple[str, str, DecodeOptions, FilterMode]]:
             {"fp8": True, "fp8_ffn": "promoted"},
             GTM,
         ),
+        # ... with the up GEMM one program per tile, loading by pointers (not persistent)
+        (
+            "graph_fp8_pointer_up",
+            "final, FP8, up GEMM not persistent",
+            {"fp8": True, "fp8_ffn": "pointer_up"},
+            GTM,
+        ),
     ]
     out, options = [], NAIVE
     for key, label, change, mode in steps:
@@ -164,7 +171,7 @@ ROWS = _rows()
 FINAL_ROW = "graph_advance"  # the served configuration; rows after it are comparisons
 # the FP8 rows whose FFN is not the served one: SIDs compared with graph_fp8's, traced eagerly
 FP8_VARIANT_ROWS = ("graph_fp8_rowwise", "graph_fp8_exp_tanh", "graph_fp8_triton_down",
-                    "graph_fp8_promoted")  # fmt: skip
+                    "graph_fp8_promoted", "graph_fp8_pointer_up")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- inputs

@@ -214,8 +214,57 @@ def ffn_rows(r: int, xq, xs, fw: Fp8Weight, bias, d_model: int, d_ff: int) -> li
         ]  # fmt: skip
     except Exception as e:
         traceback.print_exc()
-        error = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        return [{"rows": r, "op": "FFN with 1x128 scales", "error": error}]
+        return [{"rows": r, "op": "FFN with 1x128 scales", "error": first_line(e)}]
+
+
+def ffn_up_rows(r: int, d_model: int, d_ff: int) -> list[dict]:
+    """`--ffn-up`: the FFN up kernel's two forms (autotuned) beside cuBLASLt's bare FP8
+    GEMM at the same shape (what a GEMM without the epilogue costs), each with its tuned
+    config, and how far the persistent kernel's dequantised output is from the per-tile
+    one's."""
+    from kernels._triton_fp8_ffn import _TUNED, _TUNED_TMA, triton_fp8_up_gelu
+
+    dev, bf = DEVICE, torch.bfloat16
+    xq, xs = quantize_rows(torch.randn(r, d_model, device=dev, dtype=bf))
+    fw = Fp8Weight.of(torch.randn(d_ff, d_model, device=dev) / d_model**0.5)
+    bias = torch.randn(d_ff, device=dev, dtype=bf)
+    flops = 2.0 * r * d_model * d_ff
+    out = [{"rows": r, "op": "cuBLASLt FP8 GEMM, rowwise, bf16 out (no epilogue)",
+            "ms": ms(lambda: torch._scaled_mm(xq, fw.q.t(), scale_a=xs, scale_b=fw.scale,
+                                               out_dtype=bf))}]  # fmt: skip
+    got = {}
+    forms = (("per tile", False, _TUNED), ("persistent TMA", True, _TUNED_TMA))
+    for name, persistent, tuned in forms:
+
+        def up(p=persistent):
+            return triton_fp8_up_gelu(xq, xs, fw, bias, True, m_major=True, persistent=p)
+
+        try:
+            got[name] = up()
+            t = ms(up)
+        except Exception as e:  # a kernel that does not compile must not cost the others
+            traceback.print_exc()
+            out.append({"rows": r, "op": f"up kernel, {name}", "error": first_line(e)})
+            continue
+        best = getattr(tuned, "best_config", None)
+        out.append({"rows": r, "op": f"up kernel + bias + GELU + 1x128 quantise, {name}",
+                    "ms": t, "config": str(best) if best else None})  # fmt: skip
+    for row in out:
+        if "ms" in row:
+            row["tflops"] = round(flops / row["ms"] / 1e9, 1)
+    if len(got) == 2:
+        (aq, as_), (bq, bs) = got.values()
+        ha = aq.float() * as_.repeat_interleave(128, 1)[:, :d_ff]
+        hb = bq.float() * bs.repeat_interleave(128, 1)[:, :d_ff]
+        out.append({"rows": r, "op": "persistent vs per tile, relative error",
+                    "rel_err": float((hb - ha).norm() / ha.norm()),
+                    "codes_equal": float((aq.view(torch.uint8) == bq.view(torch.uint8))
+                                         .float().mean())})  # fmt: skip
+    return out
+
+
+def first_line(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
 def gelu_config_row(r: int, h, bias, rows: int, block: int, warps: int) -> dict:
@@ -236,10 +285,23 @@ def main() -> None:
     ap.add_argument("--blockwise", action="store_true",
                     help="only cuBLASLt's 1 x 128 / 128 x 128 block-scaled GEMM beside the "
                     "rowwise one, at every shape (a quick probe; no producer table)")  # fmt: skip
+    ap.add_argument(
+        "--ffn-up",
+        action="store_true",
+        help="only the FFN up kernel's two forms (per tile, persistent TMA) beside "
+        "cuBLASLt's bare FP8 GEMM, at 16, 8,192 and 16,384 rows (a quick probe)",
+    )
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_fp8_gemm: needs a CUDA GPU with FP8 (Ada, Hopper)")
     c = profile(a.profile)
+    if a.ffn_up:
+        rows = [row for r in (16, 8192, 16384) for row in ffn_up_rows(r, c.d_model, c.d_ff)]
+        for row in rows:
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()},
+                  flush=True)  # fmt: skip
+        print(write_result("fp8_ffn_up_h200", {"profile": a.profile, "ffn_up": rows}, a.out))
+        return
     gemms, producers = [], []
     for r in ROWS:
         for name, k, n, adds in layers(c.d_model, c.d_attn, c.d_ff):

@@ -41,13 +41,13 @@ if has gemm; then
 python3 bench/bench_fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" 2>&1 | tail -30
 fi
 if has loop; then
-python3 bench/bench_decoder_loop.py --rows graph_advance,graph_fp8,graph_fp8_rowwise,graph_fp8_exp_tanh,graph_fp8_promoted --no-full \
+python3 bench/bench_decoder_loop.py --rows graph_advance,graph_fp8,graph_fp8_pointer_up,graph_fp8_rowwise,graph_fp8_exp_tanh,graph_fp8_promoted --no-full \
     --trace --out "$OUT/decoder_loop_fp8.json" 2>&1 | tail -90
 fi
 if has ncu; then
-# one ncu run per row: -c counts launches from the start, warm-up included
-for row in graph_fp8 graph_fp8_rowwise; do
-NCU=(ncu --clock-control none -k 'regex:^_(gelu_fp8|layer_norm|quantize|self_attn|fp8_up_gelu)_kernel'
+# one ncu run per row (NCU_ROWS): -c counts launches from the start, warm-up included
+for row in ${NCU_ROWS:-graph_fp8 graph_fp8_rowwise}; do
+NCU=(ncu --clock-control none -k 'regex:^_(gelu_fp8|layer_norm|quantize|self_attn|fp8_up_gelu|fp8_up_gelu_tma)_kernel'
      -c 300 --section SpeedOfLight --section Occupancy --section LaunchStats
      --section SchedulerStats --section ComputeWorkloadAnalysis --csv --page details
      python3 bench/bench_decoder_loop.py --ads 200000 --rows "$row" --no-full --batches 2)

@@ -34,7 +34,8 @@ def fp8_up_gelu(
     chains its FP8 products in the tensor cores' precision and the tanh GELU takes tanh
     from `tanh.approx.f32` (docs/FP8.md measures both on a trained model)."""
     if triton_fp8_up_gelu is not None and xq.is_cuda:
-        return triton_fp8_up_gelu(xq, xs, w, bias, tanh, m_major=True)
+        persistent = xq.shape[1] % 16 == 0 and w.q.shape[0] % 16 == 0  # TMA's strides
+        return triton_fp8_up_gelu(xq, xs, w, bias, tanh, m_major=True, persistent=persistent)
     return fp8_up_gelu_reference(xq, xs, w, bias, tanh)
 
 

@@ -8,7 +8,8 @@ gather + attend self-attention, the dense KV cache, fixed beam widths, no mask, 
 GTM, eager (uncaptured) plans, the layer-by-layer decoder step, the unfused mask tail,
 a different stream split, the Triton GELU GEMM, the bookkeeping as torch launches or
 through torch.compile, and (with FP8) other forms of the FP8 FFN: the rowwise one served
-before, the GELU's tanh from exp, the down GEMM in Triton, the up GEMM's sums promoted.
+before, the GELU's tanh from exp, the down GEMM in Triton, the up GEMM's sums promoted,
+the up GEMM one program per tile (not persistent).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from kernels.layer_norm import add_layer_norm_fp8, layer_norm
 from service.decode.engine import DecodeEngine
 from service.decode.step import DecoderStep
 
-FP8_FFNS = ("block", "rowwise", "exp_tanh", "triton_down", "promoted")  # DecodeOptions.fp8_ffn
+# DecodeOptions.fp8_ffn
+FP8_FFNS = ("block", "rowwise", "exp_tanh", "triton_down", "promoted", "pointer_up")
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,9 @@ class DecodeOptions:
     # (bench/baselines/gelu_fp8.py); "exp_tanh": the served FFN, the GELU's tanh from exp
     # and a division, not tanh.approx.f32; "triton_down": the served up GEMM, the down one
     # in Triton (bench/baselines/_triton_fp8_down.py); "promoted": the served FFN with the
-    # up GEMM adding each K step's product in fp32 (`promote`, cuBLASLt's accumulation)
+    # up GEMM adding each K step's product in fp32 (`promote`, cuBLASLt's accumulation;
+    # not persistent); "pointer_up": the served FFN with the up GEMM's first form, one
+    # program per tile loading by pointers (not the persistent TMA kernel)
     fp8_ffn: str = "block"
 
     def __post_init__(self) -> None:
@@ -120,7 +124,8 @@ class VariantStep(DecoderStep):
             return x, fp8_gemm(hq, hs, self.down_rows[i], x.dtype)
         hq, hs = triton_fp8_up_gelu(q, scale, up, layer.ffn_up.bias, tanh,
                                     m_major=ffn != "triton_down", promote=ffn == "promoted",
-                                    hw_tanh=False if ffn == "exp_tanh" else None)  # fmt: skip
+                                    hw_tanh=False if ffn == "exp_tanh" else None,
+                                    persistent=ffn in ("exp_tanh", "triton_down"))  # fmt: skip
         if ffn == "triton_down":
             return x, triton_fp8_down(hq, hs, self.down_rows[i], x.dtype)
         return x, block_fp8_gemm(hq, hs, self.fp8_down[i], x.dtype)

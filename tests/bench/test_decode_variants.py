@@ -270,11 +270,12 @@ def test_gpu_triton_up_projection_equals_teacher_forcing(dtype: torch.dtype) -> 
 
 
 @pytest.mark.usefixtures("exact_fp8_casts")
-@pytest.mark.parametrize("ffn", ["rowwise", "triton_down", "promoted"])
+@pytest.mark.parametrize("ffn", ["rowwise", "triton_down", "promoted", "pointer_up"])
 def test_the_other_fp8_ffns_search_like_the_served_fp8_engine(ffn: str) -> None:
     """`fp8_ffn="rowwise"` (the FFN served before the 1 x 128 one: rowwise GEMMs, a
     per-row quantised GELU between), `triton_down` (the down GEMM in Triton) and
-    `promoted` (the up GEMM's K steps added in fp32), at d_model 128 and d_ff 256 (two
+    `promoted` (the up GEMM's K steps added in fp32) and `pointer_up` (the up GEMM one
+    program per tile, not persistent), at d_model 128 and d_ff 256 (two
     scale blocks), in a search wide enough to keep every prefix: the served FP8 engine's
     SIDs, with scores close to its own (rowwise: not equal, its scales are coarser)."""
     torch.manual_seed(0)
@@ -298,11 +299,13 @@ def test_the_other_fp8_ffns_search_like_the_served_fp8_engine(ffn: str) -> None:
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_exp_tanh_ffn_searches_like_the_served_fp8_engine() -> None:
+@pytest.mark.parametrize("ffn", ["exp_tanh", "pointer_up"])
+def test_gpu_other_up_kernels_search_like_the_served_fp8_engine(ffn: str) -> None:
     """`fp8_ffn="exp_tanh"` (the served FP8 FFN, its up GEMM's GELU taking tanh from exp
-    and a division rather than the served tanh.approx.f32) on CUDA, in a search wide
-    enough to keep every prefix: the served FP8 engine's SIDs and scores within FP8's
-    noise of its own (a few codes one e4m3 step apart)."""
+    and a division rather than the served tanh.approx.f32) and `"pointer_up"` (the up
+    GEMM one program per tile, not the served persistent TMA kernel) on CUDA, captured,
+    in a search wide enough to keep every prefix: the served FP8 engine's SIDs and
+    scores within FP8's noise of its own (a few codes one e4m3 step apart)."""
     torch.manual_seed(0)
     wide = dataclasses.replace(CONFIG, d_model=128, d_ff=256)
     case = dataclasses.replace(setup(make_ads(60)), decoder=SIDDecoder(wide).eval().cuda())
@@ -311,9 +314,7 @@ def test_gpu_exp_tanh_ffn_searches_like_the_served_fp8_engine() -> None:
     results = []
     for engine in (
         DecodeEngine(case.decoder, batch_buckets=(8,), fp8=True),
-        VariantEngine(
-            case.decoder, DecodeOptions(fp8=True, fp8_ffn="exp_tanh"), batch_buckets=(8,)
-        ),
+        VariantEngine(case.decoder, DecodeOptions(fp8=True, fp8_ffn=ffn), batch_buckets=(8,)),
     ):
         plans = engine.plan(tables, case.level_offsets)
         results.append(engine.run(plans, ctx, reqs, WIDE, FilterMode.CD_GTM))

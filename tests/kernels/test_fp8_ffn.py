@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels._triton_fp8_ffn import DEFAULT, triton_fp8_up_gelu
+from kernels._triton_fp8_ffn import DEFAULT, TMA_DEFAULT, triton_fp8_up_gelu
 from kernels.fp8 import (
     SCALE_BLOCK,
     Fp8BlockWeight,
@@ -74,6 +74,45 @@ def test_the_up_kernel_writes_m_major_scales_for_the_block_scaled_down_gemm() ->
     assert scales_m.shape == scales.shape == (37, 3) and scales_m.stride() == (1, 37)
     assert torch.equal(q_m.view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(scales_m, scales)
+
+
+TMA_CONFIGS = [
+    TMA_DEFAULT,
+    # two programs per "SM", tiles of 32 rows and K steps of 32: each program walks
+    # several tiles, each tile several K steps
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": SCALE_BLOCK, "BLOCK_K": 32, "OCC": 2}, num_warps=4),
+]
+
+
+@pytest.mark.usefixtures("exact_fp8_casts")
+@pytest.mark.parametrize("config", TMA_CONFIGS, ids=["default", "small"])
+@pytest.mark.parametrize(("r", "k", "n"), [(5, 64, 128), (37, 96, 208), (130, 160, 384)])
+@pytest.mark.parametrize("tanh", [True, False])
+def test_the_persistent_kernel_writes_what_the_per_tile_kernel_writes(config, r, k, n, tanh):
+    """`persistent=True` (served): a grid of a few programs, each walking tiles by TMA
+    (rows past R and K past its end read as zeros, their stores dropped): the per-tile
+    kernel's codes and M-major scales byte for byte (the same sums in the same K order),
+    and so the reference's."""
+    x, w_up, bias = ffn_inputs(r, k, n, seed=r)
+    xq, xs = quantize_rows(x)
+    want = triton_fp8_up_gelu(xq, xs, w_up, bias, tanh, m_major=True)
+    q, scales = triton_fp8_up_gelu(xq, xs, w_up, bias, tanh, config, m_major=True,
+                                   persistent=True)  # fmt: skip
+    assert scales.stride() == (1, r) and q.shape == (r, n)
+    assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(scales, want[1])
+    assert_codes_close(q, scales, *up_reference(xq, xs, w_up, bias, tanh))
+
+
+def test_the_persistent_kernel_refuses_what_tma_cannot_load() -> None:
+    x, w_up, bias = ffn_inputs(4, 64, 200)  # N = 200: rows of 200 bytes, not 16-aligned
+    xq, xs = quantize_rows(x)
+    with pytest.raises(ValueError, match="K and N multiples of 16"):
+        triton_fp8_up_gelu(xq, xs, w_up, bias, True, persistent=True)
+    x, w_up, bias = ffn_inputs(4, 64, 128)
+    xq, xs = quantize_rows(x)
+    with pytest.raises(ValueError, match="chains its MMAs"):
+        triton_fp8_up_gelu(xq, xs, w_up, bias, True, promote=True, persistent=True)
 
 
 def test_the_dispatcher_is_the_reference_off_cuda() -> None:
@@ -166,7 +205,8 @@ def test_a_config_whose_tile_is_not_one_scale_wide_is_refused() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_up_kernel_at_the_paper_ffn_feeds_the_block_scaled_down_gemm() -> None:
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per_tile"])
+def test_gpu_up_kernel_at_the_paper_ffn_feeds_the_block_scaled_down_gemm(persistent) -> None:
     """The served pair at 16,384 rows, d_model 1,024, d_ff 7,680 (compiled casts, the
     hardware tanh). On Hopper, Triton adds FP8 products in the tensor cores' own reduced
     precision, never promoting to fp32 (`max_num_imprecise_acc` 2³⁰ by default on sm90;
@@ -176,10 +216,14 @@ def test_gpu_up_kernel_at_the_paper_ffn_feeds_the_block_scaled_down_gemm() -> No
     codes are held to a relative error here, not to one step each. The up kernel's
     M-major scales go straight into cuBLASLt's block-scaled GEMM, whose product is the
     dequantised operands' fp32 product to 2⁻⁷ (0.17 % measured by
-    bench/bench_fp8_gemm.py --blockwise)."""
+    bench/bench_fp8_gemm.py --blockwise). Both forms of the up kernel: the persistent
+    TMA one (served, through the dispatcher) and the per-tile one."""
     x, w_up, bias = ffn_inputs(16384, 1024, 7680, "cuda")
     xq, xs = quantize_rows(x)
-    hq, hs = fp8_up_gelu(xq, xs, w_up, bias, True)
+    if persistent:
+        hq, hs = fp8_up_gelu(xq, xs, w_up, bias, True)
+    else:
+        hq, hs = triton_fp8_up_gelu(xq, xs, w_up, bias, True, m_major=True)
     assert hs.stride() == (1, 16384), "M-major, as cuBLASLt takes them"
     want_q, want_s = up_reference(xq, xs, w_up, bias, True)
     torch.testing.assert_close(hs, want_s, rtol=2**-7, atol=0)

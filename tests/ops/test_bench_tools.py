@@ -124,7 +124,7 @@ def test_decoder_loop_final_row_is_the_served_configuration() -> None:
     assert rows["graph_tail"] == dataclasses.replace(DecodeOptions(), advance="eager")
     assert rows["graph_compiled"] == dataclasses.replace(DecodeOptions(), advance="compiled")
     assert rows["graph_fp8"] == dataclasses.replace(DecodeOptions(), fp8=True)  # the served one
-    for ffn in ("rowwise", "exp_tanh", "triton_down", "promoted"):  # one switch each
+    for ffn in ("rowwise", "exp_tanh", "triton_down", "promoted", "pointer_up"):  # one switch
         assert rows[f"graph_fp8_{ffn}"] == dataclasses.replace(rows["graph_fp8"], fp8_ffn=ffn)
 
 
