@@ -10,13 +10,16 @@
 #      with FP8 on, one run (bench/bench_decoder_loop.py, `graph_fp8`), with their SID
 #      overlap on random weights, and both engines' kernel traces (--trace); the FP8 step
 #      with the GELU's tanh from exp instead of tanh.approx.f32 (`graph_fp8_exp_tanh`),
-#      the rowwise FFN served before the 1 x 128 one (`graph_fp8_rowwise`) and the up
-#      GEMM with its K steps added in fp32 (`graph_fp8_promoted`: what cuBLASLt's
-#      accumulation would cost it).
+#      the up GEMM one program per tile instead of the persistent TMA kernel
+#      (`graph_fp8_pointer_up`), the rowwise FFN served before the 1 x 128 one
+#      (`graph_fp8_rowwise`) and the up GEMM with its K steps added in fp32
+#      (`graph_fp8_promoted`: what cuBLASLt's accumulation would cost it).
 #   4. (only when asked: STEPS="ncu") Nsight Compute on the FP8 loop's kernels that are not
 #      cuBLASLt GEMMs (bias + GELU, LayerNorm, quantise, self-attention, the Triton up
 #      GEMM): DRAM, SM and issue utilisation per kernel and shape (bench/summarize_ncu.py),
-#      default configs (GRACE_AUTOTUNE=0: ncu replays every autotuner trial otherwise).
+#      default configs (GRACE_AUTOTUNE=0: ncu replays every autotuner trial otherwise);
+#      NCU_ROWS picks the loop rows (default "graph_fp8 graph_fp8_rowwise"), NCU_TIMEOUT
+#      bounds each ncu run (seconds, default 600).
 # Usage: [STEPS="tests gemm loop"] bash bench/gpu_fp8.sh OUT
 #   -> OUT/gpu_tests.txt, OUT/fp8_gemm_h200.json, OUT/decoder_loop_fp8.json, OUT/ncu_ROW.json
 #   STEPS picks the steps (a device call is at most 10 minutes and the three together take
@@ -51,7 +54,8 @@ NCU=(ncu --clock-control none -k 'regex:^_(gelu_fp8|layer_norm|quantize|self_att
      -c 300 --section SpeedOfLight --section Occupancy --section LaunchStats
      --section SchedulerStats --section ComputeWorkloadAnalysis --csv --page details
      python3 bench/bench_decoder_loop.py --ads 200000 --rows "$row" --no-full --batches 2)
-GRACE_AUTOTUNE=0 "${NCU[@]}" > "$OUT/ncu_$row.csv" 2> "$OUT/ncu_$row.err"
+# ncu itself under the limit: a `timeout` around this script stops the shell, not ncu
+GRACE_AUTOTUNE=0 timeout "${NCU_TIMEOUT:-600}" "${NCU[@]}" > "$OUT/ncu_$row.csv" 2> "$OUT/ncu_$row.err"
 echo "ncu $row: exit $? (stderr in $OUT/ncu_$row.err)"
 python3 bench/summarize_ncu.py "$OUT/ncu_$row.csv" --command "GRACE_AUTOTUNE=0 ${NCU[*]}" \
     --out "$OUT/ncu_$row.json"

@@ -10,7 +10,8 @@ beam_advance.py     a step's bookkeeping after top-k: parents, tokens, liveness,
 layer_norm.py       LayerNorm of `x + shift` (the decoder step's folded biases)
 gelu_linear.py      the FFN up-projection with cuBLASLt's bias + GELU epilogue
 fp8.py              FP8 e4m3 quantisation and GEMMs (rowwise; block-scaled for the FFN down)
-fp8_ffn.py          the FP8 FFN up GEMM with bias + GELU + 1 x 128 quantisation in its epilogue
+fp8_ffn.py          the FP8 FFN up GEMM (persistent, TMA) with bias + GELU + 1 x 128
+                    quantisation in its epilogue
 
 Kernels that are measured but not served live in bench/baselines/.
 """

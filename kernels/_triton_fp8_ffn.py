@@ -10,6 +10,13 @@ reaches memory in bf16: no bias + GELU + quantise pass of its own. The down proj
 reads these codes with cuBLASLt's block-scaled GEMM (`kernels.fp8.block_fp8_gemm`), so
 the scales can be written M-major (strides (1, R)), the layout it takes.
 
+Two forms of the same sums: `_fp8_up_gelu_tma_kernel` (`persistent=True`, served where K
+and N are multiples of 16) runs one or two programs per SM that walk the tiles, loading
+them by TMA and storing the codes by TMA, the next tile's loads issued under this one's
+epilogue; `_fp8_up_gelu_kernel` runs one program per tile with pointer loads (any
+shape; the promoted variant). Both share `_epilogue`, and their codes agree byte for
+byte (docs/FP8.md measures both).
+
 On sm90 Triton chains the FP8 MMAs over all of K in the tensor cores' reduced precision
 (its default `max_num_imprecise_acc`), where cuBLASLt adds in fp32; `promote` adds each
 K step's product to an fp32 accumulator instead, at a cost (docs/FP8.md has both the

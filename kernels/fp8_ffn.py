@@ -5,7 +5,8 @@
 
 `fp8_up_gelu` is the up projection with its bias, the model's GELU and the quantisation
 of its output in one kernel (`_triton_fp8_ffn`: the GEMM's epilogue, one scale per row
-and 128 columns, written M-major for cuBLASLt) on CUDA; elsewhere (CPU serving and the
+and 128 columns, written M-major for cuBLASLt; the persistent TMA kernel where K and N
+are multiples of 16, else the per-tile one) on CUDA; elsewhere (CPU serving and the
 tests' oracle) `fp8_up_gelu_reference`: the fp32 product of the dequantised operands,
 torch's GELU, `kernels.fp8.quantize_row_blocks`.
 """
