@@ -193,7 +193,8 @@ def _fp8_up_gelu_tma_kernel(
     n_tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     tiles = tl.cdiv(R, BLOCK_M) * n_tiles_n
     step = tl.num_programs(0)
-    # flatten: the next tile's first loads are issued under this tile's epilogue
+    # flatten: one software pipeline over tiles and K steps, so the pipeliner may issue
+    # the next tile's first loads under this tile's epilogue
     for tile in tl.range(tl.program_id(0), tiles, step, flatten=True):
         off_m = (tile // n_tiles_n) * BLOCK_M
         pid_n = tile % n_tiles_n
@@ -216,7 +217,17 @@ _TUNED_TMA = triton.autotune(configs=_tma_configs(), key=["R", "N", "K", "TANH",
 )
 
 
-def _launch_tma(xq, xs, w: Fp8Weight, bias, q, scales, config, tanh, hw_tanh) -> None:
+def _launch_tma(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: Fp8Weight,
+    bias: torch.Tensor,
+    q: torch.Tensor,  # out
+    scales: torch.Tensor,  # out
+    config: triton.Config | None,
+    tanh: bool,
+    hw_tanh: bool,
+) -> None:
     """The persistent TMA kernel, autotuned or at one config (tests sweep them)."""
     (r, k), n = xq.shape, w.q.shape[0]
     tiles_n = triton.cdiv(n, SCALE_BLOCK)
