@@ -300,7 +300,7 @@ def main() -> None:
         for row in rows:
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()},
                   flush=True)  # fmt: skip
-        print(write_result("fp8_ffn_up_h200", {"profile": a.profile, "ffn_up": rows}, a.out))
+        print(write_result("fp8_ffn_up", {"profile": a.profile, "ffn_up": rows}, a.out))
         return
     gemms, producers = [], []
     for r in ROWS:

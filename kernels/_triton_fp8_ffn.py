@@ -140,6 +140,12 @@ TMA_DEFAULT = triton.Config({"BLOCK_M": 128, "BLOCK_N": SCALE_BLOCK, "BLOCK_K": 
                             num_warps=8, num_stages=3)  # fmt: skip
 
 
+def tma_loadable(k: int, n: int) -> bool:
+    """Whether the persistent kernel takes this shape: TMA wants every row stride a
+    multiple of 16 bytes, so K (x's and w's rows) and N (the codes' rows) of e4m3."""
+    return k % 16 == 0 and n % 16 == 0
+
+
 def _set_blocks(nargs: dict) -> None:
     """Autotuner pre-hook: the descriptors' tiles follow the config's."""
     m, n, k = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
@@ -297,7 +303,7 @@ def triton_fp8_up_gelu(
     scales = torch.empty((nb, r) if m_major else (r, nb), dtype=torch.float32, device=xq.device)
     scales = scales.t() if m_major else scales
     if persistent:
-        if promote or k % 16 or n % 16:
+        if promote or not tma_loadable(k, n):
             raise ValueError("the persistent kernel chains its MMAs and needs K and N "
                              f"multiples of 16 (TMA strides); got K={k}, N={n}")  # fmt: skip
         if r:

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from kernels.fp8 import Fp8Weight, quantize_row_blocks
 
 try:
-    from kernels._triton_fp8_ffn import triton_fp8_up_gelu
+    from kernels._triton_fp8_ffn import tma_loadable, triton_fp8_up_gelu
 except ImportError:  # no triton on this machine: the reference serves every call
-    triton_fp8_up_gelu = None
+    tma_loadable = triton_fp8_up_gelu = None
 
 
 def fp8_up_gelu(
@@ -34,8 +34,8 @@ def fp8_up_gelu(
     """GELU((xq · xs) @ w.T + bias), quantised per row and 128 columns. On a GPU the GEMM
     chains its FP8 products in the tensor cores' precision and the tanh GELU takes tanh
     from `tanh.approx.f32` (docs/FP8.md measures both on a trained model)."""
-    if triton_fp8_up_gelu is not None and xq.is_cuda:
-        persistent = xq.shape[1] % 16 == 0 and w.q.shape[0] % 16 == 0  # TMA's strides
+    if triton_fp8_up_gelu is not None and xq.is_cuda:  # tma_loadable came with it
+        persistent = tma_loadable(xq.shape[1], w.q.shape[0])
         return triton_fp8_up_gelu(xq, xs, w, bias, tanh, m_major=True, persistent=persistent)
     return fp8_up_gelu_reference(xq, xs, w, bias, tanh)
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels._triton_fp8_ffn import DEFAULT, TMA_DEFAULT, triton_fp8_up_gelu
+from kernels._triton_fp8_ffn import DEFAULT, TMA_DEFAULT, tma_loadable, triton_fp8_up_gelu
 from kernels.fp8 import (
     SCALE_BLOCK,
     Fp8BlockWeight,
@@ -105,6 +105,9 @@ def test_the_persistent_kernel_writes_what_the_per_tile_kernel_writes(config, r,
 
 
 def test_the_persistent_kernel_refuses_what_tma_cannot_load() -> None:
+    """The dispatcher's rule (`tma_loadable`) is the kernel's: a shape it refuses is one
+    the rule sends to the per-tile kernel."""
+    assert tma_loadable(1024, 7680) and not tma_loadable(64, 200) and not tma_loadable(72, 128)
     x, w_up, bias = ffn_inputs(4, 64, 200)  # N = 200: rows of 200 bytes, not 16-aligned
     xq, xs = quantize_rows(x)
     with pytest.raises(ValueError, match="K and N multiples of 16"):
