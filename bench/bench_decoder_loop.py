@@ -267,9 +267,10 @@ def tail_spread(xs: list[float], distinct: int, over_ms: float = 1.0) -> dict[st
     median and worst time, and the samples slower than the row's median + `over_ms` (their
     positions in the run: clustered in time, or always the same batch?). A tail made by
     the data shows as one batch slow every time; a tail made by the GPU or the host as
-    scattered samples of every batch."""
+    scattered samples of every batch. A run shorter than `distinct` samples (`--batches 2`
+    under Nsight Compute) lists only the batches it ran."""
     med = statistics.median(xs)
-    per = [xs[j::distinct] for j in range(distinct)]
+    per = [xs[j::distinct] for j in range(min(distinct, len(xs)))]
     slow = [i for i, x in enumerate(xs) if x > med + over_ms]
     return {
         "per_batch_p50_ms": [round(statistics.median(p), 3) for p in per],

@@ -13,7 +13,8 @@
 #      the up GEMM one program per tile instead of the persistent TMA kernel
 #      (`graph_fp8_pointer_up`), the rowwise FFN served before the 1 x 128 one
 #      (`graph_fp8_rowwise`) and the up GEMM with its K steps added in fp32
-#      (`graph_fp8_promoted`: what cuBLASLt's accumulation would cost it).
+#      (`graph_fp8_promoted`: what cuBLASLt's accumulation would cost it); LOOP_ROWS
+#      (comma-separated) runs fewer rows.
 #   4. (only when asked: STEPS="ncu") Nsight Compute on the FP8 loop's kernels that are not
 #      cuBLASLt GEMMs (bias + GELU, LayerNorm, quantise, self-attention, the Triton up
 #      GEMM): DRAM, SM and issue utilisation per kernel and shape (bench/summarize_ncu.py),
@@ -44,7 +45,7 @@ if has gemm; then
 python3 bench/bench_fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" 2>&1 | tail -30
 fi
 if has loop; then
-python3 bench/bench_decoder_loop.py --rows graph_advance,graph_fp8,graph_fp8_pointer_up,graph_fp8_rowwise,graph_fp8_exp_tanh,graph_fp8_promoted --no-full \
+python3 bench/bench_decoder_loop.py --rows "${LOOP_ROWS:-graph_advance,graph_fp8,graph_fp8_pointer_up,graph_fp8_rowwise,graph_fp8_exp_tanh,graph_fp8_promoted}" --no-full \
     --trace --out "$OUT/decoder_loop_fp8.json" 2>&1 | tail -90
 fi
 if has ncu; then

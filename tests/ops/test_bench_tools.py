@@ -99,6 +99,13 @@ def test_tail_spread_names_the_slow_samples_and_their_batches() -> None:
     assert t["their_batches"] == [1, 1, 0, 1] and t["their_ms"] == [12.5, 12.4, 13.0, 12.6]
 
 
+def test_tail_spread_of_a_run_shorter_than_its_batches() -> None:
+    """Two samples of eight batches (the Nsight Compute run): the two batches that ran."""
+    t = tail_spread([10.0, 12.0], 8)
+    assert t["per_batch_p50_ms"] == [10.0, 12.0] and t["per_batch_max_ms"] == [10.0, 12.0]
+    assert t["samples_over_p50_plus_1_ms"] == []
+
+
 def test_interleaved_rounds_rotate_the_order_and_pair_the_samples() -> None:
     """Each call runs once per round on that round's batch (2 warm-up rounds first), who
     goes first rotates, and the paired difference is taken round by round."""
