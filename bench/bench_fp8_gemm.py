@@ -54,6 +54,11 @@ def ms(fn: Callable[[], object]) -> float:
     return float(do_bench(fn, warmup=25, rep=100))
 
 
+def first_line(e: Exception) -> str:
+    """A failed row's error, as the result file keeps it: its first line, 200 characters."""
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+
 def layers(d_model: int, d_attn: int, d_ff: int) -> list[tuple[str, int, int, str]]:
     """(name, K, N, what the bf16 step adds: "bias" or "residual")."""
     return [("qkv", d_model, 3 * d_attn, "bias"), ("self_out", d_attn, d_model, "residual"),
@@ -81,7 +86,7 @@ def blockwise_row(x: torch.Tensor, w: torch.Tensor) -> dict:
     try:
         got = block_fp8_gemm(*operands).float()
     except (RuntimeError, ValueError) as e:  # a torch, a cuBLASLt or a device without it
-        return {"fp8_blockwise_error": str(e).splitlines()[0][:200]}
+        return {"fp8_blockwise_error": first_line(e)}
     want = block_fp8_reference(*operands)
     err = float((got - want).norm() / want.norm())
     return {"fp8_blockwise_ms": ms(lambda: block_fp8_gemm(*operands)),
@@ -127,7 +132,7 @@ def gemm_rows(r: int, name: str, k: int, n: int, adds: str) -> dict:
     try:
         row["fp8_rowwise_bias_ms"] = ms(lambda: rowwise(b))
     except RuntimeError as e:  # a torch without bias on the rowwise path
-        row["fp8_rowwise_bias_error"] = str(e).splitlines()[0][:200]
+        row["fp8_rowwise_bias_error"] = first_line(e)
     row["fp8_tensorwise_ms"] = ms(lambda: torch._scaled_mm(
         xq_t, wq8_t.t(), scale_a=one, scale_b=wq_t, out_dtype=bf))  # fmt: skip
     if k % 128 == 0 and n % 128 == 0:
@@ -261,10 +266,6 @@ def ffn_up_rows(r: int, d_model: int, d_ff: int) -> list[dict]:
                     "codes_equal": float((aq.view(torch.uint8) == bq.view(torch.uint8))
                                          .float().mean())})  # fmt: skip
     return out
-
-
-def first_line(e: Exception) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
 def gelu_config_row(r: int, h, bias, rows: int, block: int, warps: int) -> dict:

@@ -122,7 +122,7 @@ def _fp8_up_gelu_kernel(
         else:
             acc = tl.dot(a, w, acc)
     codes, scale = _epilogue(acc, rows, cols, R, sx_ptr, sw_ptr, b_ptr, N, TANH, HW_TANH)
-    ok = (rows < R)[:, None] & (cols < N)[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
              codes.to(q_ptr.dtype.element_ty), mask=ok)  # fmt: skip
     tl.store(sq_ptr + rows.to(tl.int64) * stride_sr + pid_n * stride_sb, scale, mask=row_ok)

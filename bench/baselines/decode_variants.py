@@ -24,7 +24,7 @@ from bench.baselines.gelu_fp8 import gelu_fp8
 from bench.baselines.gelu_linear import gelu_linear_triton
 from bench.baselines.kv_cache import ATTENTION_MODES, DenseKVCache, GatherPagedKVCache
 from contracts.request import FilterMode
-from kernels._triton_fp8_ffn import triton_fp8_up_gelu
+from kernels._triton_fp8_ffn import tma_loadable, triton_fp8_up_gelu
 from kernels.beam_advance import beam_advance_reference
 from kernels.cross_attention import cross_attention
 from kernels.fp8 import Fp8Weight, block_fp8_gemm, fp8_gemm
@@ -122,10 +122,13 @@ class VariantStep(DecoderStep):
         if ffn == "rowwise":  # rowwise up GEMM, bias + GELU + per-row quantise, rowwise down
             hq, hs = gelu_fp8(fp8_gemm(q, scale, up, x.dtype), layer.ffn_up.bias, tanh)
             return x, fp8_gemm(hq, hs, self.down_rows[i], x.dtype)
+        # the served kernel choice (kernels.fp8_ffn.fp8_up_gelu) but for the two variants
+        # that are the per-tile kernel: "pointer_up" and "promoted" (which only it runs)
+        persistent = ffn not in ("pointer_up", "promoted") and tma_loadable(*up.q.shape[::-1])
         hq, hs = triton_fp8_up_gelu(q, scale, up, layer.ffn_up.bias, tanh,
                                     m_major=ffn != "triton_down", promote=ffn == "promoted",
                                     hw_tanh=False if ffn == "exp_tanh" else None,
-                                    persistent=ffn in ("exp_tanh", "triton_down"))  # fmt: skip
+                                    persistent=persistent)  # fmt: skip
         if ffn == "triton_down":
             return x, triton_fp8_down(hq, hs, self.down_rows[i], x.dtype)
         return x, block_fp8_gemm(hq, hs, self.fp8_down[i], x.dtype)
