@@ -1,10 +1,11 @@
 """The decode path on CPU: decoder FLOPs per profile, the tiny profile's per-batch latency
 by stage (the served engine and C++ post stage), and the two layout ablations on CPU —
-per-beam vs beam-as-query cross-attention, dense vs paged KV cache. Medians (and P99 for
-the batch latency) of repeated runs measured in this one process.
-Results: bench/results/decode_cpu.json.
+per-beam vs beam-as-query cross-attention (the served dispatcher against
+`bench.baselines.cross_attention`), and dense vs paged KV cache: both the textbook loop
+(`bench.baselines.ladder.TextbookSearch`, CD mask), whole searches that differ in the
+cache alone. Medians (and P99 for the batch latency) of repeated runs in this one process.
 
-    .venv/bin/python bench/bench_decode_cpu.py
+    .venv/bin/python bench/bench_decode_cpu.py     # -> bench/results/decode_cpu.json
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines.cross_attention import cross_attention_per_beam
-from bench.baselines.decode_variants import DecodeOptions, VariantEngine
+from bench.baselines.ladder import Rung, TextbookSearch
 from bench.common import percentiles, timed, write_result
-from contracts.request import FilterMode
 from contracts.targeting import encode_requests
 from contracts.tensors import RequestTensors
 from index_builder.build import assign_sids, build_arrays
@@ -120,7 +120,7 @@ def cross_attention_ablation(repeat: int) -> list[dict[str, object]]:
 
 
 def kv_cache_ablation(repeat: int) -> dict[str, object]:
-    """Whole tiny decode loop, paged vs dense cache (same model, index, inputs)."""
+    """The whole tiny textbook loop, dense vs paged cache (same model, index, inputs)."""
     from tests.helpers.catalogs import catalog_from_ads
     from tests.helpers.oracle import Ad
 
@@ -133,12 +133,11 @@ def kv_cache_ablation(repeat: int) -> dict[str, object]:
     model = GenerativeRetriever(config).eval()
     ctx = torch.randn(16, config.t_ctx, config.d_model)
     out = {}
-    for paged in (False, True):
-        engine = VariantEngine(model.decoder, DecodeOptions(kv="paged" if paged else "dense"),
-                               batch_buckets=(16,))  # fmt: skip
-        plans = engine.plan(index.tables, index.level_offsets)
-        run = lambda e=engine, p=plans: e.run(p, ctx, None, config.beams, FilterMode.CD_ONLY)  # noqa: E731
-        out["paged_ms" if paged else "dense_ms"] = round(statistics.median(timed(run, repeat)), 3)
+    for kv in ("dense", "paged"):
+        search = TextbookSearch(model.decoder, Rung(kv=kv, mask="cd"), index.tables,
+                                index.level_offsets)  # fmt: skip
+        run = lambda s=search: s.run(ctx, None, config.beams)  # noqa: E731
+        out[f"{kv}_ms"] = round(statistics.median(timed(run, repeat)), 3)
     out["speedup"] = round(out["dense_ms"] / out["paged_ms"], 2)
     return out
 
@@ -147,6 +146,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batches", type=int, default=50)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=None, help="default bench/results/decode_cpu.json")
     args = ap.parse_args()
     figures = {
         "decoder_gflops_per_request": flops_table(),
@@ -156,7 +156,7 @@ def main() -> None:
     }
     for key, value in figures.items():
         print(f"{key}: {value}")
-    print(f"wrote {write_result('decode_cpu', figures)}")
+    print(f"wrote {write_result('decode_cpu', figures, args.out)}")
 
 
 if __name__ == "__main__":

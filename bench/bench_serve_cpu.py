@@ -23,11 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
+from cli.query import request_for_user
 from index_builder.build import build_index
 from index_builder.synth import generate_world
 from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
 from service.app import start
-from service.client import request_for_user
 from service.model.checkpoint import save_checkpoint
 from service.model.config import PROFILES
 from service.model.retriever import GenerativeRetriever

@@ -1,7 +1,7 @@
 """Server start-up before any CUDA graph: the two loads every worker pays at start and
 (the index) on every hot swap — the model checkpoint (`load_checkpoint`, then the cast to
 the serving dtype) and one index version (`load_index`: checksums, the full
-validation of `index_builder.validate`, the device tables and the post stage). Medians
+validation of `contracts.index_validation`, the device tables and the post stage). Medians
 over repeated loads in this one process (the files stay in the page cache after the
 first). Results: bench/results/startup_<device>.json.
 

@@ -22,11 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import write_result
+from contracts.index_validation import validate_index
 from contracts.request import FilterMode
 from index_builder.build import build_index
 from index_builder.publish import resolve
 from index_builder.synth import PROFILES, generate_world, load_world
-from index_builder.validate import validate_index
 from service.model.checkpoint import load_checkpoint
 from service.model.features import SidLookup
 from training.data import Examples

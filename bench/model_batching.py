@@ -9,10 +9,9 @@ What it models, one event per arrival, batch close, GPU start and batch end:
   (connections are spread over workers by the kernel's SO_REUSEPORT hash, requests follow
   their connection: on the H200 the measured split of 64 connections' requests ranged
   from 48/52 to 65/35 between runs, `--shares 0.65,0.35`);
-- each worker's `Batcher` as `service/batcher.py` runs it: a batch closes at `max_batch`,
-  or `max_wait` after it took its first request while fewer than `busy_batches` batches
-  are in the worker's pipeline, else `max_wait_busy`; at most `max_inflight` batches in flight;
-  a bounded queue refuses the overflow (here it also holds the batch being filled, which
+- each worker's batching by the server's own policy (`service/batch_policy.py`: when a
+  forming batch closes, at most `max_inflight` batches in flight; one decode group); a
+  bounded queue refuses the overflow (here it also holds the batch being filled, which
   the real batcher has already taken out: a capacity below `max_batch` caps batches);
 - stage 1 on the worker's CPU (`cpu_ms` + `cpu_ms_per_request`), then the one GPU shared
   by all workers in arrival order, running the batch at its graph bucket's cost, then
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from service.batch_policy import BatchPolicy
 from service.capture import bucket_of
 from service.pipeline.stages import graph_buckets
 from service.settings import BUSY_BATCHES_GPU
@@ -69,6 +69,10 @@ class Server:
             len(self.shares) != self.workers or min(self.shares) < 0 or sum(self.shares) <= 0
         ):
             raise ValueError(f"shares needs {self.workers} non-negative weights, got {self.shares}")
+
+    def policy(self) -> BatchPolicy:
+        return BatchPolicy(self.max_batch, self.max_wait_ms / 1e3, self.max_wait_busy_ms / 1e3,
+                           self.busy_batches, max_inflight=self.max_inflight)  # fmt: skip
 
     def gpu_s(self, size: int) -> float:
         a, b = self.decode_ms
@@ -117,20 +121,18 @@ def simulate(server: Server, rate: float, seconds: float = 20.0, seed: int = 0) 
     latencies: list[float] = []
     sizes: list[int] = []
     padding = refused = 0
+    policy = server.policy()
 
     def close(w: int, now: float) -> None:
         nonlocal padding
         q = queues[w]
-        if not q or inflight[w] >= server.max_inflight:
+        if not q or inflight[w] >= policy.max_inflight:
             return
         if opened[w] is None:
             opened[w] = now
-        busy = inflight[w] >= server.busy_batches
-        due = opened[w] + (server.max_wait_busy_ms if busy else server.max_wait_ms) / 1e3
-        if len(q) < server.max_batch and now < due:
-            # a busy pipeline is looked at again every max_wait, as the batcher does
-            step = max(server.max_wait_ms / 1e3, 1e-3)
-            at(min(due, now + step) if busy else due, "look", w)
+        look = policy.look_again(len(q), opened[w], now, inflight[w])
+        if look is not None:
+            at(look, "look", w)
             return
         batch = q[: server.max_batch]
         del q[: server.max_batch]

@@ -338,7 +338,7 @@ def read_index_dir(
     reads each into private memory with its checksum taken over the same bytes
     (`load_npy_private`: what the server serves). Checks presence, checksums (unless
     disabled), dtypes and shapes against the manifest; structural invariants are
-    `index_builder.validate`'s job.
+    `contracts.index_validation`'s job.
     """
     directory = Path(directory)
     manifest = read_manifest(directory)

@@ -17,13 +17,13 @@ import numpy as np
 
 from contracts import sid_space as sid_spaces
 from contracts.index_format import SID_LENGTH, VOCAB_SIZE, AdArrays, IndexArrays, write_index_dir
+from contracts.index_validation import validate_index
 from contracts.targeting import BLOOM_WORDS, Ragged, ad_blooms, location_blooms
 from index_builder import parallel
 from index_builder.catalog import Catalog, catalog_fingerprint, read_catalog
 from index_builder.kway import KwaySpec, build_partitions
 from index_builder.publish import publish
 from index_builder.trie import build_trie, sid_keys, storage_stats
-from index_builder.validate import validate_index
 
 if TYPE_CHECKING:
     from index_builder.tokenizer import SIDTokenizer

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from contracts import versions
 from contracts.index_format import MANIFEST
+from contracts.index_validation import IndexValidationError, validate_index
 from contracts.versions import (
     CURRENT,
     VALID_MARKER,
@@ -24,7 +25,6 @@ from contracts.versions import (
     new_version_name,
     resolve,
 )
-from index_builder.validate import IndexValidationError, validate_index
 
 __all__ = [
     "CURRENT",

@@ -21,74 +21,22 @@ A SID has `levels + 1` tokens in [0, codebook_size) (4 tokens of 512 by default)
   The SID → ad index maps a SID to a range of ads, so shared SIDs are legal, and
   `CollisionReport` counts them.
 
-On disk a tokenizer is a directory holding `tokenizer.json` (format version, config, dim,
-fingerprint) and `codebooks.safetensors` (float32 [rq_levels, codebook_size, dim], where
-`rq_levels` is `levels`, or `levels + 1` in "code" mode).
+On disk: `contracts/tokenizer_format.py` (the config, the fingerprint, the files).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import orjson
-from safetensors.numpy import load_file, save_file
 from tqdm import tqdm
 
-from contracts.sid_space import LAST_TOKENS, LastToken
+from contracts import tokenizer_format
+from contracts.tokenizer_format import TokenizerConfig
 from index_builder.kmeans import check_finite, kmeans, nearest, rq_encode
 from index_builder.last_token import CollisionReport, code_sids, complete_sids
 from index_builder.parallel import default_workers
-
-FORMAT_VERSION = 1
-_KIND = "grace.sid_tokenizer"
-_META_FILE = "tokenizer.json"
-_CODEBOOK_FILE = "codebooks.safetensors"
-
-
-@dataclass(frozen=True)
-class TokenizerConfig:
-    levels: int = 3  # prefix tokens; a full SID has levels + 1 tokens in either mode
-    codebook_size: int = 512  # codes per level, also the range of the last token
-    iterations: int = 20  # Lloyd iterations per level (stops early once no point moves)
-    train_sample: int = 200_000  # k-means is trained on a seeded sample of this many rows
-    seed: int = 0
-    last_token: LastToken = "rank"  # "rank" or "code" (LAST_TOKENS); see the module doc
-
-    def __post_init__(self) -> None:
-        if self.last_token not in LAST_TOKENS:
-            raise ValueError(
-                f"TokenizerConfig.last_token must be one of {LAST_TOKENS}, got {self.last_token!r}"
-            )
-        for f in fields(self):
-            if f.name == "last_token":
-                continue
-            value = getattr(self, f.name)
-            low = 0 if f.name == "seed" else 1
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"TokenizerConfig.{f.name} must be an int >= {low}, got {value!r}")
-        if self.codebook_size ** (self.levels + 1) > 2**62:
-            raise ValueError("codebook_size ** (levels + 1) must fit in int64 (SID keys)")
-
-    @property
-    def rq_levels(self) -> int:
-        """Trained RQ-KMeans codebooks: `levels`, plus the last token's in "code" mode."""
-        return self.levels + (self.last_token == "code")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The config as `tokenizer.json` stores it and the fingerprint hashes it: every
-        field, but `last_token` only when it is not "rank", so tokenizers from before the
-        field keep their files and fingerprints (and an old file loads as "rank")."""
-        out = asdict(self)
-        if self.last_token == "rank":
-            del out["last_token"]
-        return out
-
 
 _DEFAULT_CONFIG = TokenizerConfig()
 
@@ -145,12 +93,8 @@ class SIDTokenizer:
 
     @cached_property
     def fingerprint(self) -> str:
-        """sha256 of config (`TokenizerConfig.to_dict`), codebook shape and codebook bytes;
-        first 16 hex chars."""
-        head = {"config": self.config.to_dict(), "shape": list(self.codebooks.shape)}
-        h = hashlib.sha256(orjson.dumps(head, option=orjson.OPT_SORT_KEYS))
-        h.update(self.codebooks.astype("<f4", copy=False).tobytes())
-        return h.hexdigest()[:16]
+        """`tokenizer_format.fingerprint` of the config and codebooks."""
+        return tokenizer_format.fingerprint(self.config, self.codebooks)
 
     @property
     def dim(self) -> int:
@@ -201,63 +145,16 @@ class SIDTokenizer:
 
     def save(self, path: Path) -> None:
         """Write the tokenizer into directory `path` (created if missing)."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "kind": _KIND,
-            "format_version": FORMAT_VERSION,
-            "config": self.config.to_dict(),
-            "dim": self.dim,
-            "fingerprint": self.fingerprint,
-        }
-        tmp = path / f".{_CODEBOOK_FILE}.tmp"
-        save_file(
-            {"codebooks": self.codebooks}, str(tmp), metadata={"fingerprint": self.fingerprint}
-        )
-        os.replace(tmp, path / _CODEBOOK_FILE)
-        tmp = path / f".{_META_FILE}.tmp"
-        tmp.write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
-        os.replace(tmp, path / _META_FILE)
+        tokenizer_format.write(path, self.config, self.codebooks)
 
-    @staticmethod
-    def ready(path: Path) -> bool:
-        """Whether a complete tokenizer is saved at path (`save` writes the meta file last,
-        so its presence means the codebooks are there too)."""
-        return (Path(path) / _META_FILE).is_file()
+    ready = staticmethod(tokenizer_format.ready)
 
     @classmethod
     def load(cls, path: Path) -> SIDTokenizer:
-        """Read a saved tokenizer; refuse it unless its fingerprint recomputes the same.
-        A config without `last_token` (every "rank" one, and those saved before the field
-        existed) loads as "rank"."""
-        path = Path(path)
-        meta_path, codebook_path = path / _META_FILE, path / _CODEBOOK_FILE
-        for p in (meta_path, codebook_path):
-            if not p.is_file():
-                raise FileNotFoundError(f"SID tokenizer file missing: {p}")
-        try:
-            meta = orjson.loads(meta_path.read_bytes())
-            config = TokenizerConfig(**meta["config"])
-            stored = meta["fingerprint"]
-            kind, version = meta["kind"], meta["format_version"]
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{meta_path}: not a valid SID tokenizer description ({e})") from e
-        if kind != _KIND or version != FORMAT_VERSION:
-            raise ValueError(
-                f"{meta_path}: kind {kind!r} format {version!r}; "
-                f"this reader expects {_KIND!r} format {FORMAT_VERSION}"
-            )
-        try:
-            codebooks = load_file(str(codebook_path))["codebooks"]
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ValueError(f"{codebook_path}: unreadable codebooks ({e})") from e
-        tokenizer = cls(config, codebooks)
-        if tokenizer.fingerprint != stored:
-            raise ValueError(
-                f"{path}: fingerprint mismatch (stored {stored}, recomputed "
-                f"{tokenizer.fingerprint}); the files were modified or come from two tokenizers"
-            )
-        return tokenizer
+        """Read a saved tokenizer (`tokenizer_format.read`: refused unless its
+        fingerprint recomputes the same)."""
+        config, codebooks, _ = tokenizer_format.read(path)
+        return cls(config, codebooks)
 
     def __repr__(self) -> str:
         c = self.config

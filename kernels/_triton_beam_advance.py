@@ -3,8 +3,8 @@ path behind `kernels.beam_advance.beam_advance` (pipeline stage 3, the fixed-sha
 engine `service/decode/engine.py`).
 
 One program handles BLOCK of the B·keep kept slots: from each slot's position in its
-request's W·V candidates it derives the parent row and token, kills the slot where the
-schedule says so (`dead_slots`), tests liveness (a finite score) and reads the trie's
+request's M·V candidates it derives the parent row and token, tests liveness (a finite
+score) and reads the trie's
 child node of (parent, token), parking dead slots on `dead_node`. Eager torch spends
 about ten small launches on this per step and part; their launch gaps, not their bytes,
 are the cost (a batch of 16 moves under 1 MB here).
@@ -25,22 +25,19 @@ BLOCK = 1024  # kept slots per program: 16 programs for the paper's 16 × 1024
 @triton.jit
 def _beam_advance_kernel(
     top_ptr,  # float32 [n]: kept slots' scores, request-major (n = B · keep)
-    flat_ptr,  # int64 [n]: position in the request's W·V candidates
-    child_ptr,  # int32 [B·W, V] child node per (row, token) (HAS_CHILD)
-    dead_ptr,  # bool [n]: slots the schedule kills (HAS_DEAD)
+    flat_ptr,  # int64 [n]: position in the request's M·V candidates
+    child_ptr,  # int32 [B·M, V] child node per (row, token)
     score_ptr,  # float32 [n] out
-    parent_ptr,  # int64 [n] out: row among the B·W rows
+    parent_ptr,  # int64 [n] out: row among the B·M rows
     token_ptr,  # int64 [n] out
     live_ptr,  # bool [n] out
-    node_ptr,  # int64 [n] out (HAS_CHILD)
+    node_ptr,  # int64 [n] out
     n,
     keep,
-    rows_per_request,  # W
+    rows_per_request,  # M
     vocab,  # V
     stride_child,
     dead_node,
-    HAS_CHILD: tl.constexpr,
-    HAS_DEAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -49,53 +46,38 @@ def _beam_advance_kernel(
     score = tl.load(top_ptr + i, mask=ok, other=float("-inf"))
     token = flat % vocab
     parent = flat // vocab + (i // keep).to(tl.int64) * rows_per_request
-    if HAS_DEAD:
-        dead = tl.load(dead_ptr + i, mask=ok, other=1).to(tl.int1)
-        score = tl.where(dead, float("-inf"), score)
     live = (score == score) & (score != float("inf")) & (score != float("-inf"))
     tl.store(score_ptr + i, score, mask=ok)
     tl.store(parent_ptr + i, parent, mask=ok)
     tl.store(token_ptr + i, token, mask=ok)
     tl.store(live_ptr + i, live, mask=ok)
-    if HAS_CHILD:
-        node = tl.load(child_ptr + parent * stride_child + token, mask=ok & live, other=0)
-        tl.store(node_ptr + i, tl.where(live, node.to(tl.int64), dead_node), mask=ok)
+    node = tl.load(child_ptr + parent * stride_child + token, mask=ok & live, other=0)
+    tl.store(node_ptr + i, tl.where(live, node.to(tl.int64), dead_node), mask=ok)
 
 
 def triton_beam_advance(
     top: torch.Tensor,  # float32 [B, keep]
     flat: torch.Tensor,  # int64 [B, keep]
-    child: torch.Tensor | None,  # int32 [B·W, V], last dim contiguous
-    dead_slots: torch.Tensor | None,  # bool [B·keep]
+    child: torch.Tensor,  # int32 [B·M, V], last dim contiguous
     rows_per_request: int,
     vocab: int,
     dead_node: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`kernels.beam_advance.beam_advance_reference` in one launch."""
     bsz, keep = top.shape
     n = bsz * keep
     assert flat.shape == top.shape and top.dtype == torch.float32 and flat.dtype == torch.int64
-    assert child is None or (child.dtype == torch.int32 and child.stride(1) == 1), child
-    assert dead_slots is None or (dead_slots.dtype == torch.bool and dead_slots.numel() == n)
+    assert child.dtype == torch.int32 and child.stride(1) == 1, child
     top, flat = top.contiguous(), flat.contiguous()
     score = torch.empty(n, dtype=torch.float32, device=top.device)
     parent = torch.empty(n, dtype=torch.int64, device=top.device)
     token = torch.empty_like(parent)
     live = torch.empty(n, dtype=torch.bool, device=top.device)
-    node = torch.empty_like(parent) if child is not None else None
+    node = torch.empty_like(parent)
     if n == 0:
         return score, parent, token, live, node
     _beam_advance_kernel[(triton.cdiv(n, BLOCK),)](
-        top, flat,
-        child if child is not None else flat,  # unread without HAS_CHILD
-        dead_slots.contiguous() if dead_slots is not None else live,  # unread without HAS_DEAD
-        score, parent, token, live,
-        node if node is not None else parent,  # unwritten without HAS_CHILD
-        n, keep, rows_per_request, vocab,
-        child.stride(0) if child is not None else 0,
-        dead_node,
-        HAS_CHILD=child is not None,
-        HAS_DEAD=dead_slots is not None,
-        BLOCK=BLOCK,
+        top, flat, child, score, parent, token, live, node,
+        n, keep, rows_per_request, vocab, child.stride(0), dead_node, BLOCK=BLOCK,
     )  # fmt: skip
     return score, parent, token, live, node

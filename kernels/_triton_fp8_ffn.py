@@ -10,17 +10,12 @@ reaches memory in bf16: no bias + GELU + quantise pass of its own. The down proj
 reads these codes with cuBLASLt's block-scaled GEMM (`kernels.fp8.block_fp8_gemm`), so
 the scales can be written M-major (strides (1, R)), the layout it takes.
 
-Two forms of the same sums: `_fp8_up_gelu_tma_kernel` (`persistent=True`, served where K
-and N are multiples of 16) runs one or two programs per SM that walk the tiles, loading
-them by TMA and storing the codes by TMA, the next tile's loads issued under this one's
-epilogue; `_fp8_up_gelu_kernel` runs one program per tile with pointer loads (any
-shape; the promoted variant). Both share `_epilogue`, and their codes agree byte for
-byte (docs/FP8.md measures both).
-
-On sm90 Triton chains the FP8 MMAs over all of K in the tensor cores' reduced precision
-(its default `max_num_imprecise_acc`), where cuBLASLt adds in fp32; `promote` adds each
-K step's product to an fp32 accumulator instead, at a cost (docs/FP8.md has both the
-cost and the quality, measured on a trained model; served: not promoted).
+The kernel is persistent: one or two programs per SM walk the tiles, loading them by
+TMA and storing the codes by TMA, the next tile's loads issued under this one's
+epilogue; so K and N must be multiples of 16 (`tma_loadable`; other shapes take the
+reference, `kernels.fp8_ffn`). On sm90 Triton chains the FP8 MMAs over all of K in the
+tensor cores' reduced precision (its default `max_num_imprecise_acc`), where cuBLASLt
+adds in fp32; docs/FP8.md measures the quality on a trained model.
 
 Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before
 this module is imported.
@@ -39,24 +34,14 @@ from kernels.fp8 import SCALE_BLOCK, Fp8Weight
 
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # jit globals must be constexpr
 SQRT_HALF = tl.constexpr(0.7071067811865476)
-# BLOCK_N is SCALE_BLOCK: the scales' width fixes it
-DEFAULT = triton.Config({"BLOCK_M": 64, "BLOCK_N": SCALE_BLOCK, "BLOCK_K": 64}, num_warps=4)
-
-
-def _configs() -> list[triton.Config]:
-    if not AUTOTUNE:
-        return [DEFAULT]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": SCALE_BLOCK, "BLOCK_K": k},
-                          num_warps=w, num_stages=s)
-            for m in (64, 128) for k in (64, 128) for w in (4, 8) for s in (3, 4)]  # fmt: skip
 
 
 @triton.jit
 def _gelu(h, bias, TANH: tl.constexpr, HW_TANH: tl.constexpr):
-    """The model's GELU of h + bias in fp32. HW_TANH (with TANH, GPU only; served): tanh
-    by the hardware's `tanh.approx.f32`, one instruction for an exp and a division,
-    relative error about 2^-11, below bf16's own rounding (2^-9) and far below
-    the e4m3 step of 2^-3 the result is rounded to."""
+    """The model's GELU of h + bias in fp32. HW_TANH (with TANH, on a GPU; the interpreter
+    has no PTX and takes exp and a division): tanh by the hardware's `tanh.approx.f32`,
+    one instruction for an exp and a division, relative error about 2^-11, below bf16's
+    own rounding (2^-9) and far below the e4m3 step of 2^-3 the result is rounded to."""
     x = h.to(tl.float32) + bias.to(tl.float32)[None, :]
     if TANH:  # 0.5 x (1 + tanh(u)); tanh(|u| > 20) is ±1 in fp32, and exp never overflows
         u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
@@ -82,67 +67,16 @@ def _epilogue(acc, rows, cols, R, sx_ptr, sw_ptr, b_ptr, N: tl.constexpr, TANH: 
     return quantize_rows_fp8(y, row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
-def _fp8_up_gelu_kernel(
-    x_ptr,  # e4m3 [R, K], last dim contiguous
-    sx_ptr,  # fp32 [R]: the rows' scales
-    w_ptr,  # e4m3 [N, K], contiguous
-    sw_ptr,  # fp32 [N]: the output channels' scales
-    b_ptr,  # [N]
-    q_ptr,  # out: e4m3 [R, N], contiguous
-    sq_ptr,  # out: fp32 [R, NB]: one scale per row and 128 columns
-    R,
-    stride_x,
-    stride_sr,  # sq's strides: (NB, 1) row-major, (1, R) M-major
-    stride_sb,
-    N: tl.constexpr,
-    K: tl.constexpr,
-    NB: tl.constexpr,
-    TANH: tl.constexpr,
-    HW_TANH: tl.constexpr,  # with TANH: the hardware's tanh.approx, as the served kernel
-    PROMOTE: tl.constexpr,  # each K step's product added in fp32 (else one MMA chain)
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # SCALE_BLOCK
-    BLOCK_K: tl.constexpr,
-):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < R, cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        w = tl.load(w_ptr + cols.to(tl.int64)[None, :] * K + ks[:, None],
-                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # fmt: skip
-        if PROMOTE:  # sm90's FP8 MMA adds in reduced precision: promote every BLOCK_K
-            acc += tl.dot(a, w)
-        else:
-            acc = tl.dot(a, w, acc)
-    codes, scale = _epilogue(acc, rows, cols, R, sx_ptr, sw_ptr, b_ptr, N, TANH, HW_TANH)
-    ok = row_ok[:, None] & col_ok[None, :]
-    tl.store(q_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
-             codes.to(q_ptr.dtype.element_ty), mask=ok)  # fmt: skip
-    tl.store(sq_ptr + rows.to(tl.int64) * stride_sr + pid_n * stride_sb, scale, mask=row_ok)
-
-
-_TUNED = triton.autotune(configs=_configs(), key=["R", "N", "K", "TANH", "HW_TANH", "PROMOTE"])(
-    _fp8_up_gelu_kernel
-)
-
-
-# the persistent TMA form (`persistent=True`): BLOCK_M, BLOCK_K, warps, stages and OCC,
-# the programs each SM holds (two let one program's epilogue run beside the other's
-# MMAs); its default is the untuned launch's
+# BLOCK_M, BLOCK_K, warps, stages and OCC, the programs each SM holds (two let one
+# program's epilogue run beside the other's MMAs); BLOCK_N is SCALE_BLOCK (one scale per
+# tile row); the default is the untuned launch's
 TMA_DEFAULT = triton.Config({"BLOCK_M": 128, "BLOCK_N": SCALE_BLOCK, "BLOCK_K": 128, "OCC": 1},
                             num_warps=8, num_stages=3)  # fmt: skip
 
 
 def tma_loadable(k: int, n: int) -> bool:
-    """Whether the persistent kernel takes this shape: TMA wants every row stride a
-    multiple of 16 bytes, so K (x's and w's rows) and N (the codes' rows) of e4m3."""
+    """Whether the kernel takes this shape: TMA wants every row stride a multiple of 16
+    bytes, so K (x's and w's rows) and N (the codes' rows) of e4m3."""
     return k % 16 == 0 and n % 16 == 0
 
 
@@ -257,61 +191,26 @@ def _launch_tma(
                                           num_stages=config.num_stages)  # fmt: skip
 
 
-def _launch(r: int, n: int, config: triton.Config | None, *args, **meta) -> None:
-    """The autotuned kernel, or one config (tests sweep them)."""
-
-    def grid(m: dict) -> tuple[int, int]:
-        return (triton.cdiv(r, m["BLOCK_M"]), triton.cdiv(n, m["BLOCK_N"]))
-
-    if config is None:
-        _TUNED[grid](*args, **meta)
-    else:
-        kw = config.kwargs
-        assert kw["BLOCK_N"] == SCALE_BLOCK, "one scale per tile"
-        _fp8_up_gelu_kernel[grid(kw)](*args, **meta, **kw, num_warps=config.num_warps,
-                                      num_stages=config.num_stages)  # fmt: skip
-
-
 def triton_fp8_up_gelu(
     xq: torch.Tensor,  # e4m3 [R, K], last dim contiguous
     xs: torch.Tensor,  # fp32 [R, 1]
     w: Fp8Weight,  # [N, K]
     bias: torch.Tensor,  # [N]
     tanh: bool,
-    config: triton.Config | None = None,
-    m_major: bool = False,  # the scales with strides (1, R): cuBLASLt's 1 x 128 layout
-    promote: bool = False,  # add each BLOCK_K step's product in fp32 (cuBLASLt's way)
-    hw_tanh: bool | None = None,  # the tanh GELU's tanh by tanh.approx.f32 (None: on a GPU)
-    persistent: bool = False,  # the persistent TMA kernel (K and N multiples of 16)
-) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, N], fp32 [R, ceil(N / 128)]
-    """GELU(xq·xs @ (w.q·w.scale).T + bias), quantised per row and 128 columns. On sm90
-    Triton chains the FP8 MMAs over all of K in the tensor cores' reduced precision;
-    `promote` adds each K step's product to an fp32 accumulator instead, as cuBLASLt
-    (`use_fast_accum=False`) does. On a GPU the tanh GELU takes its tanh from the
-    hardware's `tanh.approx.f32` unless `hw_tanh=False` (exp and a division).
-    `persistent`: one program per SM (or two) walks the tiles, loading them by TMA; the
-    same numbers (each tile's sums in the same K order), chained only."""
-    hw_tanh = tanh and not INTERPRET if hw_tanh is None else hw_tanh
-    if hw_tanh and (INTERPRET or not tanh):
-        raise ValueError("hw_tanh is the tanh GELU's, on a GPU (the interpreter has no PTX)")
+    config: triton.Config | None = None,  # one config (tests sweep them); None: autotuned
+) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, N], fp32 [R, ceil(N / 128)] M-major
+    """GELU(xq·xs @ (w.q·w.scale).T + bias), quantised per row and 128 columns, the
+    scales M-major (strides (1, R): cuBLASLt's 1 x 128 layout). On a GPU the tanh GELU
+    takes its tanh from the hardware's `tanh.approx.f32`."""
     r, k = xq.shape
     n = w.q.shape[0]
     assert xq.stride(1) == 1 and w.q.shape[1] == k and w.q.is_contiguous()
     assert xs.numel() == r and bias.shape == (n,), "a scale per row, a bias per output"
-    nb = triton.cdiv(n, SCALE_BLOCK)
+    if not tma_loadable(k, n):
+        raise ValueError(f"K and N must be multiples of 16 (TMA strides); got K={k}, N={n}")
     q = torch.empty((r, n), dtype=torch.float8_e4m3fn, device=xq.device)
-    scales = torch.empty((nb, r) if m_major else (r, nb), dtype=torch.float32, device=xq.device)
-    scales = scales.t() if m_major else scales
-    if persistent:
-        if promote or not tma_loadable(k, n):
-            raise ValueError("the persistent kernel chains its MMAs and needs K and N "
-                             f"multiples of 16 (TMA strides); got K={k}, N={n}")  # fmt: skip
-        if r:
-            _launch_tma(xq, xs, w, bias, q, scales, config, tanh, hw_tanh)
-        return q, scales
+    nb = triton.cdiv(n, SCALE_BLOCK)
+    scales = torch.empty((nb, r), dtype=torch.float32, device=xq.device).t()
     if r:
-        _launch(r, n, config, xq, xs.reshape(-1).contiguous(), w.q, w.scale.reshape(-1),
-                bias, q, scales, r, xq.stride(0), scales.stride(0), scales.stride(1),
-                N=n, K=k, NB=nb, TANH=tanh, HW_TANH=hw_tanh,
-                PROMOTE=promote)  # fmt: skip
+        _launch_tma(xq, xs, w, bias, q, scales, config, tanh, tanh and not INTERPRET)
     return q, scales

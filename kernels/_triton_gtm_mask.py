@@ -5,13 +5,12 @@ One program per beam row. It walks the row's trie node's child range (CSR
 — in GTM mode — the bitmask test against the request's bitmask row, then, only for the
 children that passed, the Bloom test ANY-of-many over the request's L location rows.
 It writes the whole output row: −inf / −1 everywhere, then the allowed tokens' logits
-and child nodes.
-With SCORE it goes on to the decode loop's candidate scores in the same
-program — the row's log-softmax plus the row's accumulated score
-(`kernels.gtm_mask.candidates`) — so the loop runs no separate cast, log-softmax, add
-and fill passes over `[R, V]`. The log-softmax is over the allowed tokens ("masked"
-scoring), or with UNMASKED the model's own over the whole logits row (its max and sum
-from one more read of the V logits), barred tokens −inf either way. Logits may be float32
+and child nodes, then goes on to the decode loop's candidate scores in the same program
+— the row's log-softmax plus the row's accumulated score (`kernels.gtm_mask.candidates`)
+— so the loop runs no separate cast, log-softmax, add and fill passes over `[R, V]`.
+The log-softmax is over the allowed tokens ("masked" scoring), or with UNMASKED the
+model's own over the whole logits row (its max and sum from one more read of the V
+logits), barred tokens −inf either way. Logits may be float32
 or bfloat16/float16 (read as fp32). The masked softmax takes "allowed" as "written with a
 finite logit": a NaN logit (a broken model) becomes a −inf candidate here, where the
 unfused reference would carry the NaN; the unmasked one, like the reference, carries a
@@ -39,7 +38,7 @@ from kernels._tuning import AUTOTUNE
 @triton.jit
 def _gtm_mask_kernel(
     logits_ptr,  # float32 (or bf16/fp16) [R, V], row stride `stride_logits`
-    masked_ptr,  # float32 [R, V] out, contiguous: masked logits, or candidates with SCORE
+    masked_ptr,  # float32 [R, V] out, contiguous: the masked logits, then the candidates
     child_out_ptr,  # int32 [R, V] out, contiguous
     node_ids_ptr,  # int64 [R]
     row_request_ptr,  # int64 [R]
@@ -52,7 +51,7 @@ def _gtm_mask_kernel(
     bloom_table_ptr,  # int64 [R_bl, W_BL]
     req_bitmask_ptr,  # int64 [B, W_BM]
     req_blooms_ptr,  # int64 [B, L, W_BL]
-    score_ptr,  # float32 [R]: accumulated score of each row (read with SCORE only)
+    score_ptr,  # float32 [R]: accumulated score of each row
     stride_logits,
     R,  # rows rounded up to a power of two: an autotune key only
     L,  # Bloom rows per request (padding rows repeat row 0)
@@ -60,9 +59,7 @@ def _gtm_mask_kernel(
     W_BM: tl.constexpr,
     W_BL: tl.constexpr,
     GTM: tl.constexpr,
-    BLOOM: tl.constexpr,
-    SCORE: tl.constexpr,
-    UNMASKED: tl.constexpr,  # with SCORE: log-softmax over the whole logits row
+    UNMASKED: tl.constexpr,  # log-softmax over the whole logits row
     BLOCK_V: tl.constexpr,
     BLOCK_WBM: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -91,9 +88,8 @@ def _gtm_mask_kernel(
         wb = tl.arange(0, BLOCK_WBM)
         q_bm = tl.load(req_bitmask_ptr + req * W_BM + wb, mask=wb < W_BM, other=0)
         w_needed = (wb < W_BM) & (q_bm != 0)
-        if BLOOM:
-            lanes_l = tl.arange(0, BLOCK_L)
-            req_blooms = req_blooms_ptr + req * L * W_BL
+        lanes_l = tl.arange(0, BLOCK_L)
+        req_blooms = req_blooms_ptr + req * L * W_BL
 
     for c0 in range(start, end, BLOCK_C):
         entry = c0 + tl.arange(0, BLOCK_C)
@@ -107,31 +103,30 @@ def _gtm_mask_kernel(
             )  # [BLOCK_C, BLOCK_WBM]; masked words read as 0 and match a 0 query word
             hit_bm = (m_bm & q_bm[None, :]) == q_bm[None, :]
             ok = ok & (tl.min(hit_bm.to(tl.int32), axis=1) > 0)
-            if BLOOM:
-                # Bloom only where the bitmask passed: failed lanes issue no loads, and a
-                # chunk where none passed never enters the location loop
-                bl_row = tl.load(bloom_index_ptr + entry, mask=ok, other=0)
-                need = ok  # passed the bitmask, no location contained yet
-                hit = tl.zeros([BLOCK_C], dtype=tl.int1)
-                l0 = 0
-                # ANY-of-many: BLOCK_L locations at a time, stopping as soon as every
-                # surviving child contains one (inner nodes' ORed Blooms are dense, so
-                # the first chunk usually settles them)
-                while (l0 < L) & (tl.max(need.to(tl.int32), axis=0) > 0):
-                    ls = l0 + lanes_l
-                    contained = need[:, None] & (ls < L)[None, :]  # [BLOCK_C, BLOCK_L]
-                    # word by word keeps one [BLOCK_C, BLOCK_L] tile live, not W_BL of
-                    # them; re-reading a matcher word is an L1 hit, and only lanes
-                    # still searching read it
-                    for w in tl.static_range(W_BL):
-                        q = tl.load(req_blooms + ls * W_BL + w, mask=ls < L, other=0)
-                        m = tl.load(bloom_table_ptr + bl_row * W_BL + w, mask=need, other=0)
-                        contained = contained & ((m[:, None] & q[None, :]) == q[None, :])
-                    got = tl.max(contained.to(tl.int32), axis=1) > 0
-                    hit = hit | got
-                    need = need & ~got
-                    l0 += BLOCK_L
-                ok = hit
+            # Bloom only where the bitmask passed: failed lanes issue no loads, and a
+            # chunk where none passed never enters the location loop
+            bl_row = tl.load(bloom_index_ptr + entry, mask=ok, other=0)
+            need = ok  # passed the bitmask, no location contained yet
+            hit = tl.zeros([BLOCK_C], dtype=tl.int1)
+            l0 = 0
+            # ANY-of-many: BLOCK_L locations at a time, stopping as soon as every
+            # surviving child contains one (inner nodes' ORed Blooms are dense, so the
+            # first chunk usually settles them)
+            while (l0 < L) & (tl.max(need.to(tl.int32), axis=0) > 0):
+                ls = l0 + lanes_l
+                contained = need[:, None] & (ls < L)[None, :]  # [BLOCK_C, BLOCK_L]
+                # word by word keeps one [BLOCK_C, BLOCK_L] tile live, not W_BL of them;
+                # re-reading a matcher word is an L1 hit, and only lanes still
+                # searching read it
+                for w in tl.static_range(W_BL):
+                    q = tl.load(req_blooms + ls * W_BL + w, mask=ls < L, other=0)
+                    m = tl.load(bloom_table_ptr + bl_row * W_BL + w, mask=need, other=0)
+                    contained = contained & ((m[:, None] & q[None, :]) == q[None, :])
+                got = tl.max(contained.to(tl.int32), axis=1) > 0
+                hit = hit | got
+                need = need & ~got
+                l0 += BLOCK_L
+            ok = hit
         # read the logits of the allowed tokens only; write them and their child nodes
         tok = tl.load(tokens_ptr + entry, mask=ok, other=0)
         child = tl.load(child_nodes_ptr + entry, mask=ok, other=0)
@@ -139,31 +134,30 @@ def _gtm_mask_kernel(
         tl.store(masked_ptr + out_row + tok, x.to(tl.float32), mask=ok)
         tl.store(child_out_ptr + out_row + tok, child, mask=ok)
 
-    if SCORE:
-        # score + log_softmax over the row, −inf where barred; a row with nothing allowed
-        # stays all −inf. The barrier makes the scattered stores above visible to every
-        # thread of the program (the row is in L1/L2: this re-read is cheap).
-        tl.debug_barrier()
-        x = tl.load(masked_ptr + out_row + v, mask=v < V, other=float("-inf"))
-        allowed = x > float("-inf")
-        if UNMASKED:
-            # the model's log-softmax: max and sum over all V logits of the row (fp32),
-            # whatever the mask let through (an allowed token's x is its logit, as fp32)
-            row = logits_ptr + r * stride_logits
-            full = tl.load(row + v, mask=v < V, other=float("-inf")).to(tl.float32)
-            m_full = tl.max(full, axis=0)
-            total_full = tl.sum(tl.where(v < V, tl.exp(full - m_full), 0.0), axis=0)
-            s = tl.load(score_ptr + r)
-            cand = tl.where(allowed, s + ((full - m_full) - tl.log(total_full)), float("-inf"))
-        else:
-            m = tl.max(x, axis=0)
-            shifted = x - tl.where(m > float("-inf"), m, 0.0)
-            total = tl.sum(tl.where(allowed, tl.exp(shifted), 0.0), axis=0)
-            s = tl.load(score_ptr + r)
-            cand = tl.where(allowed, s + (shifted - tl.log(total)), float("-inf"))
-        # Triton promises no lane-to-element map, so every read ends before any overwrite
-        tl.debug_barrier()
-        tl.store(masked_ptr + out_row + v, cand, mask=v < V)
+    # score + log_softmax over the row, −inf where barred; a row with nothing allowed stays
+    # all −inf. The barrier makes the scattered stores above visible to every thread of
+    # the program (the row is in L1/L2: this re-read is cheap).
+    tl.debug_barrier()
+    x = tl.load(masked_ptr + out_row + v, mask=v < V, other=float("-inf"))
+    allowed = x > float("-inf")
+    if UNMASKED:
+        # the model's log-softmax: max and sum over all V logits of the row (fp32),
+        # whatever the mask let through (an allowed token's x is its logit, as fp32)
+        row = logits_ptr + r * stride_logits
+        full = tl.load(row + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        m_full = tl.max(full, axis=0)
+        total_full = tl.sum(tl.where(v < V, tl.exp(full - m_full), 0.0), axis=0)
+        s = tl.load(score_ptr + r)
+        cand = tl.where(allowed, s + ((full - m_full) - tl.log(total_full)), float("-inf"))
+    else:
+        m = tl.max(x, axis=0)
+        shifted = x - tl.where(m > float("-inf"), m, 0.0)
+        total = tl.sum(tl.where(allowed, tl.exp(shifted), 0.0), axis=0)
+        s = tl.load(score_ptr + r)
+        cand = tl.where(allowed, s + (shifted - tl.log(total)), float("-inf"))
+    # Triton promises no lane-to-element map, so every read ends before any overwrite
+    tl.debug_barrier()
+    tl.store(masked_ptr + out_row + v, cand, mask=v < V)
 
 
 def _configs() -> list[triton.Config]:
@@ -182,9 +176,9 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-_gtm_mask_autotuned = triton.autotune(
-    configs=_configs(), key=["R", "L", "GTM", "BLOOM", "SCORE", "UNMASKED"]
-)(_gtm_mask_kernel)
+_gtm_mask_autotuned = triton.autotune(configs=_configs(), key=["R", "L", "GTM", "UNMASKED"])(
+    _gtm_mask_kernel
+)
 
 # used where nothing is autotuned (the interpreter, explicit `config=`)
 DEFAULT_CONFIG = {"BLOCK_C": 32, "BLOCK_L": 16, "num_warps": 2}
@@ -202,17 +196,15 @@ def gtm_mask_triton(
     node_ids: torch.Tensor,  # int64 [R]: trie node of each beam row
     row_request: torch.Tensor,  # int64 [R]: batch index of each row's request
     requests: RequestTensors | None,  # bitmask int64 [B, W_bm], blooms int64 [B, L, W_bl]
+    score: torch.Tensor,  # float32 [R]: each row's accumulated score
     *,
     gtm: bool,  # False: CD only
-    bloom: bool = True,  # with gtm: False tests the bitmask only
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (float32 [R, V], int32 [R, V])
+    scoring: Scoring = "masked",  # the log-softmax over the allowed tokens, or the row
     config: dict[str, int] | None = None,  # BLOCK_C, BLOCK_L, num_warps; None: autotune
-    score: torch.Tensor | None = None,  # float32 [R]: output candidates instead of logits
-    scoring: Scoring = "masked",  # with score: the log-softmax over the allowed tokens/the row
-) -> tuple[torch.Tensor, torch.Tensor]:  # (masked / candidates float32 [R, V], child int32)
-    """Launch the mask kernel: one program per row, every output element written. With
-    `score`, the first output is `candidates(score, masked, allowed, scoring=scoring,
-    logits=logits)`."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # (candidates float32 [R, V], child int32 [R, V])
+    """Launch the mask kernel: one program per row, every output element written: the
+    candidates `kernels.gtm_mask.candidates(score, masked, allowed, scoring=scoring,
+    logits=logits)` and the allowed tokens' child nodes."""
     rows = node_ids.shape[0]
     floats = (torch.float32, torch.bfloat16, torch.float16)
     assert logits.dtype in floats and logits.dim() == 2, (logits.dtype, logits.shape)
@@ -238,26 +230,16 @@ def gtm_mask_triton(
     else:
         n_loc, req_bitmask, req_blooms = 1, node_ids, node_ids  # never read
     assert scoring in SCORINGS, scoring
-    if score is not None:
-        _check(score, "score", torch.float32, 1)
-        assert score.shape[0] == rows
-    else:
-        assert scoring == "masked", "unmasked scoring scores candidates: it needs `score`"
-    if out is None:
-        masked = torch.empty(rows, VOCAB_SIZE, dtype=torch.float32, device=logits.device)
-        child = torch.empty(rows, VOCAB_SIZE, dtype=torch.int32, device=logits.device)
-    else:
-        masked, child = out
-        _check(masked, "out[0]", torch.float32, 2)
-        _check(child, "out[1]", torch.int32, 2)
-        assert masked.shape == child.shape == (rows, VOCAB_SIZE)
+    _check(score, "score", torch.float32, 1)
+    assert score.shape[0] == rows
+    masked = torch.empty(rows, VOCAB_SIZE, dtype=torch.float32, device=logits.device)
+    child = torch.empty(rows, VOCAB_SIZE, dtype=torch.int32, device=logits.device)
     if rows == 0:
         return masked, child
     args = (
         logits, masked, child, node_ids, row_request,
         t.node_offsets, t.child_nodes, t.tokens, t.bitmask_index, t.bloom_index,
-        t.bitmask_table, t.bloom_table, req_bitmask, req_blooms,
-        node_ids if score is None else score,  # never read without SCORE
+        t.bitmask_table, t.bloom_table, req_bitmask, req_blooms, score,
         # the key R is the rows rounded up to a power of two: a server's part-sized row
         # counts (bucket 12: 6 144 rows) reuse the tuning of the next power of two instead
         # of autotuning every bucket's shapes at start-up
@@ -268,8 +250,6 @@ def gtm_mask_triton(
         "W_BM": w_bm,
         "W_BL": w_bl,
         "GTM": gtm,
-        "BLOOM": gtm and bloom,
-        "SCORE": score is not None,
         "UNMASKED": scoring == "unmasked",
         "BLOCK_V": triton.next_power_of_2(VOCAB_SIZE),
         "BLOCK_WBM": triton.next_power_of_2(w_bm),

@@ -105,19 +105,6 @@ def triton_layer_norm(
     return y
 
 
-def triton_layer_norm_fp8(
-    x: torch.Tensor,  # [R, D], last dim contiguous
-    weight: torch.Tensor,  # [D]
-    bias: torch.Tensor,  # [D]
-    eps: float,
-    shift: torch.Tensor | None = None,  # fp32 [D]
-) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, D], fp32 scale [R, 1]
-    """`LN(x + shift)` quantised per row for an FP8 GEMM (`kernels/fp8.py`)."""
-    y, scale = empty_fp8_rows(*x.shape, x.device)
-    _launch(x, weight, bias, eps, shift, y, scale, None, None)
-    return y, scale
-
-
 def triton_add_layer_norm_fp8(
     x: torch.Tensor,  # [R, D], last dim contiguous: the residual stream
     residual: torch.Tensor,  # [R, D] in x's dtype, last dim contiguous: a pending add

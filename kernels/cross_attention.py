@@ -6,16 +6,11 @@ request as its query sequence, so every K/V tile load serves all M beams of the 
 
 `cross_attention` is the dispatcher the decoder step calls. Backends (`BACKENDS`):
 - "sdpa_cudnn": PyTorch SDPA pinned to cuDNN on the `[B, H, M, d_h]` view — the CUDA
-  path for bf16/fp16, the fastest by measurement (bench/results/cross_attention.json,
-  H200, B 16, M 1024, H 16, d_h 128, T_ctx 128, bf16: cuDNN 0.052 ms, our Triton kernel
-  0.071 ms, flash 0.093 ms);
-- "triton": our kernel (`kernels/_triton_cross_attention.py`), one program per (b, h, run
-  of beam tiles), T_ctx ≤ 256 — the CUDA path for fp32 (cuDNN has none);
-- "sdpa_efficient": SDPA's memory-efficient kernel, for fp32 contexts the Triton kernel
-  cannot hold;
+  path for bf16/fp16, the fastest measured (docs/PERFORMANCE.md, Table 4 analogue);
+- "sdpa_efficient": SDPA's memory-efficient kernel, the CUDA path for fp32 (cuDNN has
+  none);
 - "reference": SDPA in fp32 on the same view — the CPU path and the tests' oracle.
-The per-beam layout and the other backends the benchmark compares live in
-`bench/baselines/cross_attention.py`.
+The per-beam layout the benchmark compares lives in `bench/baselines/cross_attention.py`.
 """
 
 from __future__ import annotations
@@ -24,12 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-try:
-    from kernels._triton_cross_attention import supports, triton_cross_attention
-except ImportError:  # no triton on this machine: SDPA and the reference still work
-    supports = triton_cross_attention = None  # type: ignore[assignment]
-
-BACKENDS = ("sdpa_cudnn", "triton", "sdpa_efficient", "reference")
+BACKENDS = ("sdpa_cudnn", "sdpa_efficient", "reference")
 _SDPA = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -38,11 +28,7 @@ def default_backend(q: torch.Tensor, k: torch.Tensor) -> str:
     """The backend `cross_attention` takes for these tensors when none is given."""
     if not q.is_cuda:
         return "reference"
-    if k.dtype in _HALF:
-        return "sdpa_cudnn"
-    if triton_cross_attention is not None and supports(*k.shape[2:], k.dtype):
-        return "triton"
-    return "sdpa_efficient"  # the Triton kernel holds the whole context in one block
+    return "sdpa_cudnn" if k.dtype in _HALF else "sdpa_efficient"
 
 
 def cross_attention(
@@ -53,9 +39,6 @@ def cross_attention(
 ) -> torch.Tensor:  # [B * M, H, d_h], q's dtype, contiguous
     """Beam-as-query: one attention call of M queries per request against shared K/V."""
     backend = backend or default_backend(q, k)
-    if backend == "triton":
-        assert triton_cross_attention is not None, "triton is not installed"
-        return triton_cross_attention(q, k, v)
     if backend == "reference":
         return cross_attention_reference(q, k, v)
     assert backend in _SDPA, f"unknown backend {backend!r}; one of {BACKENDS}"

@@ -1,5 +1,6 @@
-"""FP8 (e4m3) linear layers for the decoder step (`service/decode/step.py`, pipeline
-stage 3), opt-in (`DecoderStep(..., fp8=True)`; docs/FP8.md).
+"""FP8 (e4m3) linear layers for the decoder step (pipeline stage 3; docs/FP8.md): the GEMMs
+and `Fp8Linear`, the layer a model's `nn.Linear` becomes once at load
+(`service/model/precision.py`), which `service/decode/fp8_step.py` runs.
 
     weight [N, K] ── once, at load ──► `Fp8Weight`: e4m3 [N, K] + fp32 scale per output
                                        channel (its row's amax / 448)
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 try:
     from kernels._triton_fp8 import MAX_K, triton_quantize_rows
@@ -210,3 +212,31 @@ def block_fp8_reference(hq: torch.Tensor, hs: torch.Tensor, w: Fp8BlockWeight) -
     """What `block_fp8_gemm` computes, in fp32 from the dequantised operands."""
     k = hq.shape[1]
     return (hq.float() * hs.repeat_interleave(SCALE_BLOCK, 1)[:, :k]) @ w.dequantized().t()
+
+
+class Fp8Linear(nn.Module):
+    """An `nn.Linear` with its weight quantised once (`of`): per output channel
+    (`Fp8Weight`), or per 128 x 128 block (`Fp8BlockWeight`, `block=True`: the FFN down
+    projection, whose input the up GEMM's epilogue quantises per 1 x 128). The bias stays
+    in the model's dtype. `forward` quantises its input itself; the FP8 decoder step
+    hands the GEMMs inputs that the kernels before them quantised already."""
+
+    def __init__(self, weight: Fp8Weight | Fp8BlockWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def of(cls, linear: nn.Linear, *, block: bool = False) -> Fp8Linear:
+        w = (Fp8BlockWeight if block else Fp8Weight).of(linear.weight.detach())
+        return cls(w, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N], x's dtype
+        rows = x.reshape(-1, x.shape[-1])
+        if isinstance(self.weight, Fp8BlockWeight):
+            y = block_fp8_gemm(*quantize_row_blocks(rows), self.weight, x.dtype)
+        else:
+            y = fp8_matmul(rows, self.weight, x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], -1)

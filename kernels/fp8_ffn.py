@@ -5,10 +5,10 @@
 
 `fp8_up_gelu` is the up projection with its bias, the model's GELU and the quantisation
 of its output in one kernel (`_triton_fp8_ffn`: the GEMM's epilogue, one scale per row
-and 128 columns, written M-major for cuBLASLt; the persistent TMA kernel where K and N
-are multiples of 16, else the per-tile one) on CUDA; elsewhere (CPU serving and the
-tests' oracle) `fp8_up_gelu_reference`: the fp32 product of the dequantised operands,
-torch's GELU, `kernels.fp8.quantize_row_blocks`.
+and 128 columns, written M-major for cuBLASLt) on CUDA where K and N are multiples of
+16; elsewhere (CPU serving, other shapes and the tests' oracle) `fp8_up_gelu_reference`:
+the fp32 product of the dequantised operands, torch's GELU,
+`kernels.fp8.quantize_row_blocks`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ def fp8_up_gelu(
     """GELU((xq · xs) @ w.T + bias), quantised per row and 128 columns. On a GPU the GEMM
     chains its FP8 products in the tensor cores' precision and the tanh GELU takes tanh
     from `tanh.approx.f32` (docs/FP8.md measures both on a trained model)."""
-    if triton_fp8_up_gelu is not None and xq.is_cuda:  # tma_loadable came with it
-        persistent = tma_loadable(xq.shape[1], w.q.shape[0])
-        return triton_fp8_up_gelu(xq, xs, w, bias, tanh, m_major=True, persistent=persistent)
+    if triton_fp8_up_gelu is not None and xq.is_cuda and tma_loadable(xq.shape[1], w.q.shape[0]):
+        return triton_fp8_up_gelu(xq, xs, w, bias, tanh)
     return fp8_up_gelu_reference(xq, xs, w, bias, tanh)
 
 

@@ -6,16 +6,14 @@ request's locations). Output is the step's logits with every disallowed token se
 and the child trie node of every allowed token (−1 elsewhere) — fixed shapes `[R, V]`, so
 the decode loop around it can be captured in a CUDA graph.
 
-`masked_logits` dispatches: the Triton kernel (`kernels._triton_gtm_mask`) on CUDA
-tensors for CD_ONLY and CD_GTM, the reference otherwise (`lookup`, below: paper §3.5
-`Lookup` in torch, the kernel's oracle and the CPU path); k-way always takes the
-reference. `bloom=False` drops the Bloom test (CD + bitmask only), the decode-loop
-ablation. `masked_candidates` goes one step further, as the fixed-shape decode loop
-needs it: each allowed token's candidate score — the row's accumulated score plus the
-token's log-softmax (`candidates`) — in the same kernel. `scoring` picks the
-log-softmax (`contracts.request.Scoring`): "masked" (the default) over the allowed tokens
-only, "unmasked" the model's own over the whole vocabulary row, barred tokens −inf either
-way.
+`masked_candidates` is what the fixed-shape decode loop calls: each allowed token's
+candidate score — the row's accumulated score plus the token's log-softmax
+(`candidates`) — and its child node, in one Triton kernel (`kernels._triton_gtm_mask`)
+on CUDA tensors for CD_ONLY and CD_GTM; elsewhere, and for k-way, the reference
+(`masked_logits_reference`, then `candidates`; `lookup`, below, is paper §3.5 `Lookup`
+in torch, the kernel's oracle and the CPU path). `scoring` picks the log-softmax
+(`contracts.request.Scoring`): "masked" (the default) over the allowed tokens only,
+"unmasked" the model's own over the whole vocabulary row, barred tokens −inf either way.
 """
 
 from __future__ import annotations
@@ -34,14 +32,6 @@ except ImportError:  # pragma: no cover - depends on the install
 NEG_INF = float("-inf")
 
 
-def bitmask_only(requests: RequestTensors) -> RequestTensors:
-    """The same requests with one all-zero Bloom row each: an all-zero query is contained
-    in every matcher, so `lookup`'s Bloom step passes everywhere and only the bitmask
-    decides."""
-    b, _, w = requests.blooms.shape
-    return RequestTensors(requests.bitmask, requests.blooms.new_zeros(b, 1, w))
-
-
 def masked_logits_reference(
     logits: torch.Tensor,  # float32 [R, V]
     tables: GtmTables,
@@ -49,11 +39,8 @@ def masked_logits_reference(
     row_request: torch.Tensor,  # int64 [R]: batch index of each row's request
     requests: RequestTensors | None,  # None only for CD_ONLY
     mode: FilterMode = FilterMode.CD_GTM,
-    *,
-    bloom: bool = True,  # False: CD + bitmask only
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (float32 [R, V] with −inf, int32 [R, V] with −1)
-    if not bloom and mode != FilterMode.CD_ONLY and requests is not None:
-        requests = bitmask_only(requests)
+    """The step's logits with every barred token −inf, and the allowed tokens' child nodes."""
     allowed, child = lookup(tables, node_ids, row_request, requests, mode)
     return logits.masked_fill(~allowed, NEG_INF), child
 
@@ -82,30 +69,6 @@ def candidates(
     return (score[:, None] + logp).masked_fill(~allowed, NEG_INF)
 
 
-def masked_logits(
-    logits: torch.Tensor,  # float32 [R, V]
-    tables: GtmTables,
-    node_ids: torch.Tensor,  # int64 [R]
-    row_request: torch.Tensor,  # int64 [R]
-    requests: RequestTensors | None,  # None only for CD_ONLY
-    mode: FilterMode = FilterMode.CD_GTM,
-    *,
-    bloom: bool = True,  # False: CD + bitmask only (ablation)
-) -> tuple[torch.Tensor, torch.Tensor]:  # (float32 [R, V] with −inf, int32 [R, V] with −1)
-    """Dispatcher: the Triton kernel on CUDA, the reference elsewhere."""
-    fast = mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM)
-    if fast and logits.is_cuda and gtm_mask_triton is not None:
-        if mode == FilterMode.CD_GTM and requests is None:
-            raise ValueError(f"{mode.name} needs encoded requests")
-        gtm = mode == FilterMode.CD_GTM
-        return gtm_mask_triton(
-            logits, tables, node_ids, row_request, requests, gtm=gtm, bloom=bloom
-        )
-    return masked_logits_reference(
-        logits, tables, node_ids, row_request, requests, mode, bloom=bloom
-    )
-
-
 def masked_candidates(
     logits: torch.Tensor,  # [R, V], float32 or (CUDA) bf16/fp16
     tables: GtmTables,
@@ -115,26 +78,22 @@ def masked_candidates(
     score: torch.Tensor,  # float32 [R]: each row's accumulated log-probability
     mode: FilterMode = FilterMode.CD_GTM,
     *,
-    bloom: bool = True,
     scoring: Scoring = "masked",  # the log-softmax: over the allowed tokens, or the row
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (candidates float32 [R, V], child int32 [R, V])
-    """`candidates(score, *masked_logits(...), scoring=..., logits=logits)` in one kernel
-    on CUDA (mask, log-softmax and the score added per row: no cast or elementwise passes
-    over `[R, V]` between); the two references one after the other elsewhere."""
+    """`candidates(score, *masked_logits_reference(...), scoring=..., logits=logits)` in
+    one kernel on CUDA (mask, log-softmax and the score added per row: no cast or
+    elementwise passes over `[R, V]` between); the two references one after the other
+    elsewhere."""
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
     fast = mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM)
     if fast and logits.is_cuda and gtm_mask_triton is not None:
         if mode == FilterMode.CD_GTM and requests is None:
             raise ValueError(f"{mode.name} needs encoded requests")
-        return gtm_mask_triton(
-            logits, tables, node_ids, row_request, requests,
-            gtm=mode == FilterMode.CD_GTM, bloom=bloom, score=score, scoring=scoring,
-        )  # fmt: skip
+        return gtm_mask_triton(logits, tables, node_ids, row_request, requests, score,
+                               gtm=mode == FilterMode.CD_GTM, scoring=scoring)  # fmt: skip
     full = logits.float()
-    masked, child = masked_logits_reference(
-        full, tables, node_ids, row_request, requests, mode, bloom=bloom
-    )
+    masked, child = masked_logits_reference(full, tables, node_ids, row_request, requests, mode)
     return candidates(score, masked, child >= 0, scoring=scoring, logits=full), child
 
 

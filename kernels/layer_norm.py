@@ -5,13 +5,13 @@ The fused step adds each linear layer's output to the residual stream inside the
 (cuBLAS `beta = 1`) but leaves the bias out; the biases not yet added are one constant
 vector per LayerNorm, `shift`, added here on the way in. Dispatcher: the Triton kernel
 (`_triton_layer_norm`) on CUDA tensors, torch's LayerNorm on the shifted fp32 input
-elsewhere (the reference, and the CPU path). `layer_norm_fp8` returns the same rows
-quantised per row for an FP8 GEMM (`kernels/fp8.py`), quantised inside the kernel.
+elsewhere (the reference, and the CPU path).
 
 The FP8 step's GEMMs cannot add into the residual stream (`torch._scaled_mm` has no
 `beta = 1`), so it hands each projection to the next LayerNorm as a `residual`:
 `add_layer_norm_fp8` adds it to the stream (rounded to the stream's dtype, as `x += r`
-would), returns the new stream and the quantised `LN(x + r + shift)`, in one pass; and
+would), returns the new stream and `LN(x + r + shift)` quantised per row for the FP8
+GEMM that reads it (`kernels/fp8.py`), in one pass; and
 `layer_norm(..., residual=r)` does the add for the final norm, which needs no stream after.
 """
 
@@ -27,10 +27,9 @@ try:
         MAX_D,
         triton_add_layer_norm_fp8,
         triton_layer_norm,
-        triton_layer_norm_fp8,
     )
 except ImportError:  # no triton on this machine: the reference serves every call
-    MAX_D, triton_layer_norm, triton_layer_norm_fp8, triton_add_layer_norm_fp8 = 0, None, None, None
+    MAX_D, triton_layer_norm, triton_add_layer_norm_fp8 = 0, None, None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -71,19 +70,6 @@ def layer_norm_reference(
     return y.to(x.dtype)
 
 
-def layer_norm_fp8(
-    x: torch.Tensor,  # [R, D]
-    weight: torch.Tensor,  # [D]
-    bias: torch.Tensor,  # [D]
-    eps: float,
-    shift: torch.Tensor | None = None,  # fp32 [D]
-) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, D], fp32 scale [R, 1]
-    """`LN(x + shift)` in fp32, quantised per row (`kernels.fp8.quantize_rows`)."""
-    if triton_layer_norm_fp8 is not None and x.is_cuda and x.shape[-1] <= MAX_D:
-        return triton_layer_norm_fp8(_rows(x), weight, bias, eps, shift)
-    return layer_norm_fp8_reference(x, weight, bias, eps, shift)
-
-
 def layer_norm_fp8_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -91,8 +77,8 @@ def layer_norm_fp8_reference(
     eps: float,
     shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference of `layer_norm_fp8`: torch's LayerNorm of the shifted fp32 rows,
-    quantised by `kernels.fp8.quantize_rows`."""
+    """`LN(x + shift)` in fp32 (torch's LayerNorm of the shifted fp32 rows), quantised
+    per row by `kernels.fp8.quantize_rows`: what the FP8 kernels write."""
     y = F.layer_norm(x.float() + (0 if shift is None else shift), x.shape[-1:],
                      weight.float(), bias.float(), eps)  # fmt: skip
     return quantize_rows(y)
@@ -107,7 +93,7 @@ def add_layer_norm_fp8(
     shift: torch.Tensor | None = None,  # fp32 [D]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(s, q, scale): the stream's next value s = x + residual in x's dtype, and
-    `layer_norm_fp8(s, ...)`, in one pass on CUDA. x is left as it was."""
+    `layer_norm_fp8_reference(s, ...)`, in one pass on CUDA. x is left as it was."""
     if triton_add_layer_norm_fp8 is not None and x.is_cuda and x.shape[-1] <= MAX_D:
         return triton_add_layer_norm_fp8(_rows(x), _rows(residual), weight, bias, eps, shift)
     return add_layer_norm_fp8_reference(x, residual, weight, bias, eps, shift)

@@ -1,15 +1,14 @@
 """Self-attention of one new SID token over the row's ≤ 4 cached prefix tokens (paper §4.2).
 
-Two entry points, each a dispatcher (the Triton kernels of `_triton_self_attention` on
-CUDA tensors, the torch reference here otherwise, and whenever autograd is recording):
-- `prefix_self_attention(q, k, v)`: the query of each row against its already-gathered
-  keys/values (the coalesced kernel on GPU);
-- `fused_self_attention(qkv, k_cache, v_cache, t, block_table)`: consumes the QKV
-  projection output, writes the new key/value into the cache (dense `[R, L, H, d_h]`, or
-  a paged pool `[N, H, d_h]` addressed by `block_table [R, L]`), gathers tokens 0..t and
-  attends — one pass over the bytes. `store=False` skips the write where nothing will
-  read it (the last SID position); `qkv_rows` reads row r's QKV from row `qkv_rows[r]`
-  of a shared source (the decoder's layer-0 QKV table) without copying it out first.
+`fused_self_attention(qkv, k_cache, v_cache, t, block_table)` is a dispatcher (the
+Triton kernel of `_triton_self_attention` on CUDA tensors, the torch reference here
+otherwise, and whenever autograd is recording): it consumes the QKV projection output,
+writes the new key/value into the cache (a paged pool `[N, H, d_h]` addressed by
+`block_table [R, L]`, or dense `[R, L, H, d_h]`), gathers tokens 0..t and attends — one
+pass over the bytes. `store=False` skips the write where nothing will read it (the last
+SID position); `qkv_rows` reads row r's QKV from row `qkv_rows[r]` of a shared source
+(the decoder's layer-0 QKV table) without copying it out first.
+`prefix_self_attention_reference` attends over keys/values gathered already.
 
 On GPU the kernels autotune per (rows, H, d_h, t, variant) on first use: run each step
 shape once before capturing a CUDA graph.
@@ -24,32 +23,17 @@ import torch
 from kernels.fp8 import quantize_rows
 
 try:
-    from kernels._triton_self_attention import (
-        fp8_out_supported,
-        fused_self_attention_triton,
-        prefix_self_attention_triton,
-    )
+    from kernels._triton_self_attention import fp8_out_supported, fused_self_attention_triton
 except ImportError:  # no triton here: the references serve every call
-    fused_self_attention_triton = prefix_self_attention_triton = None
+    fused_self_attention_triton = None
 
 
 def _use_triton(*xs: torch.Tensor | None) -> bool:
     ts = [x for x in xs if x is not None]
-    if prefix_self_attention_triton is None or not all(x.is_cuda for x in ts):
+    if fused_self_attention_triton is None or not all(x.is_cuda for x in ts):
         return False
     # the kernels have no backward
     return not (torch.is_grad_enabled() and any(x.requires_grad for x in ts))
-
-
-def prefix_self_attention(
-    q: torch.Tensor,  # [R, H, d_h]: the new token's query per row
-    k: torch.Tensor,  # [R, t + 1, H, d_h]: keys of tokens 0..t (t included)
-    v: torch.Tensor,  # [R, t + 1, H, d_h]
-) -> torch.Tensor:  # [R, H, d_h]
-    """Dispatcher: the coalesced Triton kernel on CUDA, the torch reference elsewhere."""
-    if _use_triton(q, k, v):
-        return prefix_self_attention_triton(q, k, v)
-    return prefix_self_attention_reference(q, k, v)
 
 
 def prefix_self_attention_reference(

@@ -49,6 +49,7 @@ from service.grpc_server import (
 )
 from service.logs import AccessLog
 from service.metrics import Metrics
+from service.model import precision
 from service.mps import mps_client
 from service.pipeline.records import Batch, group_key
 from service.pipeline.runner import Pipeline
@@ -133,8 +134,8 @@ async def start(
     health_servicer = HealthServicer()
     await set_health(health_servicer, serving=False)
     serving = ServingHolder()
-    stages = Stages(device, settings.max_batch, settings.graph_buckets, scoring=settings.scoring,
-                    fp8=settings.dtype == "fp8")  # fmt: skip
+    precision.check(settings.dtype, device)  # before any model loads
+    stages = Stages(device, settings.max_batch, settings.graph_buckets, scoring=settings.scoring)
     rollout = build_rollout(settings, stages, serving, metrics, device)
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, rollout.check_once)
@@ -143,7 +144,8 @@ async def start(
             f"no model and index under {settings.model_dir} and {settings.index_root} that "
             f"serve together (grace train, grace build-index): {rollout.why_none()}"
         )
-    log.info("model %s and index %s loaded on %s in %.1f s", serving.current.model.version,
+    # a model is named by its checkpoint's own version, as replies carry it
+    log.info("model %s and index %s loaded on %s in %.1f s", serving.current.model.model_version,
              serving.current.index.version, device, time.perf_counter() - t0)  # fmt: skip
 
     batcher: Batcher
@@ -236,8 +238,8 @@ async def start(
         app.watchdog.start()
     log.info(
         "serving %s on %s (model %s, index %s, %s), ready in %.1f s",
-        SERVICE, address if address.startswith("unix:") else f"port {port}",
-        serving.current.model.version, serving.current.index.version, device,
+        SERVICE, address if address.startswith("unix:") else f"{settings.host}:{port}",
+        serving.current.model.model_version, serving.current.index.version, device,
         time.perf_counter() - t0,
     )  # fmt: skip
     return app
@@ -260,7 +262,7 @@ def _bind(server: grpc.aio.Server, address: str) -> int:
     except RuntimeError as exc:
         raise StartupError(
             f"cannot listen on {address}: the port is taken (another grace serve?) or the "
-            "address is not this host's (--port)"
+            "address is not this host's (--port, --host)"
         ) from exc
 
 

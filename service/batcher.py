@@ -11,17 +11,9 @@ raises at once — `Overloaded` (RESOURCE_EXHAUSTED) when it does not fit,
 itself. The queue is bounded too (`capacity`): requests without a deadline are refused
 when it is full.
 
-**Batches** close at `max_batch` requests, or `max_wait` after the first request while
-the pipeline is nearly idle (fewer than `busy_batches` batches in flight: the server's
-default, `service.settings.default_busy_batches`, is 1 on a GPU and 2 on a CPU). When
-the pipeline is busy a small batch would only queue behind the others, and the GPU runs
-a padded bucket for it at almost the cost of a full one (ARCHITECTURE.md §2: batches of
-16), so the batch keeps filling for up to `max_wait_busy`: at moderate load batches are
-full, not three requests every `max_wait` (docs/SERVICE.md). A batch holds at most
-`max_groups` decode groups (requests sharing a `group_key`: beam schedule and filter
-mode, each one decode run): the batch takes the queue's requests in order whose group it
-already has, or a new group while there is room; others wait for a later batch, keeping
-their place. At most `max_inflight` batches are in the pipeline at once.
+**Batches** form by the batching policy (`service/batch_policy.py`: when a forming
+batch closes, which queued requests of which decode groups join it); this module does
+the waiting, the queue and the hand-off.
 
 **Dropped in the queue**: a request the client gave up on (its future is done), or whose
 remaining time is below the fastest recent service time — it cannot finish, so it is
@@ -43,10 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from service.admission import Admission, ServiceEstimate, Verdict
+from service.batch_policy import LOOKAHEAD, BatchPolicy
 from service.settings import BUSY_BATCHES, MAX_GROUPS
-
-LOOKAHEAD = 256  # queued requests a forming batch looks through for its groups
-BUSY_POLL = 0.001  # seconds between looks at a busy pipeline when max_wait is 0
 
 
 class Overloaded(RuntimeError):
@@ -118,19 +108,14 @@ class Batcher:
         group_key: Callable[[Any], Hashable] = lambda payload: None,
         on_expired: Callable[[int], None] = lambda n: None,  # dropped in the queue
     ) -> None:
-        if max_wait_busy is None:
-            max_wait_busy = 4 * max_wait
-        if (
-            min(max_batch, capacity, max_inflight, busy_batches, max_groups) < 1
-            or not 0 <= max_wait <= max_wait_busy
-        ):
-            raise ValueError(
-                "max_batch, capacity, max_inflight, busy_batches and max_groups must be "
-                ">= 1, 0 <= max_wait <= max_wait_busy"
-            )
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.policy = BatchPolicy(
+            max_batch, max_wait, 4 * max_wait if max_wait_busy is None else max_wait_busy,
+            busy_batches, max_groups, max_inflight,
+        )  # fmt: skip
         self._dispatch = dispatch
-        self.max_batch, self.max_wait, self.max_wait_busy = max_batch, max_wait, max_wait_busy
-        self.capacity, self.busy_batches, self.max_groups = capacity, busy_batches, max_groups
+        self.max_batch, self.capacity = max_batch, capacity
         self._key, self._on_expired = group_key, on_expired
         self.admission = Admission(ServiceEstimate(max_batch=max_batch))
         self.inflight = 0  # dispatched batches not yet done (event loop only)
@@ -158,10 +143,7 @@ class Batcher:
         parsing the request."""
         if self.full:
             raise Overloaded(f"request queue full ({self.capacity})", "queue_full")
-        # the batch it joins waits for more requests unless the queue already fills it
-        busy = self.inflight >= self.busy_batches
-        filling = len(self._queue) + 1 < self.max_batch
-        self.admission.wait = (self.max_wait_busy if busy else self.max_wait) if filling else 0.0
+        self.admission.wait = self.policy.admission_wait(len(self._queue), self.inflight)
         verdict = self.admission.decide(timeout, len(self._queue), self.inflight_requests)
         if verdict is Verdict.ADMIT:
             return
@@ -228,15 +210,11 @@ class Batcher:
                 if first is None:  # nothing yet: wait for the first request, however long
                     await self._wait_arrival(None)
                     continue
-                busy = self.inflight >= self.busy_batches
-                remaining = first + (self.max_wait_busy if busy else self.max_wait)
-                remaining -= time.monotonic()
-                if remaining <= 0:
+                now = time.monotonic()
+                look = self.policy.look_again(len(batch), first, now, self.inflight)
+                if look is None:
                     break
-                # a busy pipeline may drain meanwhile: look again every max_wait (>= 1 ms)
-                await self._wait_arrival(
-                    min(remaining, max(self.max_wait, BUSY_POLL)) if busy else remaining
-                )
+                await self._wait_arrival(look - now)
             live = [p for p in batch if not p.abandoned]  # cancelled while it was formed
             if live:
                 self.inflight += 1
@@ -251,9 +229,9 @@ class Batcher:
             await asyncio.wait_for(self._arrived.wait(), timeout)
 
     def _take(self, batch: list[Pending], groups: set[Hashable]) -> bool:
-        """Move queued requests into `batch`, in queue order: those of a group it holds,
-        or of a new group while it has fewer than `max_groups`; requests of other groups
-        keep their place. Abandoned and hopeless ones are dropped. True if any was taken."""
+        """Move queued requests into `batch`, in queue order, as far as the policy lets
+        them join; requests of other groups keep their place. Abandoned and hopeless ones
+        are dropped. True if any was taken."""
         now, floor = time.monotonic(), self.admission.estimate.fastest
         skipped: list[Pending] = []
         taken = expired = 0
@@ -266,7 +244,7 @@ class Batcher:
                 _set(p.future, None, DeadlineExpired("deadline can no longer be met"))
                 continue
             key = self._key(p.payload)
-            if key not in groups and len(groups) >= self.max_groups:
+            if not self.policy.joins(groups, key):
                 skipped.append(p)
                 continue
             groups.add(key)

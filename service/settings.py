@@ -38,6 +38,9 @@ from contracts.index_format import SID_LENGTH, VOCAB_SIZE
 from contracts.request import Scoring, check_schedule
 from service.model.config import PROFILES
 
+# the precision a model serves in (the setting `dtype`: service/model/precision.py)
+Precision = Literal["auto", "float32", "bfloat16", "fp8"]
+
 # Batches in flight that make the pipeline busy (the batcher keeps a forming batch filling
 # while at least this many compute): on a GPU 1 — batches go when the pipeline drains, so
 # they never queue on the shared GPU; on a CPU 2 — the stage threads share the cores, and
@@ -72,7 +75,12 @@ class ServerSettings(BaseSettings):
         description="Config file (.toml, .json, .yaml/.yml) read below the environment and "
         "CLI flags; must exist when given. Env: GRACE_CONFIG.",
     )
-    host: str = Field("0.0.0.0", description="Address the gRPC server binds to.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the gRPC and metrics ports listen on: 127.0.0.1, this machine "
+        "only (a demo on a laptop); 0.0.0.0, every interface, in a container or on a "
+        "server others call (GRACE_HOST=0.0.0.0, grace serve --host 0.0.0.0).",
+    )
     port: int = Field(50051, description="gRPC port; 0 lets the OS pick a free one (tests).")
     workers: int = Field(
         1,
@@ -120,13 +128,12 @@ class ServerSettings(BaseSettings):
     device: str = Field(
         "auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'."
     )
-    dtype: Literal["auto", "float32", "bfloat16", "fp8"] = Field(
+    dtype: Precision = Field(
         "auto",
-        description="Model weights and activations: 'auto' is bfloat16 on CUDA (the kernels' "
-        "and benchmarks' dtype) and float32 on CPU (bfloat16 is slow on most CPUs). 'fp8' "
-        "(opt-in; on an H200 15 % more served req/s than bfloat16) keeps the weights as "
-        "'auto' does and runs the decoder step's linear layers in FP8 e4m3 (docs/FP8.md); "
-        "on CUDA it needs compute capability 8.9 or newer (Ada, Hopper).",
+        description="The precision a model serves in (service/model/precision.py): 'auto' is "
+        "bfloat16 on CUDA and float32 on CPU (bfloat16 is slow on most CPUs); 'fp8' (opt-in) "
+        "is 'auto' with the decode step's linear layers in FP8 e4m3 (docs/FP8.md), on CUDA "
+        "compute capability 8.9 or newer (Ada, Hopper).",
     )
     max_batch: int = Field(16, description="Most requests in one batch.")
     graph_buckets: Annotated[list[int] | None, NoDecode] = Field(
@@ -422,13 +429,6 @@ class ServerSettings(BaseSettings):
                 f"beams {self.beams} exceed beam_max {self.beam_max} at step {over[0] + 1}"
             )
         return self
-
-    def resolve_dtype(self, device: str) -> str:
-        """The model weights' dtype on `device`: `dtype`, with 'auto' (and 'fp8', whose
-        weights are kept as 'auto' keeps them) resolved."""
-        if self.dtype not in ("auto", "fp8"):
-            return self.dtype
-        return "bfloat16" if device.startswith("cuda") else "float32"
 
     def resolve_busy_batches(self, device: str) -> int:
         """The batcher's busy threshold on `device`: `busy_batches`, or the device's default."""

@@ -1,7 +1,8 @@
 """The layering of the product (docs/ARCHITECTURE.md §1, "Layers"): contracts at the
-bottom, then index_builder and kernels, then service, then training, then the `grace`
-CLI; no import cycles anywhere — every `import` counts, at module level or inside a
-function (a lazy import hides a cycle, it does not remove it)."""
+bottom, then index_builder and kernels, then service (which never imports the builder:
+build and search are separate), then training, then the `grace` CLI; no import cycles
+anywhere — every `import` counts, at module level or inside a function (a lazy import
+hides a cycle, it does not remove it)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ ALLOWED = {
     "contracts": set(),
     "kernels": {"contracts"},
     "index_builder": {"contracts"},
-    "service": {"contracts", "kernels", "index_builder"},
+    "service": {"contracts", "kernels"},
     "training": {"contracts", "kernels", "index_builder", "service"},
     "cli": {"contracts", "kernels", "index_builder", "service", "training"},
 }

@@ -6,7 +6,7 @@ stages 3 and 4, without the service around them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -34,16 +34,10 @@ class OfflineRetriever:
         max_batch: int = 64,
         *,
         scoring: Scoring = "masked",
-        fp8: bool = False,  # the decoder step's linear layers in FP8 (kernels/fp8.py)
-        # what builds the engine, with DecodeEngine's arguments: the served one, or a bench
-        # baseline of the same interface (bench/bench_fp8_quality.py)
-        engine: Callable[..., DecodeEngine] = DecodeEngine,
     ) -> None:
         self.model, self.index = model.eval(), index
-        self.engine = engine(
-            model.decoder, batch_buckets=tuple(range(1, max_batch + 1)), scoring=scoring,
-            fp8=fp8,
-        )  # fmt: skip
+        buckets = tuple(range(1, max_batch + 1))
+        self.engine = DecodeEngine(model.decoder, batch_buckets=buckets, scoring=scoring)
         self.plans = self.engine.plan(index.tables, index.level_offsets)
 
     @torch.no_grad()

@@ -23,7 +23,8 @@ bootstrap intervals, and each variant's paired difference to the first one
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +44,8 @@ from contracts.targeting import (
     request_bitmask,
     request_blooms,
 )
-from service.decode.engine import DecodeEngine
 from service.index.loaded import LoadedIndex
+from service.model.precision import quantize_decoder
 from service.model.retriever import GenerativeRetriever
 from service.post.expand import expand_leaves, location_rows
 from training.data import Examples, heldout_fresh
@@ -67,15 +68,14 @@ CURVE_KS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 @dataclass(frozen=True)
 class Variant:
     """One decoding of every user: the index's arrays (k-way partitions differ), the
-    filter mode, the scoring and whether the decoder step runs in FP8; `engine` builds
-    the decode engine (the served one; a bench baseline with its interface)."""
+    filter mode, the scoring and whether the model serves in FP8
+    (`service/model/precision.py`)."""
 
     name: str
     arrays: IndexArrays
     mode: FilterMode
     scoring: str = "masked"
     fp8: bool = False
-    engine: Callable[..., DecodeEngine] = DecodeEngine
 
 
 def sample_users(n_users: int, count: int, seed: int) -> np.ndarray:
@@ -240,13 +240,17 @@ def run_study(
     bloom_rows: dict[int, np.ndarray] = {}  # per-ad Bloom rows, once per ad arrays
     found: list[_PerUser] = []
     bases = {i: _full_precision(variants, v) for i, v in enumerate(variants) if v.fp8}
+    # the FP8 variants' model: a copy, made FP8 as the server makes it at load
+    fp8_model = None
+    if bases:
+        fp8_model = copy.deepcopy(model)
+        quantize_decoder(fp8_model.decoder)
     kept = set(bases) | set(bases.values())  # whose SIDs the FP8 comparison reads
     for vi, v in enumerate(variants):
         keep_sids = vi in kept
         index = LoadedIndex.from_arrays(v.arrays, device)
-        retriever = OfflineRetriever(
-            model, index, batch_size, scoring=v.scoring, fp8=v.fp8, engine=v.engine
-        )
+        retriever = OfflineRetriever(fp8_model if v.fp8 else model, index, batch_size,
+                                     scoring=v.scoring)  # fmt: skip
         ads = v.arrays.ads
         if id(ads) not in bloom_rows:  # k-way variants share the plain index's ad arrays
             bloom_rows[id(ads)] = ad_blooms(

@@ -3,7 +3,8 @@ paged cache (`service/decode/kv_cache.py`); none of them is served.
 
 `attention` picks how a layer attends:
 - "fused": `fused_self_attention` (one kernel writes the new K/V, gathers 0..t, attends);
-- "gather": write, gather the prefix, `prefix_self_attention` (the coalesced kernel);
+- "gather": write, gather the prefix, the coalesced kernel
+  (`kernels._triton_self_attention.prefix_self_attention_triton`; its reference on a CPU);
 - "sdpa": write, gather, torch's `scaled_dot_product_attention` with one query per row
   (the naive baseline: a batch of R tiny attentions).
 
@@ -18,8 +19,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.self_attention import fused_self_attention, prefix_self_attention
+from kernels.self_attention import fused_self_attention, prefix_self_attention_reference
 from service.decode.kv_cache import PagedKVCache
+
+try:
+    from kernels._triton_self_attention import prefix_self_attention_triton
+except ImportError:  # no triton here
+    prefix_self_attention_triton = None
 
 ATTENTION_MODES = ("fused", "gather", "sdpa")
 
@@ -30,7 +36,18 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.squeeze(2)
 
 
-_UNFUSED = {"gather": prefix_self_attention, "sdpa": _sdpa}
+def coalesced_self_attention(
+    q: torch.Tensor,  # [R, H, d_h]: the new token's query per row
+    k: torch.Tensor,  # [R, t + 1, H, d_h]: keys of tokens 0..t, gathered already
+    v: torch.Tensor,  # [R, t + 1, H, d_h]
+) -> torch.Tensor:  # [R, H, d_h]
+    """The coalesced kernel on CUDA, its torch reference elsewhere."""
+    if q.is_cuda and prefix_self_attention_triton is not None:
+        return prefix_self_attention_triton(q, k, v)
+    return prefix_self_attention_reference(q, k, v)
+
+
+_UNFUSED = {"gather": coalesced_self_attention, "sdpa": _sdpa}
 
 
 def _split(qkv: torch.Tensor, rows: torch.Tensor | None, h: int, d: int):

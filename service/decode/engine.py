@@ -21,12 +21,12 @@ Captures go through `service/capture.py`; a plan of a bucket ≥ `SPLIT_MIN_BUCK
 `streams` parts, parallel branches of its graph: one half's memory-bound kernels run
 beside the other's matmuls.
 
-Rows are request-major (row b·W_t + j). A row is dead — score −inf, parked on a leaf node
+Rows are request-major (row b·M_t + j). A row is dead — score −inf, parked on a leaf node
 with no children, never emitted — when it has no allowed continuation, when top-k could
 not fill it, or when its request is padding (a batch smaller than its bucket). Requests
-never interact, so padding rows cannot change real ones. `widths`, `new_cache`,
-`candidates`, `advance`, `load`, `location_key` and `step` are the seams that
-`bench/baselines/decode_variants.py` replaces to time the unserved baselines.
+never interact, so padding rows cannot change real ones. The engine runs the decoder as
+it was loaded: `decoder_step` picks the FP8 step for a model made FP8 at load
+(`service/model/precision.py`).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from contracts.tensors import GtmTables, RequestTensors
 from kernels.beam_advance import beam_advance
 from kernels.gtm_mask import NEG_INF, masked_candidates
 from service.capture import bucket_of, capture, part_streams
+from service.decode.fp8_step import decoder_step
 from service.decode.kv_cache import PagedKVCache
 from service.decode.plans import DecodeResult, IndexPlans, Plan
-from service.decode.step import DecoderStep
 from service.model.decoder import SIDDecoder
 
 SPLIT_MIN_BUCKET = 8  # smaller buckets are latency-bound: splitting them only adds work
@@ -63,7 +63,6 @@ class DecodeEngine:
         streams: int = 2,  # parts of a split plan (graph branches)
         warmup_runs: int = 2,
         scoring: Scoring = "masked",  # every step's log-softmax (contracts.request.Scoring)
-        fp8: bool = False,  # the decoder step's linear layers in FP8 e4m3 (kernels/fp8.py)
     ) -> None:
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
@@ -78,8 +77,8 @@ class DecodeEngine:
         self.warmup_runs = warmup_runs
         param = next(decoder.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.cuda_graphs = self.device.type == "cuda"
-        self.step = DecoderStep(decoder, fp8=fp8)
+        self.cuda_graphs = self.device.type == "cuda"  # False: every plan runs eagerly
+        self.step = decoder_step(decoder)
 
     def bucket(self, batch: int) -> int:
         return bucket_of(self.batch_buckets, batch)
@@ -146,7 +145,7 @@ class DecodeEngine:
         n_loc = requests.blooms.shape[1] if gtm and requests is not None else 0
         with plans.lock:
             plan = self._plan(plans, b, tuple(beams), mode, self.location_key(mode, n_loc))
-            self.load(plan, ctx, requests if gtm else None)
+            self._load(plan, ctx, requests if gtm else None)
             if plan.graph is not None:
                 plan.graph.replay()
                 out = plan.out
@@ -154,32 +153,11 @@ class DecodeEngine:
                 out = self._decode(plans, plan)
             # clone before the next replay overwrites the graph's outputs
             leaves, scores, sids = (x[:b].clone() for x in out)
-        return DecodeResult(leaves, scores, sids, tuple(b * w for w in plan.widths))
+        return DecodeResult(leaves, scores, sids, tuple(b * m for m in plan.beams))
 
-    # ------------------------------------------------------------- seams (see docstring)
+    # ----------------------------------------------------------------------- plans
 
-    def widths(self, beams: tuple[int, ...]) -> tuple[int, ...]:
-        """W_t, the rows per request the decoder computes at step t."""
-        return beams
-
-    def new_cache(self, rows_per_step: list[int]) -> PagedKVCache:
-        c = self.decoder.config
-        return PagedKVCache(c.decoder_layers, c.n_heads, c.d_head, rows_per_step,
-                            dtype=self.dtype, device=self.device)  # fmt: skip
-
-    def candidates(
-        self, plans: IndexPlans, plan: Plan, logits: torch.Tensor, node: torch.Tensor,
-        score: torch.Tensor, t: int,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """CD+GTM mask, log-softmax (per `self.scoring`) and accumulated score (one kernel
-        on CUDA): candidate scores float32 [R, V] and child nodes int32 [R, V] (None: nodes
-        are not tracked)."""
-        args = (logits, plans.tables, node, plan.row_request[t], plan.requests, score)
-        return masked_candidates(*args, plan.mode, scoring=self.scoring)
-
-    advance = staticmethod(beam_advance)
-
-    def load(self, plan: Plan, ctx: torch.Tensor, requests: RequestTensors | None) -> None:
+    def _load(self, plan: Plan, ctx: torch.Tensor, requests: RequestTensors | None) -> None:
         """Copy a batch into the plan's static inputs; padding requests are marked dead."""
         b = ctx.shape[0]
         plan.ctx[:b].copy_(ctx, non_blocking=True)
@@ -192,8 +170,6 @@ class DecodeEngine:
         # padding locations repeat location 0: ANY-of-many is unchanged
         blooms[:b, n:].copy_(requests.blooms[:, :1].expand(-1, blooms.shape[1] - n, -1))
 
-    # ----------------------------------------------------------------------- plans
-
     def _plan(
         self, plans: IndexPlans, batch: int, beams: tuple[int, ...], mode: FilterMode, n_loc: int
     ) -> Plan:
@@ -203,7 +179,6 @@ class DecodeEngine:
             return plans.plans[key]
         c = self.decoder.config
         check_schedule(beams, c.sid_length, c.vocab_size)
-        widths = self.widths(beams)
         reqs = None
         if n_loc:
             bm, bl = plans.tables.bitmask_table.shape[1], plans.tables.bloom_table.shape[1]
@@ -219,10 +194,13 @@ class DecodeEngine:
         for i in range(n):
             at = slice(i * size, (i + 1) * size)
             part_reqs = None if reqs is None else RequestTensors(reqs.bitmask[at], reqs.blooms[at])
-            cache_key = (size, widths, i if n > 1 else -1)
+            cache_key = (size, beams, i if n > 1 else -1)
             if cache_key not in plans.caches:
-                plans.caches[cache_key] = self.new_cache([size * w for w in widths])
-            parts.append(self._part(size, beams, widths, mode, ctx[at], live[at], part_reqs,
+                plans.caches[cache_key] = PagedKVCache(
+                    c.decoder_layers, c.n_heads, c.d_head, [size * m for m in beams],
+                    dtype=self.dtype, device=self.device,
+                )  # fmt: skip
+            parts.append(self._part(size, beams, mode, ctx[at], live[at], part_reqs,
                                     plans.caches[cache_key]))  # fmt: skip
         plan = parts[0] if n == 1 else dataclasses.replace(
             parts[0], bucket=bucket, ctx=ctx, live=live, requests=reqs, parts=parts
@@ -232,15 +210,12 @@ class DecodeEngine:
         plans.plans[key] = plan
         return plan
 
-    def _part(self, bucket, beams, widths, mode, ctx, live, reqs, cache) -> Plan:
+    def _part(self, bucket, beams, mode, ctx, live, reqs, cache) -> Plan:
         """A plan (or one part of a split plan) over the given input views."""
-        slots = [torch.arange(bucket * w, device=self.device) % w for w in widths]
         requests_of = torch.arange(bucket, device=self.device)
         return Plan(
-            bucket=bucket, beams=beams, widths=widths, mode=mode, ctx=ctx, live=live,
-            requests=reqs, cache=cache,
-            row_request=[requests_of.repeat_interleave(w) for w in widths],
-            slot_dead=[s >= m for s, m in zip(slots, beams, strict=True)],
+            bucket=bucket, beams=beams, mode=mode, ctx=ctx, live=live, requests=reqs,
+            cache=cache, row_request=[requests_of.repeat_interleave(m) for m in beams],
         )  # fmt: skip
 
     def _capture(self, plans: IndexPlans, plan: Plan) -> None:
@@ -283,28 +258,28 @@ class DecodeEngine:
         c, steps, bsz = self.decoder.config, len(plan.beams), plan.bucket
         cross = self.decoder.cross_kv(plan.ctx)  # per request, once: K, V [B, H, T_ctx, d_h]
         # fills with scalars, never `where(.., python scalar)`: no host tensors in the graph
-        dead = plan.slot_dead[0] | ~plan.live[plan.row_request[0]]
+        dead = ~plan.live[plan.row_request[0]]
         score = torch.zeros(dead.shape, device=self.device).masked_fill(dead, NEG_INF)
         node = torch.zeros_like(score, dtype=torch.int64).masked_fill(dead, plans.dead_node)
         tokens = torch.full_like(node, self.decoder.bos)
-        parents, picked, tracked = [], [], True
+        parents, picked = [], []
         for t in range(steps):
-            w, last = plan.widths[t], t + 1 == steps
+            last = t + 1 == steps
             logits = self.step(tokens, t, cross, plan.cache)  # model dtype
-            cand, child = self.candidates(plans, plan, logits, node, score, t)  # [R, V] each
-            tracked = child is not None
-            keep = plan.beams[-1] if last else plan.widths[t + 1]
-            past_m = not last and plan.widths[t + 1] > plan.beams[t + 1]  # slots >= M_{t+1}
-            # the kept beams' order matters only after the last step (and where slots
-            # past M_{t+1} are killed): elsewhere top-k skips its sort of the winners
-            # (one small block per request, ~22 µs per step on the H200)
-            top, flat = cand.view(bsz, -1).topk(keep, dim=1, sorted=last or past_m)
-            score, parent, token, live, next_node = self.advance(
-                top, flat, child, plan.slot_dead[t + 1] if past_m else None,
-                w, c.vocab_size, plans.dead_node,
+            # CD+GTM mask, log-softmax (per `scoring`) and the accumulated score, one
+            # kernel on CUDA: candidate scores float32 [R, V], child nodes int32 [R, V]
+            cand, child = masked_candidates(
+                logits, plans.tables, node, plan.row_request[t], plan.requests, score,
+                plan.mode, scoring=self.scoring,
             )  # fmt: skip
-            if next_node is not None:
-                node = next_node
+            keep = plan.beams[-1] if last else plan.beams[t + 1]
+            # the kept beams' order matters only after the last step: elsewhere top-k
+            # skips its sort of the winners (one small block per request, ~22 µs per
+            # step on the H200)
+            top, flat = cand.view(bsz, -1).topk(keep, dim=1, sorted=last)
+            score, parent, token, live, node = beam_advance(
+                top, flat, child, plan.beams[t], c.vocab_size, plans.dead_node
+            )
             parents.append(parent)
             picked.append(token)
             tokens = token
@@ -316,9 +291,6 @@ class DecodeEngine:
             cols.append(picked[t][row])
             row = parents[t][row]
         sids = torch.stack(cols[::-1], dim=1)  # int64 [B·M_L, L_SID]
-        if tracked:
-            leaves = (node - plans.first_leaf).masked_fill(~live, -1)
-        else:
-            leaves = torch.full_like(token, -1)
+        leaves = (node - plans.first_leaf).masked_fill(~live, -1)
         m = plan.beams[-1]
         return leaves.view(bsz, m), score.view(bsz, m), sids.view(bsz, m, steps)

@@ -6,7 +6,7 @@ request-location bucket L).
 The compute stage keeps one `IndexPlans` per index version (`service/pipeline/stages.py`);
 a swap builds and warms the next version's before it serves, and the old one is freed
 with the last batch that holds its index. Plans of one index share their inputs (per
-bucket) and KV caches (per bucket and widths); calls are serialised (`lock`), and on
+bucket) and KV caches (per bucket and schedule); calls are serialised (`lock`), and on
 CUDA every call must come from the same stream.
 """
 
@@ -44,15 +44,13 @@ class Plan:
     """Static buffers and the graph of one plan key; inputs are shared per bucket."""
 
     bucket: int  # B: requests the buffers hold
-    beams: tuple[int, ...]  # M_t: live slots per request at step t
-    widths: tuple[int, ...]  # W_t >= M_t: rows per request the decoder computes at step t
+    beams: tuple[int, ...]  # M_t: rows per request at step t
     mode: FilterMode
     ctx: torch.Tensor  # [B, T_ctx, d_model]: encoder output, real requests first
     live: torch.Tensor  # bool [B]: real (not padding) requests of the current run
     requests: RequestTensors | None  # bitmask int64 [B, W_bm], blooms int64 [B, L, W_bl]
     cache: PagedKVCache
-    row_request: list[torch.Tensor]  # int64 [B·W_t]: request of each row
-    slot_dead: list[torch.Tensor]  # bool [B·W_t]: slot j >= M_t (only where W_t > M_t)
+    row_request: list[torch.Tensor]  # int64 [B·M_t]: request of each row
     graph: torch.cuda.CUDAGraph | None = None
     out: tuple[torch.Tensor, ...] = field(default=())  # the graph's leaves, scores, sids
     # requests split into parts (views of the inputs above, own caches), each decoded on
@@ -71,7 +69,7 @@ class IndexPlans:
         self.dead_node = int(level_offsets[-1]) - 1  # a leaf: nothing is ever allowed below it
         self.device = device
         self.plans: dict[PlanKey, Plan] = {}
-        self.caches: dict[tuple, PagedKVCache] = {}  # shared per (bucket, widths, part)
+        self.caches: dict[tuple, PagedKVCache] = {}  # shared per (bucket, beams, part)
         self.pool = None  # one graph memory pool for every plan: replays never overlap
         self.lock = threading.RLock()
         self._inputs: dict[tuple, torch.Tensor] = {}  # shared static inputs, by shape

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from contracts.index_format import IndexArrays
+from contracts.index_validation import validate_index
 from contracts.tensors import GtmTables
-from index_builder.validate import validate_index
 from service.model.features import SidLookup
 from service.post import LocationVocabulary, PostStage
 

@@ -7,7 +7,7 @@ with `load_checkpoint`. A checkpoint is a directory:
     config.json         format name and version, model_version, ModelConfig, the SID
                         tokenizer fingerprint, sha256 of model.safetensors, created time,
                         `extra` (e.g. training metrics)
-    tokenizer/          the SID tokenizer (`SIDTokenizer.save`); absent for a model of a
+    tokenizer/          the SID tokenizer (`contracts/tokenizer_format.py`); absent for a model of a
                         named SID space (SIDs made outside, `contracts/sid_space.py`)
 
 It is written into a hidden temporary sibling, fsynced and renamed into place, so a
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 import torch
@@ -35,9 +35,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from contracts import sid_space as sid_spaces
+from contracts import tokenizer_format
 from contracts.index_format import file_sha256, fsync_path
 from contracts.tensors import to_device
-from index_builder.tokenizer import SIDTokenizer
 from service.model.config import ModelConfig
 
 FORMAT_NAME = "grace.model_checkpoint"
@@ -51,11 +51,19 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: corrupt, incompatible or inconsistent."""
 
 
+class Tokenizer(Protocol):
+    """What a checkpoint stores of a SID tokenizer (`index_builder.tokenizer.SIDTokenizer`)."""
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    def save(self, path: Path) -> None: ...
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     model: nn.Module  # GenerativeRetriever in eval mode, on the requested device
     config: ModelConfig
-    tokenizer: SIDTokenizer | None  # None: a named SID space, SIDs made outside
     model_version: str
     meta: dict[str, Any]  # config.json as stored
     seconds: dict[str, float] = field(default_factory=dict)  # per load phase: verify, read, ...
@@ -68,7 +76,7 @@ class LoadedModel:
 
 def save_checkpoint(
     model: nn.Module,
-    tokenizer: SIDTokenizer | None,
+    tokenizer: Tokenizer | None,
     path: Path,
     *,
     model_version: str | None = None,
@@ -146,7 +154,7 @@ def load_checkpoint(
         now = time.perf_counter()
         seconds[name], t = now - t, now
 
-    meta, config, tokenizer = _verified(path, pace)
+    meta, config = _verified(path, pace)
     phase("verify")
     try:
         weights = load_file(str(path / WEIGHTS_FILE), device="cpu")
@@ -181,7 +189,7 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path}: the model has state it does not hold: {left}")
     model.to(device).eval()
     phase("buffers")
-    return LoadedModel(model, config, tokenizer, str(meta["model_version"]), meta, seconds)
+    return LoadedModel(model, config, str(meta["model_version"]), meta, seconds)
 
 
 def verify_checkpoint(
@@ -191,7 +199,7 @@ def verify_checkpoint(
     config, the weights' sha256, the tokenizer's fingerprint and each tensor's name and
     shape against the config. Returns config.json; raises as `load_checkpoint` does."""
     path = Path(path)
-    meta, config, _ = _verified(path)
+    meta, config = _verified(path)
     try:
         with safe_open(str(path / WEIGHTS_FILE), "pt") as fh:
             shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}  # noqa: SIM118
@@ -213,9 +221,9 @@ def sid_space_of(path: Path) -> str | None:
 
 def _verified(
     path: Path, pace: Callable[[], None] | None = None
-) -> tuple[dict[str, Any], ModelConfig, SIDTokenizer | None]:
-    """config.json, the model config and the tokenizer of a checkpoint whose files are
-    all there and whose weights match their recorded sha256."""
+) -> tuple[dict[str, Any], ModelConfig]:
+    """config.json and the model config of a checkpoint whose files are all there, whose
+    weights match their recorded sha256 and whose tokenizer (if any) its fingerprint."""
     for p in (path / CONFIG_FILE, path / WEIGHTS_FILE):
         if not p.exists():
             raise FileNotFoundError(f"checkpoint {path}: {p.name} is missing")
@@ -233,13 +241,13 @@ def _verified(
             f"checkpoint {path}: {WEIGHTS_FILE} is corrupt or truncated (sha256 {digest[:12]}, "
             f"config.json records {str(meta['weights_sha256'])[:12]})"
         )
-    tokenizer = None if named_space else _tokenizer(path)
-    if tokenizer is not None and tokenizer.fingerprint != meta["tokenizer_fingerprint"]:
+    held = None if named_space else _tokenizer_fingerprint(path)
+    if held is not None and held != meta["tokenizer_fingerprint"]:
         raise CheckpointError(
             f"checkpoint {path}: tokenizer mismatch: config.json names fingerprint "
-            f"{meta['tokenizer_fingerprint']}, {TOKENIZER_DIR}/ holds {tokenizer.fingerprint}"
+            f"{meta['tokenizer_fingerprint']}, {TOKENIZER_DIR}/ holds {held}"
         )
-    return meta, config, tokenizer
+    return meta, config
 
 
 def _empty(config: ModelConfig, build: Callable[[ModelConfig], nn.Module] | None) -> nn.Module:
@@ -253,9 +261,9 @@ def _empty(config: ModelConfig, build: Callable[[ModelConfig], nn.Module] | None
         return build(config)
 
 
-def _tokenizer(path: Path) -> SIDTokenizer:
+def _tokenizer_fingerprint(path: Path) -> str:
     try:
-        return SIDTokenizer.load(path / TOKENIZER_DIR)
+        return tokenizer_format.read(path / TOKENIZER_DIR)[2]
     except (FileNotFoundError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: tokenizer unreadable: {e}") from e
 

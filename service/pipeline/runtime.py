@@ -53,7 +53,6 @@ class ModelRuntime:
         locations: tuple[int, ...],
         meta: dict[str, Any] | None = None,  # the checkpoint's config.json
         scoring: Scoring = "masked",  # the decode steps' log-softmax (settings `scoring`)
-        fp8: bool = False,  # the decoder step's linear layers in FP8 (settings `dtype`)
     ) -> None:
         self.model = model.eval()
         self.version, self.model_version, self.sid_space = version, model_version, sid_space
@@ -62,9 +61,8 @@ class ModelRuntime:
         self.cuda = device.type == "cuda"
         self.loaded_at = time.time()
         self.engine = DecodeEngine(
-            model.decoder, batch_buckets=buckets, location_buckets=locations, scoring=scoring,
-            fp8=fp8,
-        )  # fmt: skip
+            model.decoder, batch_buckets=buckets, location_buckets=locations, scoring=scoring
+        )
         self._plans: weakref.WeakKeyDictionary[LoadedIndex, IndexPlans] = (
             weakref.WeakKeyDictionary()
         )  # an index version's plans go with the version
@@ -107,7 +105,7 @@ class ModelRuntime:
         n = self.engine.warm(plans, beams, modes=(FilterMode.CD_GTM, FilterMode.CD_ONLY),
                              pace=pace)  # fmt: skip
         log.info("model %s, index %s: %d decode plans captured as CUDA graphs in %.1f s",
-                 self.version, index.version, n, time.perf_counter() - t0)  # fmt: skip
+                 self.model_version, index.version, n, time.perf_counter() - t0)  # fmt: skip
 
     def _warm_graphs(self, pace: Callable[[], None] | None = None) -> None:
         """Capture the embedder's and the encoder's graphs; where that fails, serve with
@@ -146,7 +144,7 @@ class Serving:
     def __post_init__(self) -> None:
         if self.model.sid_space != self.index.sid_space:
             raise ValueError(
-                f"model {self.model.version} (SID space {self.model.sid_space}) cannot serve "
+                f"model {self.model.model_version} (SID space {self.model.sid_space}) cannot serve "
                 f"with index {self.index.version} (SID space {self.index.sid_space})"
             )
 

@@ -27,7 +27,6 @@ import torch
 from contracts.request import FilterMode, Scoring
 from contracts.targeting import MAX_REQUEST_LOCATIONS, encode_requests
 from contracts.tensors import RequestTensors
-from kernels.fp8 import check_fp8_device
 from service.capture import bucket_of
 from service.model.feature_packing import pack_features, unpack_features
 from service.model.features import FeatureBatch, UserFeatures, prepare_features
@@ -77,14 +76,10 @@ class Stages:
         buckets: Sequence[int] | None = None,  # GPU graph bucket sizes (default GRAPH_BUCKETS)
         *,
         scoring: Scoring = "masked",  # every runtime's decode engine (settings `scoring`)
-        fp8: bool = False,  # every runtime's decoder step in FP8 (settings `dtype = fp8`)
     ) -> None:
         self.device = torch.device(device)
         self.scoring: Scoring = scoring
         self.cuda = self.device.type == "cuda"
-        if fp8:  # before any model loads
-            check_fp8_device(self.device)
-        self.fp8 = fp8
         every_size = tuple(range(1, max_batch + 1))  # CPU: no padding
         self.buckets = (graph_buckets(max_batch, GRAPH_BUCKETS if buckets is None else buckets)
                         if self.cuda else every_size)  # fmt: skip
@@ -107,7 +102,7 @@ class Stages:
         return ModelRuntime(
             model, version=version, model_version=model_version or version,
             sid_space=sid_space, device=self.device, buckets=self.buckets,
-            locations=self.locations, meta=meta, scoring=self.scoring, fp8=self.fp8,
+            locations=self.locations, meta=meta, scoring=self.scoring,
         )  # fmt: skip
 
     def padding(self, groups: Sequence[DecodeGroup]) -> int:

@@ -11,8 +11,6 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from service.index.loaded import LoadedIndex
 from service.metrics import Metrics
 from service.pace import Pace
@@ -53,7 +51,6 @@ def build_rollout(
     # server of its own with workers = 1) swap one after the other
     lock = swap_lock_path(Path(settings.model_dir), Path(settings.index_root))
     one_at_a_time = functools.partial(host_lock, lock)
-    dtype = getattr(torch, settings.resolve_dtype(device))
     # a swap yields to the requests it serves beside; start-up (nothing served) is not paced
     pace = Pace(settings.rollout_share, active=lambda: serving.ready, device=device)
 
@@ -67,7 +64,7 @@ def build_rollout(
                      settings.rollout_share)  # fmt: skip
 
     return Rollout(
-        model_follower(Path(settings.model_dir), stages, dtype, served=served("model"),
+        model_follower(Path(settings.model_dir), stages, settings.dtype, served=served("model"),
                        on_failure=lambda v, e: failures["model"].labels("invalid").inc(),
                        backoff_seconds=backoff, pace=pace),
         index_follower(Path(settings.index_root), device, served=served("index"),

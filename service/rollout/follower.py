@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from contracts.index_validation import IndexValidationError
 from contracts.versions import CURRENT, current_version, is_version_name, list_versions
-from index_builder.validate import IndexValidationError
 
 log = logging.getLogger("grace.rollout")
 _T = TypeVar("_T")

@@ -212,9 +212,9 @@ class Rollout:
         for kind in ("model", "index"):
             if self._staged.get(kind) is getattr(serving, kind):
                 del self._staged[kind]
-        log.info("serving model %s with index %s (was %s), prepared in %.1f s", model.version,
-                 index.version, "nothing" if old is None else
-                 f"model {old.model.version} with index {old.index.version}",
+        log.info("serving model %s with index %s (was %s), prepared in %.1f s",
+                 model.model_version, index.version, "nothing" if old is None else
+                 f"model {old.model.model_version} with index {old.index.version}",
                  time.perf_counter() - t0)  # fmt: skip
         self._on_swap(serving, old)
         return True

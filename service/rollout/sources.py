@@ -3,8 +3,8 @@ model version and an index version are loaded and verified for this process's de
 
 * model: `model_dir` is a model repository (`<root>/<version>/` + CURRENT, `grace
   publish-model`) or one checkpoint directory (served as a fixed version, no hot swap).
-  A version loads with every checksum verified (`load_checkpoint`), in the serving dtype,
-  as a `ModelRuntime` of the pipeline's stages.
+  A version loads with every checksum verified (`load_checkpoint`), in the serving
+  precision (`service/model/precision.py`), as a `ModelRuntime` of the pipeline's stages.
 * index: `index_root` (`<root>/<version>/` + CURRENT, `grace build-index` and the
   builder sidecar): every array validated (`load_index`); the SID space is checked
   against the model by the rollout, per pair.
@@ -17,11 +17,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from contracts.index_format import MANIFEST, manifest_sid_space
 from service.index.loaded import LoadedIndex, load_index
 from service.model.checkpoint import load_checkpoint, sid_space_of
+from service.model.precision import Precision, for_serving
 from service.model.repository import COMPLETE, is_checkpoint
 from service.pace import Pace
 from service.pipeline.runtime import ModelRuntime
@@ -34,7 +33,7 @@ log = logging.getLogger("grace.rollout")
 def model_follower(
     model_dir: Path,
     stages: Stages,
-    dtype: torch.dtype,
+    precision: Precision,  # the setting `dtype`
     *,
     served: Callable[[], str | None],
     on_failure: Callable[[str, Exception], None],
@@ -50,10 +49,10 @@ def model_follower(
         slept = pace.slept if pace is not None else 0.0
         loaded = load_checkpoint(path, stages.device, pace=pace)
         t1 = time.perf_counter()
-        loaded.model.to(dtype)
+        for_serving(loaded.model, precision, stages.device)
         runtime = stages.runtime(loaded.model, version=version, model_version=loaded.model_version,
                                  sid_space=loaded.sid_space, meta=loaded.meta)  # fmt: skip
-        phases = {**loaded.seconds, "cast": time.perf_counter() - t1}
+        phases = {**loaded.seconds, "precision": time.perf_counter() - t1}
         if pace is not None and pace.slept > slept:  # the rests, inside the phases above
             phases["paced"] = pace.slept - slept
         log.info("model %s (%s) loaded and verified on %s in %.1f s (%s)", loaded.model_version,

@@ -1,7 +1,7 @@
-"""The KV-cache baselines of the decode ladder (`bench.baselines.kv_cache`: the dense
-per-row cache, the paged cache with unfused attention) and the layer-by-layer step
-(`bench.baselines.decode_variants.LayerByLayerStep`) compute what the served cache and
-step compute: `forward_train`'s logits, and the served engine's SIDs."""
+"""The decode ladder's unserved rows (`bench.baselines.ladder`): the textbook loop with any
+`Rung` finds what the reference search finds (masks "cd" and "bloom", fp32), "bitmask" what
+the served engine finds on `bitmask_only` requests, fixed widths what dynamic ones find;
+the KV-cache baselines (`bench.baselines.kv_cache`) give `forward_train`'s logits."""
 
 from __future__ import annotations
 
@@ -10,74 +10,122 @@ import dataclasses
 import pytest
 import torch
 
-from bench.baselines.decode_variants import DecodeOptions, LayerByLayerStep, VariantEngine
 from bench.baselines.kv_cache import ATTENTION_MODES, DenseKVCache, GatherPagedKVCache
+from bench.baselines.ladder import Rung, TextbookSearch, bitmask_only
 from contracts.request import FilterMode
-from contracts.targeting import Targeting
-from service.decode.kv_cache import PagedKVCache
+from service.decode.plans import DecodeResult
 from service.decode.step import DecoderStep
 from tests.service.decode.cases import (
     CONFIG,
+    TARGETING,
+    Case,
     assert_same,
     check_teacher_forcing,
     ctx_for,
-    decoder_with_biases,
     make_ads,
     requests,
-    run_steps,
     setup,
 )
 
+BEAMS = (1, 3, 7, 5)
+RUNGS = [  # the default (everything on), one switch off at a time, and the naive row
+    Rung(),
+    Rung(cross="per_beam"),
+    Rung(self_attn="gather"),
+    Rung(self_attn="sdpa"),
+    Rung(kv="dense"),
+    Rung(kv="dense", self_attn="gather"),
+    Rung(fixed_beams=True),
+    Rung(cross="per_beam", self_attn="sdpa", kv="dense", fixed_beams=True),
+]
 CACHES = {"paged": GatherPagedKVCache, "dense": DenseKVCache}
 
 
-@pytest.mark.parametrize("attention", ATTENTION_MODES)
-def test_layer_by_layer_step_on_the_dense_cache_equals_teacher_forcing(attention: str) -> None:
-    cache = DenseKVCache(CONFIG.decoder_layers, CONFIG.n_heads, CONFIG.d_head, [2] * 4,
-                         dtype=torch.float32, device="cpu", attention=attention)  # fmt: skip
-    check_teacher_forcing(lambda d: LayerByLayerStep(d, DecodeOptions()), cache)
+@pytest.fixture(scope="module")
+def case() -> Case:
+    return setup(make_ads(80, seed=5))
+
+
+def search(case: Case, rung: Rung, mask: str) -> TextbookSearch:
+    rung = dataclasses.replace(rung, mask=mask)
+    return TextbookSearch(case.decoder, rung, case.tables, case.level_offsets)
+
+
+def same_sids(got: DecodeResult, want: DecodeResult, rung: Rung) -> None:
+    """`assert_same`; fixed widths run max(M_t) rows per request at every step."""
+    if rung.fixed_beams:
+        assert got.rows_per_step == tuple(len(want.leaves) * max(BEAMS) for _ in BEAMS)
+        got = dataclasses.replace(got, rows_per_step=want.rows_per_step)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("rung", RUNGS, ids=str)
+def test_textbook_loop_finds_the_reference_search_sids(case: Case, rung: Rung) -> None:
+    ctx, reqs = ctx_for(4), requests(TARGETING[:4])
+    for mask, mode in (("cd", FilterMode.CD_ONLY), ("bloom", FilterMode.CD_GTM)):
+        got = search(case, rung, mask).run(ctx, reqs, BEAMS)
+        same_sids(got, case.reference.run(ctx, reqs, BEAMS, mode), rung)
+
+
+@pytest.mark.parametrize("rung", [RUNGS[0], RUNGS[-1]], ids=str)
+def test_bitmask_rung_is_the_served_engine_on_bitmask_only_requests(case: Case, rung: Rung):
+    ctx, reqs = ctx_for(4), requests(TARGETING[:4])
+    got = search(case, rung, "bitmask").run(ctx, reqs, BEAMS)
+    served = case.served().run(ctx, bitmask_only(reqs), BEAMS, FilterMode.CD_GTM)
+    same_sids(got, served, rung)
+    # the Bloom rows matter for these requests: the bitmask-only search is a different one
+    bloom = search(case, rung, "bloom").run(ctx, reqs, BEAMS)
+    assert not torch.equal(got.leaves, bloom.leaves)
+
+
+@pytest.mark.parametrize("rung", RUNGS, ids=str)
+def test_unmasked_loop_is_the_plain_beam_search(case: Case, rung: Rung) -> None:
+    """Mask "none": no trie, so no leaves; every SID's score is its teacher-forced
+    log-probability over the whole vocabulary, best first; fixed widths find the dynamic
+    widths' SIDs."""
+    ctx = ctx_for(3)
+    got = search(case, rung, "none").run(ctx, None, BEAMS)
+    assert (got.leaves == -1).all()
+    b, m, length = got.sids.shape
+    sids = got.sids.view(b * m, length)
+    logits = case.decoder.forward_train(ctx.repeat_interleave(m, dim=0), sids).detach()
+    logp = logits.log_softmax(-1).gather(2, sids[:, :, None]).sum((1, 2)).view(b, m)
+    torch.testing.assert_close(got.scores, logp, rtol=1e-4, atol=1e-4)
+    assert (got.scores.diff(dim=1) <= 0).all()
+    if rung.fixed_beams:
+        dynamic = search(case, dataclasses.replace(rung, fixed_beams=False), "none")
+        want = dynamic.run(ctx, None, BEAMS)
+        assert torch.equal(got.sids, want.sids)
+        torch.testing.assert_close(got.scores, want.scores)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("cross", "per_head"), ("self_attn", "flash"), ("kv", "sparse"), ("mask", "gtm")],
+)
+def test_unknown_rung_values_are_refused(field: str, value: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        Rung(**{field: value})
 
 
 @pytest.mark.parametrize("kv", sorted(CACHES))
 @pytest.mark.parametrize("attention", ATTENTION_MODES)
-@pytest.mark.parametrize("fused", [True, False])
-def test_baseline_caches_with_random_parents_equal_teacher_forcing(
-    kv: str, attention: str, fused: bool
+@pytest.mark.parametrize("step", ["served", "textbook"])
+def test_baseline_caches_equal_teacher_forcing(
+    case: Case, kv: str, attention: str, step: str
 ) -> None:
     """Every cache and attention mode under the served step (its layer-0 table read too)
-    and the layer-by-layer one, through a search with random parents: each step gives
-    `forward_train`'s logits of the rows' own prefixes, as the served paged cache does."""
-    decoder = decoder_with_biases(dataclasses.replace(CONFIG, decoder_layers=3))
-    step = DecoderStep(decoder) if fused else LayerByLayerStep(decoder, DecodeOptions())
-    args = (decoder, step, 3, (1, 4, 6, 5), torch.float32, "cpu")
-    got, want = run_steps(*args, CACHES[kv], attention=attention)
-    served, _ = run_steps(*args, PagedKVCache)
-    for g, s, w in zip(got, served, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(g, s, rtol=1e-5, atol=1e-5)
+    and the textbook loop's layer-by-layer step: `forward_train`'s logits at every step."""
+    cache = CACHES[kv](CONFIG.decoder_layers, CONFIG.n_heads, CONFIG.d_head, [2] * 4,
+                       dtype=torch.float32, device="cpu", attention=attention)  # fmt: skip
+    if step == "served":
+        check_teacher_forcing(DecoderStep, cache)
+    else:  # the step reads no table: any index's will do
+        textbook = lambda d: TextbookSearch(d, Rung(), case.tables, case.level_offsets)._step  # noqa: E731
+        check_teacher_forcing(textbook, cache)
 
 
 def test_unknown_attention_modes_are_refused() -> None:
     for cls in CACHES.values():
         with pytest.raises(ValueError, match="attention"):
             cls(1, 2, 16, [2] * 4, dtype=torch.float32, device="cpu", attention="flash")
-
-
-def test_dense_cache_engine_equals_the_served_engine() -> None:
-    """The dense cache (reorder copies the bytes) through `VariantEngine(kv="dense")` gives
-    the served engine's (paged) SIDs, and both the reference's."""
-    case = setup(make_ads(80, seed=5))
-    served = case.served()
-    dense = case.served(VariantEngine, DecodeOptions(kv="dense"))
-    ctx = ctx_for(3)
-    reqs = requests([Targeting("US", 30), Targeting("CA"), Targeting("GB", 50, "male")])
-    for mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM):
-        a = served.run(ctx, reqs, (1, 3, 7, 5), mode)
-        b = dense.run(ctx, reqs, (1, 3, 7, 5), mode)
-        assert torch.equal(a.sids, b.sids) and torch.equal(a.leaves, b.leaves)
-        torch.testing.assert_close(a.scores, b.scores)
-        assert_same(b, case.reference.run(ctx, reqs, (1, 3, 7, 5), mode))
-    assert dense.plans.caches and all(
-        isinstance(c, DenseKVCache) for c in dense.plans.caches.values()
-    )
-    assert all(type(c) is PagedKVCache for c in served.plans.caches.values())

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from contracts.index_format import IndexArrays, write_index_dir
+from contracts.index_validation import validate_index
 from index_builder.build import build_arrays
-from index_builder.validate import validate_index
 from tests.helpers.catalogs import catalog_from_ads
 from tests.helpers.oracle import Ad
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from contracts.index_format import IndexFormatError, file_sha256, read_index_dir, read_manifest
+from contracts.index_validation import IndexValidationError, validate_index
 from contracts.npy_private import NpyError, load_npy_private
-from index_builder.validate import IndexValidationError, validate_index
 
 
 def _edit_manifest(directory: Path, edit: Callable[[dict], None]) -> None:

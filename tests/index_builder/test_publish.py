@@ -18,6 +18,7 @@ import pytest
 
 import index_builder.publish as publish_module
 from contracts.index_format import file_sha256
+from contracts.index_validation import IndexValidationError, validate_index
 from contracts.versions import writer_lock
 from index_builder.build import build_index
 from index_builder.publish import (
@@ -32,7 +33,6 @@ from index_builder.publish import (
     prune,
     publish,
 )
-from index_builder.validate import IndexValidationError, validate_index
 from tests.helpers.indexes import (
     corrupt_builds,
     corrupting,

@@ -194,10 +194,10 @@ def test_save_load_round_trip_keeps_the_mode(code_tokenizer, creatives, tmp_path
     assert loaded.config == CODE
     assert loaded.fingerprint == code_tokenizer.fingerprint
     np.testing.assert_array_equal(loaded.assign(ads)[0], code_tokenizer.assign(ads)[0])
-    # flipping the mode in the file is refused (the codebooks no longer fit the config)
+    # flipping the mode in the file is refused (the fingerprint no longer recomputes)
     text = (tmp_path / "tokenizer.json").read_text()
     (tmp_path / "tokenizer.json").write_text(text.replace('"code"', '"rank"'))
-    with pytest.raises(ValueError, match="codebooks must be float32"):
+    with pytest.raises(ValueError, match="fingerprint mismatch"):
         SIDTokenizer.load(tmp_path)
 
 

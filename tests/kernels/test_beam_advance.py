@@ -25,15 +25,14 @@ DEAD_NODE = 999_983
 
 
 def inputs(bsz: int, keep: int, width: int, vocab: int, *, seed: int = 0, device: str = "cpu"):
-    """A top-k result: scores with dead (−inf) slots, positions in each request's W·V
-    candidates, a child table [B·W, V] and slots the schedule kills."""
+    """A top-k result: scores with dead (−inf) slots, positions in each request's M·V
+    candidates and a child table [B·M, V]."""
     g = torch.Generator().manual_seed(seed)
     top = torch.randn(bsz, keep, generator=g) * 4 - 10
     top[torch.rand(bsz, keep, generator=g) < 0.3] = NEG_INF
     flat = torch.randint(0, width * vocab, (bsz, keep), generator=g)
     child = torch.randint(0, 50_000, (bsz * width, vocab), generator=g, dtype=torch.int32)
-    dead = torch.rand(bsz * keep, generator=g) < 0.25
-    return (x.to(device) for x in (top, flat, child, dead))
+    return (x.to(device) for x in (top, flat, child))
 
 
 @contextmanager
@@ -57,9 +56,6 @@ def poisoned(flag: bool) -> Iterator[None]:
 
 def assert_same(got, want) -> None:
     for name, g, w in zip(("score", "parent", "token", "live", "node"), got, want, strict=True):
-        if w is None:
-            assert g is None, name
-            continue
         assert g.dtype == w.dtype and g.shape == w.shape, (name, g.dtype, w.dtype)
         assert torch.equal(g, w), name
 
@@ -68,16 +64,11 @@ def assert_same(got, want) -> None:
     ("bsz", "keep", "width", "vocab"),
     [(1, 1, 1, 3), (3, 5, 4, 7), (2, BLOCK + 6, 9, 300), (4, 16, 16, 64)],
 )
-@pytest.mark.parametrize("with_child", [True, False])
-@pytest.mark.parametrize("with_dead", [True, False])
 @pytest.mark.parametrize("flag", [True, False])
-def test_kernel_equals_reference(
-    bsz: int, keep: int, width: int, vocab: int, with_child: bool, with_dead: bool, flag: bool
-) -> None:
-    """A single slot, odd sizes, more slots than one program holds (a partial last block);
-    with and without the trie (the no-mask ablation) and killed slots."""
-    top, flat, child, dead = inputs(bsz, keep, width, vocab, seed=bsz + keep)
-    args = (top, flat, child if with_child else None, dead if with_dead else None, width, vocab)
+def test_kernel_equals_reference(bsz: int, keep: int, width: int, vocab: int, flag: bool) -> None:
+    """A single slot, odd sizes, more slots than one program holds (a partial last block)."""
+    top, flat, child = inputs(bsz, keep, width, vocab, seed=bsz + keep)
+    args = (top, flat, child, width, vocab)
     with poisoned(flag):
         got = triton_beam_advance(*args, DEAD_NODE)
     want = beam_advance_reference(*args, DEAD_NODE)
@@ -85,23 +76,22 @@ def test_kernel_equals_reference(
 
 
 def test_reference_semantics() -> None:
-    """Position p of request b's candidates is row b·W + p // V, token p % V; a killed
-    or −inf slot is dead and parked on the dead node; a live one reads its child."""
+    """Position p of request b's candidates is row b·M + p // V, token p % V; a −inf slot
+    is dead and parked on the dead node; a live one reads its child."""
     top = torch.tensor([[-1.0, NEG_INF], [-2.0, -3.0]])
-    flat = torch.tensor([[7, 2], [0, 11]])  # W = 3, V = 4
+    flat = torch.tensor([[7, 2], [0, 11]])  # M = 3, V = 4
     child = torch.arange(24, dtype=torch.int32).view(6, 4)
-    dead = torch.tensor([False, False, False, True])
-    score, parent, token, live, node = beam_advance_reference(top, flat, child, dead, 3, 4, 99)
+    score, parent, token, live, node = beam_advance_reference(top, flat, child, 3, 4, 99)
     assert parent.tolist() == [1, 0, 3, 5] and token.tolist() == [3, 2, 0, 3]
-    assert live.tolist() == [True, False, True, False]
-    assert score.tolist() == [-1.0, NEG_INF, -2.0, NEG_INF]
-    assert node.tolist() == [7, 99, 12, 99]
+    assert live.tolist() == [True, False, True, True]
+    assert score.tolist() == [-1.0, NEG_INF, -2.0, -3.0]
+    assert node.tolist() == [7, 99, 12, 23]
 
 
 def test_dispatcher_runs_the_reference_off_cuda() -> None:
-    top, flat, child, dead = inputs(2, 5, 3, 11)
-    assert_same(beam_advance(top, flat, child, dead, 3, 11, DEAD_NODE),
-                beam_advance_reference(top, flat, child, dead, 3, 11, DEAD_NODE))  # fmt: skip
+    top, flat, child = inputs(2, 5, 3, 11)
+    assert_same(beam_advance(top, flat, child, 3, 11, DEAD_NODE),
+                beam_advance_reference(top, flat, child, 3, 11, DEAD_NODE))  # fmt: skip
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -113,13 +103,13 @@ def test_dispatcher_runs_the_reference_off_cuda() -> None:
     seed=st.integers(0, 2**16),
 )
 def test_dead_slots_never_come_back(bsz: int, keep: int, width: int, vocab: int, seed: int) -> None:
-    """Whatever the shapes: a slot the schedule kills or top-k could not fill is never
-    live, and is parked where nothing is allowed; live slots keep their scores."""
-    top, flat, child, dead = inputs(bsz, keep, width, vocab, seed=seed)
+    """Whatever the shapes: a slot top-k could not fill is never live, and is parked
+    where nothing is allowed; live slots keep their scores."""
+    top, flat, child = inputs(bsz, keep, width, vocab, seed=seed)
     score, parent, token, live, node = triton_beam_advance(
-        top, flat, child, dead, width, vocab, DEAD_NODE
+        top, flat, child, width, vocab, DEAD_NODE
     )
-    killed = dead | ~torch.isfinite(top.reshape(-1))
+    killed = ~torch.isfinite(top.reshape(-1))
     assert not live[killed].any() and live[~killed].all()
     assert (node[killed] == DEAD_NODE).all() and (score[killed] == NEG_INF).all()
     assert torch.equal(score[~killed], top.reshape(-1)[~killed])
@@ -129,11 +119,10 @@ def test_dead_slots_never_come_back(bsz: int, keep: int, width: int, vocab: int,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("with_dead", [True, False])
-def test_gpu_paper_shape(with_dead: bool) -> None:
+def test_gpu_paper_shape() -> None:
     """B 16, 1 024 kept of 1 024 rows × 512 tokens per request: the dispatcher's kernel
     equals the reference."""
-    top, flat, child, dead = inputs(16, 1024, 1024, 512, device="cuda")
-    args = (top, flat, child, dead if with_dead else None, 1024, 512, DEAD_NODE)
+    top, flat, child = inputs(16, 1024, 1024, 512, device="cuda")
+    args = (top, flat, child, 1024, 512, DEAD_NODE)
     got = beam_advance(*args)
     assert_same(got, beam_advance_reference(*args))

@@ -1,11 +1,12 @@
 """The FP8 step's FFN (kernels/fp8_ffn.py, kernels/fp8.py): the up GEMM with its bias, GELU
-and 1 x 128 quantisation in the epilogue (`_triton_fp8_ffn`), the down weight's 128 x 128
-blocks and the block-scaled down GEMM, against torch on the dequantised operands.
+and 1 x 128 quantisation in the epilogue (`_triton_fp8_ffn`, persistent, loading by TMA),
+the down weight's 128 x 128 blocks, the block-scaled down GEMM and `Fp8Linear`, against
+torch on the dequantised operands.
 
-On CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py) at small, ragged
-shapes with several tile configs, with torch's float32 -> e4m3 cast
-(tests/helpers/triton_fp8.py); the `gpu` tests run the autotuned kernel at the paper
-decoder's FFN shape and feed cuBLASLt's block-scaled GEMM.
+On CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py) at small shapes,
+ragged in R and multiples of 16 in K and N (what TMA loads), at two tile configs, with
+torch's float32 -> e4m3 cast (tests/helpers/triton_fp8.py); the `gpu` tests run the
+autotuned kernel at the paper decoder's FFN shape and feed cuBLASLt's block-scaled GEMM.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 import triton
+from torch import nn
 
-from kernels._triton_fp8_ffn import DEFAULT, TMA_DEFAULT, tma_loadable, triton_fp8_up_gelu
+from kernels._triton_fp8_ffn import TMA_DEFAULT, tma_loadable, triton_fp8_up_gelu
 from kernels.fp8 import (
     SCALE_BLOCK,
     Fp8BlockWeight,
+    Fp8Linear,
     Fp8Weight,
     block_fp8_gemm,
     block_fp8_reference,
+    fp8_matmul_reference,
     quantize_row_blocks,
     quantize_rows,
 )
@@ -29,8 +33,10 @@ from kernels.fp8_ffn import fp8_up_gelu, fp8_up_gelu_reference
 from tests.helpers.fp8_codes import assert_codes_close, e4m3_ordinals
 
 UP_CONFIGS = [
-    DEFAULT,
-    triton.Config({"BLOCK_M": 16, "BLOCK_N": SCALE_BLOCK, "BLOCK_K": 32}, num_warps=4),
+    TMA_DEFAULT,
+    # two programs per "SM", tiles of 32 rows and K steps of 32: each program walks
+    # several tiles, each tile several K steps
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": SCALE_BLOCK, "BLOCK_K": 32, "OCC": 2}, num_warps=4),
 ]
 
 
@@ -47,75 +53,32 @@ up_reference = fp8_up_gelu_reference
 
 @pytest.mark.usefixtures("exact_fp8_casts")
 @pytest.mark.parametrize("config", UP_CONFIGS, ids=["default", "small"])
-@pytest.mark.parametrize(("r", "k", "n"), [(5, 64, 128), (37, 96, 200), (16, 160, 384)])
-@pytest.mark.parametrize("tanh", [True, False])
-@pytest.mark.parametrize("promote", [False, True], ids=["chained", "promoted"])
-def test_up_epilogue_writes_the_block_quantised_gelu(config, r, k, n, tanh, promote) -> None:
-    """Ragged rows, K and a last column block narrower than 128: the scales are each
-    block's amax / 448 and the codes the reference's, but where the fp32 sums' order moves
-    a value across an e4m3 rounding boundary (then one step apart); with the MMAs chained
-    over K or each K step's product added in fp32."""
-    x, w_up, bias = ffn_inputs(r, k, n)
-    xq, xs = quantize_rows(x)
-    q, scales = triton_fp8_up_gelu(xq, xs, w_up, bias, tanh, config, promote=promote)
-    assert q.dtype == torch.float8_e4m3fn and q.shape == (r, n)
-    assert scales.shape == (r, triton.cdiv(n, SCALE_BLOCK))
-    assert_codes_close(q, scales, *up_reference(xq, xs, w_up, bias, tanh))
-
-
-@pytest.mark.usefixtures("exact_fp8_casts")
-def test_the_up_kernel_writes_m_major_scales_for_the_block_scaled_down_gemm() -> None:
-    """`m_major=True`: the same scales and codes, laid out with strides (1, R), the
-    layout cuBLASLt's 1 x 128 GEMM takes its input scales in."""
-    x, w_up, bias = ffn_inputs(37, 128, 384)
-    xq, xs = quantize_rows(x)
-    q, scales = triton_fp8_up_gelu(xq, xs, w_up, bias, True)
-    q_m, scales_m = triton_fp8_up_gelu(xq, xs, w_up, bias, True, m_major=True)
-    assert scales_m.shape == scales.shape == (37, 3) and scales_m.stride() == (1, 37)
-    assert torch.equal(q_m.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(scales_m, scales)
-
-
-TMA_CONFIGS = [
-    TMA_DEFAULT,
-    # two programs per "SM", tiles of 32 rows and K steps of 32: each program walks
-    # several tiles, each tile several K steps
-    triton.Config({"BLOCK_M": 32, "BLOCK_N": SCALE_BLOCK, "BLOCK_K": 32, "OCC": 2}, num_warps=4),
-]
-
-
-@pytest.mark.usefixtures("exact_fp8_casts")
-@pytest.mark.parametrize("config", TMA_CONFIGS, ids=["default", "small"])
 @pytest.mark.parametrize(("r", "k", "n"), [(5, 64, 128), (37, 96, 208), (130, 160, 384)])
 @pytest.mark.parametrize("tanh", [True, False])
-def test_the_persistent_kernel_writes_what_the_per_tile_kernel_writes(config, r, k, n, tanh):
-    """`persistent=True` (served): a grid of a few programs, each walking tiles by TMA
-    (rows past R and K past its end read as zeros, their stores dropped): the per-tile
-    kernel's codes and M-major scales byte for byte (the same sums in the same K order),
-    and so the reference's."""
+def test_up_epilogue_writes_the_block_quantised_gelu(config, r, k, n, tanh) -> None:
+    """A grid of a few programs, each walking tiles by TMA (rows past R and K past its
+    end read as zeros, their stores dropped), at ragged rows and a last column block
+    narrower than 128: the scales are each block's amax / 448, written M-major (strides
+    (1, R), the layout cuBLASLt's 1 x 128 GEMM takes), and the codes the reference's,
+    but where the fp32 sums' order moves a value across an e4m3 rounding boundary (then
+    one step apart)."""
     x, w_up, bias = ffn_inputs(r, k, n, seed=r)
     xq, xs = quantize_rows(x)
-    want = triton_fp8_up_gelu(xq, xs, w_up, bias, tanh, m_major=True)
-    q, scales = triton_fp8_up_gelu(xq, xs, w_up, bias, tanh, config, m_major=True,
-                                   persistent=True)  # fmt: skip
-    assert scales.stride() == (1, r) and q.shape == (r, n)
-    assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8))
-    assert torch.equal(scales, want[1])
+    q, scales = triton_fp8_up_gelu(xq, xs, w_up, bias, tanh, config)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (r, n)
+    assert scales.shape == (r, triton.cdiv(n, SCALE_BLOCK)) and scales.stride() == (1, r)
     assert_codes_close(q, scales, *up_reference(xq, xs, w_up, bias, tanh))
 
 
-def test_the_persistent_kernel_refuses_what_tma_cannot_load() -> None:
-    """The dispatcher's rule (`tma_loadable`) is the kernel's: a shape it refuses is one
-    the rule sends to the per-tile kernel."""
+def test_the_up_kernel_refuses_what_tma_cannot_load() -> None:
+    """The dispatcher's rule (`tma_loadable`) is the kernel's: K and N multiples of 16
+    (rows of e4m3 16-byte aligned); other shapes take the reference."""
     assert tma_loadable(1024, 7680) and not tma_loadable(64, 200) and not tma_loadable(72, 128)
-    x, w_up, bias = ffn_inputs(4, 64, 200)  # N = 200: rows of 200 bytes, not 16-aligned
-    xq, xs = quantize_rows(x)
-    with pytest.raises(ValueError, match="K and N multiples of 16"):
-        triton_fp8_up_gelu(xq, xs, w_up, bias, True, persistent=True)
-    x, w_up, bias = ffn_inputs(4, 64, 128)
-    xq, xs = quantize_rows(x)
-    with pytest.raises(ValueError, match="chains its MMAs"):
-        triton_fp8_up_gelu(xq, xs, w_up, bias, True, promote=True, persistent=True)
+    for k, n in [(64, 200), (72, 128)]:
+        x, w_up, bias = ffn_inputs(4, k, n)
+        xq, xs = quantize_rows(x)
+        with pytest.raises(ValueError, match="K and N must be multiples of 16"):
+            triton_fp8_up_gelu(xq, xs, w_up, bias, True)
 
 
 def test_the_dispatcher_is_the_reference_off_cuda() -> None:
@@ -125,13 +88,6 @@ def test_the_dispatcher_is_the_reference_off_cuda() -> None:
     got, want = fp8_up_gelu(xq, xs, w_up, bias, True), up_reference(xq, xs, w_up, bias, True)
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     assert torch.equal(got[1], want[1]) and got[1].shape == (9, 2)
-
-
-def test_hw_tanh_is_refused_where_it_cannot_run() -> None:
-    x, w_up, bias = ffn_inputs(4, 64, 128)
-    xq, xs = quantize_rows(x)
-    with pytest.raises(ValueError, match="hw_tanh is the tanh GELU's, on a GPU"):
-        triton_fp8_up_gelu(xq, xs, w_up, bias, True, hw_tanh=True)
 
 
 @pytest.mark.parametrize(("n", "k"), [(256, 384), (200, 96), (1, 130)])
@@ -201,15 +157,41 @@ def test_block_scales_keep_quiet_blocks_precise_next_to_an_outlier_feature() -> 
 def test_a_config_whose_tile_is_not_one_scale_wide_is_refused() -> None:
     x, w_up, bias = ffn_inputs(4, 64, 128)
     xq, xs = quantize_rows(x)
-    wide = triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4)
+    wide = triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "OCC": 1}, num_warps=4)
     with pytest.raises(AssertionError, match="one scale per tile"):
         triton_fp8_up_gelu(xq, xs, w_up, bias, True, wide)
 
 
+@pytest.mark.parametrize("block", [False, True], ids=["per_channel", "block"])
+def test_fp8_linear_is_the_quantised_linear(block: bool) -> None:
+    """`Fp8Linear.of(linear)`: the weight quantised once (per output channel, or per
+    128 x 128 block with a short last block of rows), the input per row (or per row and
+    128 columns) at each call, the bias added in the model's dtype; [..., K] -> [..., N].
+    The GEMMs' references' numbers, and within e4m3's error of the linear layer."""
+    g = torch.Generator().manual_seed(5)
+    linear = nn.Linear(256, 192)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(192, 256, generator=g) / 16)
+    x = torch.randn(2, 5, 256, generator=g)
+    layer = Fp8Linear.of(linear, block=block)
+    got = layer(x)
+    assert got.shape == (2, 5, 192) and got.dtype == x.dtype
+    assert isinstance(layer.weight, Fp8BlockWeight if block else Fp8Weight)
+    rows = x.reshape(10, 256)
+    if block:
+        want = block_fp8_reference(*quantize_row_blocks(rows), Fp8BlockWeight.of(linear.weight))
+    else:
+        want = fp8_matmul_reference(rows, Fp8Weight.of(linear.weight))
+    torch.testing.assert_close(got.reshape(10, 192), want + linear.bias.detach(), rtol=1e-5,
+                               atol=1e-4)  # fmt: skip
+    exact = linear(x).detach()
+    rel = float((got - exact).norm() / exact.norm())
+    assert 1e-4 < rel < 2**-3  # quantised for real, and no more than e4m3 costs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per_tile"])
-def test_gpu_up_kernel_at_the_paper_ffn_feeds_the_block_scaled_down_gemm(persistent) -> None:
+def test_gpu_up_kernel_at_the_paper_ffn_feeds_the_block_scaled_down_gemm() -> None:
     """The served pair at 16,384 rows, d_model 1,024, d_ff 7,680 (compiled casts, the
     hardware tanh). On Hopper, Triton adds FP8 products in the tensor cores' own reduced
     precision, never promoting to fp32 (`max_num_imprecise_acc` 2³⁰ by default on sm90;
@@ -218,15 +200,11 @@ def test_gpu_up_kernel_at_the_paper_ffn_feeds_the_block_scaled_down_gemm(persist
     away (values near zero, where one step is far finer than the sum's error), so the
     codes are held to a relative error here, not to one step each. The up kernel's
     M-major scales go straight into cuBLASLt's block-scaled GEMM, whose product is the
-    dequantised operands' fp32 product to 2⁻⁷ (0.17 % measured by
-    bench/bench_fp8_gemm.py --blockwise). Both forms of the up kernel: the persistent
-    TMA one (served, through the dispatcher) and the per-tile one."""
+    dequantised operands' fp32 product to 2⁻⁷ (0.17 % measured: docs/FP8.md), the up
+    kernel taken through the dispatcher."""
     x, w_up, bias = ffn_inputs(16384, 1024, 7680, "cuda")
     xq, xs = quantize_rows(x)
-    if persistent:
-        hq, hs = fp8_up_gelu(xq, xs, w_up, bias, True)
-    else:
-        hq, hs = triton_fp8_up_gelu(xq, xs, w_up, bias, True, m_major=True)
+    hq, hs = fp8_up_gelu(xq, xs, w_up, bias, True)
     assert hs.stride() == (1, 16384), "M-major, as cuBLASLt takes them"
     want_q, want_s = up_reference(xq, xs, w_up, bias, True)
     torch.testing.assert_close(hs, want_s, rtol=2**-7, atol=0)
@@ -239,26 +217,6 @@ def test_gpu_up_kernel_at_the_paper_ffn_feeds_the_block_scaled_down_gemm(persist
     got = block_fp8_gemm(hq, hs, w_down).float()
     want = block_fp8_reference(hq, hs, w_down)
     assert float((got - want).norm() / want.norm()) < 2**-7
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_promoted_up_kernel_is_closer_to_the_fp32_reference() -> None:
-    """Why `promote`: with each K step's product added in fp32, at most a third of the
-    codes more than one e4m3 step from the fp32 reference's that the chained MMAs leave.
-    On the H200: 161,256 chained (0.13 % of 126 M) against 32,969 promoted (4.9x fewer;
-    the first bound tried, a tenth, was a guess the run refuted); what leaves the rest
-    is not measured."""
-    x, w_up, bias = ffn_inputs(16384, 1024, 7680, "cuda")
-    xq, xs = quantize_rows(x)
-    want_q, _ = up_reference(xq, xs, w_up, bias, True)
-
-    def far(promote: bool) -> int:
-        hq, _ = triton_fp8_up_gelu(xq, xs, w_up, bias, True, promote=promote)
-        return int(((e4m3_ordinals(hq) - e4m3_ordinals(want_q)).abs() > 1).sum())
-
-    chained, promoted = far(False), far(True)
-    assert chained > 0 and promoted <= chained / 3, (chained, promoted)
 
 
 @pytest.mark.gpu

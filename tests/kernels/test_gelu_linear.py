@@ -1,6 +1,6 @@
 """The served FFN up-projection dispatcher, `kernels.gelu_linear.gelu_linear`:
 gelu_tanh(x @ W.T + b) through cuBLASLt's GELU epilogue on CUDA, the torch reference
-elsewhere. The Triton GEMM baseline: tests/bench/test_gelu_linear_baseline.py.
+elsewhere.
 """
 
 from __future__ import annotations

@@ -1,11 +1,17 @@
-"""The CD+GTM mask kernel equals the reference lookup and never drops an eligible prefix.
+"""The CD+GTM mask kernel's candidates equal the reference's, and GTM never drops an
+eligible prefix.
 
 Kernel tests run the Triton kernel itself: under TRITON_INTERPRET=1 on CPU (set in
-tests/conftest.py), compiled on a GPU. Outputs are poisoned (NaN / a sentinel) before
-the launch so that an element the kernel forgot to write fails the comparison.
+tests/conftest.py), compiled on a GPU. The launcher's outputs are poisoned (NaN / a
+sentinel child) as they are allocated, so that an element the kernel forgot to write
+fails the comparison.
 """
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -23,24 +29,26 @@ from kernels.gtm_mask import (
     candidates,
     gtm_mask_triton,
     masked_candidates,
-    masked_logits,
     masked_logits_reference,
 )
 from tests.helpers.catalogs import ads_strategy, catalog_from_ads, requests_strategy
 from tests.helpers.oracle import Ad, eligible_prefixes
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# numpy's warnings from the interpreter's kernel on a row with nothing allowed: log(0)
+# and −inf − −inf, in lanes the final `where` replaces by −inf
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:divide by zero encountered in log:RuntimeWarning",
+    "ignore:invalid value encountered in subtract:RuntimeWarning",
+)
 needs_triton = pytest.mark.skipif(gtm_mask_triton is None, reason="triton is not installed")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
-# name -> (mode, bloom)
-VARIANTS = {
-    "cd_only": (FilterMode.CD_ONLY, True),
-    "cd_bitmask": (FilterMode.CD_GTM, False),
-    "cd_gtm": (FilterMode.CD_GTM, True),
-}
+CD_ONLY, CD_GTM = FilterMode.CD_ONLY, FilterMode.CD_GTM
+MODES = [CD_ONLY, CD_GTM]  # the kernel's modes; k-way takes the reference
 # (BLOCK_C, BLOCK_L, num_warps): chunk loops that run many times, once, and not at all
 CONFIGS = [(2, 2, 1), (16, 8, 2), (128, 64, 4)]
+TINY, MID = CONFIGS[0], CONFIGS[1]
 POISON_CHILD = 7777
 
 
@@ -103,74 +111,46 @@ def rows_of(index: IndexArrays, n: int, n_requests: int, seed: int):
     return logits.to(DEV), nodes.to(DEV), request.to(DEV)
 
 
-def poisoned(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    masked = torch.full((rows, VOCAB_SIZE), float("nan"), device=DEV)
-    child = torch.full((rows, VOCAB_SIZE), POISON_CHILD, dtype=torch.int32, device=DEV)
-    return masked, child
-
-
-def run_kernel(
-    logits, tables, nodes, request, requests, variant, config=None, score=None, scoring="masked"
-):
-    mode, bloom = VARIANTS[variant]
-    out = poisoned(nodes.shape[0])
-    cfg = (
-        None
-        if config is None
-        else dict(zip(("BLOCK_C", "BLOCK_L", "num_warps"), config, strict=True))
-    )
-    got = gtm_mask_triton(
-        logits,
-        tables,
-        nodes,
-        request,
-        requests,
-        gtm=mode == FilterMode.CD_GTM,
-        bloom=bloom,
-        out=out,
-        config=cfg,
-        score=score,
-        scoring=scoring,
-    )
-    assert got[0] is out[0] and got[1] is out[1]
-    return got
-
-
-def assert_same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]):
-    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # copies: bit-exact
-    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
-
-
-@needs_triton
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("rows", [1, 17, 41])
-def test_kernel_matches_reference(world, variant: str, config, rows: int) -> None:
-    index, tables, requests = world
-    logits, nodes, request = rows_of(index, rows, requests.bitmask.shape[0], seed=rows)
-    mode, bloom = VARIANTS[variant]
-    want = masked_logits_reference(logits, tables, nodes, request, requests, mode, bloom=bloom)
-    got = run_kernel(logits, tables, nodes, request, requests, variant, config)
-    assert_same(got, want)
-
-
-def candidates_reference(
-    logits, tables, nodes, request, requests, variant, score, scoring="masked"
-):
-    mode, bloom = VARIANTS[variant]
-    full = logits.float()
-    masked, child = masked_logits_reference(
-        full, tables, nodes, request, requests, mode, bloom=bloom
-    )
-    return candidates(score, masked, child >= 0, scoring=scoring, logits=full), child
-
-
 def scores_of(n: int, seed: int) -> torch.Tensor:
     """Accumulated row scores: finite negatives and a few dead (−inf) rows."""
     g = torch.Generator().manual_seed(seed)
     score = -torch.rand(n, generator=g) * 20
     score[torch.rand(n, generator=g) < 0.2] = float("-inf")
     return score.to(DEV)
+
+
+@contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """`torch.empty` hands out tensors already full of NaN (floats) or POISON_CHILD."""
+    empty = torch.empty
+
+    def fill(*args, **kwargs) -> torch.Tensor:
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan") if x.is_floating_point() else POISON_CHILD)
+
+    torch.empty = fill  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.empty = empty  # type: ignore[assignment]
+
+
+def run_kernel(logits, tables, nodes, request, requests, mode, score, scoring="masked",
+               config=None):  # fmt: skip
+    """The kernel at one config (None: the launcher's default), outputs poisoned."""
+    keys = ("BLOCK_C", "BLOCK_L", "num_warps")
+    cfg = None if config is None else dict(zip(keys, config, strict=True))
+    with poisoned_outputs():
+        return gtm_mask_triton(logits, tables, nodes, request, requests, score,
+                               gtm=mode == CD_GTM, scoring=scoring, config=cfg)  # fmt: skip
+
+
+def reference(logits, tables, nodes, request, requests, mode, score, scoring="masked"):
+    """The served path's references one after the other: the masked logits, then the
+    candidates."""
+    full = logits.float()
+    masked, child = masked_logits_reference(full, tables, nodes, request, requests, mode)
+    return candidates(score, masked, child >= 0, scoring=scoring, logits=full), child
 
 
 def assert_candidates(got, want) -> None:
@@ -184,22 +164,17 @@ def assert_candidates(got, want) -> None:
 
 @needs_triton
 @pytest.mark.parametrize("scoring", SCORINGS)
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("rows", [1, 23])
-def test_kernel_candidates_match_reference(
-    world, variant: str, config, rows: int, scoring: str
-) -> None:
-    """With a row score the kernel writes score + log-softmax (over the allowed tokens, or
-    with "unmasked" over the whole row): the decode loop's candidates, dead rows and rows
-    with nothing allowed all −inf."""
+def test_kernel_matches_reference(world, config, mode: FilterMode, scoring: str) -> None:
+    """Score + log-softmax (over the allowed tokens, or with "unmasked" over the whole
+    row) and the child nodes, on 23 rows from the root to dead leaves: the decode loop's
+    candidates, dead rows and rows with nothing allowed all −inf."""
     index, tables, requests = world
-    logits, nodes, request = rows_of(index, rows, requests.bitmask.shape[0], seed=rows + 5)
-    score = scores_of(rows, seed=rows)
-    want = candidates_reference(logits, tables, nodes, request, requests, variant, score, scoring)
-    got = run_kernel(
-        logits, tables, nodes, request, requests, variant, config, score=score, scoring=scoring
-    )
+    logits, nodes, request = rows_of(index, 23, requests.bitmask.shape[0], seed=28)
+    score = scores_of(23, seed=23)
+    want = reference(logits, tables, nodes, request, requests, mode, score, scoring)
+    got = run_kernel(logits, tables, nodes, request, requests, mode, score, scoring, config)
     assert_candidates(got, want)
     assert torch.isfinite(got[0]).any(), "nothing allowed anywhere: a vacuous comparison"
 
@@ -207,62 +182,58 @@ def test_kernel_candidates_match_reference(
 @needs_triton
 @pytest.mark.parametrize("scoring", SCORINGS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_candidates_read_bf16_logits(world, dtype: torch.dtype, scoring: str) -> None:
+def test_kernel_reads_bf16_logits(world, dtype: torch.dtype, scoring: str) -> None:
     """bf16/fp16 logits (the model's dtype) are read as fp32: the same as casting first —
     with "unmasked" the whole row's max and sum too."""
     index, tables, requests = world
     logits, nodes, request = rows_of(index, 17, requests.bitmask.shape[0], seed=9)
     low = logits.to(dtype)
     score = scores_of(17, seed=9)
-    want = candidates_reference(low, tables, nodes, request, requests, "cd_gtm", score, scoring)
-    got = run_kernel(
-        low, tables, nodes, request, requests, "cd_gtm", (16, 8, 2), score=score, scoring=scoring
-    )
+    want = reference(low, tables, nodes, request, requests, CD_GTM, score, scoring)
+    got = run_kernel(low, tables, nodes, request, requests, CD_GTM, score, scoring, MID)
     assert_candidates(got, want)
 
 
 @needs_triton
 @pytest.mark.parametrize("scoring", SCORINGS)
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_rows_with_nothing_allowed_stay_all_neg_inf(world, variant: str, scoring: str) -> None:
-    """Rows parked on a leaf (no children) and, with the Bloom test, a request (no
-    locations) that fails every child of the root: every candidate −inf and child −1 in
-    both scorings — even with a finite row score, where the unmasked log-softmax of the
-    row is finite everywhere."""
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_rows_with_nothing_allowed_stay_all_neg_inf(world, mode: FilterMode, scoring) -> None:
+    """Rows parked on a leaf (no children) and, with GTM, a request (no locations) that
+    fails every child of the root: every candidate −inf and child −1 in both scorings —
+    even with a finite row score, where the unmasked log-softmax of the row is finite
+    everywhere."""
     index, tables, requests = world
     dead = int(index.trie.level_offsets[-1]) - 1
     nodes = torch.tensor([dead, 0, dead, 0], device=DEV)
     request = torch.tensor([0, 2, 1, 0], device=DEV)
     logits = torch.randn(4, VOCAB_SIZE, generator=torch.Generator().manual_seed(0)).to(DEV)
     score = torch.tensor([-1.0, -2.0, 0.0, -3.0], device=DEV)
-    got = run_kernel(
-        logits, tables, nodes, request, requests, variant, (16, 8, 2), score=score,
-        scoring=scoring,
-    )  # fmt: skip
-    want = candidates_reference(logits, tables, nodes, request, requests, variant, score, scoring)
-    assert_candidates(got, want)
-    empty = (0, 1, 2) if variant == "cd_gtm" else (0, 2)  # leaves; the root for request 2
+    got = run_kernel(logits, tables, nodes, request, requests, mode, score, scoring, MID)
+    assert_candidates(got, reference(logits, tables, nodes, request, requests, mode, score,
+                                     scoring))  # fmt: skip
+    empty = (0, 1, 2) if mode == CD_GTM else (0, 2)  # leaves; the root for request 2
     for row in empty:
         assert torch.isneginf(got[0][row]).all() and (got[1][row] == -1).all()
     assert torch.isfinite(got[0][3]).any(), "the root of request 0 allows something"
 
 
-def test_candidates_dispatcher_takes_the_references_on_cpu(world) -> None:
-    index, tables, requests = world
-    logits, nodes, request = rows_of(index, 12, requests.bitmask.shape[0], seed=4)
+def test_dispatcher_matches_the_reference_in_every_mode() -> None:
+    """`masked_candidates` in every filter mode and scoring, on an index with k-way
+    partitions: the references (the kernel on CUDA for CD_ONLY and CD_GTM; k-way always
+    the reference). It refuses GTM without requests and an unknown scoring."""
+    index = build(world_ads(), KwaySpec("static", (3, 2, 2, 1)))
+    tables = GtmTables.from_arrays(index.trie, index.kway, device=DEV)
+    requests = RequestTensors.from_encoded(encode_requests(world_requests()), device=DEV)
+    logits, nodes, request = rows_of(index, 12, 4, seed=4)
     score = scores_of(12, seed=4)
-    for variant, (mode, bloom) in VARIANTS.items():
+    for mode in FilterMode:
         for scoring in SCORINGS:
-            want = candidates_reference(
-                logits, tables, nodes, request, requests, variant, score, scoring
-            )
-            got = masked_candidates(
-                logits, tables, nodes, request, requests, score, mode, bloom=bloom,
-                scoring=scoring,
-            )  # fmt: skip
+            want = reference(logits, tables, nodes, request, requests, mode, score, scoring)
+            got = masked_candidates(logits, tables, nodes, request, requests, score, mode,
+                                    scoring=scoring)  # fmt: skip
             assert_candidates(got, want)
     with pytest.raises(ValueError, match="needs encoded requests"):
-        masked_candidates(logits, tables, nodes, request, None, score, FilterMode.CD_GTM)
+        masked_candidates(logits, tables, nodes, request, None, score, CD_GTM)
     with pytest.raises(ValueError, match="scoring must be one of"):
         masked_candidates(logits, tables, nodes, request, requests, score, scoring="bogus")  # type: ignore[arg-type]
 
@@ -298,22 +269,14 @@ def _same_extension_scores(world, scoring: str, kernel: bool):
     index, tables, requests = world
     logits, nodes, request = rows_of(index, 31, requests.bitmask.shape[0], seed=21)
     score = scores_of(31, seed=21)
-    out = {}
-    for variant in ("cd_only", "cd_gtm"):
-        if kernel:
-            out[variant] = run_kernel(
-                logits, tables, nodes, request, requests, variant, (16, 8, 2), score=score,
-                scoring=scoring,
-            )[0]  # fmt: skip
-        else:
-            mode, bloom = VARIANTS[variant]
-            out[variant] = masked_candidates(
-                logits, tables, nodes, request, requests, score, mode, bloom=bloom,
-                scoring=scoring,
-            )[0]  # fmt: skip
-    both = torch.isfinite(out["cd_only"]) & torch.isfinite(out["cd_gtm"])
+    args = (logits, tables, nodes, request, requests)
+    if kernel:
+        cd, gtm = (run_kernel(*args, mode, score, scoring, MID)[0] for mode in MODES)
+    else:
+        cd, gtm = (masked_candidates(*args, score, mode, scoring=scoring)[0] for mode in MODES)
+    both = torch.isfinite(cd) & torch.isfinite(gtm)
     assert both.any(), "no token allowed by both: a vacuous comparison"
-    return out["cd_only"], out["cd_gtm"], both
+    return cd, gtm, both
 
 
 @pytest.mark.parametrize(
@@ -341,16 +304,16 @@ def test_any_of_many_finds_the_last_location(config) -> None:
         Ad(2, (6, 0, 0, 0), locations=("US/R2",)),
         Ad(3, (9, 1, 2, 3)),
     ]
-    index = build(ads)
-    tables = GtmTables.from_arrays(index.trie, device=DEV)
+    tables = GtmTables.from_arrays(build(ads).trie, device=DEV)
     many = (*(f"XX/R{k}" for k in range(39)), "CA/R1")
     reqs = [Targeting("CA", 16, "female", many), Targeting(), Targeting(locations=("US/R2",))]
     requests = RequestTensors.from_encoded(encode_requests(reqs), device=DEV)
     nodes = torch.zeros(3, dtype=torch.int64, device=DEV)
     request = torch.arange(3, device=DEV)
     logits = torch.randn(3, VOCAB_SIZE, device=DEV)
-    got = run_kernel(logits, tables, nodes, request, requests, "cd_gtm", config)
-    assert_same(got, masked_logits_reference(logits, tables, nodes, request, requests))
+    score = torch.zeros(3, device=DEV)
+    got = run_kernel(logits, tables, nodes, request, requests, CD_GTM, score, config=config)
+    assert_candidates(got, reference(logits, tables, nodes, request, requests, CD_GTM, score))
     allowed = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in got[0]]
     assert allowed == [{5, 9}, {9}, {6, 9}]
 
@@ -362,66 +325,35 @@ def test_kernel_reads_strided_logits(world) -> None:
     wide = torch.randn(9, VOCAB_SIZE + 13, device=DEV)
     wide[:, 5 : 5 + VOCAB_SIZE] = logits
     view = wide[:, 5 : 5 + VOCAB_SIZE]  # row stride 525
-    want = masked_logits_reference(logits, tables, nodes, request, requests)
-    assert_same(run_kernel(view, tables, nodes, request, requests, "cd_gtm"), want)
+    score = scores_of(9, seed=3)
+    for scoring in SCORINGS:  # "unmasked" reads the whole row through the stride too
+        want = reference(logits, tables, nodes, request, requests, CD_GTM, score, scoring)
+        got = run_kernel(view, tables, nodes, request, requests, CD_GTM, score, scoring)
+        assert_candidates(got, want)
 
 
 @needs_triton
 def test_kernel_with_no_rows(world) -> None:
     _, tables, requests = world
     empty = torch.empty(0, dtype=torch.int64, device=DEV)
-    masked, child = gtm_mask_triton(
-        torch.empty(0, VOCAB_SIZE, device=DEV), tables, empty, empty, requests, gtm=True
-    )
-    assert masked.shape == child.shape == (0, VOCAB_SIZE)
+    logits, score = torch.empty(0, VOCAB_SIZE, device=DEV), torch.empty(0, device=DEV)
+    cand, child = gtm_mask_triton(logits, tables, empty, empty, requests, score, gtm=True)
+    assert cand.shape == child.shape == (0, VOCAB_SIZE)
 
 
 @needs_triton
 def test_launcher_rejects_wrong_dtypes(world) -> None:
     index, tables, requests = world
     logits, nodes, request = rows_of(index, 3, 4, seed=0)
+    score = torch.zeros(3, device=DEV)
     with pytest.raises(AssertionError, match="node_ids"):
-        gtm_mask_triton(logits, tables, nodes.int(), request, requests, gtm=True)
+        gtm_mask_triton(logits, tables, nodes.int(), request, requests, score, gtm=True)
     with pytest.raises(AssertionError):
-        gtm_mask_triton(logits.double(), tables, nodes, request, requests, gtm=True)
+        gtm_mask_triton(logits.double(), tables, nodes, request, requests, score, gtm=True)
     with pytest.raises(AssertionError, match="requests"):
-        gtm_mask_triton(logits, tables, nodes, request, None, gtm=True)
-
-
-def test_dispatcher_matches_reference_and_kway_takes_the_reference() -> None:
-    ads = world_ads()
-    index = build(ads, KwaySpec("static", (3, 2, 2, 1)))
-    tables = GtmTables.from_arrays(index.trie, index.kway, device=DEV)
-    requests = RequestTensors.from_encoded(encode_requests(world_requests()), device=DEV)
-    logits, nodes, request = rows_of(index, 12, 4, seed=1)
-    for mode in FilterMode:
-        for bloom in (True, False):
-            want = masked_logits_reference(
-                logits, tables, nodes, request, requests, mode, bloom=bloom
-            )
-            got = masked_logits(logits, tables, nodes, request, requests, mode, bloom=bloom)
-            assert_same(got, want)
-    with pytest.raises(ValueError, match="needs encoded requests"):
-        masked_logits(logits, tables, nodes, request, None, FilterMode.CD_GTM)
-
-
-def test_bitmask_only_reference_ignores_location_rules() -> None:
-    """bloom=False equals full GTM on the same catalog stripped of its location rules
-    (the bitmask matchers are unchanged, the Bloom ones become all ones)."""
-    ads = world_ads()
-    stripped = [Ad(a.ad_id, a.sid, a.countries, a.age_buckets, a.genders) for a in ads]
-    index, plain = build(ads), build(stripped)
-    assert np.array_equal(index.trie.csr_tokens, plain.trie.csr_tokens)
-    requests = RequestTensors.from_encoded(encode_requests(world_requests()))
-    logits, nodes, request = rows_of(index, 40, 4, seed=2)
-    logits, nodes, request = logits.cpu(), nodes.cpu(), request.cpu()
-    got = masked_logits_reference(
-        logits, GtmTables.from_arrays(index.trie), nodes, request, requests, bloom=False
-    )
-    want = masked_logits_reference(
-        logits, GtmTables.from_arrays(plain.trie), nodes, request, requests
-    )
-    assert_same(got, want)
+        gtm_mask_triton(logits, tables, nodes, request, None, score, gtm=True)
+    with pytest.raises(AssertionError, match="score"):
+        gtm_mask_triton(logits, tables, nodes, request, requests, score.double(), gtm=True)
 
 
 def allowed_prefixes(index: IndexArrays, allowed: torch.Tensor, child: torch.Tensor):
@@ -447,27 +379,23 @@ def every_inner_node(ads: list[Ad], reqs: list[Targeting]):
 
 @needs_triton
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    ads=ads_strategy(max_ads=20),
-    reqs=st.lists(requests_strategy, min_size=1, max_size=3),
-    variant=st.sampled_from(["cd_gtm", "cd_bitmask"]),
-)
-def test_kernel_never_drops_an_eligible_prefix(
-    ads: list[Ad], reqs: list[Targeting], variant: str
-) -> None:
-    """From every inner node, for a batch of requests at once: the kernel's allowed set
-    contains every prefix holding an eligible ad, and is exactly the reference's."""
+@given(ads=ads_strategy(max_ads=20), reqs=st.lists(requests_strategy, min_size=1, max_size=3))
+def test_gtm_never_drops_an_eligible_prefix(ads: list[Ad], reqs: list[Targeting]) -> None:
+    """From every inner node, for a batch of requests at once: the served candidates
+    (`masked_candidates`) allow every prefix holding an eligible ad, and the kernel's
+    are exactly theirs."""
     index, tables, requests, nodes, request = every_inner_node(ads, reqs)
     logits = torch.zeros(len(nodes), VOCAB_SIZE, device=DEV)
-    mode, bloom = VARIANTS[variant]
-    want = masked_logits_reference(logits, tables, nodes, request, requests, mode, bloom=bloom)
-    got = run_kernel(logits, tables, nodes, request, requests, variant, (2, 2, 1))
-    assert_same(got, want)
+    score = torch.zeros(len(nodes), device=DEV)
+    served = masked_candidates(logits, tables, nodes, request, requests, score)
+    assert_candidates(run_kernel(logits, tables, nodes, request, requests, CD_GTM, score,
+                                 config=TINY), served)  # fmt: skip
+    allowed = torch.isfinite(served[0])
     for b, req in enumerate(reqs):
         rows = request == b
-        allowed = allowed_prefixes(index, torch.isfinite(got[0][rows]), got[1][rows])
+        found = allowed_prefixes(index, allowed[rows], served[1][rows])
         must = eligible_prefixes(ads, req)
-        assert must <= allowed, f"dropped eligible prefixes {must - allowed}"
+        assert must <= found, f"dropped eligible prefixes {must - found}"
 
 
 @needs_triton
@@ -481,99 +409,24 @@ def test_unmasked_scores_do_not_depend_on_the_mask(
     ads: list[Ad], reqs: list[Targeting], seed: int
 ) -> None:
     """From every inner node, for any catalog and requests: under "unmasked" a token
-    allowed by CD_ONLY and CD_GTM (with or without the Bloom test) has one candidate
-    score, the kernel's and the reference's alike, and it is score + the row's full
-    log-softmax."""
+    allowed by CD_ONLY and CD_GTM has one candidate score, the kernel's and the
+    reference's alike, and it is score + the row's full log-softmax."""
     _, tables, requests, nodes, request = every_inner_node(ads, reqs)
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(len(nodes), VOCAB_SIZE, generator=g) * 3).to(DEV)
     score = (-torch.rand(len(nodes), generator=g) * 10).to(DEV)
     full = score[:, None] + torch.log_softmax(logits, dim=-1)
-    cd = run_kernel(logits, tables, nodes, request, requests, "cd_only", (2, 2, 1), score,
-                    "unmasked")[0]  # fmt: skip
+    args = (logits, tables, nodes, request, requests)
+    cd = run_kernel(*args, CD_ONLY, score, "unmasked", TINY)[0]
     assert torch.isfinite(cd[0]).any(), "the root allows something"
-    for variant in ("cd_bitmask", "cd_gtm"):
-        got = run_kernel(logits, tables, nodes, request, requests, variant, (2, 2, 1), score,
-                         "unmasked")[0]  # fmt: skip
-        want = candidates_reference(
-            logits, tables, nodes, request, requests, variant, score, "unmasked"
-        )[0]
-        assert torch.equal(torch.isinf(got), torch.isinf(want))
-        both = torch.isfinite(got)
-        assert torch.isfinite(cd[both]).all(), "GTM allows only what CD allows"
-        assert torch.equal(got[both], cd[both])
-        torch.testing.assert_close(got[both], full[both], rtol=1e-6, atol=1e-5)
-        torch.testing.assert_close(want[both], got[both], rtol=1e-6, atol=1e-5)
-
-
-# --------------------------------------------------------------------------- GPU, full size
-
-
-@pytest.fixture(scope="module")
-def big_world():
-    from bench.bench_gtm_mask import beam_nodes, requests_for, synthetic_index
-
-    index = synthetic_index(200_000, seed=1)
-    tables = GtmTables.from_arrays(index.trie, device="cuda")
-    targeting = requests_for(index, 16, 64, seed=1)
-    requests = RequestTensors.from_encoded(encode_requests(targeting), device="cuda")
-    dead = int(index.trie.level_offsets[-1]) - 1
-    steps = beam_nodes(tables, requests, (1, 512, 1024, 1024), dead, seed=1)
-    return tables, requests, steps
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_gpu_kernel_matches_reference_on_a_decode_loop(big_world, variant: str) -> None:
-    tables, requests, steps = big_world
-    mode, bloom = VARIANTS[variant]
-    for nodes in steps:
-        m = nodes.shape[0] // 16
-        request = torch.arange(16, device="cuda").repeat_interleave(m)
-        logits = torch.randn(nodes.shape[0], VOCAB_SIZE, device="cuda")
-        want = masked_logits_reference(logits, tables, nodes, request, requests, mode, bloom=bloom)
-        got = masked_logits(logits, tables, nodes, request, requests, mode, bloom=bloom)
-        assert_same(got, want)
-        assert torch.isfinite(got[0]).any(), "no row allows anything: a vacuous comparison"
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("scoring", SCORINGS)
-def test_gpu_candidates_match_reference_on_a_decode_loop(big_world, scoring: str) -> None:
-    """The decode loop's fused call: bf16 logits, row scores, full-size steps."""
-    tables, requests, steps = big_world
-    for t, nodes in enumerate(steps):
-        m = nodes.shape[0] // 16
-        request = torch.arange(16, device="cuda").repeat_interleave(m)
-        logits = torch.randn(nodes.shape[0], VOCAB_SIZE, device="cuda").bfloat16()
-        score = -torch.rand(nodes.shape[0], device="cuda") * (5 * t)
-        got = masked_candidates(logits, tables, nodes, request, requests, score, scoring=scoring)
-        want = candidates_reference(
-            logits, tables, nodes, request, requests, "cd_gtm", score, scoring
-        )
-        assert_candidates(got, want)
-        assert torch.isfinite(got[0]).any(), "no row allows anything: a vacuous comparison"
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_mask_replays_in_a_cuda_graph(big_world) -> None:
-    tables, requests, steps = big_world
-    nodes = steps[2].clone()
-    request = torch.arange(16, device="cuda").repeat_interleave(nodes.shape[0] // 16)
-    logits = torch.randn(nodes.shape[0], VOCAB_SIZE, device="cuda")
-    masked_logits(logits, tables, nodes, request, requests)  # warm-up: autotunes
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = masked_logits(logits, tables, nodes, request, requests)
-    for src in (steps[2], steps[2].flip(0)):
-        nodes.copy_(src)
-        logits.normal_()
-        graph.replay()
-        assert_same(out, masked_logits_reference(logits, tables, nodes, request, requests))
+    got = run_kernel(*args, CD_GTM, score, "unmasked", TINY)[0]
+    want = reference(*args, CD_GTM, score, "unmasked")[0]
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    both = torch.isfinite(got)
+    assert torch.isfinite(cd[both]).all(), "GTM allows only what CD allows"
+    assert torch.equal(got[both], cd[both])
+    torch.testing.assert_close(got[both], full[both], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(want[both], got[both], rtol=1e-6, atol=1e-5)
 
 
 class _LaunchSpy:
@@ -596,5 +449,77 @@ def test_tuning_key_is_the_rows_rounded_up_to_a_power_of_two(world, monkeypatch)
     monkeypatch.setattr(mod, "_gtm_mask_kernel", spy)
     for n in (5, 7, 8):
         logits, nodes, request = rows_of(index, n, 4, seed=n)
-        mod.gtm_mask_triton(logits, tables, nodes, request, requests, gtm=True)
+        mod.gtm_mask_triton(logits, tables, nodes, request, requests, scores_of(n, n), gtm=True)
     assert [args[-2] for args in spy.args] == [8, 8, 8]
+
+
+# --------------------------------------------------------------------------- GPU, full size
+
+
+def beam_nodes(tables, requests, beams: tuple[int, ...], dead: int) -> list[torch.Tensor]:
+    """Each step's row nodes (int64 [B·M_t]) of a beam search with random logits under
+    the reference mask; rows without a live candidate park on `dead`."""
+    b = requests.bitmask.shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    node = torch.zeros(b, dtype=torch.int64, device="cuda")
+    steps = [node]
+    for m, keep in itertools.pairwise(beams):
+        req = torch.arange(b, device="cuda").repeat_interleave(m)
+        logits = torch.randn(b * m, VOCAB_SIZE, generator=gen, device="cuda")
+        masked, child = masked_logits_reference(logits, tables, node, req, requests)
+        top, flat = masked.view(b, -1).topk(keep, dim=1)
+        parent = (flat // VOCAB_SIZE + torch.arange(b, device="cuda")[:, None] * m).view(-1)
+        live = torch.isfinite(top).view(-1)
+        node = torch.where(live, child[parent, (flat % VOCAB_SIZE).view(-1)].long(), dead)
+        steps.append(node)
+    return steps
+
+
+@pytest.fixture(scope="module")
+def big_world():
+    from bench.indexes import requests_for, synthetic_index
+
+    index = synthetic_index(200_000, seed=1)
+    tables = GtmTables.from_arrays(index.trie, device="cuda")
+    targeting = requests_for(index, 16, 64, seed=1)
+    requests = RequestTensors.from_encoded(encode_requests(targeting), device="cuda")
+    dead = int(index.trie.level_offsets[-1]) - 1
+    return tables, requests, beam_nodes(tables, requests, (1, 512, 1024, 1024), dead)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_gpu_candidates_match_reference_on_a_decode_loop(big_world, mode, scoring: str) -> None:
+    """The decode loop's call, autotuned: bf16 logits, row scores, full-size steps."""
+    tables, requests, steps = big_world
+    for t, nodes in enumerate(steps):
+        request = torch.arange(16, device="cuda").repeat_interleave(nodes.shape[0] // 16)
+        logits = torch.randn(nodes.shape[0], VOCAB_SIZE, device="cuda").bfloat16()
+        score = -torch.rand(nodes.shape[0], device="cuda") * (5 * t)
+        args = (logits, tables, nodes, request, requests)
+        got = masked_candidates(*args, score, mode, scoring=scoring)
+        assert_candidates(got, reference(*args, mode, score, scoring))
+        assert torch.isfinite(got[0]).any(), "no row allows anything: a vacuous comparison"
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_mask_replays_in_a_cuda_graph(big_world) -> None:
+    tables, requests, steps = big_world
+    nodes = steps[2].clone()
+    request = torch.arange(16, device="cuda").repeat_interleave(nodes.shape[0] // 16)
+    logits = torch.randn(nodes.shape[0], VOCAB_SIZE, device="cuda")
+    score = -torch.rand(nodes.shape[0], device="cuda") * 5
+    args = (logits, tables, nodes, request, requests, score)
+    masked_candidates(*args)  # warm-up: autotunes
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = masked_candidates(*args)
+    for src in (steps[2], steps[2].flip(0)):
+        nodes.copy_(src)
+        logits.normal_()
+        graph.replay()
+        assert_candidates(out, reference(*args[:5], CD_GTM, score))

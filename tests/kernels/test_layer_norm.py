@@ -11,18 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels._triton_layer_norm import (
-    triton_add_layer_norm_fp8,
-    triton_layer_norm,
-    triton_layer_norm_fp8,
-)
+from kernels._triton_layer_norm import triton_add_layer_norm_fp8, triton_layer_norm
 from kernels.fp8 import quantize_rows
 from kernels.layer_norm import (
     add_layer_norm_fp8,
     add_layer_norm_fp8_reference,
     layer_norm,
-    layer_norm_fp8,
-    layer_norm_fp8_reference,
     layer_norm_reference,
 )
 from tests.helpers.fp8_codes import assert_codes_close
@@ -90,16 +84,24 @@ def test_gpu_paper_shape(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(("r", "d"), [(1, 16), (5, 48), (7, 100)])
 @pytest.mark.parametrize("with_shift", [False, True])
 @pytest.mark.usefixtures("exact_fp8_casts")
-def test_fp8_output_is_the_quantised_reference(
+def test_add_then_fp8_writes_the_stream_and_its_quantised_norm(
     dtype: torch.dtype, r: int, d: int, with_shift: bool
 ) -> None:
-    """With FP8_OUT the kernel writes `quantize_rows(LN(x + shift))`: e4m3 rows and their
-    scales, from the fp32 row it holds (never rounded to x's dtype first)."""
+    """`add_layer_norm_fp8`'s kernel writes the stream's next value exactly as `x +
+    residual` would store it (bf16 rounding included), and `quantize_rows(LN(x + residual
+    + shift))` of that rounded sum: e4m3 rows and their scales from the fp32 row it holds
+    (never rounded to x's dtype first), as the reference does; x itself is left
+    unchanged."""
     x, w, b, shift = inputs(r, d, dtype)
     s = shift if with_shift else None
-    q, scale = triton_layer_norm_fp8(x, w, b, 1e-5, s)
+    residual = inputs(r, d, dtype, seed=1)[0] * 0.5
+    before = x.clone()
+    total, q, scale = triton_add_layer_norm_fp8(x, residual, w, b, 1e-5, s)
+    want_total, want_q, want_scale = add_layer_norm_fp8_reference(x, residual, w, b, 1e-5, s)
+    assert torch.equal(x, before)
+    assert total.dtype == dtype and torch.equal(total, want_total)
+    assert torch.equal(want_total, x + residual)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (r, d) and scale.shape == (r, 1)
-    want_q, want_scale = layer_norm_fp8_reference(x, w, b, 1e-5, s)
     # the same e4m3 codes, but where the fp32 sums' order moves a value across a rounding
     # boundary: then one e4m3 step apart
     assert_codes_close(q, scale, want_q, want_scale)
@@ -110,41 +112,13 @@ def test_fp8_output_is_the_quantised_reference(
 def test_fp8_output_of_a_constant_row_is_its_bias() -> None:
     """A constant row normalises to zeros, so LN returns the bias: its scale is the
     bias's amax / 448; a zero bias as well gives scale 1 and zeros."""
-    x = torch.full((2, 32), 7.0)
+    x, residual = torch.full((2, 32), 7.0), torch.full((2, 32), -2.0)
     w, b = torch.ones(32), torch.linspace(-2, 2, 32)
-    q, scale = triton_layer_norm_fp8(x, w, b, 1e-5)
+    _, q, scale = triton_add_layer_norm_fp8(x, residual, w, b, 1e-5)
     torch.testing.assert_close(scale, torch.full((2, 1), 2 / 448))
     assert ((q.float() * scale - b).abs() <= 2.0**-4 * b.abs() + 1e-6).all()
-    q0, scale0 = triton_layer_norm_fp8(x, w, torch.zeros(32), 1e-5)
+    _, q0, scale0 = triton_add_layer_norm_fp8(x, residual, w, torch.zeros(32), 1e-5)
     assert (scale0 == 1).all() and (q0.float() == 0).all()
-
-
-def test_layer_norm_fp8_dispatches_to_the_reference_off_cuda() -> None:
-    x, w, b, shift = inputs(4, 24, torch.float32)
-    q, scale = layer_norm_fp8(x, w, b, 1e-5, shift)
-    want_q, want_scale = quantize_rows(F.layer_norm(x + shift, (24,), w, b, 1e-5))
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-    torch.testing.assert_close(scale, want_scale)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("r", "d"), [(1, 16), (5, 48), (7, 100)])
-@pytest.mark.usefixtures("exact_fp8_casts")
-def test_add_then_fp8_writes_the_stream_and_its_quantised_norm(
-    dtype: torch.dtype, r: int, d: int
-) -> None:
-    """`add_layer_norm_fp8`'s kernel writes the stream's next value exactly as `x +
-    residual` would store it (bf16 rounding included), and quantises the LayerNorm of that
-    rounded sum, as the reference does; x itself is left unchanged."""
-    x, w, b, shift = inputs(r, d, dtype)
-    residual = inputs(r, d, dtype, seed=1)[0] * 0.5
-    before = x.clone()
-    total, q, scale = triton_add_layer_norm_fp8(x, residual, w, b, 1e-5, shift)
-    want_total, want_q, want_scale = add_layer_norm_fp8_reference(x, residual, w, b, 1e-5, shift)
-    assert torch.equal(x, before)
-    assert total.dtype == dtype and torch.equal(total, want_total)
-    assert torch.equal(want_total, x + residual)
-    assert_codes_close(q, scale, want_q, want_scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

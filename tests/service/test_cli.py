@@ -15,8 +15,8 @@ import pytest
 
 from cli import main
 from contracts.index_format import read_manifest
+from contracts.index_validation import validate_index
 from index_builder.publish import current_path, current_version
-from index_builder.validate import validate_index
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -151,4 +151,4 @@ def test_init_model_writes_a_loadable_untrained_checkpoint(tokenizer: Path, tmp_
                  "--out", str(tmp_path / "m")]) == 0  # fmt: skip
     loaded = load_checkpoint(tmp_path / "m", "cpu")
     assert loaded.config.name == "tiny" and "untrained" in loaded.model_version
-    assert loaded.tokenizer.fingerprint == SIDTokenizer.load(tokenizer).fingerprint
+    assert loaded.sid_space == SIDTokenizer.load(tokenizer).fingerprint

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
+from cli.query import request_for_user
 from service.admission import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS
 from service.app import start
-from service.client import request_for_user
 from service.grpc_server import add_retrieval
 from service.metrics import Metrics
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc

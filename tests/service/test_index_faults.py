@@ -14,6 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cli.query import request_for_user
+from contracts.index_validation import IndexValidationError
 from index_builder.build import build_index
 from index_builder.publish import (
     CURRENT,
@@ -22,8 +24,6 @@ from index_builder.publish import (
     list_versions,
     new_version_name,
 )
-from index_builder.validate import IndexValidationError
-from service.client import request_for_user
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from tests.helpers.indexes import corrupt_builds, flip_byte
 from tests.helpers.server_process import ServerProcess

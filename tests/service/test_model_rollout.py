@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from cli import main
+from cli.query import request_for_user
 from index_builder.build import build_index
 from index_builder.publish import current_version
 from index_builder.synth import load_world
 from index_builder.tokenizer import SIDTokenizer
 from service.app import App, start
-from service.client import request_for_user
 from service.model.checkpoint import WEIGHTS_FILE, save_checkpoint
 from service.model.config import PROFILES
 from service.model.repository import list_versions, publish_model

@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cli.query import request_for_user
 from service.app import start
-from service.client import request_for_user
 from service.logs import JsonFormatter, TextFormatter, _Context
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from tests.helpers.server_process import serving

@@ -11,9 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cli.query import request_for_user
 from service import request_log
 from service.app import start
-from service.client import request_for_user
 from service.request_log import RequestLog, read_requests, write_requests
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.settings import load_settings

@@ -62,7 +62,7 @@ def _load_model(path: Path, version: str) -> SimpleNamespace:
     meta = json.loads((path / "config.json").read_text())
     if meta["bad"]:
         raise ValueError(f"checkpoint {path}: model.safetensors is corrupt or truncated")
-    return SimpleNamespace(version=version, sid_space=meta["space"])
+    return SimpleNamespace(version=version, model_version=version, sid_space=meta["space"])
 
 
 def _model_space(path: Path) -> str | None:

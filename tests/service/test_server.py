@@ -19,11 +19,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import service.app
+from cli.query import request_for_user
 from index_builder.build import build_index
 from index_builder.publish import current_path
 from index_builder.synth import load_world
 from service.app import start
-from service.client import request_for_user
 from service.pipeline.stages import Stages, graph_buckets
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.rpc_status import Abort
@@ -99,19 +99,19 @@ def test_graph_buckets_and_busy_batches_reach_the_server(
             [(max_batch, buckets)] = built
             assert graph_buckets(max_batch, buckets) == (2, 8, 16)  # what a GPU captures
             assert app.pipeline.stages.buckets == tuple(range(1, 17))  # the CPU: no padding
-            assert app.batcher.busy_batches == 2
+            assert app.batcher.policy.busy_batches == 2
         finally:
             await app.drain()
         for step in (
             r"model \S+ \(\S+\) loaded and verified on cpu in [\d.]+ s \(verify [\d.]+ s, "
-            r"weights [\d.]+ s, buffers [\d.]+ s, cast [\d.]+ s\)",  # the load's phases
+            r"weights [\d.]+ s, buffers [\d.]+ s, precision [\d.]+ s\)",  # the load's phases
             r"index \S+ loaded and validated in [\d.]+ s",
             r"ready in [\d.]+ s",
         ):
             assert re.search(step, caplog.text), step  # fmt: skip
         app = await start(settings(data, busy_batches=1))
         try:
-            assert app.batcher.busy_batches == 1
+            assert app.batcher.policy.busy_batches == 1
         finally:
             await app.drain()
 

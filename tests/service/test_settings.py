@@ -8,9 +8,11 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from service.model.config import PROFILES
+from service.model.precision import weights_dtype
 from service.settings import ServerSettings, load_settings
 
 
@@ -155,11 +157,15 @@ def test_connection_ageing_becomes_grpc_options_and_zero_turns_it_off() -> None:
 
 def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu() -> None:
     s = load_settings({})
-    assert (s.resolve_dtype("cuda"), s.resolve_dtype("cuda:1")) == ("bfloat16", "bfloat16")
-    assert s.resolve_dtype("cpu") == "float32"
-    assert load_settings({"dtype": "float32"}).resolve_dtype("cuda") == "float32"
-    fp8 = load_settings({"dtype": "fp8"})  # its weights are kept as 'auto' keeps them
-    assert (fp8.resolve_dtype("cuda"), fp8.resolve_dtype("cpu")) == ("bfloat16", "float32")
+    assert s.dtype == "auto"
+    assert weights_dtype(s.dtype, "cuda") == weights_dtype(s.dtype, "cuda:1") == torch.bfloat16
+    assert weights_dtype(s.dtype, "cpu") == torch.float32
+    assert weights_dtype(load_settings({"dtype": "float32"}).dtype, "cuda") == torch.float32
+    fp8 = load_settings({"dtype": "fp8"}).dtype  # its weights are kept as 'auto' keeps them
+    assert (weights_dtype(fp8, "cuda"), weights_dtype(fp8, "cpu")) == (
+        torch.bfloat16,
+        torch.float32,
+    )
     with pytest.raises(ValueError, match="dtype"):
         load_settings({"dtype": "float64"})
 

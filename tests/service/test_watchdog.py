@@ -19,8 +19,8 @@ import grpc
 import pytest
 
 import service.app
+from cli.query import request_for_user
 from service.app import start
-from service.client import request_for_user
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.watchdog import EXIT_WEDGED, Watchdog
 from tests.helpers.serving import make_serving_data, serving_settings

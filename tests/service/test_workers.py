@@ -20,7 +20,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.client import request_for_user
+from cli.query import request_for_user
 from service.mps import CONTROL
 from service.placement import Slot
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc

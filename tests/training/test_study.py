@@ -16,17 +16,18 @@ import pytest
 import torch
 
 from cli import main
+from contracts.index_validation import validate_index
 from contracts.request import FilterMode
 from index_builder.build import build_index
 from index_builder.catalog import read_catalog
 from index_builder.publish import resolve
 from index_builder.synth import PROFILES, WorldProfile, generate_world, load_world
 from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
-from index_builder.validate import validate_index
 from service.index.loaded import LoadedIndex
 from service.model.checkpoint import load_checkpoint, save_checkpoint
 from service.model.config import PROFILES as MODEL_PROFILES
 from service.model.features import SidLookup
+from service.model.precision import is_fp8
 from service.model.retriever import GenerativeRetriever
 from tests.helpers.oracle import Ad, eligible
 from training.data import Examples
@@ -289,11 +290,11 @@ def test_fp8_is_compared_with_the_served_bfloat16_model(
     keeps the SIDs and the exactness."""
     import training.study
 
-    decoded: list[tuple[torch.dtype, bool]] = []  # (the model's dtype, fp8) per variant
+    decoded: list[tuple[torch.dtype, bool]] = []  # (the model's dtype, FP8 layers) per variant
 
     class Recording(OfflineRetriever):
         def __init__(self, model, *args, **kw) -> None:
-            decoded.append((next(model.parameters()).dtype, kw["fp8"]))
+            decoded.append((next(model.parameters()).dtype, is_fp8(model.decoder)))
             super().__init__(model, *args, **kw)
 
     monkeypatch.setattr(training.study, "OfflineRetriever", Recording)

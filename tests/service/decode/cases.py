@@ -4,6 +4,7 @@ index — the served `DecodeEngine` and the oracle `ReferenceBeamSearch` — beh
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from service.decode.kv_cache import PagedKVCache
 from service.decode.plans import DecodeResult, IndexPlans
 from service.model.config import PROFILES, ModelConfig
 from service.model.decoder import SIDDecoder
+from service.model.precision import quantize_decoder
 from tests.helpers.catalogs import catalog_from_ads
 from tests.helpers.oracle import Ad
 from tests.helpers.reference_search import ReferenceBeamSearch
@@ -70,20 +72,18 @@ def decoder_with_biases(config: ModelConfig, device: str = "cpu", seed: int = 0)
 
 def run_steps(
     decoder: SIDDecoder,
-    step,  # DecoderStep, or a bench.baselines step: (tokens, t, cross, cache) -> logits
+    step,  # a DecoderStep: (tokens, t, cross, cache) -> logits
     batch: int,
     beams: tuple[int, ...],
     dtype: torch.dtype,
     device: str,
-    cache_cls=PagedKVCache,  # or a bench.baselines cache (same constructor)
-    **cache_kwargs,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Logits of every step of a 4-step search with random (seeded) parents and tokens,
-    and each step's teacher-forced logits: `forward_train` over every row's prefix."""
+    and each step's teacher-forced logits: `forward_train` of `decoder` over every row's
+    prefix."""
     c = decoder.config
     rows = [batch * m for m in beams]
-    cache = cache_cls(c.decoder_layers, c.n_heads, c.d_head, rows, dtype=dtype, device=device,
-                      **cache_kwargs)  # fmt: skip
+    cache = PagedKVCache(c.decoder_layers, c.n_heads, c.d_head, rows, dtype=dtype, device=device)
     g = torch.Generator().manual_seed(3)
     ctx = torch.randn(batch, c.t_ctx, c.d_model, generator=g).to(device, dtype)
     cross = decoder.cross_kv(ctx)
@@ -134,9 +134,11 @@ class Case:
     level_offsets: torch.Tensor
     reference: ReferenceBeamSearch
 
-    def served(self, engine_cls: type[DecodeEngine] = DecodeEngine, *args, **kwargs) -> Served:
-        """A served engine (or a `bench.baselines` variant of it) on this case's index."""
-        return Served(engine_cls(self.decoder, *args, **kwargs), self.tables, self.level_offsets)
+    def served(self, *, fp8: bool = False, **kwargs) -> Served:
+        """The served engine on this case's index (`kwargs`: DecodeEngine's); `fp8`: on a
+        copy of the decoder made FP8 as a load makes it (service/model/precision.py)."""
+        decoder = quantize_decoder(copy.deepcopy(self.decoder)) if fp8 else self.decoder
+        return Served(DecodeEngine(decoder, **kwargs), self.tables, self.level_offsets)
 
 
 def setup(ads: list[Ad], seed: int = 0, kway: KwaySpec | None = None) -> Case:

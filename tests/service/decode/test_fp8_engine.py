@@ -1,4 +1,4 @@
-"""The decode engine with FP8 linear layers (`DecodeEngine(fp8=True)`, kernels/fp8.py):
+"""The decode engine on a model made FP8 at load (service/model/precision.py):
 the masks are the same, so a search wide enough to keep every prefix returns exactly the
 fp32 engine's SIDs; a narrow one keeps most of its top SIDs."""
 

@@ -5,15 +5,18 @@ a search with random parents (the paged KV cache's reorder included)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from service.decode.fp8_step import FP8DecoderStep, decoder_step
 from service.decode.step import DecoderStep
 from service.model.config import PROFILES, ModelConfig
 from service.model.decoder import SIDDecoder
+from service.model.precision import quantize_decoder
 from tests.service.decode.cases import CONFIG, decoder_with_biases, run_steps
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -31,12 +34,16 @@ def test_equals_teacher_forcing(activation: str) -> None:
 
 
 def test_fp8_step_tracks_the_fp32_function() -> None:
-    """FP8 linear layers (kernels/fp8.py) cost ~1 % of the logits' norm on a random
-    decoder with biases, and keep the top tokens of every row."""
+    """A decoder made FP8 at load (service/model/precision.py) runs the FP8 step, whose
+    linear layers cost ~1 % of the logits' norm on a random decoder with biases, and keep
+    the top tokens of every row."""
     config = dataclasses.replace(PROFILES["tiny"], decoder_layers=3)
     decoder = decoder_with_biases(config)
-    step = DecoderStep(decoder, fp8=True)
-    got, want = run_steps(decoder, step, 2, (1, 16, 32, 32), torch.float32, "cpu")
+    fp8 = quantize_decoder(copy.deepcopy(decoder))
+    step = decoder_step(fp8)
+    assert type(step) is FP8DecoderStep and type(decoder_step(decoder)) is DecoderStep
+    got, _ = run_steps(fp8, step, 2, (1, 16, 32, 32), torch.float32, "cpu")
+    _, want = run_steps(decoder, DecoderStep(decoder), 2, (1, 16, 32, 32), torch.float32, "cpu")
     for g, w in zip(got, want, strict=True):
         rel = ((g - w).norm() / w.norm()).item()
         assert 1e-4 < rel < 0.03  # quantised for real, and close

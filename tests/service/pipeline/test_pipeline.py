@@ -5,6 +5,7 @@ failing batch fails alone."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -18,9 +19,12 @@ from contracts.targeting import Targeting, encode_requests
 from contracts.tensors import RequestTensors
 from index_builder.build import build_arrays
 from service.batcher import Batcher
+from service.decode.fp8_step import FP8DecoderStep
 from service.index.loaded import LoadedIndex
+from service.model import precision
 from service.model.config import PROFILES
 from service.model.features import UserFeatures, prepare_features
+from service.model.precision import for_serving
 from service.model.retriever import GenerativeRetriever
 from service.model.static_encoder import StaticEncoder
 from service.model.static_features import StaticFeatures
@@ -428,13 +432,14 @@ def test_padding_is_what_the_buckets_add_per_decode_group_on_gpu_only(without_gp
             too_many.padding(groups((17, gtm)))
 
 
-def test_fp8_stages_serve_only_eligible_ads_through_an_fp8_step(model) -> None:
-    """settings `dtype = fp8`: every runtime's decoder step multiplies in FP8."""
+def test_an_fp8_model_serves_only_eligible_ads_through_an_fp8_step(model) -> None:
+    """settings `dtype = fp8`: the model's linear layers are made FP8 at load
+    (service/model/precision.py) and its engine runs the FP8 step."""
     ads, index = world(0)
     reqs = requests(6, ads)
-    stages = Stages("cpu", fp8=True)
-    served = pair(model, index, stages)
-    assert served.model.engine.step.fp8 is not None
+    stages = Stages("cpu")
+    served = pair(for_serving(copy.deepcopy(model), "fp8", "cpu"), index, stages)
+    assert isinstance(served.model.engine.step, FP8DecoderStep)
     results = asyncio.run(serve(ServingHolder(served), reqs, stages=stages))
     by_id = {a.ad_id: a for a in ads}
     for r, res in zip(reqs, results, strict=True):
@@ -448,5 +453,5 @@ def test_fp8_on_a_gpu_without_fp8_is_refused_in_one_line(
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
     with pytest.raises(ValueError, match=r"dtype fp8 needs a GPU with FP8 .*NVIDIA A100 is not"):
-        Stages("cuda", fp8=True)
-    assert Stages("cuda").fp8 is False  # bf16 there is fine
+        precision.check("fp8", "cuda")
+    precision.check("bfloat16", "cuda")  # bf16 there is fine
