@@ -121,7 +121,8 @@ RUN groupadd --system --gid 10001 grace \
     && chown grace:grace /data
 COPY --from=builder /opt/venv /opt/venv
 # The process writes only under /data (world, model, index) and /tmp (HOME, caches), so
-# the root filesystem can be mounted read-only with a tmpfs or emptyDir on /tmp.
+# the root filesystem can be mounted read-only with a tmpfs or emptyDir on /tmp. A
+# container listens on every interface (GRACE_HOST): probes and scrapes come from outside.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -130,6 +131,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     TRITON_CACHE_DIR=/tmp/triton \
     TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
     GRACE_DATA_DIR=/data \
+    GRACE_HOST=0.0.0.0 \
     GRACE_IMAGE_VARIANT=${VARIANT}
 # From /, the CLI's relative defaults (`grace query --world data/world`) land in /data.
 WORKDIR /

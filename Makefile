@@ -14,12 +14,14 @@ help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: pyproject.toml
+	@echo "setting up $(VENV), once: pip installs torch and the project's dependencies (minutes on a fresh machine)"
 	$(PYTHON) -m venv $(VENV)
 ifeq ($(HAS_GPU),)
 	@echo "no NVIDIA GPU found: installing the CPU build of torch $(TORCH_VERSION)"
-	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(PY) -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 endif
-	$(PY) -m pip install -q -e ".[dev,loadtest,gpu,otlp,eval]"
+	@echo "installing grace-serving (editable) with its extras: dev, loadtest, gpu, otlp, eval"
+	$(PY) -m pip install -e ".[dev,loadtest,gpu,otlp,eval]"
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv and install the project with dev extras
@@ -27,14 +29,20 @@ install: $(VENV)/.installed  ## create .venv and install the project with dev ex
 test: install ops-tools  ## run the test suite
 	$(VENV)/bin/pytest -q
 
-# promtool (Debian's prometheus package) for tests/ops: installed when we may (root);
-# elsewhere its tests skip and say so (CI=true makes them fail instead).
+# promtool (Debian's prometheus package) for tests/ops, and node and npm (Debian's nodejs
+# and npm) for tests/clients/test_node_example.py: installed when we may (root); elsewhere
+# their tests skip and say so (CI=true makes promtool's fail instead).
 ops-tools:
 	@command -v promtool >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	      --no-install-recommends prometheus >/dev/null; \
 	  else echo "promtool not found (apt-get install prometheus): its tests will skip"; fi; }
+	@{ command -v node && command -v npm; } >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends nodejs npm >/dev/null; \
+	  else echo "node or npm not found (apt-get install nodejs npm): the Node example's test will skip"; fi; }
 
 lint: install  ## ruff lint + format check
 	$(VENV)/bin/ruff check .
@@ -44,7 +52,7 @@ format: install  ## apply ruff fixes and formatting
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-serve: install  ## serve the embedded default (builds the demo world, model and index once)
+serve: install  ## serve the embedded default on 127.0.0.1:50051 (its first start builds the demo world, model and index, logging each step)
 	$(VENV)/bin/grace serve
 
 bench: install  ## index-builder benchmarks (writes bench/results/)

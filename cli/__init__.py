@@ -2,7 +2,8 @@
 
 The commands live by area — `index.py` (synth, train-tokenizer, build-index,
 validate-index, builder), `model.py` (train, init-model, eval, publish-model, flops),
-`serving.py` (serve, query) — and import their modules lazily so `grace --help` stays fast.
+`serving.py` (serve), `query.py`, `health.py`, `record.py` — and import their modules
+lazily so `grace --help` stays fast.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from cli import health, index, model, record, serving
+from cli import health, index, model, query, record, serving
 from cli.common import EXIT_BAD_INPUT
 
 
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    for area in (index, model, serving, health, record):
+    for area in (index, model, serving, query, health, record):
         area.register(add)
     return parser
 

@@ -1,8 +1,14 @@
 """The embedded default for `grace serve` with no arguments: make whatever the data
 directory lacks — a tiny synthetic world, a trained tiny model (unless `model_dir`
-holds a checkpoint or a model repository), a published index —
-with progress, then serve it. Each step is skipped when its output already exists, so
-the second start is immediate.
+holds a checkpoint or a model repository), a published index — logging each step, then
+serve it. Each step is skipped when its output already exists, so the second start is
+immediate.
+
+The demo is deterministic on one machine: the world is seeded, and the training is seeded
+and runs torch's deterministic algorithms, so two bootstraps train the same weights (the
+same model version). Another machine may train other weights — floating-point sums
+depend on its CPU, its thread count and the torch version — and the index version is
+the time of its build.
 """
 
 from __future__ import annotations
@@ -40,11 +46,19 @@ def ensure_default(
         log.info("generating the tiny demo world in %s", world)
         generate_world("tiny", 0, world, progress=progress)
     if not has_model(model):
+        import torch
+
         from training.train import TrainSettings, train
 
-        log.info("training a %s model on it (a minute or two on a CPU)", settings.profile)
+        log.info("training the %s model on it, once: the longest step; its progress and "
+                 "the time left on this machine follow", settings.profile)  # fmt: skip
         ts = train_settings or TrainSettings(profile=settings.profile)
-        train(world, model, ts, progress=progress)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)  # the same weights at every bootstrap
+        try:
+            train(world, model, ts, progress=progress)
+        finally:  # the server after it keeps torch's usual (faster) algorithms
+            torch.use_deterministic_algorithms(deterministic)
     if current_version(index) is None:
         log.info("building and publishing the index in %s", index)
         build_index(world / "catalog.parquet", index, progress=progress, **sid_source(model))

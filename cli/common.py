@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Protocol
 
@@ -14,6 +16,18 @@ class AddCommand(Protocol):
     def __call__(
         self, name: str, fn: Callable[[argparse.Namespace], int], help_: str, desc: str
     ) -> argparse.ArgumentParser: ...
+
+
+def show_progress(args: argparse.Namespace) -> bool:
+    """Whether a command draws progress bars: not with --no-progress, and only on a
+    terminal with text log lines — never into a log file, nor between JSON log lines that
+    Loki or Fluentd parse one object a line. Without bars, training logs a line each tenth
+    of its run (training/steps.py ProgressLog)."""
+    from service.logs import JsonFormatter
+
+    if args.no_progress or not sys.stderr.isatty():
+        return False
+    return not any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
 
 
 def positive_int(text: str) -> int:

@@ -17,6 +17,7 @@ from cli.common import (
     SID_SPACE_HELP,
     AddCommand,
     positive_float,
+    show_progress,
 )
 from contracts.sid_space import LAST_TOKENS
 
@@ -74,7 +75,7 @@ def _synth(args: argparse.Namespace) -> int:
         Path(args.out),
         n_ads=args.ads,
         n_users=args.users,
-        progress=not args.no_progress,
+        progress=show_progress(args),
         workers=args.workers or default_workers(),
         jsonl=not args.no_jsonl,
     )
@@ -103,7 +104,8 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
     from index_builder.catalog import read_catalog
     from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
 
-    catalog = read_catalog(args.catalog, progress=not args.no_progress)
+    progress = show_progress(args)
+    catalog = read_catalog(args.catalog, progress=progress)
     if catalog.embedding is None:
         raise SystemExit(f"{args.catalog}: no embeddings to train a SID tokenizer on")
     have = ~catalog.has_sid
@@ -116,7 +118,6 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
     )
     # no copy of the embedding matrix when every ad needs a SID (30 M x 32 at paper scale)
     embeddings = catalog.embedding if have.all() else catalog.embedding[have]
-    progress = not args.no_progress
     tok = SIDTokenizer.train(embeddings, config, progress=progress, workers=args.workers)
     tok.save(Path(args.out))
     _, report = tok.assign(embeddings, device=args.device, workers=args.workers)
@@ -134,7 +135,7 @@ def _build_index(args: argparse.Namespace) -> int:
         tokenizer_path=args.tokenizer,
         kway=KwaySpec.parse(args.kway) if args.kway else None,
         keep=args.keep,
-        progress=not args.no_progress,
+        progress=show_progress(args),
         device=args.device,
         workers=args.workers,
         sid_space=args.sid_space,
@@ -150,8 +151,8 @@ def _build_index(args: argparse.Namespace) -> int:
 
 
 def _validate_index(args: argparse.Namespace) -> int:
+    from contracts.index_validation import IndexValidationError, validate_index
     from index_builder.publish import resolve
-    from index_builder.validate import IndexValidationError, validate_index
 
     path = resolve(Path(args.path))
     try:

@@ -15,7 +15,9 @@ from cli.common import (
     offline_kernels,
     positive_float,
     positive_int,
+    show_progress,
 )
+from contracts.data_format import EVENT_MAP_FLAG, UNMAPPED_FLAG, UNMAPPED_POLICIES, EventMap
 from contracts.request import SCORINGS
 from contracts.sid_space import LAST_TOKENS
 from training.steps import PRECISIONS
@@ -51,14 +53,16 @@ def _train(args: argparse.Namespace) -> int:
     paths = {
         k: Path(v) for k, v in zip(("catalog", "interactions", "users"), files, strict=True) if v
     }
-    data = TrainingData(world=Path(args.world) if args.world else None, **paths)
+    events = (EventMap.parse(args.event_map, args.unmapped) if args.event_map
+              else EventMap(unmapped=args.unmapped))  # fmt: skip
+    data = TrainingData(world=Path(args.world) if args.world else None, events=events, **paths)
     try:
         metrics = train(
             data,
             Path(args.out),
             settings,
             tokenizer_path=Path(args.tokenizer) if args.tokenizer else None,
-            progress=not args.no_progress,
+            progress=show_progress(args),
             sid_space=args.sid_space,
         )
     except (DataError, CatalogError) as e:
@@ -89,12 +93,12 @@ def _eval(args: argparse.Namespace) -> int:
     offline_kernels(args.autotune)
     import torch
 
+    from contracts.index_validation import validate_index
     from contracts.request import FilterMode
     from index_builder.build import with_partitions
     from index_builder.kway import KwaySpec
     from index_builder.publish import resolve
     from index_builder.synth import load_world
-    from index_builder.validate import validate_index
     from service.model.checkpoint import load_checkpoint
     from service.model.features import SidLookup
     from service.model.repository import resolve_checkpoint
@@ -137,7 +141,7 @@ def _eval(args: argparse.Namespace) -> int:
             variants.append(Variant(f"{name}{suffix}_fp8", arrays, mode, scorings[0], fp8=True))
     rows = run_study(loaded.model, examples, variants, users, beams, tuple(args.k),
                      fixed=tuple(args.fixed), device=args.device, resamples=args.resamples,
-                     seed=args.seed, progress=not args.no_progress)  # fmt: skip
+                     seed=args.seed, progress=show_progress(args))  # fmt: skip
     report = {
         "format": "grace.eval",
         "format_version": EVAL_FORMAT_VERSION,
@@ -209,6 +213,13 @@ def register(add: AddCommand) -> None:
     p.add_argument("--catalog", help="your catalog, instead of --world (docs/DATA.md)")
     p.add_argument("--interactions", help="your interactions file: .parquet, .csv or .jsonl")
     p.add_argument("--users", help="your users file: .parquet, .csv or .jsonl")
+    p.add_argument(EVENT_MAP_FLAG, metavar="SOURCE=TARGET,...",
+                   help="your interactions' own event types as view, click or conversion, "
+                   "e.g. impression=view,purchase=conversion (docs/DATA.md)")  # fmt: skip
+    p.add_argument(UNMAPPED_FLAG, choices=UNMAPPED_POLICIES, default=UNMAPPED_POLICIES[0],
+                   help="rows of an event type neither known nor mapped: refuse the file "
+                   "(default: a typo in the map must not drop data) or skip them, counted "
+                   "per type")  # fmt: skip
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="tiny")
     p.add_argument("--tokenizer", help="use this SID tokenizer instead of training one")

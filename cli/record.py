@@ -13,8 +13,8 @@ from cli.common import AddCommand
 
 
 def _record(args: argparse.Namespace) -> int:
+    from cli.query import request_for_user
     from index_builder.synth import load_world
-    from service.client import request_for_user
     from service.request_log import write_requests
     from service.rpc.grace.v1 import retrieval_pb2
 

@@ -1,11 +1,17 @@
-"""`grace` commands of the service: serve, query."""
+"""`grace serve`: settings, a check of its ports, the embedded demo's bootstrap
+(cli/bootstrap.py), then one serving process (service/app.py) or a supervisor of several
+(service/workers.py)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cli.common import CATALOG_HELP, AddCommand
+from cli.common import CATALOG_HELP, AddCommand, show_progress
+
+if TYPE_CHECKING:
+    from service.settings import ServerSettings
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -15,6 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings = load_settings(
         {
             "config": args.config,
+            "host": args.host,
             "port": args.port,
             "metrics_port": args.metrics_port,
             "data_dir": args.data_dir,
@@ -33,6 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
     from service.logs import configure_logging
 
     configure_logging(logging.getLogger().getEffectiveLevel(), settings.log_format)
+    check_ports(settings)  # a taken port fails now, not after minutes of loading
     if settings.mps:  # fail before building anything
         from service.mps import check_mps
 
@@ -40,15 +48,16 @@ def _serve(args: argparse.Namespace) -> int:
     from service.workers import slots
 
     placed = slots(settings)  # GPUs the settings name but this host lacks: fail now
+    progress = show_progress(args)
     if args.catalog:
         from index_builder.build import build_index
 
         if not has_model(Path(settings.model_dir)):
-            ensure_default(settings, progress=not args.no_progress)  # the default model
-        build_index(args.catalog, settings.index_root, progress=not args.no_progress,
+            ensure_default(settings, progress=progress)  # the default model
+        build_index(args.catalog, settings.index_root, progress=progress,
                     **sid_source(Path(settings.model_dir)))  # fmt: skip
     else:
-        ensure_default(settings, progress=not args.no_progress)
+        ensure_default(settings, progress=progress)
     if len(placed) > 1:  # a supervisor of that many single-process servers
         from service.workers import supervise
 
@@ -59,10 +68,35 @@ def _serve(args: argparse.Namespace) -> int:
     return run(worker_settings(settings, placed[0]))  # e.g. --gpus 1: on cuda:1
 
 
-def _query(args: argparse.Namespace) -> int:
-    from service.client import query
+def check_ports(settings: ServerSettings) -> None:
+    """Raise a one-line StartupError when the gRPC or the (first) metrics port is taken, or
+    the host is not this machine's, before anything loads. SO_REUSEADDR as gRPC's own
+    listener has it: a port that a stopped server left in TIME_WAIT is free."""
+    import errno
+    import socket
 
-    return query(args)
+    from service.errors import StartupError
+
+    host = settings.host
+    ports = ((settings.port, "gRPC port", "--port"),
+             (settings.metrics_port, "metrics port", "--metrics-port"))  # fmt: skip
+    for port, what, flag in ports:
+        if port == 0:  # any free port: nothing to check
+            continue
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StartupError(f"{what} {port} on {host} is in use (another grace "
+                                   f"serve?): stop that server, or choose another port "
+                                   f"with {flag}") from None  # fmt: skip
+            raise StartupError(f"cannot listen on {host} port {port}: "
+                               f"{exc.strerror or exc} (--host)") from None  # fmt: skip
 
 
 def register(add: AddCommand) -> None:
@@ -72,11 +106,14 @@ def register(add: AddCommand) -> None:
         "serve Retrieve over gRPC (embedded demo by default)",
         "Serve grace.v1.AdRetrieval with health and reflection, metrics on their own port. "
         "With no arguments: if the data directory lacks a model or an index, generate the "
-        "tiny demo world, train the tiny model and publish its index first (a minute or "
-        "two, once), then serve on port 50051. --catalog builds and serves an index for "
-        "any catalog with the default (or --model) model. Settings also come from "
-        "GRACE_* variables and --config; flags win.",
+        "tiny demo world, train the tiny model and publish its index first (once; the "
+        "training logs its progress and the time left), then serve on 127.0.0.1:50051. "
+        "--catalog builds and serves an index for any catalog with the default (or "
+        "--model) model. Settings also come from GRACE_* variables and --config; flags win.",
     )
+    p.add_argument("--host", help="address the gRPC and metrics ports listen on: 127.0.0.1 "
+                   "(this machine only; the default) or 0.0.0.0 (every interface: in a "
+                   "container, or for other machines' clients)")  # fmt: skip
     p.add_argument("--port", type=int, help="gRPC port (50051)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (9464)")
     p.add_argument("--data-dir", help="where the default world, model and index live (./data)")
@@ -105,21 +142,5 @@ def register(add: AddCommand) -> None:
     p.add_argument("--config", help="settings file (.toml, .json, .yaml)")
     p.add_argument("--log-format", choices=["text", "json"],
                    help="log lines as text (default) or one JSON object each")  # fmt: skip
-    p.add_argument("--no-progress", action="store_true")
-
-    p = add(
-        "query",
-        _query,
-        "send one Retrieve and print the ads",
-        "Send a Retrieve for a user of a synthetic world (default: the embedded demo's) "
-        "or for a RetrieveRequest given as JSON, and print the ads and stats.",
-    )
-    p.add_argument("--target", default="localhost:50051", help="host:port")
-    p.add_argument("--world", default="data/world", help="world to take the user from")
-    who = p.add_mutually_exclusive_group()
-    who.add_argument("--user", type=int, default=0, help="user position in the world (0)")
-    who.add_argument("--user-id", type=int, help="the user with this id (what query prints)")
-    p.add_argument("--request-json", help="a RetrieveRequest as JSON (file, or - for stdin)")
-    p.add_argument("--max-ads", type=int, default=10)
-    p.add_argument("--mode", choices=["cd_gtm", "cd_only"], default="cd_gtm")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (drawn only on a terminal, with text logs)")  # fmt: skip

@@ -1,17 +1,18 @@
 """The index builder sidecar loop (`grace builder`): rebuild when the catalog or the
 model's SID space changes.
 
-Runs beside each server (same pod, shared volume). Every `interval` seconds it
-fingerprints the catalog; when it differs from the one the CURRENT index was built from,
-it builds and publishes a new version (`build.build_index`, atomic). SIDs come from a
-fixed SID tokenizer (`tokenizer`), a fixed named SID space (`sid_space`), the catalog
-alone, or — following the model (`grace builder --model`) — from `sids`, a callable
-asked at every check for the SID space of the model the server serves (`SidChoice`:
-the space's key and the model's tokenizer or space name). Following the model, a build
-also starts when that key differs from the `tokenizer_fingerprint` of the index the
-sidecar last saw published: publishing a model of a new SID space makes the sidecar
-build and publish an index for it, and the server swaps the pair in together (the
-coordinated rollout, docs/MODEL.md). A model of the same space builds nothing.
+Runs beside each server (same pod, shared volume). At start and then every `interval`
+seconds it fingerprints the catalog; when it differs from the one the CURRENT index was
+built from (or there is no index yet), it builds and publishes a new version
+(`build.build_index`, atomic). SIDs come from a fixed SID tokenizer (`tokenizer`), a
+fixed named SID space (`sid_space`), the catalog alone, or — following the model (`grace
+builder --model`) — from `sids`, a callable asked at every check for the SID space of
+the model the server serves (`SidChoice`: the space's key and the model's tokenizer or
+space name). Following the model, a build also starts when that key differs from the
+`tokenizer_fingerprint` of the index the sidecar last saw published: publishing a model
+of a new SID space makes the sidecar build and publish an index for it, and the server
+swaps the pair in together (the coordinated rollout, docs/MODEL.md). A model of the same
+space builds nothing.
 
 A failed build publishes nothing, is logged with its reason and is not retried until
 the catalog (or, following the model, its SID space) changes again — a build whose
@@ -34,12 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contracts.index_format import IndexFormatError, read_manifest
+from contracts.index_validation import IndexValidationError
 from index_builder.build import BuildCancelled, BuildError, build_index
 from index_builder.catalog import CatalogError, catalog_fingerprint
 from index_builder.kway import KwaySpec
 from index_builder.publish import PublishError, current_path
 from index_builder.tokenizer import SIDTokenizer
-from index_builder.validate import IndexValidationError
 
 log = logging.getLogger("grace.builder")
 
@@ -163,7 +164,8 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
     built: _Built = published if cfg.sids is not None else (published[0], None)
     failed: _Built | None = None
     notes = _Notes()
-    log.info("builder watching %s -> %s every %.1fs", cfg.catalog, cfg.out, cfg.interval)
+    log.info("builder watching %s -> %s: a check now, then every %.1f s", cfg.catalog, cfg.out,
+             cfg.interval)  # fmt: skip
     while not stop.is_set():
         stats.checks += 1
         try:
@@ -175,6 +177,8 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
         if plan is not None and fingerprint is not None:
             notes.clear()
             want: _Built = (fingerprint, plan.key)
+            if want == built and stats.checks == 1:  # else nothing is said until a change
+                log.info("index %s is up to date: nothing to build", current_path(cfg.out).name)
             if want not in (built, failed):
                 if plan.key is not None and fingerprint == built[0]:
                     log.info("the model's SID space %s differs from the index's %s: rebuilding",

@@ -20,8 +20,8 @@ Request = retrieval_pb2.RetrieveRequest
 
 def from_world(world: Path, users: int, max_ads: int, mode: str) -> list[Request]:
     """Requests for the world's first `users` users (all of them when fewer)."""
+    from cli.query import request_for_user
     from index_builder.synth import load_world
-    from service.client import request_for_user
 
     n = min(users, load_world(world).n_users)
     filter_mode = retrieval_pb2.CD_ONLY if mode == "cd_only" else retrieval_pb2.CD_GTM

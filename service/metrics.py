@@ -219,7 +219,11 @@ class Metrics:
         self.eligible = Counter(
             "grace_ads_eligible_total", "Expanded ads passing the exact filter.", registry=r
         )
-        self.gpu_memory: Gauge | None = None  # `track_gpu_memory`: on a GPU only
+        self.gpu_memory = Gauge(  # on every device, so a CPU server reads 0, not "No data"
+            "grace_gpu_memory_bytes",
+            "GPU memory allocated by the server; 0 on a CPU (no GPU).",
+            registry=r,
+        )
         self.mps_client = Gauge(
             "grace_mps_client",
             "1 when this process reaches its GPU through a CUDA MPS daemon, else 0 "
@@ -228,10 +232,8 @@ class Metrics:
         )
 
     def track_gpu_memory(self, allocated: Callable[[], float]) -> None:
-        """Export `grace_gpu_memory_bytes` (a server on a GPU: a CPU one has none)."""
-        self.gpu_memory = Gauge(
-            "grace_gpu_memory_bytes", "GPU memory allocated by the server.", registry=self.registry
-        )
+        """Read `grace_gpu_memory_bytes` from `allocated` at each scrape (a server on a GPU;
+        on a CPU it stays 0)."""
         self.gpu_memory.set_function(allocated)
 
     def track_request_log(self, request_log: RequestLogCounts) -> None:

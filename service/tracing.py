@@ -22,13 +22,16 @@ them over OTLP/gRPC to a collector (the `otlp` extra, in the image too; where to
 the standard OTEL_EXPORTER_OTLP_* variables, default localhost:4317), each export giving
 up after `EXPORT_TIMEOUT_SECONDS` and the drain's last flush after `shutdown`'s timeout.
 `tracing_sample_ratio` keeps that share of new traces, and follows the caller's decision
-for traces it started. A setting that cannot work is a one-line `TracingError` at the
-very start, before the model and index load.
+for traces it started. When on, the start logs one INFO line naming the exporter, where it
+sends and the ratio. A setting that cannot work is a one-line `TracingError` at the very
+start, before the model and index load.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -48,10 +51,18 @@ from service.errors import StartupError
 EXPORTERS = ("off", "console", "otlp")
 EXPORT_TIMEOUT_SECONDS = 5.0  # one export to an unreachable collector gives up after this
 _PROPAGATOR = TraceContextTextMapPropagator()
+log = logging.getLogger("grace.tracing")
 
 
 class TracingError(StartupError):
     """Tracing cannot start as configured (one line: the setting and what to do)."""
+
+
+def otlp_endpoint() -> str:
+    """Where `otlp` exports: the standard variables, in the OTLP exporter's own order."""
+    return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4317"
+    )
 
 
 def exporter_for(kind: str) -> SpanExporter:
@@ -67,12 +78,8 @@ def exporter_for(kind: str) -> SpanExporter:
             raise TracingError(
                 "tracing = 'otlp' needs the OTLP exporter: pip install 'grace-serving[otlp]'"
             ) from exc
-        return OTLPSpanExporter(timeout=EXPORT_TIMEOUT_SECONDS)
+        return OTLPSpanExporter(endpoint=otlp_endpoint(), timeout=EXPORT_TIMEOUT_SECONDS)
     raise TracingError(f"tracing must be one of {', '.join(EXPORTERS)}, got {kind!r}")
-
-
-def _one_line(span: Any) -> str:
-    return span.to_json(indent=None) + "\n"
 
 
 class Tracing:
@@ -87,6 +94,7 @@ class Tracing:
     def from_settings(cls, kind: str, sample_ratio: float = 1.0, **resource: Any) -> Tracing:
         """`kind` is the `tracing` setting; `resource`: attributes naming this process."""
         if kind == "off":
+            log.debug("tracing off")
             return cls()
         provider = TracerProvider(
             resource=Resource.create({"service.name": "grace-serving", **resource}),
@@ -96,6 +104,8 @@ class Tracing:
         provider.add_span_processor(
             BatchSpanProcessor(exporter_for(kind), export_timeout_millis=timeout_ms)
         )
+        where = otlp_endpoint() if kind == "otlp" else "stderr"
+        log.info("tracing on: %s exporter to %s, sample ratio %g", kind, where, sample_ratio)
         return cls(provider)
 
     @contextlib.contextmanager

@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from contracts import sid_space as sid_spaces
+from contracts.data_format import DEFAULT_EVENT_MAP, EventMap
 from contracts.index_format import IndexArrays
 from contracts.sid_space import LAST_TOKENS, LastToken
 from index_builder.build import assign_sids, build_arrays
@@ -88,6 +89,7 @@ class TrainingData:
     catalog: Path | None = None
     interactions: Path | None = None
     users: Path | None = None
+    events: EventMap = DEFAULT_EVENT_MAP  # how the interactions' event types are read
 
     def __post_init__(self) -> None:
         files = [f is not None for f in (self.catalog, self.interactions, self.users)]
@@ -119,7 +121,7 @@ def prepare(
         histories = world
     else:
         assert data.interactions is not None and data.users is not None
-        histories = read_user_data(data.interactions, data.users, catalog.ad_id)
+        histories = read_user_data(data.interactions, data.users, catalog.ad_id, data.events)
         log.info("training data: %s", histories.summary)
     saved = work / "tokenizer"
     if sid_space is not None:

@@ -5,9 +5,12 @@ histories and held-out events that training and evaluation read (`training/data.
     users (user_id, country, age, gender, locations) ─────────────────┴─► UserData
 
 Files are Parquet, CSV or JSON Lines. Bad rows raise `DataError` naming the file, the row
-(0-based data row) and the field. Events on ads the catalog lacks or on users the users
-file lacks are dropped and counted (`UserData.dropped`); above `MAX_DROPPED_SHARE` of all
-events the data is refused — the files do not belong together. The split is the `split`
+(0-based data row) and the field. Event types are read through an `EventMap`: the RPC's
+names and numbers, and a log's own names mapped onto them; a row of any other type is
+refused or, by choice, skipped and counted per type (`summary["skipped_event_types"]` and
+one warning). Events on ads the catalog lacks or on users the users file lacks are dropped
+and counted (`UserData.dropped`); above `MAX_DROPPED_SHARE` of the remaining events the
+data is refused — the files do not belong together. The split is the `split`
 column where there is one (at most one `test` and one `valid` event per user), else
 leave-last-out: each user's last event (by time) is held out for test and, with three or
 more events, the second-last is the validation target. The validation event stays in the
@@ -20,6 +23,7 @@ one producer of this format, so the training and evaluation code serve both alik
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,11 +36,15 @@ import pyarrow.json as pjson
 import pyarrow.parquet as pq
 
 from contracts.data_format import (
+    DEFAULT_EVENT_MAP,
+    EVENT_MAP_FLAG,
     EVENT_TYPE_NAMES,
     INTERACTION_SPLITS,
     MAX_DROPPED_SHARE,
     TABLE_SUFFIXES,
+    UNMAPPED_FLAG,
     USER_FIELDS,
+    EventMap,
 )
 from contracts.targeting import (
     MAX_LOCATION_BYTES,
@@ -45,6 +53,8 @@ from contracts.targeting import (
     TargetingError,
     request_bitmask,
 )
+
+log = logging.getLogger("grace.user_data")
 
 
 class DataError(ValueError):
@@ -117,21 +127,31 @@ def _ints(arr: pa.Array, path: Path, name: str) -> np.ndarray:
     return arr.to_numpy().astype(np.int64)
 
 
-def _event_types(arr: pa.Array, path: Path) -> np.ndarray:
-    """Event types by name or number -> int8 1..3."""
-    if pa.types.is_integer(arr.type):
-        values = _ints(arr, path, "event_type")
-        bad = ~np.isin(values, list(EVENT_TYPE_NAMES.values()))
-    else:
-        names = [None if v is None else str(v).lower() for v in arr.to_pylist()]
-        values = np.array([EVENT_TYPE_NAMES.get(n, 0) for n in names], dtype=np.int64)
-        bad = values == 0
-    if bad.any():
-        row = int(np.flatnonzero(bad)[0])
-        value = arr[row].as_py()
-        known = ", ".join(f"{k} ({v})" for k, v in EVENT_TYPE_NAMES.items())
-        raise DataError(f"{path}: row {row}: field 'event_type': {value!r} is not one of {known}")
-    return values.astype(np.int8)
+def _event_types(arr: pa.Array, path: Path, events: EventMap) -> tuple[np.ndarray, dict]:
+    """Event types by name or number through `events` -> int8 1..3, 0 where a row is to be
+    skipped; and the skipped rows counted by type (lower case)."""
+    if arr.null_count:
+        row = int(pc.index(pc.is_null(arr), True).as_py())
+        raise DataError(f"{path}: row {row}: field 'event_type': missing")
+    try:  # each distinct spelling looked up once: logs hold few types and millions of rows
+        names = pc.utf8_lower(arr.cast(pa.string())).dictionary_encode()
+    except pa.ArrowException:
+        raise DataError(f"{path}: field 'event_type': column has type {arr.type}") from None
+    spelled = names.dictionary.to_pylist()
+    codes = events.codes()
+    rows = names.indices.to_numpy()
+    values = np.array([codes.get(n, 0) for n in spelled], dtype=np.int8)[rows]
+    unknown = values == 0
+    if unknown.any() and events.unmapped == "refuse":
+        row = int(np.flatnonzero(unknown)[0])
+        known = ", ".join([f"{k} ({v})" for k, v in EVENT_TYPE_NAMES.items()]
+                          + [f"{s} ({t})" for s, t in events.renames])  # fmt: skip
+        raise DataError(
+            f"{path}: row {row}: field 'event_type': {arr[row].as_py()!r} is not one of "
+            f"{known} (map it with {EVENT_MAP_FLAG}, or {UNMAPPED_FLAG} skip: docs/DATA.md)"
+        )
+    counts = np.bincount(rows[unknown], minlength=len(spelled))
+    return values, {n: int(c) for n, c in zip(spelled, counts, strict=True) if c}
 
 
 def read_users(path: Path) -> tuple[np.ndarray, tuple[Targeting, ...]]:
@@ -172,8 +192,11 @@ def _targeting(values: dict[str, list], row: int, path: Path) -> Targeting:
     return t
 
 
-def read_user_data(interactions: Path, users: Path, ad_ids: np.ndarray) -> UserData:
-    """Join the two files over the catalog's `ad_ids`, order events by time, split."""
+def read_user_data(
+    interactions: Path, users: Path, ad_ids: np.ndarray, events: EventMap = DEFAULT_EVENT_MAP
+) -> UserData:
+    """Join the two files over the catalog's `ad_ids`, order events by time, split; event
+    types read through `events`."""
     interactions = Path(interactions)
     user_ids, targeting = read_users(users)
     table = read_table(interactions)
@@ -182,9 +205,15 @@ def read_user_data(interactions: Path, users: Path, ad_ids: np.ndarray) -> UserD
         return _ints(_column(table, interactions, name), interactions, name)
 
     uid, ad, ts = ints("user_id"), ints("ad_id"), ints("timestamp_ms")
-    etype = _event_types(_column(table, interactions, "event_type"), interactions)
+    etype, skipped = _event_types(_column(table, interactions, "event_type"), interactions, events)
     split_col = _column(table, interactions, "split", required=False)
     split = _splits(split_col, interactions, len(uid))
+    if skipped:
+        log.warning("%s: %d events skipped, of event types not mapped (%s skip): %s",
+                    interactions, sum(skipped.values()), UNMAPPED_FLAG,
+                    ", ".join(f"{k} {v}" for k, v in skipped.items()))  # fmt: skip
+        mapped = etype > 0
+        uid, ad, etype, ts, split = (x[mapped] for x in (uid, ad, etype, ts, split))
     n = len(uid)
     if n == 0:
         raise DataError(f"{interactions}: no events")
@@ -204,7 +233,7 @@ def read_user_data(interactions: Path, users: Path, ad_ids: np.ndarray) -> UserD
     user_pos, ad, etype, ts, split = (x[order] for x in (user_pos, ad, etype, ts, split))
     test, valid = _held_events(user_pos, split if split_col is not None else None, interactions)
     return _assemble(
-        interactions, user_ids, targeting, user_pos, ad, etype, ts, test, valid, dropped
+        interactions, user_ids, targeting, user_pos, ad, etype, ts, test, valid, dropped, skipped
     )
 
 
@@ -251,7 +280,7 @@ def _held_events(
     return test, valid
 
 
-def _assemble(path, user_ids, targeting, user_pos, ad, etype, ts, test, valid, dropped):
+def _assemble(path, user_ids, targeting, user_pos, ad, etype, ts, test, valid, dropped, skipped):
     u = len(user_ids)
     held_ad = np.full(u, -1, dtype=np.int64)
     held_type = np.zeros(u, dtype=np.int8)
@@ -272,6 +301,7 @@ def _assemble(path, user_ids, targeting, user_pos, ad, etype, ts, test, valid, d
         "test_events": int(test.sum()),
         "valid_events": int(valid.sum()),
         "dropped": dropped,
+        "skipped_event_types": skipped,  # rows of unmapped types, by type (--unmapped skip)
     }
     return UserData(
         path=path,

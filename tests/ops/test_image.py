@@ -1,8 +1,9 @@
 """The CPU image's build inputs, checked without a container engine: the lock that the
 Dockerfile installs from (requirements/image.txt), triton kept out of the CPU image and
 out of the served import path, and the `make image` / `make image-smoke` targets and
-their scripts (deploy/image/). The image itself is built and run by `make image-smoke`,
-by hand: docs/ops/container.md "Smoke test"."""
+their scripts (deploy/image/), and every doc section that deploy/ and tests/ops/ point to.
+The image itself is built and run by `make image-smoke`, by hand: docs/ops/container.md
+"Built and run: the CPU image with podman"."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import tomllib
+from pathlib import Path
 
 import pytest
 from packaging.markers import default_environment
@@ -115,7 +117,7 @@ def test_triton_is_a_gpu_extra_that_make_install_keeps() -> None:
     gpu = [Requirement(r).name for r in PYPROJECT["project"]["optional-dependencies"]["gpu"]]
     assert gpu == ["triton"]
     # make install (and so CI, .ci/run) installs it: tests/kernels run its interpreter
-    install = re.search(r'pip install -q -e "\.\[([\w,]+)\]"', (REPO / "Makefile").read_text())
+    install = re.search(r'pip install (?:-q )?-e "\.\[([\w,]+)\]"', (REPO / "Makefile").read_text())
     assert install and "gpu" in install[1].split(","), "make install drops the gpu extra"
 
 
@@ -196,6 +198,42 @@ def test_smoke_script_covers_each_step() -> None:
     assert args.once and args.out == "/data/index" and args.model == "/data/model"
 
 
+RUNC_RLIMIT_7 = (
+    "Error: runc: runc create failed: unable to start container process: error during "
+    "container init: error setting rlimits for ready process: error setting rlimit type 7: "
+    "operation not permitted: OCI permission denied"
+)
+
+
+def test_smoke_script_names_the_fix_when_podman_cannot_set_the_open_files_limit(
+    tmp_path: Path,
+) -> None:
+    """A first run on a host whose hard RLIMIT_NOFILE is below podman's default ends in one
+    line saying what to put where (values this host grants), not in runc's message alone."""
+    engine = tmp_path / "podman"  # answers like podman; `run` fails as runc does
+    engine.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        '  --version) echo "podman version 4.3.1" ;;\n'
+        "  image) echo 1203916304 ;;\n"
+        f"  run) echo '{RUNC_RLIMIT_7}' >&2; exit 126 ;;\n"
+        "  logs) exit 1 ;;\n"
+        "esac\n"
+    )
+    engine.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "ENGINE": str(engine)}
+    smoke = ["sh", str(IMAGE_DIR / "smoke.sh")]
+    proc = subprocess.run(smoke, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 1
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("smoke FAILED")]
+    limits = Path("/proc/self/limits").read_text()
+    nofile = re.search(r"^Max open files\s+\S+\s+(\S+)", limits, re.M)[1]
+    entries = r'\["nofile=(\d+):\1", "nproc=(\d+):\2"\]'
+    fix = re.search(rf"default_ulimits = {entries} under \[containers]", line)
+    assert fix and fix[1] == nofile, line
+    assert "/etc/containers/containers.conf" in line and "~/.config/containers/" in line
+
+
 def test_base_script_is_the_documented_mmdebstrap_command() -> None:
     script = (IMAGE_DIR / "base.sh").read_text()
     # its options and suite, up to the target (a temporary tar in the script)
@@ -217,6 +255,28 @@ def test_doc_examples_that_read_the_world_mount_the_data_volume() -> None:
     assert queries, "no docker run ... query example"
     for line in queries:
         assert re.search(r"-v \S+:/data\b", line), f"query without the data volume: {line}"
+
+
+def test_every_doc_section_that_ops_files_point_to_exists() -> None:
+    """A pointer such as smoke.sh's (a doc's path, then a section's title in quotes, maybe
+    wrapped over comment lines) names a heading of that doc, so none can rot unseen."""
+    pointer = re.compile(r'(docs/[\w/.-]+\.md),? \\?"([^"\\]+)\\?"')  # or in \"…\" (sh)
+    files = [p for p in (REPO / "deploy").rglob("*") if p.is_file()]
+    files += sorted((REPO / "tests" / "ops").glob("*.py"))
+    found, broken = 0, []
+    for path in files:
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        flat = re.sub(r"\s*\n\s*(?:#+\s*)?", " ", text)  # comment lines joined
+        for doc, section in pointer.findall(flat):
+            found += 1
+            headings = re.findall(r"^#+\s+(.+)$", (REPO / doc).read_text(), re.M)
+            if not any(re.sub(r"[`*]", "", h).startswith(section) for h in headings):
+                broken.append(f'{path.relative_to(REPO)}: {doc} has no section "{section}"')
+    assert found >= 4, "the pointer pattern no longer finds the scripts' pointers"
+    assert not broken, "\n".join(broken)
 
 
 def test_doc_says_what_a_probe_sees_during_bootstrap() -> None:

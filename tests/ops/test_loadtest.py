@@ -25,8 +25,8 @@ import grpc
 import pytest
 
 from cli import main as grace
+from cli.query import request_for_user
 from index_builder.synth import load_world
-from service.client import request_for_user
 from service.request_log import read_requests, to_json_line, write_requests
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from tests.helpers.serving import make_serving_data
@@ -79,7 +79,7 @@ def server(data: Path):
     def read_stderr() -> None:  # keeps the pipe drained for the server's whole life
         for line in proc.stderr:
             lines.append(line)
-            if m := re.search(r"serving grace\.v1\.AdRetrieval on port (\d+)", line):
+            if m := re.search(r"serving grace\.v1\.AdRetrieval on \S+:(\d+) ", line):
                 port.append(int(m.group(1)))
 
     threading.Thread(target=read_stderr, daemon=True).start()

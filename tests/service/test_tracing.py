@@ -6,6 +6,7 @@ export to a real collector."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from concurrent import futures
@@ -16,9 +17,9 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from cli.query import request_for_user
 from service import tracing as tracing_module
 from service.app import start
-from service.client import request_for_user
 from service.errors import StartupError
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.tracing import Tracing, TracingError, exporter_for
@@ -150,9 +151,12 @@ def test_sampling_follows_the_caller_and_the_ratio_for_new_traces(data: Path, sp
     assert batches and {s.context.trace_id for s in finished} == kept
 
 
-def test_tracing_is_off_by_default(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tracing_is_off_by_default(
+    data: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     made: list[str] = []
     monkeypatch.setattr(tracing_module, "exporter_for", lambda kind: made.append(kind))
+    caplog.set_level(logging.INFO, logger="grace.tracing")
 
     async def main() -> list:
         app = await start(serving_settings(data))
@@ -164,6 +168,7 @@ def test_tracing_is_off_by_default(data: Path, monkeypatch: pytest.MonkeyPatch) 
 
     assert all(isinstance(r, retrieval_pb2.RetrieveResponse) for r in asyncio.run(main()))
     assert made == []
+    assert not [r for r in caplog.records if r.name == "grace.tracing"]  # says nothing at INFO
 
 
 def test_a_bad_tracing_setting_is_one_line() -> None:
@@ -176,9 +181,12 @@ def test_a_bad_tracing_setting_is_one_line() -> None:
     assert not Tracing().enabled and Tracing().flush()
 
 
-def test_otlp_exports_to_a_collector(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_otlp_exports_to_a_collector(
+    data: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """`tracing = "otlp"` sends the spans over OTLP/gRPC to the collector that the
-    standard OTEL_EXPORTER_OTLP_ENDPOINT names (a real gRPC collector here)."""
+    standard OTEL_EXPORTER_OTLP_ENDPOINT names (a real gRPC collector here), and the start
+    says so in one INFO line."""
     trace_service = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
     trace_grpc = pytest.importorskip(
         "opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc"
@@ -200,11 +208,14 @@ def test_otlp_exports_to_a_collector(data: Path, monkeypatch: pytest.MonkeyPatch
     collector.start()
     monkeypatch.setitem(os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setitem(os.environ, "OTEL_EXPORTER_OTLP_INSECURE", "true")
+    monkeypatch.delitem(os.environ, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    caplog.set_level(logging.INFO, logger="grace.tracing")
 
     async def main() -> list:
-        app = await start(serving_settings(data, tracing="otlp"))
+        app = await start(serving_settings(data, tracing="otlp", tracing_sample_ratio=0.5))
         try:
-            return await call(app, data, 3)
+            # sampled callers: their traces are kept whatever the ratio
+            return await call(app, data, 3, lambda i: (("traceparent", traceparent(i)[0]),))
         finally:
             await app.drain()  # shuts the exporter down: everything is sent
 
@@ -213,6 +224,8 @@ def test_otlp_exports_to_a_collector(data: Path, monkeypatch: pytest.MonkeyPatch
         assert got.wait(30)
     finally:
         collector.stop(0)
+    said = [r.getMessage() for r in caplog.records if r.name == "grace.tracing"]
+    assert said == [f"tracing on: otlp exporter to http://127.0.0.1:{port}, sample ratio 0.5"]
     assert received.count(RETRIEVE) == 3
     assert set(STAGES) <= set(received) and "batch" in received
 

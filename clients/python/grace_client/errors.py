@@ -2,9 +2,11 @@
 
 Every failed call — refused, timed out, unreachable or malformed — surfaces as a
 `GraceError` carrying the gRPC status code and the server's message, plus what the retry
-loop saw (how many attempts, the server's RetryInfo delay if any) and the BadRequest
-field violations of an INVALID_ARGUMENT. The codes the service
-answers and why are in docs/SERVICE.md (and service/server.py's docstring).
+loop saw (how many attempts, the server's RetryInfo delay if any), the BadRequest field
+violations of an INVALID_ARGUMENT and the server's id of the call (its `x-request-id`
+trailer). A request the client will not send (request.py) is an `InvalidRequestError`,
+a GraceError too. The codes the service answers and why are in docs/SERVICE.md (and
+service/server.py's docstring).
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ from grace_client import _wire
 # else is retried: INVALID_ARGUMENT would fail again, DEADLINE_EXCEEDED has spent the
 # caller's budget, INTERNAL may not be idempotent to repeat.
 RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+# The trailer carrying the server's id of a call, on errors too (service/request_id.py):
+# the id as the server's log lines write it (percent-encoded beyond printable ASCII).
+REQUEST_ID_KEY = "x-request-id"
 
 
 class GraceError(Exception):
     """A call that failed: `code` (grpc.StatusCode), `message` (the server's details),
     `attempts` (calls made, retries included), `retry_delay` (seconds the server asked
-    for through RetryInfo, or None) and `field_violations` ((field, description) pairs of
-    a BadRequest: what an INVALID_ARGUMENT found wrong)."""
+    for through RetryInfo, or None), `field_violations` ((field, description) pairs of
+    a BadRequest: what an INVALID_ARGUMENT found wrong) and `request_id` (the server's id
+    of the call, to find it in the server's logs; None when no server named it). `str()`
+    ends with `(request_id=…)` when there is one."""
 
     def __init__(
         self,
@@ -36,11 +43,13 @@ class GraceError(Exception):
         attempts: int = 1,
         retry_delay: float | None = None,
         field_violations: tuple[tuple[str, str], ...] = (),
+        request_id: str | None = None,
     ) -> None:
-        super().__init__(f"{code.name}: {message}" if message else code.name)
+        text = f"{code.name}: {message}" if message else code.name
+        super().__init__(f"{text} (request_id={request_id})" if request_id else text)
         self.code, self.message = code, message
         self.attempts, self.retry_delay = attempts, retry_delay
-        self.field_violations = field_violations
+        self.field_violations, self.request_id = field_violations, request_id
 
     @property
     def retryable(self) -> bool:
@@ -55,7 +64,7 @@ class GraceError(Exception):
         """The GraceError of a failed call (sync `grpc.RpcError` or `grpc.aio.AioRpcError`)."""
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         details = error.details() if hasattr(error, "details") else str(error)
-        trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else ()
+        trailers = getattr(error, "trailing_metadata", lambda: None)() or ()
         extra = _wire.error_details(trailers)
         return cls(
             code or grpc.StatusCode.UNKNOWN,
@@ -63,4 +72,19 @@ class GraceError(Exception):
             attempts=attempts,
             retry_delay=extra.retry_delay,
             field_violations=extra.field_violations,
+            request_id=next((v for k, v in trailers if k == REQUEST_ID_KEY and v), None),
+        )
+
+
+class InvalidRequestError(GraceError, ValueError):
+    """A request the client will not send (request.py): a value its field cannot hold — a
+    wrong type, an unknown enum name. INVALID_ARGUMENT like the server's answer, with the
+    field as the one violation, no attempt made; a ValueError too."""
+
+    def __init__(self, field: str, description: str) -> None:
+        super().__init__(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{field}: {description}",
+            attempts=0,
+            field_violations=((field, description),),
         )

@@ -11,10 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from fake_grace import FakeRetrieval
-
-from grace_client import _wire
-from grace_client.rpc.grace.v1 import retrieval_pb2_grpc
+from fake_grace import FakeRetrieval, serve
 
 
 @dataclass
@@ -26,22 +23,8 @@ class Served:
 @pytest.fixture
 def served() -> Iterator[Served]:
     fake = FakeRetrieval()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    retrieval_pb2_grpc.add_AdRetrievalServicer_to_server(fake, server)
-    check = grpc.unary_unary_rpc_method_handler(
-        fake.Check,
-        request_deserializer=_wire.HealthCheckRequest.FromString,
-        response_serializer=_wire.HealthCheckResponse.SerializeToString,
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": check}),)
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield Served(f"127.0.0.1:{port}", fake)
-    finally:
-        server.stop(0)
+    with serve(fake) as target:
+        yield Served(target, fake)
 
 
 @pytest.fixture

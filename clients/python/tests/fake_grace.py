@@ -1,13 +1,16 @@
-"""The fake GRACE server of the client's tests (conftest.py serves it over real gRPC):
-AdRetrieval from the client's own stubs, answered by `FakeRetrieval` from a script of
-failures, pauses and a canned reply, and grpc.health.v1 Check from statuses the test
-sets. No service code, no torch."""
+"""The fake GRACE server of the client's tests (conftest.py, and the Node example's test in
+tests/clients): AdRetrieval from the client's own stubs, answered by `FakeRetrieval` from a
+script of failures, pauses and a canned reply, and grpc.health.v1 Check from statuses the
+test sets, served over real gRPC by `serve`. No service code, no torch."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
@@ -25,14 +28,15 @@ REPLY = retrieval_pb2.RetrieveResponse(
 @dataclass(frozen=True)
 class Answer:
     """One scripted answer: fail with `code` (and, in the status details, a RetryInfo of
-    `retry_delay` seconds and a BadRequest of `violations`), after sleeping `sleep`
-    seconds; no code = the canned reply."""
+    `retry_delay` seconds and a BadRequest of `violations`; `request_id` in the trailer
+    x-request-id), after sleeping `sleep` seconds; no code = the canned reply."""
 
     code: grpc.StatusCode | None = None
     message: str = ""
     retry_delay: float | None = None
     violations: tuple[tuple[str, str], ...] = ()
     sleep: float = 0.0
+    request_id: str = ""
 
 
 @dataclass
@@ -85,12 +89,37 @@ class FakeRetrieval(retrieval_pb2_grpc.AdRetrievalServicer):
         time.sleep(step.sleep)
         if step.code is None:
             return REPLY
+        trailer: list[tuple[str, str | bytes]] = []
+        if step.request_id:
+            trailer.append(("x-request-id", step.request_id))
         if step.retry_delay is not None or step.violations:
             details = status_details(step.code, step.message, step.retry_delay, step.violations)
-            context.set_trailing_metadata(((_wire.STATUS_DETAILS_KEY, details),))
+            trailer.append((_wire.STATUS_DETAILS_KEY, details))
+        context.set_trailing_metadata(tuple(trailer))
         context.abort(step.code, step.message)
 
     def Check(self, request, context):
         if request.service not in self.health:
             context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
         return _wire.HealthCheckResponse(status=self.health[request.service])
+
+
+@contextlib.contextmanager
+def serve(fake: FakeRetrieval) -> Iterator[str]:
+    """`fake` on a free localhost port, as AdRetrieval and grpc.health.v1 Check: its target."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    retrieval_pb2_grpc.add_AdRetrievalServicer_to_server(fake, server)
+    check = grpc.unary_unary_rpc_method_handler(
+        fake.Check,
+        request_deserializer=_wire.HealthCheckRequest.FromString,
+        response_serializer=_wire.HealthCheckResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": check}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)

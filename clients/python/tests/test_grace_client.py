@@ -12,7 +12,14 @@ import pytest
 from conftest import Served
 from fake_grace import REPLY, Answer
 
-from grace_client import Backoff, GraceClient, GraceError, ServingStatus, retrieval_pb2
+from grace_client import (
+    Backoff,
+    GraceClient,
+    GraceError,
+    InvalidRequestError,
+    ServingStatus,
+    retrieval_pb2,
+)
 
 RE, UNAVAILABLE = grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE
 FAST = Backoff(initial=0.01, maximum=0.02)  # keep retrying tests quick
@@ -82,6 +89,7 @@ def test_retries_are_bounded_and_the_last_error_says_so(served: Served) -> None:
         client.retrieve(user_id=1)
     assert (err.value.code, err.value.message, err.value.attempts) == (RE, "queue full", 4)
     assert err.value.retryable and str(err.value) == "RESOURCE_EXHAUSTED: queue full"
+    assert err.value.request_id is None  # this server names no call
     assert len(served.fake.calls) == 4
 
 
@@ -100,13 +108,26 @@ def test_other_codes_are_never_retried(served: Served, code: grpc.StatusCode) ->
     assert len(served.fake.calls) == 1
 
 
-def test_an_invalid_argument_names_the_bad_fields(served: Served) -> None:
+def test_an_invalid_argument_names_the_bad_fields_and_the_call(served: Served) -> None:
     bad = (("targeting.age", "must be in [0, 150]"), ("options.max_ads", "must be >= 0"))
-    served.fake.answer(Answer(grpc.StatusCode.INVALID_ARGUMENT, "2 invalid fields", violations=bad))
+    served.fake.answer(Answer(grpc.StatusCode.INVALID_ARGUMENT, "2 invalid fields",
+                              violations=bad, request_id="r-9"))  # fmt: skip
     client = GraceClient(served.target)
     with client, pytest.raises(GraceError) as err:
         client.retrieve(user_id=1, age=-1, max_ads=-1)
     assert err.value.field_violations == bad and err.value.retry_delay is None
+    assert err.value.request_id == "r-9"  # the server's x-request-id trailer
+    assert str(err.value) == "INVALID_ARGUMENT: 2 invalid fields (request_id=r-9)"
+
+
+def test_a_value_the_request_cannot_hold_is_refused_before_any_call(served: Served) -> None:
+    client = GraceClient(served.target)
+    with client, pytest.raises(GraceError) as err:
+        client.retrieve(user_id=1, filter_mode="GTM")  # type: ignore[typeddict-item]
+    assert isinstance(err.value, InvalidRequestError) and isinstance(err.value, ValueError)
+    assert (err.value.code, err.value.attempts) == (grpc.StatusCode.INVALID_ARGUMENT, 0)
+    assert err.value.message == "options.filter_mode: 'GTM' is not one of CD_ONLY, CD_GTM"
+    assert served.fake.calls == []
 
 
 def test_backoff_grows_exponentially(served: Served) -> None:

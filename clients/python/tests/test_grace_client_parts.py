@@ -15,8 +15,16 @@ import pytest
 from fake_grace import status_details
 
 import grace_client
-from grace_client import Backoff, GraceError, build_request, retrieval_pb2
+from grace_client import (
+    Backoff,
+    GraceError,
+    InvalidRequestError,
+    RequestFields,
+    build_request,
+    retrieval_pb2,
+)
 from grace_client._wire import STATUS_DETAILS_KEY, ErrorDetails, error_details
+from grace_client.request import _OWNER
 from grace_client.retry import Schedule
 
 
@@ -61,8 +69,28 @@ def test_build_request_fields_and_defaults() -> None:
     )  # fmt: skip
     with pytest.raises(TypeError, match="unknown request fields"):
         build_request(userid=9)  # type: ignore[call-arg]
-    with pytest.raises(ValueError):
-        build_request(filter_mode="CD_SOMETIMES")  # type: ignore[typeddict-item]
+    assert set(_OWNER) == set(RequestFields.__annotations__)  # every proto field, no other
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "says"),
+    [
+        ({"filter_mode": "CD_SOMETIMES"}, "options.filter_mode", "not one of CD_ONLY, CD_GTM"),
+        ({"history": [(1, "CLIK", 5)]}, "user.history[0].type", "one of VIEW, CLICK, CONVERSION"),
+        ({"history": [(1, 5)]}, "user.history[0]", "(ad_id, type, timestamp_ms)"),
+        ({"age": "31"}, "targeting.age", "str"),
+        ({"user_id": 2**64}, "user.user_id", "out of range"),
+        ({"locations": "US"}, "targeting.locations", "a list"),
+    ],
+)
+def test_a_value_its_field_cannot_hold_is_one_named_error(
+    fields: dict, field: str, says: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        build_request(**fields)
+    assert isinstance(err.value, GraceError) and isinstance(err.value, ValueError)
+    assert err.value.field_violations[0][0] == field and says in err.value.message
+    assert err.value.message.startswith(f"{field}: ") and "\n" not in err.value.message
 
 
 def test_error_details_parsing() -> None:
