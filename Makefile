@@ -26,8 +26,11 @@ endif
 
 install: $(VENV)/.installed  ## create .venv and install the project with dev extras
 
+# the suite on TEST_WORKERS processes (pytest-xdist): most long tests wait on a server or a
+# clock, so two processes overlap them even on two busy cores
+TEST_WORKERS ?= 2
 test: install ops-tools  ## run the test suite
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS)
 
 # promtool (Debian's prometheus package) for tests/ops, and node and npm (Debian's nodejs
 # and npm) for tests/clients/test_node_example.py: installed when we may (root); elsewhere

@@ -6,7 +6,7 @@ over repeated loads in this one process (the files stay in the page cache after 
 first). Results: bench/results/startup_<device>.json.
 
 Build the inputs with the project's own commands, e.g. an 8 M-ad paper-tokenizer index
-and an untrained paper model (docs/OPERATIONS.md, "Start-up"):
+and an untrained paper model (docs/OPERATIONS.md, "Figures": start-up loads):
 
     .venv/bin/python bench/bench_paper_index.py --ads 8000000 --users 100 --out /tmp/p8m \\
         --device cpu --quiet

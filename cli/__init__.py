@@ -1,9 +1,8 @@
-"""`grace`: the one command-line entry point. Each subcommand's --help explains it.
-
-The commands live by area — `index.py` (synth, train-tokenizer, build-index,
-validate-index, builder), `model.py` (train, init-model, eval, publish-model, flops),
-`serving.py` (serve), `query.py`, `health.py`, `record.py` — and import their modules
-lazily so `grace --help` stays fast.
+"""`grace`: the one command-line entry point. Each subcommand's --help explains it: the
+docstring of the function it runs. The commands live by area — `index.py` (synth,
+train-tokenizer, build-index, validate-index, builder), `model.py` (train, init-model,
+eval, publish-model, flops), `serving.py` (serve), `query.py`, `health.py`, `record.py` —
+and import their modules lazily so `grace --help` stays fast.
 """
 
 from __future__ import annotations
@@ -28,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the package version (and git describe in a checkout)")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str, desc: str):
+    def add(name: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        # the command list shows the first line of fn's docstring, `grace NAME --help` the rest
+        help_, _, desc = (fn.__doc__ or "").partition("\n")
         p = sub.add_parser(name, help=help_, description=desc)
         p.set_defaults(fn=fn)
         return p

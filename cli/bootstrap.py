@@ -1,14 +1,9 @@
 """The embedded default for `grace serve` with no arguments: make whatever the data
-directory lacks — a tiny synthetic world, a trained tiny model (unless `model_dir`
-holds a checkpoint or a model repository), a published index — logging each step, then
-serve it. Each step is skipped when its output already exists, so the second start is
-immediate.
-
-The demo is deterministic on one machine: the world is seeded, and the training is seeded
-and runs torch's deterministic algorithms, so two bootstraps train the same weights (the
-same model version). Another machine may train other weights — floating-point sums
-depend on its CPU, its thread count and the torch version — and the index version is
-the time of its build.
+directory lacks — a tiny synthetic world, a trained tiny model (unless `model_dir` holds a
+checkpoint or a model repository), a published index — logging each step, then serve it.
+Each step is skipped when its output already exists, so the second start is immediate;
+the world is seeded and the training deterministic, so two bootstraps on one machine
+train the same weights.
 """
 
 from __future__ import annotations
@@ -36,8 +31,7 @@ def ensure_default(
     progress: bool = True,
     train_settings: TrainSettings | None = None,  # default: the profile's full training
 ) -> None:
-    data = Path(settings.data_dir)
-    world = data / "world"
+    world = Path(settings.data_dir) / "world"
     model = Path(settings.model_dir)
     index = Path(settings.index_root)
     if has_model(model) and current_version(index) is not None:

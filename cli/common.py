@@ -14,15 +14,13 @@ EXIT_BAD_INPUT = 2
 
 class AddCommand(Protocol):
     def __call__(
-        self, name: str, fn: Callable[[argparse.Namespace], int], help_: str, desc: str
+        self, name: str, fn: Callable[[argparse.Namespace], int]
     ) -> argparse.ArgumentParser: ...
 
 
 def show_progress(args: argparse.Namespace) -> bool:
     """Whether a command draws progress bars: not with --no-progress, and only on a
-    terminal with text log lines — never into a log file, nor between JSON log lines that
-    Loki or Fluentd parse one object a line. Without bars, training logs a line each tenth
-    of its run (training/steps.py ProgressLog)."""
+    terminal with text log lines — never into a log file, nor between JSON log lines."""
     from service.logs import JsonFormatter
 
     if args.no_progress or not sys.stderr.isatty():
@@ -53,11 +51,9 @@ AUTOTUNE_HELP = (
 
 def offline_kernels(autotune: bool) -> None:
     """Before an offline command that decodes (grace train's evaluation, grace eval)
-    imports the kernels: their autotuner keys hold batch rows and location buckets, so
-    offline decoding meets new shapes as it goes and benchmarks every config of each
-    (docs/MODEL.md has the cost). So these commands run the fixed configs unless
-    `--autotune` or GRACE_AUTOTUNE says otherwise (`kernels/_tuning.py` reads it once, at
-    import)."""
+    imports the kernels: offline decoding meets new shapes as it goes and would benchmark
+    every config of each (docs/MODEL.md), so these commands run the fixed configs unless
+    `--autotune` or GRACE_AUTOTUNE says otherwise."""
     if autotune:
         os.environ["GRACE_AUTOTUNE"] = "1"
     else:

@@ -1,11 +1,6 @@
-"""`grace health`: one grpc.health.v1 Check, for container and exec probes.
-
-Exit 0 when the server answers SERVING, 1 for anything else — NOT_SERVING (starting up,
-draining), an unknown service name, nothing listening, no answer within --timeout — and
-print one line saying which. Used by the image's HEALTHCHECK and the compose
-healthchecks; Kubernetes can use it as an exec probe, though its native gRPC probe needs
-no process. Imports only grpc, so a probe every few seconds costs ~0.1 s of CPU, not a
-torch import.
+"""`grace health`: one grpc.health.v1 Check, for container and exec probes: exit 0 when
+the server answers SERVING, 1 for anything else, with one line saying which. Imports only
+grpc, so a probe every few seconds costs ~0.1 s of CPU, not a torch import.
 """
 
 from __future__ import annotations
@@ -45,21 +40,18 @@ def check(target: str, service: str, timeout: float) -> tuple[bool, str]:
 
 
 def _health(args: argparse.Namespace) -> int:
+    """probe a server's gRPC health; exit 0 only when SERVING
+
+    Send one grpc.health.v1 Check and print the answer on one line. Exit 0 on SERVING; 1 on
+    NOT_SERVING (still loading, or draining), an unknown service, nothing listening, or no
+    answer within --timeout. For container HEALTHCHECKs and exec probes."""
     ok, message = check(args.target or default_target(), args.service, args.timeout)
     print(message, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 
 
 def register(add: AddCommand) -> None:
-    p = add(
-        "health",
-        _health,
-        "probe a server's gRPC health; exit 0 only when SERVING",
-        "Send one grpc.health.v1 Check and print the answer on one line. Exit 0 on "
-        "SERVING; 1 on NOT_SERVING (still loading, or draining), an unknown service, "
-        "nothing listening, or no answer within --timeout. For container HEALTHCHECKs "
-        "and exec probes.",
-    )
+    p = add("health", _health)
     p.add_argument(
         "--target",
         help=f"host:port (default 127.0.0.1:$GRACE_PORT, else 127.0.0.1:{DEFAULT_PORT})",

@@ -17,6 +17,7 @@ from cli.common import (
     SID_SPACE_HELP,
     AddCommand,
     positive_float,
+    positive_int,
     show_progress,
 )
 from contracts.sid_space import LAST_TOKENS
@@ -25,42 +26,30 @@ if TYPE_CHECKING:
     from index_builder.sidecar import SidChoice
 
 
-def _add_kway(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--kway",
-        metavar="SPEC",
-        help="also build k-way partitioned matchers: 'static' (k per step 64,64,32,8), "
-        "'static:K1,K2,K3,K4', 'dynamic' (k_max 32, target fill 0.25) or "
-        "'dynamic:KMAX,FILL'. Costly at scale; the paper found no pass-rate gain.",
-    )
+_KWAY_HELP = (
+    "also build k-way partitioned matchers: 'static' (k per step 64,64,32,8), "
+    "'static:K1,K2,K3,K4', 'dynamic' (k_max 32, target fill 0.25) or "
+    "'dynamic:KMAX,FILL'. Costly at scale; the paper found no pass-rate gain."
+)
+_DEVICE_HELP = (
+    "torch device computing SIDs from embeddings: 'cpu' (default) or 'cuda' "
+    "(paper scale; a near-tie may pick another code than on the CPU)"
+)
 
 
 def _add_workers(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument(
-        "--workers",
-        type=_positive_int,
-        default=None,
-        help=f"{what} (default: every CPU); the output does not depend on it",
-    )
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def _add_device(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="torch device computing SIDs from embeddings: 'cpu' (default) or 'cuda' "
-        "(paper scale; a near-tie may pick another code than on the CPU)",
-    )
+    help_ = f"{what} (default: every CPU); the output does not depend on it"
+    p.add_argument("--workers", type=positive_int, default=None, help=help_)
 
 
 def _synth(args: argparse.Namespace) -> int:
+    """generate a synthetic ads world (catalog, users, held-out interactions)
+
+    Generate a seeded, realistic synthetic ads world: geography, advertisers with targeting
+    styles, ads with content embeddings, users with locations and eligible interaction
+    histories. Writes catalog.jsonl/.parquet, users.parquet, heldout.parquet and world.json
+    into OUT. For paper scale (30 M ads) use `--profile paper --users 1000 --no-jsonl` on
+    many cores (docs/PERFORMANCE.md)."""
     from index_builder.parallel import default_workers
     from index_builder.synth import generate_world
 
@@ -79,7 +68,9 @@ def _synth(args: argparse.Namespace) -> int:
         workers=args.workers or default_workers(),
         jsonl=not args.no_jsonl,
     )
-    print(json.dumps(summary, indent=1, default=str) if args.json else _world_line(summary, args))
+    counts = ", ".join(f"{k} {v}" for k, v in summary.get("counts", {}).items())
+    line = f"world written to {args.out} ({counts})"
+    print(json.dumps(summary, indent=1, default=str) if args.json else line)
     return 0
 
 
@@ -94,13 +85,12 @@ def _knob_settings(pairs: list[str]) -> dict[str, str]:
     return settings
 
 
-def _world_line(summary: dict, args: argparse.Namespace) -> str:
-    counts = summary.get("counts", {})
-    parts = ", ".join(f"{k} {v}" for k, v in counts.items())
-    return f"world written to {args.out} ({parts})"
-
-
 def _train_tokenizer(args: argparse.Namespace) -> int:
+    """train the RQ-KMeans SID tokenizer on a catalog's embeddings
+
+    Train the SID tokenizer (3 residual k-means levels + a last token: by rank in the
+    prefix, or a 4th level with --last-token code) on the embeddings of the catalog's ads
+    that carry no sid, and save it."""
     from index_builder.catalog import read_catalog
     from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
 
@@ -126,6 +116,12 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _build_index(args: argparse.Namespace) -> int:
+    """build and atomically publish an index version from a catalog
+
+    Read and validate a catalog, assign SIDs (from the catalog or the tokenizer), build the
+    GTM trie with deduplicated matchers, the SID->ad index and the exact targeting index,
+    and publish them as a new version under OUT (CURRENT is repointed atomically; old
+    versions pruned). Bad input fails naming the row and field; nothing is published."""
     from index_builder.build import build_index
     from index_builder.kway import KwaySpec
 
@@ -151,6 +147,11 @@ def _build_index(args: argparse.Namespace) -> int:
 
 
 def _validate_index(args: argparse.Namespace) -> int:
+    """check an index version completely; non-zero exit on any fault
+
+    Check checksums, dtypes and shapes, CSR trie invariants, the SID->ad and targeting
+    indexes, and that every matcher covers its subtree (no false negatives). PATH is a
+    version directory or a root with CURRENT."""
     from contracts.index_validation import IndexValidationError, validate_index
     from index_builder.publish import resolve
 
@@ -190,6 +191,15 @@ def model_sids(model: Path) -> Callable[[], SidChoice | None]:
 
 
 def _builder(args: argparse.Namespace) -> int:
+    """sidecar: rebuild and publish the index whenever the catalog or the model's SID space changes
+
+    Watch a catalog; when it changed since the CURRENT index was built, build and publish a
+    new version. With --model it follows the model the server serves (a checkpoint or a
+    model repository's CURRENT): SIDs come from that model's tokenizer or named SID space,
+    and publishing a model of another SID space builds and publishes an index for it too, so
+    the server swaps both in together; until a model is there it waits. Failed builds
+    publish nothing, are logged and are not retried until the catalog or the model's SID
+    space changes; SIGTERM stops cleanly."""
     from index_builder.kway import KwaySpec
     from index_builder.sidecar import BuilderConfig, install_signal_handlers, run_builder
 
@@ -213,16 +223,7 @@ def _builder(args: argparse.Namespace) -> int:
 
 
 def register(add: AddCommand) -> None:
-    p = add(
-        "synth",
-        _synth,
-        "generate a synthetic ads world (catalog, users, held-out interactions)",
-        "Generate a seeded, realistic synthetic ads world: geography, advertisers with "
-        "targeting styles, ads with content embeddings, users with locations and eligible "
-        "interaction histories. Writes catalog.jsonl/.parquet, users.parquet, "
-        "heldout.parquet and world.json into OUT. For paper scale (30 M ads) use "
-        "`--profile paper --users 1000 --no-jsonl` on many cores (docs/PERFORMANCE.md).",
-    )
+    p = add("synth", _synth)
     p.add_argument("--profile", choices=["tiny", "demo", "study", "paper"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory")
@@ -245,14 +246,7 @@ def register(add: AddCommand) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true")
 
-    p = add(
-        "train-tokenizer",
-        _train_tokenizer,
-        "train the RQ-KMeans SID tokenizer on a catalog's embeddings",
-        "Train the SID tokenizer (3 residual k-means levels + a last token: by rank in "
-        "the prefix, or a 4th level with --last-token code) on the embeddings of the "
-        "catalog's ads that carry no sid, and save it.",
-    )
+    p = add("train-tokenizer", _train_tokenizer)
     p.add_argument("--catalog", required=True, help=CATALOG_HELP)
     p.add_argument("--out", required=True, help="tokenizer directory to write")
     p.add_argument("--codebook-size", type=int, default=512)
@@ -261,55 +255,26 @@ def register(add: AddCommand) -> None:
     p.add_argument("--last-token", choices=LAST_TOKENS, default="rank", help=LAST_TOKEN_HELP)
     p.add_argument("--seed", type=int, default=0)
     _add_workers(p, "CPU threads for k-means and SIDs")
-    _add_device(p)
+    p.add_argument("--device", default="cpu", help=_DEVICE_HELP)
     p.add_argument("--no-progress", action="store_true")
 
-    p = add(
-        "build-index",
-        _build_index,
-        "build and atomically publish an index version from a catalog",
-        "Read and validate a catalog, assign SIDs (from the catalog or the tokenizer), "
-        "build the GTM trie with deduplicated matchers, the SID->ad index and the exact "
-        "targeting index, and publish them as a new version under OUT (CURRENT is "
-        "repointed atomically; old versions pruned). Bad input fails naming the row and "
-        "field; nothing is published.",
-    )
+    p = add("build-index", _build_index)
     p.add_argument("--catalog", required=True, help=CATALOG_HELP)
     p.add_argument("--tokenizer", help="SID tokenizer (needed when ads lack 'sid')")
     p.add_argument("--sid-space", metavar="NAME", help=SID_SPACE_HELP)
     p.add_argument("--out", required=True, help="index root (holds versions and CURRENT)")
     p.add_argument("--keep", type=int, default=3, help="versions to keep (default 3)")
-    _add_kway(p)
+    p.add_argument("--kway", metavar="SPEC", help=_KWAY_HELP)
     _add_workers(p, "CPU threads for SIDs and the build")
-    _add_device(p)
+    p.add_argument("--device", default="cpu", help=_DEVICE_HELP)
     p.add_argument("--json", action="store_true", help="print the build report as JSON")
     p.add_argument("--no-progress", action="store_true")
 
-    p = add(
-        "validate-index",
-        _validate_index,
-        "check an index version completely; non-zero exit on any fault",
-        "Check checksums, dtypes and shapes, CSR trie invariants, the SID->ad and "
-        "targeting indexes, and that every matcher covers its subtree (no false "
-        "negatives). PATH is a version directory or a root with CURRENT.",
-    )
+    p = add("validate-index", _validate_index)
     p.add_argument("path", metavar="PATH")
     p.add_argument("--expect-tokenizer", metavar="FINGERPRINT", help="refuse other tokenizers")
 
-    p = add(
-        "builder",
-        _builder,
-        "sidecar: rebuild and publish the index whenever the catalog or the model's SID "
-        "space changes",
-        "Watch a catalog; when it changed since the CURRENT index was built, build and "
-        "publish a new version. With --model it follows the model the server serves (a "
-        "checkpoint or a model repository's CURRENT): SIDs come from that model's "
-        "tokenizer or named SID space, and publishing a model of another SID space builds "
-        "and publishes an index for it too, so the server swaps both in together; until a "
-        "model is there it waits. Failed builds publish nothing, are logged and are not "
-        "retried until the catalog or the model's SID space changes; SIGTERM stops "
-        "cleanly.",
-    )
+    p = add("builder", _builder)
     p.add_argument("--catalog", required=True, help=CATALOG_HELP)
     p.add_argument("--out", required=True, help="index root")
     p.add_argument("--interval", type=positive_float, default=60.0, help="seconds (60)")
@@ -324,4 +289,4 @@ def register(add: AddCommand) -> None:
     sids.add_argument("--sid-space", metavar="NAME", help=SID_SPACE_HELP)
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--once", action="store_true", help="exit after one successful build")
-    _add_kway(p)
+    p.add_argument("--kway", metavar="SPEC", help=_KWAY_HELP)

@@ -26,33 +26,29 @@ EVAL_FORMAT_VERSION = 3  # of `grace eval --out` (docs/EVALUATION.md, "The repor
 
 
 def _train(args: argparse.Namespace) -> int:
+    """train the generative retriever on a synthetic world or on your own data
+
+    Teacher-forced next-SID training on users' interaction histories — a synthetic world
+    (--world) or your catalog, interactions and users files (docs/DATA.md) — with a held-out
+    recall@K evaluation against an eligible-popularity baseline at the end. Trains the SID
+    tokenizer too unless --tokenizer is given. Resumable: rerun the same command after an
+    interruption."""
     offline_kernels(args.autotune)
     from index_builder.catalog import CatalogError
     from training.train import TrainingData, TrainSettings, train
     from training.user_data import DataError
 
-    settings = TrainSettings(
-        profile=args.profile,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        seed=args.seed,
-        eval_users=args.eval_users,
-        device=args.device,
-        last_token=args.last_token,
-        precision=args.precision,
-    )
-    files = (args.catalog, args.interactions, args.users)
-    if (args.world is None) == (files == (None, None, None)) or (
-        args.world is None and None in files
-    ):
+    flags = ("profile", "epochs", "batch_size", "lr", "seed", "eval_users", "device")
+    flags += ("last_token", "precision")
+    settings = TrainSettings(**{f: getattr(args, f) for f in flags})
+    files = {"catalog": args.catalog, "interactions": args.interactions, "users": args.users}
+    given = sum(v is not None for v in files.values())
+    if given != (0 if args.world is not None else 3):
         print(
             "grace train: give --world, or --catalog, --interactions and --users", file=sys.stderr
         )
         return 2
-    paths = {
-        k: Path(v) for k, v in zip(("catalog", "interactions", "users"), files, strict=True) if v
-    }
+    paths = {k: Path(v) for k, v in files.items() if v}
     events = (EventMap.parse(args.event_map, args.unmapped) if args.event_map
               else EventMap(unmapped=args.unmapped))  # fmt: skip
     data = TrainingData(world=Path(args.world) if args.world else None, events=events, **paths)
@@ -73,6 +69,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _init_model(args: argparse.Namespace) -> int:
+    """write an untrained checkpoint (latency and throughput tests only)
+
+    Random weights of a profile, saved with a SID tokenizer as a checkpoint that `grace
+    serve --model` loads: serving speed does not depend on the weights, so load tests and
+    benchmarks of large profiles need no training run. Its answers are eligible but not
+    relevant; the model version says 'untrained'."""
     import torch
 
     from index_builder.tokenizer import SIDTokenizer
@@ -90,6 +92,15 @@ def _init_model(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    """GTM effectiveness study: pass rates per filter variant and recall@K
+
+    Decode held-out requests of a world with a trained model against an index, for CD only,
+    CD+GTM (each with every --scoring) and (with --kway) partitioned GTM; report exact
+    ad-level pass rates (bitmask, Bloom, location, final) overall, per bucket of ads generated
+    (the paper's Table 3) and among the first N generated (--fixed), eligible ads per
+    request, and recall@K / NDCG@K of the held-out next interaction with bootstrap intervals
+    and each variant's paired difference to cd_only. --out writes the JSON report, --plots
+    the PNGs (docs/EVALUATION.md)."""
     offline_kernels(args.autotune)
     import torch
 
@@ -177,6 +188,13 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _publish_model(args: argparse.Namespace) -> int:
+    """publish a checkpoint into a model repository (servers hot-swap it in)
+
+    Verify a checkpoint (every checksum, the tokenizer, each tensor against the config),
+    copy it into ROOT/<version>/, verify the copy and move ROOT/CURRENT to it atomically;
+    servers whose --model is ROOT load it in the background and swap it in between batches
+    if its SID space fits their index (docs/MODEL.md, 'Model repository'). A checkpoint that
+    does not verify is refused and nothing changes."""
     from service.model.checkpoint import CheckpointError
     from service.model.repository import publish_model
 
@@ -190,6 +208,10 @@ def _publish_model(args: argparse.Namespace) -> int:
 
 
 def _flops(args: argparse.Namespace) -> int:
+    """decoder FLOPs per request of a model profile
+
+    Count decoder FLOPs per request (a multiply-add is 2) by term and step for a profile's
+    beam schedule or the one given."""
     from service.model.config import profile
     from service.model.flops import decoder_flops
 
@@ -199,16 +221,7 @@ def _flops(args: argparse.Namespace) -> int:
 
 
 def register(add: AddCommand) -> None:
-    p = add(
-        "train",
-        _train,
-        "train the generative retriever on a synthetic world or on your own data",
-        "Teacher-forced next-SID training on users' interaction histories — a synthetic world "
-        "(--world) or your catalog, interactions and users files (docs/DATA.md) — with a "
-        "held-out recall@K evaluation against an eligible-popularity baseline at the end. "
-        "Trains the SID tokenizer too unless --tokenizer is given. Resumable: rerun the "
-        "same command after an interruption.",
-    )
+    p = add("train", _train)
     p.add_argument("--world", help="world directory (grace synth)")
     p.add_argument("--catalog", help="your catalog, instead of --world (docs/DATA.md)")
     p.add_argument("--interactions", help="your interactions file: .parquet, .csv or .jsonl")
@@ -236,37 +249,18 @@ def register(add: AddCommand) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32 (default), or bf16 autocast: matmuls in bf16, weights, "
                    "optimizer and loss in fp32 (slower at the demo profile on an H200: "
-                   "docs/PERFORMANCE.md)")  # fmt: skip
+                   "docs/MODEL.md, \"Training\")")  # fmt: skip
     p.add_argument("--autotune", action="store_true", help=AUTOTUNE_HELP)
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar; log a line each tenth of the run instead")  # fmt: skip
 
-    p = add(
-        "init-model",
-        _init_model,
-        "write an untrained checkpoint (latency and throughput tests only)",
-        "Random weights of a profile, saved with a SID tokenizer as a checkpoint that "
-        "`grace serve --model` loads: serving speed does not depend on the weights, so "
-        "load tests and benchmarks of large profiles need no training run. Its answers "
-        "are eligible but not relevant; the model version says 'untrained'.",
-    )
+    p = add("init-model", _init_model)
     p.add_argument("--profile", choices=["tiny", "demo", "paper"], required=True)
     p.add_argument("--tokenizer", required=True, help="SID tokenizer directory")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--seed", type=int, default=0)
 
-    p = add(
-        "eval",
-        _eval,
-        "GTM effectiveness study: pass rates per filter variant and recall@K",
-        "Decode held-out requests of a world with a trained model against an index, for "
-        "CD only, CD+GTM (each with every --scoring) and (with --kway) partitioned GTM; "
-        "report exact ad-level pass rates (bitmask, Bloom, location, final) overall, per "
-        "bucket of ads generated (the paper's Table 3) and among the first N generated "
-        "(--fixed), eligible ads per request, and recall@K / NDCG@K of the held-out next "
-        "interaction with bootstrap intervals and each variant's paired difference to "
-        "cd_only. --out writes the JSON report, --plots the PNGs (docs/EVALUATION.md).",
-    )
+    p = add("eval", _eval)
     p.add_argument("--world", required=True)
     p.add_argument("--index", required=True, help="index root (CURRENT) or version dir")
     p.add_argument("--model", required=True,
@@ -302,27 +296,12 @@ def register(add: AddCommand) -> None:
                    "eval extra)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
 
-    p = add(
-        "publish-model",
-        _publish_model,
-        "publish a checkpoint into a model repository (servers hot-swap it in)",
-        "Verify a checkpoint (every checksum, the tokenizer, each tensor against the "
-        "config), copy it into ROOT/<version>/, verify the copy and move ROOT/CURRENT to "
-        "it atomically; servers whose --model is ROOT load it in the background and swap it "
-        "in between batches if its SID space fits their index (docs/MODEL.md, 'Model "
-        "repository'). A checkpoint that does not verify is refused and nothing changes.",
-    )
+    p = add("publish-model", _publish_model)
     p.add_argument("checkpoint", help="checkpoint directory (grace train --out)")
     p.add_argument("--root", required=True, help="model repository root (made if missing)")
     p.add_argument("--keep", type=int, default=3,
                    help="valid versions to keep, besides CURRENT's (3)")  # fmt: skip
 
-    p = add(
-        "flops",
-        _flops,
-        "decoder FLOPs per request of a model profile",
-        "Count decoder FLOPs per request (a multiply-add is 2) by term and step for a "
-        "profile's beam schedule or the one given.",
-    )
+    p = add("flops", _flops)
     p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="paper")
     p.add_argument("--beams", type=int, nargs=4, metavar="M")

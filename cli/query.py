@@ -1,16 +1,8 @@
 """`grace query`: one Retrieve for people, printed readably — for a user of a synthetic
-world, or for any RetrieveRequest written as protobuf JSON.
-
-    --world DIR (default $GRACE_DATA_DIR/world, else data/world: where `grace serve` keeps
-    its demo world) ─► request_for_user ─► Retrieve ─► the reply's ads are the world's? ─► print
-    --request-json FILE ─► Retrieve ─► print
-
+world (`request_for_user`, also what `grace record` and loadtest/ send; it reads worlds
+through index_builder, which the server never imports) or any RetrieveRequest as JSON.
 A user of a world is a request only for a server of that world's catalog: when none of
-the ads that come back is in the world's catalog, the server serves another one (another
-`--data-dir`, `--catalog`, your own data) and `query` says so in one line instead of
-printing ads for a stranger. `request_for_user` is also what `grace record` and loadtest/
-send. The module sits in cli/, not service/: it reads worlds through index_builder, which
-the server never imports.
+the ads that come back is in it, `query` says so instead of printing ads for a stranger.
 """
 
 from __future__ import annotations
@@ -78,6 +70,16 @@ def _of_world(world: Path, ad_ids: list[int]) -> bool:
 
 
 def _query(args: argparse.Namespace) -> int:
+    """send one Retrieve and print the ads
+
+    Send a Retrieve for a user of a synthetic world, or any RetrieveRequest given as JSON,
+    and print the ads and stats. The world must be the one the server serves: `grace serve
+    --data-dir DIR` keeps its demo world in DIR/world, and --world defaults to
+    $GRACE_DATA_DIR/world, else data/world, as serve's data directory does. When none of the
+    ads that come back is in that world's catalog, the server serves another catalog
+    (another --data-dir, --catalog, your own data): query refuses in one line (exit 2)
+    rather than print answers for a user of another world. For a server of your own data,
+    send --request-json FILE (examples/request.json for examples/)."""
     import grpc
     from google.protobuf import json_format
 
@@ -131,20 +133,7 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def register(add: AddCommand) -> None:
-    p = add(
-        "query",
-        _query,
-        "send one Retrieve and print the ads",
-        "Send a Retrieve for a user of a synthetic world, or any RetrieveRequest given as "
-        "JSON, and print the ads and stats. The world must be the one the server serves: "
-        "`grace serve --data-dir DIR` keeps its demo world in DIR/world, and --world "
-        "defaults to $GRACE_DATA_DIR/world, else data/world, as serve's data directory "
-        "does. When none of the ads that come back is in that world's catalog, the server "
-        "serves another catalog (another --data-dir, --catalog, your own data): query "
-        "refuses in one line (exit 2) rather than print answers for a user of another "
-        "world. For a server of your own data, send --request-json FILE "
-        "(examples/request.json for examples/).",
-    )
+    p = add("query", _query)
     p.add_argument("--target", help="host:port (default 127.0.0.1:$GRACE_PORT, else :50051)")
     p.add_argument("--world", help="the served world to take the user from "
                    "($GRACE_DATA_DIR/world, else data/world)")  # fmt: skip

@@ -1,7 +1,6 @@
-"""`grace record`: write a replay file (JSON Lines of RetrieveRequest) from a world's users.
-
-The same format as the server's request log (setting `request_log`), so live traffic and
-synthetic traffic replay alike in `loadtest/` (service/request_log.py owns the format).
+"""`grace record`: write a replay file (JSON Lines of RetrieveRequest) from a world's users,
+in the format of the server's request log (setting `request_log`; service/request_log.py
+owns it), so live traffic and synthetic traffic replay alike in `loadtest/`.
 """
 
 from __future__ import annotations
@@ -13,6 +12,12 @@ from cli.common import AddCommand
 
 
 def _record(args: argparse.Namespace) -> int:
+    """write a replay file of Retrieve requests from a world's users
+
+    Write JSON Lines of grace.v1 RetrieveRequest (protobuf JSON, one per line) for the first
+    N users of a synthetic world, repeating them when N exceeds the world's users. The
+    server's request log (GRACE_REQUEST_LOG) writes the same format from live traffic;
+    loadtest/locustfile.py --replay sends either."""
     from cli.query import request_for_user
     from index_builder.synth import load_world
     from service.request_log import write_requests
@@ -42,15 +47,7 @@ def _record(args: argparse.Namespace) -> int:
 
 
 def register(add: AddCommand) -> None:
-    p = add(
-        "record",
-        _record,
-        "write a replay file of Retrieve requests from a world's users",
-        "Write JSON Lines of grace.v1 RetrieveRequest (protobuf JSON, one per line) for the "
-        "first N users of a synthetic world, repeating them when N exceeds the world's "
-        "users. The server's request log (GRACE_REQUEST_LOG) writes the same format from "
-        "live traffic; loadtest/locustfile.py --replay sends either.",
-    )
+    p = add("record", _record)
     p.add_argument("--world", default="data/world", help="world to take the users from")
     p.add_argument("--users", type=int, required=True, help="number of requests (lines)")
     p.add_argument("--out", required=True, help="file to write (replaced)")

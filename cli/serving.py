@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,30 +16,21 @@ if TYPE_CHECKING:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """serve Retrieve over gRPC (embedded demo by default)
+
+    Serve grace.v1.AdRetrieval with health and reflection, metrics on their own port. With
+    no arguments: if the data directory lacks a model or an index, generate the tiny demo
+    world, train the tiny model and publish its index first (once; the training logs its
+    progress and the time left), then serve on 127.0.0.1:50051. --catalog builds and serves
+    an index for any catalog with the default (or --model) model. Settings also come from
+    GRACE_* variables and --config; flags win."""
     from cli.bootstrap import ensure_default, has_model, sid_source
+    from service.logs import configure_logging
     from service.settings import load_settings
 
-    settings = load_settings(
-        {
-            "config": args.config,
-            "host": args.host,
-            "port": args.port,
-            "metrics_port": args.metrics_port,
-            "data_dir": args.data_dir,
-            "index_root": args.index_root,
-            "model_dir": args.model,
-            "device": args.device,
-            "workers": args.workers,
-            "gpus": args.gpus,
-            "mps": args.mps,
-            "balance": args.balance,
-            "log_format": args.log_format,
-        }
-    )
-    import logging
-
-    from service.logs import configure_logging
-
+    flags = ("config", "host", "port", "metrics_port", "data_dir", "index_root", "device")
+    flags += ("workers", "gpus", "mps", "balance", "log_format")
+    settings = load_settings({f: getattr(args, f) for f in flags} | {"model_dir": args.model})
     configure_logging(logging.getLogger().getEffectiveLevel(), settings.log_format)
     check_ports(settings)  # a taken port fails now, not after minutes of loading
     if settings.mps:  # fail before building anything
@@ -100,17 +92,7 @@ def check_ports(settings: ServerSettings) -> None:
 
 
 def register(add: AddCommand) -> None:
-    p = add(
-        "serve",
-        _serve,
-        "serve Retrieve over gRPC (embedded demo by default)",
-        "Serve grace.v1.AdRetrieval with health and reflection, metrics on their own port. "
-        "With no arguments: if the data directory lacks a model or an index, generate the "
-        "tiny demo world, train the tiny model and publish its index first (once; the "
-        "training logs its progress and the time left), then serve on 127.0.0.1:50051. "
-        "--catalog builds and serves an index for any catalog with the default (or "
-        "--model) model. Settings also come from GRACE_* variables and --config; flags win.",
-    )
+    p = add("serve", _serve)
     p.add_argument("--host", help="address the gRPC and metrics ports listen on: 127.0.0.1 "
                    "(this machine only; the default) or 0.0.0.0 (every interface: in a "
                    "container, or for other machines' clients)")  # fmt: skip

@@ -1,38 +1,14 @@
 """On-disk index format: the one writer/reader pair for `<root>/<version>/` (ARCHITECTURE.md §3).
 
-The index builder writes with `write_index_dir`, the server and `grace validate-index`
-read with `read_index_dir`; nothing else touches the files. A version directory holds
-`manifest.json` and one `.npy` per array. `grace validate-index` memory-maps them; the
-server (`mmap=False`) reads each file once into private memory and checksums exactly the
-bytes it serves (`load_npy_private`), so nothing done to the files afterwards reaches it.
-The manifest carries the format version, index version, creation time, counts, the
-targeting schema, the SID tokenizer fingerprint, the partition (k-way) settings and a
-sha256 of every array file; `read_manifest` checks the type of every key it hands on.
-It is longer than the house's ~300 lines because it is the format's one home: the writer,
-the reader and the manifest's checks must change together.
-
-Arrays (shapes with N ads, E child entries, V location strings, P partitions):
-
-    trie.*   node_offsets int32 [num_nodes+1]   children of node i: entries [off[i], off[i+1])
-             csr_child_nodes int32 [E], csr_tokens int16 [E]
-             bitmask_index int32 [E] -> bitmask_table uint64 [R_bm, BITMASK_WORDS]
-             bloom_index int32 [E]   -> bloom_table uint64 [R_bl, BLOOM_WORDS]
-             level_offsets int64 [sid_length+2]  nodes of depth d: [lo[d], lo[d+1])
-    ads.*    leaf_sids int16 [num_leaves, sid_length]    SID of leaf node lo[L]+i
-             leaf_ad_offsets int64 [num_leaves+1]        SID -> ads [off[i], off[i+1])
-             ad_ids int64 [N], ad_bitmask uint64 [N, BITMASK_WORDS]
-             ad_loc_offsets int64 [N+1], ad_loc_ids int32 [nnz]   exact location rules
-             loc_vocab_offsets int64 [V+1], loc_vocab_bytes uint8 [*]  sorted UTF-8 strings
-    kway.*   (optional) offsets int64 [E+1] -> bitmask_index/bloom_index int32 [P]
-             -> bitmask_table / bloom_table (own deduplicated tables)
-
-Readers accept every format version up to `FORMAT_VERSION` they know how to read and
-refuse newer ones with a clear message.
-
-At ~390 lines this is longer than the house's modules: it is the one place where the
-on-disk format lives (array specs, manifest keys and their checks, writer and reader, the
-files' checksums), so that builder, server and validator cannot drift apart; reading one
-`.npy` into private memory is `npy_private.py`'s.
+The index builder writes with `write_index_dir`; the server (into private memory,
+checksumming the bytes it serves: `npy_private.py`) and `grace validate-index`
+(memory-mapped) read with `read_index_dir`; nothing else touches the files. A version
+directory holds `manifest.json` and one `.npy` per array (the dataclasses below;
+docs/FORMAT.md §3 describes each). The manifest carries the format version, index
+version, creation time, counts, the targeting schema, the SID tokenizer fingerprint, the
+partition (k-way) settings and a sha256 of every array file; `read_manifest` checks the
+type of every key it hands on. Readers accept every format version up to `FORMAT_VERSION`
+and refuse newer ones.
 """
 
 from __future__ import annotations
@@ -66,14 +42,14 @@ class IndexFormatError(ValueError):
 class TrieArrays:
     """The GTM SID trie in CSR form (paper Appendix A). Entry j leads to node j + 1."""
 
-    node_offsets: np.ndarray  # int32 [num_nodes + 1]
+    node_offsets: np.ndarray  # int32 [num_nodes + 1]: node i's entries [off[i], off[i+1])
     csr_child_nodes: np.ndarray  # int32 [E]
     csr_tokens: np.ndarray  # int16 [E]
     bitmask_index: np.ndarray  # int32 [E]
     bloom_index: np.ndarray  # int32 [E]
     bitmask_table: np.ndarray  # uint64 [R_bm, BITMASK_WORDS], deduplicated
     bloom_table: np.ndarray  # uint64 [R_bl, BLOOM_WORDS], deduplicated
-    level_offsets: np.ndarray  # int64 [SID_LENGTH + 2]
+    level_offsets: np.ndarray  # int64 [SID_LENGTH + 2]: depth d's nodes [lo[d], lo[d+1])
 
     @property
     def num_nodes(self) -> int:
@@ -88,14 +64,14 @@ class TrieArrays:
 class AdArrays:
     """SID -> ad index and the exact ad targeting index, both in leaf (SID) order."""
 
-    leaf_sids: np.ndarray  # int16 [num_leaves, SID_LENGTH]
-    leaf_ad_offsets: np.ndarray  # int64 [num_leaves + 1]
+    leaf_sids: np.ndarray  # int16 [num_leaves, SID_LENGTH]: SID of leaf node lo[-2] + i
+    leaf_ad_offsets: np.ndarray  # int64 [num_leaves + 1]: leaf i's ads [off[i], off[i+1])
     ad_ids: np.ndarray  # int64 [N]
     ad_bitmask: np.ndarray  # uint64 [N, BITMASK_WORDS]
     ad_loc_offsets: np.ndarray  # int64 [N + 1]
-    ad_loc_ids: np.ndarray  # int32 [nnz]
+    ad_loc_ids: np.ndarray  # int32 [nnz]: the exact location rules, vocabulary ids
     loc_vocab_offsets: np.ndarray  # int64 [V + 1]
-    loc_vocab_bytes: np.ndarray  # uint8 [total bytes]
+    loc_vocab_bytes: np.ndarray  # uint8 [total bytes]: sorted UTF-8 strings
 
     @property
     def num_ads(self) -> int:
@@ -200,11 +176,9 @@ def fsync_path(path: Path) -> None:
 
 
 def write_index_dir(directory: Path, arrays: IndexArrays, manifest: dict[str, Any]) -> dict:
-    """Write every array and then the manifest into an existing, empty `directory`.
-
-    Each file is fsynced; the manifest (with checksums) is written last, so a directory
-    without `manifest.json` is never a complete index. Returns the full manifest.
-    """
+    """Write every array and then the manifest into an existing, empty `directory`; each
+    file fsynced, the manifest (with checksums) last, so a directory without
+    `manifest.json` is never a complete index. Returns the full manifest."""
     entries = {}
     for name, arr in _flatten(arrays).items():
         _check_spec(name, arr)
@@ -248,11 +222,9 @@ def manifest_sid_space(directory: Path) -> str | None:
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
-    """The manifest of a version directory, its structure checked key by key.
-
-    Raises IndexFormatError (one line, naming the key) for a missing or unreadable file,
-    another format, a newer format version, or any key of the wrong type.
-    """
+    """The manifest of a version directory, its structure checked key by key: an
+    IndexFormatError (one line, naming the key) for a missing or unreadable file, another
+    format, a newer format version, or any key of the wrong type."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise IndexFormatError(f"{directory}: no {MANIFEST} (not an index, or an unfinished build)")
@@ -332,14 +304,10 @@ def _array_entry_fault(entry: object) -> str | None:
 def read_index_dir(
     directory: Path, *, verify_checksums: bool = True, mmap: bool = True
 ) -> tuple[dict[str, Any], IndexArrays]:
-    """Open an index directory: manifest + arrays.
-
-    `mmap=True` memory-maps the files (`grace validate-index`, benchmarks); `mmap=False`
-    reads each into private memory with its checksum taken over the same bytes
-    (`load_npy_private`: what the server serves). Checks presence, checksums (unless
-    disabled), dtypes and shapes against the manifest; structural invariants are
-    `contracts.index_validation`'s job.
-    """
+    """Open an index directory: manifest + arrays, memory-mapped (`mmap=True`) or read
+    into private memory (`load_npy_private`: what the server serves). Checks presence,
+    checksums (unless disabled), dtypes and shapes against the manifest; structural
+    invariants are `contracts.index_validation`'s job."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     try:

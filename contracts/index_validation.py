@@ -1,11 +1,10 @@
 """Full validation of one index version: what `grace validate-index` and the server's
-hot-swap run before an index may serve (docs/ARCHITECTURE.md §3).
-
-Beyond `format.read_index_dir` (manifest, checksums, dtypes, shapes, schema) it checks
-the CSR trie invariants, the SID -> ad index, the exact targeting index, and the GTM
-soundness invariant: every matcher contains the OR of its subtree's ads, so no eligible
-prefix can be masked. Every check is vectorised; a 30 M-SID index validates in seconds.
-The optional k-way groups are checked for structure only (docs/FORMAT.md says why).
+hot-swap run before an index may serve (docs/ARCHITECTURE.md §3). Beyond
+`format.read_index_dir` (manifest, checksums, dtypes, shapes, schema) it checks the CSR
+trie invariants, the SID -> ad index, the exact targeting index, and the GTM soundness
+invariant: every matcher contains the OR of its subtree's ads, so no eligible prefix can
+be masked. Every check is vectorised. The optional k-way groups are checked for structure
+only (docs/FORMAT.md says why).
 """
 
 from __future__ import annotations
@@ -64,12 +63,8 @@ def validate_index(
     mmap: bool = True,
 ) -> ValidatedIndex:
     """Open and check an index directory; raise IndexValidationError listing all faults.
-
-    `expect_tokenizer`: the SID tokenizer fingerprint the index must be built for;
-    `expect_version`: the version name it is published (or about to be published) under,
-    which its manifest's `index_version` must equal; `mmap`: see `read_index_dir` (the
-    server passes False and serves the arrays returned).
-    """
+    `expect_tokenizer`: the SID space the index must be built for; `expect_version`: the
+    version name it is published under; `mmap`: see `read_index_dir`."""
     path = Path(path)
     try:
         manifest, arrays = read_index_dir(path, mmap=mmap)
@@ -116,12 +111,6 @@ def _in_range(name: str, a: np.ndarray, hi: int, lo: int = 0) -> list[str]:
     return []
 
 
-def node_depths(trie: TrieArrays) -> np.ndarray:
-    """Depth of every node from level_offsets: int8 [num_nodes]."""
-    lo = trie.level_offsets
-    return np.repeat(np.arange(len(lo) - 1, dtype=np.int8), np.diff(lo))
-
-
 def check_trie(t: TrieArrays) -> list[str]:
     faults: list[str] = []
     n, e = t.num_nodes, t.num_entries
@@ -144,7 +133,7 @@ def check_trie(t: TrieArrays) -> list[str]:
         faults.append("csr_child_nodes is not the breadth-first numbering 1..nodes-1")
     if faults:
         return faults
-    depth = node_depths(t)
+    depth = np.repeat(np.arange(len(lo) - 1, dtype=np.int8), np.diff(lo))  # int8 [nodes]
     parent = np.repeat(np.arange(n), np.diff(t.node_offsets))  # parent of entry j = node j+1
     if np.any(depth[1:] != depth[parent] + 1):
         faults.append("a child entry skips or repeats a level")
@@ -204,13 +193,10 @@ def check_ads(t: TrieArrays, a: AdArrays) -> list[str]:
 
 
 def check_soundness(t: TrieArrays, a: AdArrays) -> list[str]:
-    """Every matcher contains the OR of its subtree's ads (so no false negatives).
-
-    Leaf matchers are checked against the exact ad targeting (Bloom rows rehashed from the
-    location strings), inner matchers against their children — only where parent and
-    child point at different table rows (a row contains itself): most of the trie's
-    entries share their parent's row, so this gathers a fraction of the rows.
-    """
+    """Every matcher contains the OR of its subtree's ads (so no false negatives): leaf
+    matchers against the exact ad targeting (Bloom rows rehashed from the location
+    strings), inner ones against their children where parent and child point at different
+    table rows (most entries share their parent's row: a fraction of the rows is read)."""
     faults: list[str] = []
     starts = a.leaf_ad_offsets[:-1]
     leaf_bm = np.bitwise_or.reduceat(a.ad_bitmask, starts, axis=0)

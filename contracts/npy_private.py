@@ -1,11 +1,9 @@
 """One `.npy` file read into private memory: how the server loads the index arrays it
-serves (`format.read_index_dir(..., mmap=False)`, docs/FORMAT.md "How the server reads a
-version").
-
-The file is read once into a buffer of its size, its sha256 (when given) is taken over
-exactly those bytes, and the array is built over the buffer from the header parsed there:
-no second copy, and nothing done to the file afterwards (truncation, an overwrite in
-place) can reach the array — a memory map would raise SIGBUS or serve the new bytes.
+serves (`read_index_dir(..., mmap=False)`, docs/FORMAT.md "How the server reads a
+version"). The file is read once into a buffer of its size, its sha256 (when given) taken
+over exactly those bytes, and the array built over the buffer from the header parsed
+there: no second copy, and nothing done to the file afterwards (truncation, an overwrite
+in place) can reach the array — a memory map would raise SIGBUS or serve the new bytes.
 """
 
 from __future__ import annotations
@@ -24,12 +22,8 @@ class NpyError(ValueError):
 
 
 def load_npy_private(path: Path, sha256: str | None = None) -> np.ndarray:
-    """A `.npy` file read once into private memory, as a read-only array over that buffer.
-
-    The checksum (when given) is computed over exactly the bytes the array is built on, so
-    what was checked is what is served; no later change to the file (truncation, overwrite)
-    can reach the array. The header is parsed from the buffer; the data is not copied.
-    """
+    """A `.npy` file read once into private memory, as a read-only array over that buffer
+    (the module docstring says why); NpyError for a bad file or checksum."""
     buf = _read_file(path)
     if sha256 is not None and hashlib.sha256(buf).hexdigest() != sha256:
         raise NpyError(f"{path}: checksum mismatch (corrupted or truncated)")

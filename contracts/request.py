@@ -1,10 +1,6 @@
-"""The RPC's enums and the beam-schedule rule, as the code uses them (ARCHITECTURE.md §5).
-
-`FilterMode` and `EventType` carry the values of `grace.v1.FilterMode` and
-`grace.v1.EventType` (proto/grace/v1/retrieval.proto); `check_schedule` is the one rule for
-a beam schedule M_1..M_L, applied to the settings' default, to every request's
-`options.beam_widths` and by the decode engine. `Scoring` names how a decode step scores a
-token (a server setting, not an RPC field).
+"""The RPC's enums (proto/grace/v1/retrieval.proto, ARCHITECTURE.md §5), `Scoring` (a
+server setting, not an RPC field), and `check_schedule`, the one rule for a beam schedule
+M_1..M_L: the settings' default, every request's `options.beam_widths`, the decode engine.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The SID space: what a model and an index must share to work together (docs/DATA.md,
-"SID spaces").
-
-A model predicts SIDs and an index maps SIDs to ads; both must mean the same ad by the
-same SID. The key that says so is stored in the index manifest and the model checkpoint
-(the field `tokenizer_fingerprint` of both, its name kept for format compatibility):
-
-- SIDs computed by a SID tokenizer from embeddings: the tokenizer's fingerprint;
-- SIDs the team made elsewhere (TIGER, GRID, ...), carried by every catalog row: a name
-  the team gives that assignment, `sid-space:<name>` (`grace train --sid-space`, `grace
-  build-index --sid-space`): catalogs that keep their SIDs stable keep the name.
-
-The server refuses an index whose key differs from the model's.
+"SID spaces"). Its key, stored in the index manifest and the model checkpoint (the field
+`tokenizer_fingerprint` of both, its name kept for format compatibility), is a SID
+tokenizer's fingerprint for SIDs computed from embeddings, or `sid-space:<name>` for SIDs
+made elsewhere (TIGER, GRID, ...) that every catalog row carries (`grace train
+--sid-space`, `grace build-index --sid-space`). The server refuses an index whose key
+differs from the model's.
 """
 
 from __future__ import annotations

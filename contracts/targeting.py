@@ -1,14 +1,11 @@
-"""Targeting encoding: the one home of the eligibility contract (docs/ARCHITECTURE.md §3).
-
-Everything that turns targeting rules and request attributes into bits lives here: the
-schema (which values exist), the bitmask bit layout, the Bloom hashing, ad encoding,
-request encoding and the exact per-ad eligibility test. The index builder encodes ads
-with it, the server encodes requests with it, the C++ post stage and the GPU kernel read
-the arrays it defines, and `docs/FORMAT.md` documents it for upstream encoders. Every
-index stores `TargetingSchema.to_manifest()` so a reader can refuse a mismatch.
-
-Bit layout (schema version 1), LSB-first inside little-endian uint64 words — bit `b`
-lives in word `b // 64` at position `b % 64`:
+"""Targeting encoding: the one home of the eligibility contract (docs/ARCHITECTURE.md §3;
+docs/FORMAT.md §1 documents it for upstream encoders). Everything that turns targeting rules
+and request attributes into bits lives here: the schema (which values exist), the bitmask
+bit layout, the Bloom hashing, ad and request encoding and the exact per-ad eligibility
+test, which the builder, the server, the C++ post stage and the GPU kernel use. Every index
+stores `TargetingSchema.to_manifest()` so a reader can refuse a mismatch. Bit layout (schema
+version 1), LSB-first inside little-endian uint64 words — bit `b` lives in word `b // 64` at
+position `b % 64`:
 
     [0, 249)    countries, in `COUNTRIES` order (ISO 3166-1 alpha-2)
     249         country unknown / not in the list
@@ -19,17 +16,12 @@ lives in word `b // 64` at position `b % 64`:
     [261, 320)  padding, always 0
 
 An ad without a rule on an attribute sets every bit of that attribute, "unknown"
-included; a request sets exactly one bit per attribute. `(matcher & request) == request`
-is then exact for one ad and conservative for an OR of ads (paper eq. 4–5).
-
-Bloom (locations): `w = 256` bits in 4 words. A location string sets the `k = 3` bits
-given by the first 3 bytes of `blake2b(utf8(string), digest_size=8)` (each byte is a bit
-position in [0, 256)). An ad's Bloom is the OR over its location strings; an ad with no
-location rule is all ones. A request carries one Bloom row per location; a request with
-no locations carries one all-ones sentinel row, which only an all-ones matcher contains.
-
-At ~400 lines this is longer than the house's modules on purpose: the encoding is one
-contract, and splitting it would put the bit layout and the code that reads it apart.
+included; a request sets exactly one bit per attribute, so `(matcher & request) ==
+request` is exact for one ad and conservative for an OR of ads (paper eq. 4–5). Bloom
+(locations): 256 bits; a location string sets the 3 bits given by the first 3 bytes of
+`blake2b(utf8(string), digest_size=8)`. An ad's Bloom is the OR over its location strings
+(all ones without a location rule); a request carries one row per location, or one
+all-ones sentinel row without locations, which only an all-ones matcher contains.
 """
 
 from __future__ import annotations
@@ -84,15 +76,9 @@ class _Attribute:
         return self.offset + len(self.values)
 
 
-def _attributes() -> tuple[_Attribute, ...]:
-    out, offset = [], 0
-    for name, values in (("country", COUNTRIES), ("age", AGE_BUCKETS), ("gender", GENDERS)):
-        out.append(_Attribute(name, values, offset))
-        offset += len(values) + 1
-    return tuple(out)
-
-
-COUNTRY, AGE, GENDER = _attributes()
+COUNTRY = _Attribute("country", COUNTRIES, 0)
+AGE = _Attribute("age", AGE_BUCKETS, COUNTRY.offset + COUNTRY.width)
+GENDER = _Attribute("gender", GENDERS, AGE.offset + AGE.width)
 BITMASK_BITS = GENDER.offset + GENDER.width
 BITMASK_WORDS = (BITMASK_BITS + 63) // 64
 _COUNTRY_INDEX = {c: i for i, c in enumerate(COUNTRIES)}
@@ -143,9 +129,6 @@ class TargetingSchema:
                     f"targeting schema mismatch on {key!r}: index has {stored.get(key)!r}, "
                     f"this build expects {value!r}"
                 )
-
-
-# --------------------------------------------------------------------------- bit helpers
 
 
 def _set_bits(words: np.ndarray, bits: Iterable[int]) -> None:
@@ -219,9 +202,6 @@ def ad_bloom(locations: Sequence[str]) -> np.ndarray:
     return np.bitwise_or.reduce(location_blooms(locations), axis=0)
 
 
-# --------------------------------------------------------------------------- requests
-
-
 @dataclass(frozen=True)
 class Targeting:
     """The request attributes that targeting rules look at (RPC `Targeting`)."""
@@ -276,16 +256,12 @@ def encode_requests(batch: Sequence[Targeting]) -> EncodedRequests:
     for b, r in enumerate(rows):
         blooms[b, : len(r)] = r
         blooms[b, len(r) :] = r[0]
+    bitmask = [request_bitmask(t) for t in batch]
     return EncodedRequests(
-        bitmask=np.stack([request_bitmask(t) for t in batch])
-        if batch
-        else np.zeros((0, BITMASK_WORDS), dtype=np.uint64),
+        bitmask=np.stack(bitmask) if batch else np.zeros((0, BITMASK_WORDS), dtype=np.uint64),
         blooms=blooms,
         n_blooms=np.array([len(r) for r in rows], dtype=np.int32),
     )
-
-
-# --------------------------------------------------------------------------- matching
 
 
 def bitmask_match(matchers: np.ndarray, req: np.ndarray) -> np.ndarray:
@@ -307,11 +283,8 @@ def exact_eligible(
     req_loc_ids: np.ndarray,  # int32 [n]: the request's locations as ids of the same vocabulary
 ) -> np.ndarray:
     """Exact eligibility of N ads for one request (docs/ARCHITECTURE.md §3): bool [N].
-
-    Low-cardinality rules are exact in the bitmask; locations compare actual ids, never
-    Bloom bits. Request strings absent from the vocabulary cannot match any rule, so the
-    caller simply leaves them out of `req_loc_ids`.
-    """
+    Locations compare actual ids, never Bloom bits; request strings absent from the
+    vocabulary match no rule, so the caller leaves them out of `req_loc_ids`."""
     ok = bitmask_match(ad_bitmask_rows, req_bitmask)
     counts = np.diff(ad_loc_offsets)
     ruled = counts > 0
@@ -323,9 +296,6 @@ def exact_eligible(
         any_hit[ruled] = np.logical_or.reduceat(hit, starts) if len(hit) else False
         ok &= ~ruled | any_hit
     return ok
-
-
-# --------------------------------------------------------------------------- vectorised ads
 
 
 @dataclass(frozen=True)
@@ -370,11 +340,8 @@ def _or_attribute(out: np.ndarray, attr: _Attribute, rule: Ragged) -> None:
     if len(rule.values):
         rows = np.repeat(np.arange(rule.n), counts)
         bits = attr.offset + rule.values.astype(np.int64)
-        np.bitwise_or.at(
-            out,
-            (rows, bits // 64),
-            np.left_shift(np.uint64(1), (bits % 64).astype(np.uint64)),
-        )
+        one = np.left_shift(np.uint64(1), (bits % 64).astype(np.uint64))
+        np.bitwise_or.at(out, (rows, bits // 64), one)
 
 
 def ad_bitmasks(countries: Ragged, age_buckets: Ragged, genders: Ragged) -> np.ndarray:

@@ -1,9 +1,8 @@
 """The index's trie tables and a batch's encoded targeting as torch tensors: what the
-CD+GTM mask (`kernels/gtm_mask.py`) reads at every decode step (docs/ARCHITECTURE.md §3, §7).
-
-`GtmTables` is built once per loaded index version on the compute device; `RequestTensors`
-once per batch at stage 1. uint64 arrays become int64 views: torch's bitwise ops and
-comparisons are complete for int64, and the bits are identical.
+CD+GTM mask (`kernels/gtm_mask.py`) reads at every decode step (docs/ARCHITECTURE.md §3,
+§7). `GtmTables` is built once per loaded index version on the compute device,
+`RequestTensors` once per batch at stage 1. uint64 arrays become int64 views: torch's
+bitwise ops and comparisons are complete for int64, and the bits are identical.
 """
 
 from __future__ import annotations
@@ -23,12 +22,10 @@ COPY_CHUNK = 64 << 20  # bytes per piece of a tensor's copy to a GPU (`to_device
 def to_device(
     t: torch.Tensor, device: torch.device | str, pace: Callable[[], None] | None = None
 ) -> torch.Tensor:
-    """`t` on `device`. To a CUDA device it goes COPY_CHUNK bytes at a time through a
-    pinned staging buffer, `pace` called after each piece: one pageable copy of a large
-    tensor (the paper model's 4.3 GB user table, an index's matcher tables) holds the
-    other threads' CUDA calls — the serving stages' launches and copies — until it is
-    done (603 ms for that table, docs/PERFORMANCE.md "Model rollout"); pieces from pinned
-    memory let them in between. Elsewhere a plain `.to(device)`."""
+    """`t` on `device`; to a CUDA device COPY_CHUNK bytes at a time through a pinned
+    staging buffer, `pace` called after each piece: one pageable copy of a large tensor
+    holds the serving threads' CUDA calls until it is done, pinned pieces let them in
+    between (docs/PERFORMANCE.md "Model rollout")."""
     if torch.device(device).type != "cuda":
         return t.to(device)
     src = t.contiguous().view(-1)
@@ -61,10 +58,8 @@ def _t(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
 @dataclass(frozen=True)
 class GtmTables:
     """The trie's lookup arrays as tensors on one device (int64 views of uint64 tables).
-
     Per-entry arrays keep the index's own 32-bit widths (tokens widened from int16, which
-    torch cannot index with): at 30 M SIDs that is 315 MB of matcher indexes + tables on
-    the GPU instead of 620 MB as int64 (docs/ARCHITECTURE.md §9: ≤ 390 MB)."""
+    torch cannot index with): half the GPU memory of int64 (docs/ARCHITECTURE.md §9)."""
 
     node_offsets: torch.Tensor  # int32 [num_nodes + 1]
     child_nodes: torch.Tensor  # int32 [E]

@@ -1,12 +1,9 @@
 """The SID tokenizer's files: its config, its fingerprint, and the one writer/reader pair
-of its directory (docs/TOKENIZER.md). The builder and training make tokenizers
-(`index_builder/tokenizer.py`); a model checkpoint stores one beside its weights and the
-server checks its fingerprint against the checkpoint's SID space — through this module,
-without the builder.
-
-On disk a tokenizer is a directory holding `tokenizer.json` (kind, format version,
-config, dim, fingerprint) and `codebooks.safetensors` (float32 [rq_levels,
-codebook_size, dim], where `rq_levels` is `levels`, or `levels + 1` in "code" mode).
+of its directory (docs/TOKENIZER.md), so that the server checks a checkpoint's tokenizer
+without the builder (`index_builder/tokenizer.py` makes them). On disk a tokenizer is a
+directory holding `tokenizer.json` (kind, format version, config, dim, fingerprint) and
+`codebooks.safetensors` (float32 [rq_levels, codebook_size, dim], where `rq_levels` is
+`levels`, or `levels + 1` in "code" mode).
 """
 
 from __future__ import annotations
@@ -43,9 +40,7 @@ class TokenizerConfig:
             raise ValueError(
                 f"TokenizerConfig.last_token must be one of {LAST_TOKENS}, got {self.last_token!r}"
             )
-        for f in fields(self):
-            if f.name == "last_token":
-                continue
+        for f in (f for f in fields(self) if f.name != "last_token"):
             value = getattr(self, f.name)
             low = 0 if f.name == "seed" else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < low:

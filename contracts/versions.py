@@ -8,13 +8,11 @@ index builder, `grace publish-model`) and the server that follows it (docs/ARCHI
     <root>/.tmp-*                versions being written (never visible as CURRENT)
     <root>/.lock                 held by the one writer (flock)
 
-`publish_version` writes a new version into a temp dir, runs the caller's `check` on it,
-marks it valid, fsyncs, renames it into place, then replaces `CURRENT` by rename of a
-fsynced temp file, and prunes old versions. A version that fails its check is removed
-and nothing changes. A crash at any point leaves `CURRENT` naming the previous complete
-version; leftover temp dirs are removed by the next writer. `prune` keeps the newest
-`keep` versions known valid, so failed or corrupt versions never push the last good ones
-out. Version names sort by publication time (`new_version_name`).
+`publish_version` writes a new version into a temp dir, runs the caller's `check` on it
+(a failure removes it and changes nothing), marks it valid, renames it into place, moves
+`CURRENT` and prunes, keeping the newest `keep` versions known valid; a crash at any point
+leaves `CURRENT` naming the previous complete version (every step: docs/FORMAT.md §3,
+"Publishing"). Version names sort by publication time (`new_version_name`).
 """
 
 from __future__ import annotations
@@ -63,21 +61,14 @@ def current_path(root: Path) -> Path | None:
 def resolve(path: Path) -> Path:
     """A version directory as given, or the CURRENT version of a root."""
     path = Path(path)
-    if (path / CURRENT).is_file():
-        current = current_path(path)
-        if current is not None:
-            return current
-    return path
+    current = current_path(path) if (path / CURRENT).is_file() else None
+    return path if current is None else current
 
 
 def is_version_name(name: str) -> bool:
     """Whether `name` can name a version (what a CURRENT may hold): no path, no dot file."""
-    return (
-        bool(name)
-        and not name.startswith(".")
-        and "/" not in name
-        and not any(c.isspace() or c == "\0" for c in name)
-    )
+    bad = name.startswith(".") or "/" in name or any(c.isspace() or c == "\0" for c in name)
+    return bool(name) and not bad
 
 
 def list_versions(root: Path, complete: str) -> list[str]:
@@ -107,15 +98,20 @@ def writer_lock(root: Path, what: str = "publisher") -> Iterator[None]:
         os.close(fd)
 
 
-def set_current(root: Path, version: str) -> None:
-    """Point CURRENT at `version` (atomic rename of a fsynced temp file)."""
-    tmp = root / f".{CURRENT}.tmp"
+def _replace(path: Path, text: str) -> None:
+    """Write `path` atomically: the rename of a fsynced temp file, its directory fsynced."""
+    tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as fh:
-        fh.write(version + "\n")
+        fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, root / CURRENT)
-    fsync_path(root)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def set_current(root: Path, version: str) -> None:
+    """Point CURRENT at `version` (atomically)."""
+    _replace(root / CURRENT, version + "\n")
 
 
 def _digest(directory: Path, complete: str) -> str:
@@ -126,22 +122,15 @@ def mark_valid(directory: Path, complete: str) -> None:
     """Record that `directory` passed its check, tied to its `complete` file's exact bytes."""
     marker = {"manifest_sha256": _digest(directory, complete),
               "validated": datetime.now(UTC).isoformat()}  # fmt: skip
-    tmp = directory / f".{VALID_MARKER}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(marker, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, directory / VALID_MARKER)
-    fsync_path(directory)
+    _replace(directory / VALID_MARKER, json.dumps(marker))
 
 
 def is_marked_valid(directory: Path, complete: str) -> bool:
     """Whether a marker says `directory` passed its check with the file it has now."""
     try:
         marker = json.loads((directory / VALID_MARKER).read_text())
-        return isinstance(marker, dict) and marker.get("manifest_sha256") == _digest(
-            directory, complete
-        )
+        digest = _digest(directory, complete)
+        return isinstance(marker, dict) and marker.get("manifest_sha256") == digest
     except (OSError, ValueError):
         return False
 
@@ -156,14 +145,10 @@ def publish_version(
     is_valid: Callable[[Path, str], bool | None],
     what: str = "publisher",
 ) -> str:
-    """Write a version with `write(tmp_dir, version)` and publish it atomically.
-
-    `write` must fill the (empty) directory it is given, its `complete` file last.
-    `check(tmp_dir, version)`, when given, runs before the version is renamed into place
-    and raises if it must not serve; a version that passed is marked valid. If `write` or
-    `check` raises, the temp dir is removed, nothing changes and the error propagates.
-    `is_valid(root, version)` is `prune`'s. Returns the new version name.
-    """
+    """Publish a new version as the module docstring says; returns its name.
+    `write(tmp_dir, version)` fills the empty directory, its `complete` file last;
+    `check(tmp_dir, version)`, when given, raises if the version must not serve (an error
+    of either propagates, nothing changed); `is_valid` is `prune`'s."""
     if keep < 1:
         raise ValueError("keep must be >= 1")
     root = Path(root)
@@ -197,12 +182,9 @@ def publish_version(
 def prune(
     root: Path, *, keep: int, complete: str, is_valid: Callable[[Path, str], bool | None]
 ) -> list[str]:
-    """Keep the newest `keep` valid versions and CURRENT's; remove the rest.
-
-    `is_valid(root, version)`: True (valid), False (invalid) or None (cannot be read:
-    kept). Only versions newer than the `keep`-th valid one are asked. Invalid versions
-    are removed, except CURRENT's. Returns the removed.
-    """
+    """Keep the newest `keep` valid versions and CURRENT's; remove and return the rest.
+    `is_valid(root, version)`: True, False or None (unreadable: kept); only versions
+    newer than the `keep`-th valid one are asked."""
     if keep < 1:
         raise ValueError("keep must be >= 1")
     current = current_version(root)

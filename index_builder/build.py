@@ -1,6 +1,6 @@
 """Index build: catalog -> SIDs -> trie, matchers, SID -> ad and targeting indexes -> a
-published version (docs/ARCHITECTURE.md §3–4). `grace build-index` and the builder sidecar call
-`build_index`; tests and benchmarks may call `build_arrays` on an in-memory catalog.
+published version (docs/ARCHITECTURE.md §3-4). `grace build-index` and the sidecar call
+`build_index`; training, tests and benchmarks call `build_arrays` on an in-memory catalog.
 """
 
 from __future__ import annotations
@@ -93,19 +93,14 @@ def assign_sids(
 def _sorted_catalog(catalog: Catalog, order: np.ndarray, workers: int) -> Catalog:
     """`catalog.take(order)` for a permutation, gathered by `workers` threads, without the
     embeddings (the build needs none once SIDs exist)."""
-    counts = np.diff(catalog.loc_offsets)[order]
-    offsets = np.zeros(len(order) + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    # gather each selected segment: source start + position within the segment
-    src = np.repeat(catalog.loc_offsets[:-1][order] - offsets[:-1], counts)
-    src += np.arange(offsets[-1])
+    offsets, flat = parallel.take_segments(catalog.loc_offsets, order)
     return Catalog(
         ad_id=parallel.take(catalog.ad_id, order, workers),
         sid=parallel.take(catalog.sid, order, workers),
         embedding=None,
         bitmask=parallel.take(catalog.bitmask, order, workers),
         loc_offsets=offsets,
-        loc_ids=parallel.take(catalog.loc_ids, src, workers),
+        loc_ids=parallel.take(catalog.loc_ids, flat, workers),
         locations=catalog.locations,
         source=catalog.source,
     )
@@ -209,14 +204,10 @@ def build_index(
     workers: int | None = None,
     sid_space: str | None = None,
 ) -> tuple[str, BuildReport]:
-    """Read, build, validate and atomically publish one index version; returns (version,
-    report). The written version is validated in full (`validate_index`, for the SID
-    tokenizer it was built with and its version name) before CURRENT may name it; one
-    that fails raises IndexValidationError and publishes nothing.
-
-    `device`: where SIDs are computed from embeddings (a torch device; "cuda" at paper
-    scale); `workers`: CPU threads for SIDs and the build (None: every CPU).
-    """
+    """Read, build, validate in full (`validate_index`: raises IndexValidationError and
+    publishes nothing) and atomically publish one index version; returns (version, report).
+    `device`: the torch device computing SIDs from embeddings ("cuda" at paper scale);
+    `workers`: CPU threads for SIDs and the build (None: every CPU)."""
     if tokenizer_path and sid_space:
         raise BuildError("give a SID tokenizer or a SID space name, not both")
     named_space = sid_spaces.named(sid_space) if sid_space else None
@@ -270,10 +261,6 @@ def build_index(
     version = publish(Path(out_root), write, keep=keep, check=check)
     report.phase("write", t)
     report.seconds["total"] = round(time.perf_counter() - t0, 3)
-    log.info(
-        "published index %s: %s; seconds %s",
-        version,
-        " ".join(f"{k}={v}" for k, v in report.counts.items()),
-        report.seconds,
-    )
+    counts = " ".join(f"{k}={v}" for k, v in report.counts.items())
+    log.info("published index %s: %s; seconds %s", version, counts, report.seconds)
     return version, report

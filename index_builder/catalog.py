@@ -1,17 +1,9 @@
 """Catalog input: read and validate an ad catalog into columns (docs/ARCHITECTURE.md §4).
 
-Flow: **catalog file → `read_catalog` → `Catalog`** → index_builder build (sorts ads by
-SID with `Catalog.take`, builds the trie and the per-ad indexes) → index on disk.
-
-A catalog is JSON Lines (`.jsonl`, `.ndjson`, `.json`, each also `.gz`; one ad object per
-line) or Parquet (`.parquet`), one file or a directory of parts (`catalog_parts.py`). Both
-readers (`catalog_files.py`) produce the same Arrow columns, and one
-shared, vectorised pass (the field checks of `catalog_columns.py`, run in order here)
-validates them and encodes targeting with `targeting.py`, so the two formats accept and
-reject the same catalogs and give identical arrays. Any bad input raises `CatalogError`
-naming the file (the part), the line (JSONL, 1-based) or row (Parquet, 0-based) and the
-field; nothing partial is returned. Fields the format does not know are ignored with one
-warning naming them (`Catalog.ignored_fields`).
+Flow: catalog file(s) → Arrow columns (`catalog_parts.py`, `catalog_files.py`) → the
+field checks of `catalog_columns.py`, run in order here → `Catalog` → `build.py`. Both
+formats go through the same vectorised checks, so they accept and reject the same
+catalogs and give identical arrays; bad input raises `CatalogError` (docs/DATA.md).
 """
 
 from __future__ import annotations
@@ -39,6 +31,7 @@ from index_builder.catalog_columns import (
 )
 from index_builder.catalog_files import LIST_FIELDS, SID_LEVELS, CatalogError, Source
 from index_builder.catalog_parts import catalog_files, read_parts
+from index_builder.parallel import take_segments
 
 log = logging.getLogger("grace.catalog")
 
@@ -81,19 +74,14 @@ class Catalog:
             raise IndexError(f"take: indices must lie in [0, {self.n})")
         if np.bincount(order, minlength=self.n).max(initial=0) > 1:
             raise ValueError("take: repeated rows would duplicate ad ids")
-        counts = np.diff(self.loc_offsets)[order]
-        offsets = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        # gather each selected segment: source start + position within the segment
-        src = np.repeat(self.loc_offsets[:-1][order] - offsets[:-1], counts)
-        src += np.arange(offsets[-1])
+        offsets, flat = take_segments(self.loc_offsets, order)
         return Catalog(
             ad_id=self.ad_id[order],
             sid=self.sid[order],
             embedding=None if self.embedding is None else self.embedding[order],
             bitmask=self.bitmask[order],
             loc_offsets=offsets,
-            loc_ids=self.loc_ids[src],
+            loc_ids=self.loc_ids[flat],
             locations=self.locations,
             source=self.source,
         )

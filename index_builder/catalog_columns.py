@@ -1,9 +1,6 @@
-"""Catalog columns → validated arrays: one check-and-convert step per catalog field.
-
-Flow: catalog file → Arrow columns (`catalog_files.py`) → **these checks, field by field**
-→ `Catalog` (`catalog.py`, whose `read_catalog` runs them in order). Each step is
-vectorised over the whole column and raises `CatalogError` (via `Source.error`) naming
-the first offending line or row; targeting values become indices with `targeting.py`.
+"""Catalog columns → validated arrays: one check-and-convert step per catalog field, run
+in order by `catalog.read_catalog`. Each step is vectorised over the whole column and
+raises `CatalogError` (via `Source.error`) naming the first offending line or row.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Catalog files -> Arrow columns: the JSON Lines (plain or gzip) and Parquet readers,
 `Source` (where a row came from) and `CatalogError`.
 
-`catalog_parts.read_parts` runs a reader per file and `catalog.read_catalog` validates
-the columns. JSON Lines does here only what Arrow cannot say (valid JSON, an object, an
-int `ad_id`, list-or-null fields); Parquet checks its column types and its format version
-up front. Both report the fields they ignore (not in `contracts.data_format`).
+JSON Lines does here only what Arrow cannot say (valid JSON, an object, an int `ad_id`,
+list-or-null fields); Parquet checks its column types and format version up front. Both
+report the fields they ignore (not in `contracts.data_format`).
 """
 
 from __future__ import annotations
@@ -59,15 +58,12 @@ class Source:
     parts: tuple[str, ...] = ()  # a directory's files; () for a single file
     starts: np.ndarray | None = None  # int64 [len(parts)]: the first row of each part
 
-    def _locate(self, row: int) -> tuple[str, int]:
-        """(file, row within it) of catalog row `row`."""
-        if not self.parts or self.starts is None:
-            return self.path, row
-        i = int(np.searchsorted(self.starts, row, side="right")) - 1
-        return self.parts[i], row - int(self.starts[i])
-
     def _where(self, row: int) -> tuple[str, str]:
-        path, local = self._locate(row)
+        """(file, "row N" or "line N" within it) of catalog row `row`."""
+        path, local = self.path, row
+        if self.parts and self.starts is not None:
+            i = int(np.searchsorted(self.starts, row, side="right")) - 1
+            path, local = self.parts[i], row - int(self.starts[i])
         return path, f"row {local}" if self.lines is None else f"line {self.lines[row]}"
 
     def where(self, row: int) -> str:

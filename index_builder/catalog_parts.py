@@ -1,13 +1,9 @@
 """A catalog given as a file or a directory of part files -> one set of Arrow columns
-with a `Source` that knows which part (and line or row in it) each row came from
-(docs/DATA.md).
+and a `Source` that knows which part (and line or row in it) each row came from.
 
-A directory holds parts of one kind — JSON Lines (plain or `.gz`) or Parquet, discovered
-with `pyarrow.dataset` (hive-style partition directories allowed) — read in sorted path
-order; hidden files (`.`/`_` prefixes, e.g. `_SUCCESS`) are skipped. Each part is read by
-its file reader (`catalog_files.py`) and the columns are concatenated, a field's arrays
-cast to one type where parts differ (ints and floats of an embedding); a part whose
-column cannot be cast is named in the error. `catalog.read_catalog` validates the result.
+A directory holds parts of one kind, read in sorted path order, hidden files (`.`/`_`)
+skipped (docs/DATA.md "Files"); each part is read by `catalog_files.py`, and a field's
+arrays are cast to one type where parts differ (ints and floats of an embedding).
 """
 
 from __future__ import annotations

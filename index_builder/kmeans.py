@@ -1,11 +1,9 @@
 """Seeded k-means on CPU (Lloyd's with k-means++ seeding) and residual encoding: the SID
-tokenizer's engine.
+tokenizer's engine (docs/TOKENIZER.md "Training", "Assigning at scale").
 
 `tokenizer.SIDTokenizer` trains one codebook per residual level with `kmeans` and encodes
-catalogs with `rq_encode`. Training is deterministic for a seed and independent of the
-torch thread count (sums are sequential float64 bincounts; ties go to the lowest code).
-`rq_encode` runs on the CPU in 65,536-row chunks spread over threads (same codes for any
-thread count) or, for 30 M-ad catalogs, on a torch device in 1 M-row chunks.
+catalogs with `rq_encode`, on the CPU or a torch device. Codes never depend on the thread
+count: sums are sequential float64 bincounts, tiles are fixed, ties go to the lowest code.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from tqdm import tqdm
 
 from index_builder import parallel
 
-# Distance tile of [2048, 512] float32 (4 MiB) stays in cache; 16k-row tiles ran 2x slower.
+# A distance tile of [2048, 512] float32 (4 MiB) stays in cache.
 _TILE_ROWS = 2048
 # CPU encoding chunk: rows converted to float32 and checked at once, so 30M x 32 inputs
 # never get copied whole. A multiple of _TILE_ROWS, so chunking never changes the tiles.
@@ -40,9 +38,8 @@ def nearest(x: np.ndarray, codebook: np.ndarray, workers: int = 1) -> np.ndarray
 
     Tiles of `_TILE_ROWS` rows, spread over `workers` threads that each run torch on one
     thread: a [2048, 32] x [32, 512] matmul is too small to split, and torch's OpenMP
-    threads spin at every tile's barrier (on the 2-vCPU dev box, intermittently 8-15x
-    slower with 2 torch threads than with 1). Tiles are the same for any `workers`, so
-    are the codes.
+    threads spin at every tile's barrier. Tiles are the same for any `workers`, so are
+    the codes.
     """
     c = torch.tensor(codebook)  # a copy: 64 KiB, and the tokenizer's codebooks are read-only
     c_sq = (c * c).sum(1)  # [K]
@@ -60,7 +57,7 @@ def nearest(x: np.ndarray, codebook: np.ndarray, workers: int = 1) -> np.ndarray
 
     n_tiles = -(-len(x) // _TILE_ROWS)
     cuts = [min(len(x), t * _TILE_ROWS) for t in parallel.even_cuts(n_tiles, workers)]
-    with _torch_threads(1):
+    with _torch_setting("num_threads", 1):
         parallel.run(tiles, list(itertools.pairwise(cuts)), workers)
     return codes
 
@@ -104,9 +101,8 @@ def _kmeans_pp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
             # (ties go to the lowest code).
             centroids[j:] = centroids[0]
             break
-        i = min(
-            int(np.searchsorted(cumulative, rng.random() * cumulative[-1], "right")), len(pool) - 1
-        )
+        pick = rng.random() * cumulative[-1]
+        i = min(int(np.searchsorted(cumulative, pick, "right")), len(pool) - 1)
         centroids[j] = pool[i]
         np.minimum(d2, ((pool - pool[i]) ** 2).sum(1, dtype=np.float64), out=d2)
     return centroids
@@ -148,10 +144,9 @@ def rq_encode(
     """Residual quantisation: int32 [N, levels] codes (nearest code per level on the
     residual the levels before left) and float32 [N] squared norms of the final residual.
 
-    device "cpu": numpy + torch CPU matmuls, `CPU_CHUNK_ROWS`-row chunks on `workers`
-    threads (one torch thread each, see `nearest`); the codes do not depend on `workers`.
-    Any other torch device: chunks of `DEVICE_CHUNK_ROWS` rows moved there. Float rounding
-    differs between devices, so a near-tie may pick another code there than on the CPU.
+    device "cpu": `CPU_CHUNK_ROWS`-row chunks on `workers` threads (see `nearest`). Any
+    other torch device: `DEVICE_CHUNK_ROWS`-row chunks moved there; its float rounding
+    differs, so a near-tie may pick another code there than on the CPU.
     """
     levels = len(codebooks)
     codes = np.empty((len(x), levels), np.int32)
@@ -172,35 +167,26 @@ def rq_encode(
             residual -= codebook[code]
         norm[start:stop] = np.einsum("ij,ij->i", residual, residual)
 
-    with _torch_threads(1):  # parallel over chunks, not inside each small matmul
+    with _torch_setting("num_threads", 1):  # parallel over chunks, not in each small matmul
         parallel.run(chunk, [(s,) for s in range(0, len(x), rows)], workers)
     return codes, norm
 
 
 @contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    """Run torch on n intra-op threads inside, restoring the count after. A no-op when it
-    already is n: nested uses on worker threads never flip the process-wide setting."""
-    before = torch.get_num_threads()
-    if before == n:
+def _torch_setting(name: str, value: object) -> Iterator[None]:
+    """torch's process-wide setting `name` (`torch.get_<name>` / `set_<name>`) at `value`
+    inside, restored after. A no-op when it already is `value`: nested uses on worker
+    threads never flip it."""
+    get, put = getattr(torch, f"get_{name}"), getattr(torch, f"set_{name}")
+    before = get()
+    if before == value:
         yield
         return
-    torch.set_num_threads(n)
+    put(value)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
-
-
-@contextlib.contextmanager
-def _ieee_fp32_matmul() -> Iterator[None]:
-    """Full fp32 matmuls (no TF32): TF32's 10-bit mantissa would move codes."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
+        put(before)
 
 
 def _encode_on_device(
@@ -216,7 +202,8 @@ def _encode_on_device(
     assert rows % tile_rows == 0, "device chunks must be whole tiles"
     cb = torch.tensor(codebooks, device=device)  # [levels, K, dim]
     cb_sq = (cb * cb).sum(-1)  # [levels, K]
-    with _ieee_fp32_matmul():
+    # full fp32 matmuls: TF32's 10-bit mantissa would move codes
+    with _torch_setting("float32_matmul_precision", "highest"):
         for start in range(0, len(x), rows):
             host = np.array(x[start : start + rows], dtype=np.float32, order="C")
             chunk = torch.from_numpy(host).to(device)  # [rows, dim]

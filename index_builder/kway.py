@@ -5,14 +5,12 @@ into up to k groups, each with its own (bitmask, Bloom) union; the decoder keeps
 entry if any one group passes both tests. Every eligible ad sits in some group whose
 union contains its bits, so no false negatives are introduced.
 
-Static k-way fixes k per decode step (paper: (64, 64, 32, 8)); each SID, in SID order,
-joins the group whose union grows least (smallest post-union popcount; ties to the
-lowest group). Dynamic k-way picks k per entry: k doubles from 1 until every group's
-fill — the mean of its bitmask and Bloom fill — is at most the target (paper: 0.25),
-or k reaches k_max (paper: 32). The greedy runs for all entries of one depth at once,
-SID by SID (numpy over entries), so its cost is the deepest subtree times the entries.
-
-Output is the jagged layout `format.PartitionArrays` with its own deduplicated tables.
+Static k-way fixes k per decode step; each SID, in SID order, joins the group whose union
+grows least (smallest post-union popcount; ties to the lowest group). Dynamic k-way
+doubles k per entry from 1 until every group's fill (mean of bitmask and Bloom fill) is
+at most the target, or k reaches k_max. The greedy runs for all entries of one depth at
+once, SID by SID, so its cost is the deepest subtree times the entries. Output:
+`index_format.PartitionArrays`, with its own deduplicated tables.
 """
 
 from __future__ import annotations
@@ -67,10 +65,8 @@ def _greedy(
     leaf_bm: np.ndarray,  # uint64 [num_leaves, W_bm]
     leaf_bl: np.ndarray,  # uint64 [num_leaves, W_bl]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy min-growth partition of each entry's leaves into k groups.
-
-    Returns unions bm [E, k, W_bm], bl [E, k, W_bl]; an unused group is all zeros.
-    """
+    """Greedy min-growth partition of each entry's leaves into k groups: the unions
+    bm [E, k, W_bm], bl [E, k, W_bl] (an unused group is all zeros)."""
     n = len(first)
     order = np.argsort(-count, kind="stable")  # entries with more leaves first: active prefix
     first, count = first[order], count[order]

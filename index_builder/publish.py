@@ -1,10 +1,6 @@
-"""Atomic publishing of index versions under one root (docs/ARCHITECTURE.md §3): the
-versioned-root protocol of `contracts/versions.py` with the index's own validity check.
-
-`publish` writes a new version, runs the caller's `check` on it (the builder's: full
-`validate_index`), marks it valid, renames it into place, moves `CURRENT` and prunes old
-versions, keeping the newest `keep` versions known valid (by marker, or validated once
-and marked). The server follows the root with `service/rollout/`.
+"""Atomic publishing of index versions under one root (docs/FORMAT.md "Publishing"): the
+versioned-root protocol of `contracts/versions.py` with the index's own validity check
+(`validate_index`). The server follows the root with `service/rollout/`.
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ __all__ = [
     "current_version",
     "is_marked_valid",
     "list_versions",
-    "mark_valid",
     "new_version_name",
     "prune",
     "publish",
@@ -47,11 +42,6 @@ log = logging.getLogger("grace.index_builder")
 def list_versions(root: Path) -> list[str]:
     """Complete index versions (with a manifest) under root, oldest first."""
     return versions.list_versions(root, MANIFEST)
-
-
-def mark_valid(directory: Path) -> None:
-    """Record that `directory` passed validation, tied to its manifest's exact bytes."""
-    versions.mark_valid(directory, MANIFEST)
 
 
 def is_marked_valid(directory: Path) -> bool:
@@ -73,7 +63,7 @@ def version_is_valid(root: Path, version: str) -> bool | None:
     except OSError as exc:
         log.warning("index %s cannot be checked, kept: %s", version, exc)
         return None
-    mark_valid(directory)
+    versions.mark_valid(directory, MANIFEST)  # tied to the manifest's exact bytes
     return True
 
 

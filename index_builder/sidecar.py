@@ -1,28 +1,18 @@
 """The index builder sidecar loop (`grace builder`): rebuild when the catalog or the
-model's SID space changes.
+model's SID space changes (docs/OPERATIONS.md).
 
-Runs beside each server (same pod, shared volume). At start and then every `interval`
-seconds it fingerprints the catalog; when it differs from the one the CURRENT index was
-built from (or there is no index yet), it builds and publishes a new version
-(`build.build_index`, atomic). SIDs come from a fixed SID tokenizer (`tokenizer`), a
-fixed named SID space (`sid_space`), the catalog alone, or — following the model (`grace
-builder --model`) — from `sids`, a callable asked at every check for the SID space of
-the model the server serves (`SidChoice`: the space's key and the model's tokenizer or
-space name). Following the model, a build also starts when that key differs from the
-`tokenizer_fingerprint` of the index the sidecar last saw published: publishing a model
-of a new SID space makes the sidecar build and publish an index for it, and the server
-swaps the pair in together (the coordinated rollout, docs/MODEL.md). A model of the same
-space builds nothing.
+Runs beside each server on a shared volume. At start and then every `interval` seconds it
+fingerprints the catalog and, when that differs from the CURRENT index's (or there is no
+index), builds and publishes a version (`build.build_index`). SIDs come from a fixed
+tokenizer, a named SID space, the catalog alone, or — following the model (`grace builder
+--model`) — `sids`, asked at every check for the served model's SID space (`SidChoice`);
+a model of a new SID space then also triggers a build, and the server swaps the pair in
+together. A failed build publishes nothing and is not retried until its inputs change;
+a tokenizer or model that does not exist yet is waited for. SIGTERM/SIGINT abandon a
+build at its next phase boundary, CURRENT untouched.
 
-A failed build publishes nothing, is logged with its reason and is not retried until
-the catalog (or, following the model, its SID space) changes again — a build whose
-written version fails validation (`IndexValidationError`) is such a failure. A tokenizer
-or a model that does not exist yet is waited for (logged once, no failure).
-SIGTERM/SIGINT stop the loop cleanly: a build in progress is abandoned
-at its next phase boundary, its temp dir removed, CURRENT untouched.
-
-This module imports no `service` or `cli` code (tests/test_layers.py): reading a model
-checkpoint or repository is the caller's `sids` (cli/index.py).
+No `service` or `cli` import (tests/test_layers.py): reading a model is the caller's
+`sids` (cli/index.py).
 """
 
 from __future__ import annotations
@@ -44,8 +34,8 @@ from index_builder.tokenizer import SIDTokenizer
 
 log = logging.getLogger("grace.builder")
 
-# what a build can fail with and the sidecar survives (IndexValidationError: the written
-# version failed the publisher's validation; it is a ValueError, named for the reader)
+# what a build can fail with and the sidecar survives (IndexValidationError, a ValueError,
+# named for the reader: the written version failed the publisher's validation)
 _BUILD_FAULTS = (CatalogError, BuildError, PublishError, IndexValidationError, OSError, ValueError)
 
 
@@ -196,12 +186,8 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
                     )
                     built, failed = want, None
                     stats.builds += 1
-                    log.info(
-                        "build %d ok: version %s in %.2fs",
-                        stats.builds,
-                        version,
-                        report.seconds.get("total", 0.0),
-                    )
+                    seconds = report.seconds.get("total", 0.0)
+                    log.info("build %d ok: version %s in %.2fs", stats.builds, version, seconds)
                 except BuildCancelled as exc:
                     log.info("build abandoned: %s", exc)
                     break

@@ -1,27 +1,9 @@
-"""SID tokenizer: content embeddings → Semantic IDs (docs/ARCHITECTURE.md §1, §3, §4).
+"""SID tokenizer: content embeddings → Semantic IDs (docs/TOKENIZER.md).
 
-The index builder calls `SIDTokenizer.assign` for catalog rows that carry an `embedding` but
-no `sid`; the trained tokenizer is stored beside the model, and every index records its
-`fingerprint` so the server can refuse an index built for another tokenizer.
-
-A SID has `levels + 1` tokens in [0, codebook_size) (4 tokens of 512 by default):
-
-- tokens 0 … levels-1 come from residual k-means (RQ-KMeans): level l's codebook clusters
-  the residual that the levels before it left, and an embedding takes its nearest code
-  (squared L2; ties go to the lowest code);
-- the last token, by `TokenizerConfig.last_token` (`last_token.py`):
-  - "rank" (default): it tells apart the ads that share a prefix (TIGER): they are ranked by
-    the norm of their final residual, then by input order, and the rank picks the token.
-    Tokens held by `reserved` SIDs (catalog rows with explicit SIDs) are skipped while the
-    prefix has room. A prefix with more ads than codes wraps (rank mod codebook_size), so
-    several ads share a full SID;
-  - "code": it is one more RQ-KMeans level (`levels + 1` codebooks), so ads with
-    near-identical embeddings (one creative) share the whole SID; `reserved` SIDs change
-    nothing.
-  The SID → ad index maps a SID to a range of ads, so shared SIDs are legal, and
-  `CollisionReport` counts them.
-
-On disk: `contracts/tokenizer_format.py` (the config, the fingerprint, the files).
+The index builder calls `SIDTokenizer.assign` for catalog rows that carry an `embedding`
+but no `sid`; every index records the tokenizer's `fingerprint`, so the server can refuse
+an index built for another. A SID is `levels` RQ-KMeans codes (`kmeans.py`) and a last
+token (`last_token.py`: "rank" or "code"). On disk: `contracts/tokenizer_format.py`.
 """
 
 from __future__ import annotations
@@ -105,8 +87,7 @@ class SIDTokenizer:
     ) -> np.ndarray:
         """int32 [N, levels]: the RQ codes of each embedding's prefix (every token but the
         last, in either mode)."""
-        codebooks = self.codebooks[: self.config.levels]
-        return self._encode(embeddings, device, workers, codebooks)[0]
+        return self._encode(embeddings, device, workers, self.config.levels)[0]
 
     def reconstruct(self, prefix: np.ndarray) -> np.ndarray:
         """float32 [N, dim]: the sum of the codes a prefix [N, l <= rq_levels] names (in
@@ -126,16 +107,9 @@ class SIDTokenizer:
         workers: int | None = None,
     ) -> tuple[np.ndarray, CollisionReport]:
         """int32 [N, levels + 1] full SIDs, in input order, and the catalog's collisions
-        (the new ads plus `reserved`).
-
-        "rank" mode: the last token ranks the ads of a prefix, skipping tokens `reserved`
-        holds while the prefix has room (`last_token.complete_sids`). "code" mode: the SID is
-        the `levels + 1` RQ codes, whatever `reserved` holds (shared SIDs are legal); a new
-        ad landing on a reserved SID counts as sharing it (`last_token.code_sids`).
-        `device`/`workers`: where the RQ codes are computed (see `kmeans.rq_encode`; None
-        workers: every CPU); the SIDs do not depend on `workers`, and on a GPU differ from
-        the CPU's only where a code is a near-tie.
-        """
+        (the new ads plus `reserved`; how each mode treats them: `last_token.py`).
+        `device` / `workers` (None: every CPU): where the RQ codes are computed
+        (`kmeans.rq_encode`)."""
         codes, residual_norm = self._encode(embeddings, device, workers)
         taken = self._check_reserved(reserved)
         k = self.config.codebook_size
@@ -165,17 +139,13 @@ class SIDTokenizer:
         )
 
     def _encode(
-        self,
-        embeddings: np.ndarray,
-        device: str = "cpu",
-        workers: int | None = None,
-        codebooks: np.ndarray | None = None,  # default: every level (self.codebooks)
+        self, embeddings: np.ndarray, device: str, workers: int | None, levels: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """int32 [N, rq_levels] codes and float32 [N] squared norms of the final residual."""
+        """int32 [N, levels] codes (default: every level) and float32 [N] squared norms of
+        the final residual."""
         x = _check_matrix(embeddings, self.dim)
         threads = default_workers() if workers is None else workers
-        books = self.codebooks if codebooks is None else codebooks
-        return rq_encode(books, x, device=device, workers=threads)
+        return rq_encode(self.codebooks[:levels], x, device=device, workers=threads)
 
     def _check_reserved(self, reserved: np.ndarray | None) -> np.ndarray:
         width = self.config.levels + 1

@@ -1,7 +1,7 @@
 """GTM SID trie construction: sorted SIDs + per-ad matchers -> CSR trie with deduplicated
 matcher tables (paper §3.5 and Appendix A; docs/ARCHITECTURE.md §3).
 
-Sits between the catalog (ads already sorted by SID) and `format.write_index_dir`. Nodes
+Sits between the catalog (ads sorted by SID) and `index_format.write_index_dir`. Nodes
 are numbered breadth-first and lexicographically within a depth: the root is 0, then
 every depth-1 prefix, … , then the leaves (full SIDs). Children of a node are therefore
 contiguous and in token order, and child entry j always leads to node j + 1.
@@ -24,8 +24,8 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser: a bijection on uint64 with full avalanche."""
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser: a bijection on uint64 [n] with full avalanche."""
     x = (x ^ (x >> np.uint64(30))) * _M1
     x = (x ^ (x >> np.uint64(27))) * _M2
     return x ^ (x >> np.uint64(31))
@@ -46,7 +46,7 @@ def _row_hash(rows: np.ndarray, workers: int) -> np.ndarray:
     def part(lo: int, hi: int) -> None:
         x = np.zeros(hi - lo, dtype=np.uint64)
         for w in range(rows.shape[1]):
-            x = _splitmix64(x ^ rows[lo:hi, w] + _MIX)
+            x = splitmix64(x ^ rows[lo:hi, w] + _MIX)
         h[lo:hi] = x
 
     parallel.run(part, parallel.ranges(len(rows), workers), workers)
@@ -56,13 +56,11 @@ def _row_hash(rows: np.ndarray, workers: int) -> np.ndarray:
 def dedup_rows(rows: np.ndarray, workers: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Unique rows of a uint64 [n, W] table: (table [R, W], index int32 [n]), rows == table[index].
 
-    Hashes each row to one uint64 and sorts the hashes (one sort of n scalars instead of a
-    row-wise sort): first the top hash bits packed with the row position into one int64
-    (numpy's vectorised sort of plain values, faster than an argsort), then, if two
-    distinct rows share those top bits, the full hashes; every result is verified, and a
-    full-hash collision between distinct rows falls back to numpy's row-wise unique. The
-    table is ordered by hash and does not depend on `workers` (threads for hashing and
-    verifying).
+    Hashes each row to one uint64 and sorts scalars instead of rows: first the top hash
+    bits packed with the row position (`parallel.stable_argsort`'s trick), then, if
+    distinct rows share those bits, the full hashes; every result is verified, and a
+    full-hash collision falls back to numpy's row-wise unique. The table is ordered by
+    hash, whatever `workers` (threads hashing and verifying).
     """
     if len(rows) == 0:
         return rows.copy(), np.zeros(0, dtype=np.int32)
@@ -101,11 +99,6 @@ def _groups(
     return None
 
 
-def popcount_rows(rows: np.ndarray) -> np.ndarray:
-    """Set bits per row of a uint64 [n, W] table -> int64 [n]."""
-    return np.bitwise_count(rows).sum(axis=1, dtype=np.int64)
-
-
 def popcount_total(rows: np.ndarray, workers: int = 1) -> int:
     """Set bits in a whole uint64 [n, W] table."""
 
@@ -136,15 +129,12 @@ class TrieBuild:
 
 
 def build_trie(
-    sids: np.ndarray, ad_bitmask: np.ndarray, ad_bloom: np.ndarray, workers: int = 1
+    sids: np.ndarray,  # int [N, SID_LENGTH], sorted (several ads may share a SID)
+    ad_bitmask: np.ndarray,  # uint64 [N, BITMASK_WORDS]
+    ad_bloom: np.ndarray,  # uint64 [N, BLOOM_WORDS]
+    workers: int = 1,  # threads for the subtree ORs, hashing and checks: same arrays for any
 ) -> TrieBuild:
-    """Build the CSR trie from ads sorted by SID.
-
-    sids: int [N, SID_LENGTH], sorted lexicographically (several ads may share a SID);
-    ad_bitmask: uint64 [N, BITMASK_WORDS]; ad_bloom: uint64 [N, BLOOM_WORDS].
-    `workers` threads share the subtree ORs, hashing and checks; the arrays are the same
-    for any count.
-    """
+    """The CSR trie of ads sorted by SID."""
     n = len(sids)
     if n == 0:
         raise ValueError("cannot build a trie from an empty catalog")
@@ -188,11 +178,9 @@ def build_trie(
     bl_table, bl_index = dedup_rows(entry_bl, workers)
 
     first_leaf = np.concatenate([[0], *firsts]).astype(np.int64)
-    leaf_count = np.empty(num_nodes, dtype=np.int64)
-    leaf_count[0] = num_leaves
-    for depth, first in enumerate(firsts, start=1):
-        lo = level_offsets[depth]
-        leaf_count[lo : lo + len(first)] = np.diff(np.append(first, num_leaves))
+    # nodes are numbered depth by depth, so the per-depth counts concatenate in order
+    counts = [np.diff(np.append(first, num_leaves)) for first in firsts]
+    leaf_count = np.concatenate([[num_leaves], *counts]).astype(np.int64)
 
     trie = TrieArrays(
         node_offsets=node_offsets.astype(np.int32),
@@ -204,10 +192,8 @@ def build_trie(
         bloom_table=bl_table,
         level_offsets=np.array(level_offsets, dtype=np.int64),
     )
-    leaf_sids = np.stack(
-        [(leaf_keys // VOCAB_SIZE ** (SID_LENGTH - 1 - t)) % VOCAB_SIZE for t in range(SID_LENGTH)],
-        axis=1,
-    ).astype(np.int16)
+    place = VOCAB_SIZE ** np.arange(SID_LENGTH - 1, -1, -1)  # each token's place in a key
+    leaf_sids = (leaf_keys[:, None] // place % VOCAB_SIZE).astype(np.int16)
     return TrieBuild(
         trie=trie,
         leaf_ad_offsets=np.append(leaf_first_ad, n).astype(np.int64),

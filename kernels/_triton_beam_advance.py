@@ -1,16 +1,8 @@
-"""Triton beam advance: one step's bookkeeping after top-k in one launch, the GPU fast
-path behind `kernels.beam_advance.beam_advance` (pipeline stage 3, the fixed-shape
-engine `service/decode/engine.py`).
-
-One program handles BLOCK of the B·keep kept slots: from each slot's position in its
-request's M·V candidates it derives the parent row and token, tests liveness (a finite
-score) and reads the trie's
-child node of (parent, token), parking dead slots on `dead_node`. Eager torch spends
-about ten small launches on this per step and part; their launch gaps, not their bytes,
-are the cost (a batch of 16 moves under 1 MB here).
-
-Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before
-this module is imported.
+"""Triton beam advance: one step's bookkeeping after top-k in one launch, the GPU path
+behind `kernels.beam_advance.beam_advance`. One program handles BLOCK of the B·keep kept
+slots: parent row and token from the slot's position, liveness (a finite score), the
+trie's child node of (parent, token), dead slots parked on `dead_node`. Eager torch
+spends about ten small launches on this; their gaps, not their bytes, are the cost.
 """
 
 from __future__ import annotations

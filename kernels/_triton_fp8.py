@@ -1,12 +1,8 @@
 """The per-row e4m3 quantisation of the FP8 decoder step on the GPU: `quantize_rows_fp8`,
-which FP8-emitting kernels share (`_triton_layer_norm` and `_triton_self_attention`
-with FP8_OUT, `_triton_fp8_ffn` per 128 columns) on the fp32 rows they already hold, and
-`triton_quantize_rows`, one pass over a tensor for the input no kernel emits in FP8 (the
-cross-attention output) — the same numbers as `kernels.fp8.quantize_rows`' torch
-reference.
-
-Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before
-this module is imported.
+which FP8-emitting kernels share (`_triton_layer_norm` and `_triton_self_attention` with
+FP8_OUT, `_triton_fp8_ffn` per 128 columns) on the fp32 rows they hold, and
+`triton_quantize_rows`, one pass over a tensor no kernel emits in FP8 (the cross-attention
+output): the numbers of `kernels.fp8.quantize_rows_reference`.
 """
 
 from __future__ import annotations
@@ -26,10 +22,9 @@ FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # the smallest normal fp32
 def quantize_rows_fp8(y, ok):
     """fp32 rows y [ROWS, BLOCK] (`ok`: the real elements) -> (y / scale clamped to ±448,
     ready to cast to e4m3; the fp32 scale [ROWS]), the numbers of
-    `kernels.fp8.quantize_rows_reference`: scale = amax / 448, 1 for a zero row, never
-    below the smallest normal fp32; one division per row, a multiply per element. IEEE
-    divisions (div_rn), as torch divides: compiled Triton's `/` is the approximate one
-    (2 ulp), which would move values across e4m3 rounding ties now and then."""
+    `kernels.fp8.quantize_rows_reference`. IEEE divisions (div_rn), as torch divides:
+    compiled Triton's `/` is the approximate one (2 ulp), which would move values across
+    e4m3 rounding ties now and then."""
     amax = tl.max(tl.where(ok, tl.abs(y), 0.0), axis=1)
     scale = tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, E4M3_MAX), FP32_TINY), 1.0)
     inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)

@@ -1,9 +1,5 @@
 """Triton: the FP8 decoder step's FFN up projection with its bias, GELU and e4m3
-quantisation in the GEMM's epilogue, the GPU fast path behind `kernels.fp8_ffn.fp8_up_gelu`
-(pipeline stage 3; docs/FP8.md).
-
-    GELU((xq · sx) @ (wq · sw).T + bias) -> e4m3 [R, N] + fp32 scales [R, ceil(N / 128)]
-
+quantisation in the GEMM's epilogue, the GPU path behind `kernels.fp8_ffn.fp8_up_gelu`.
 A program's tile is 128 columns wide (`SCALE_BLOCK`), so each row of the tile gets its
 own scale (its amax / 448, `_triton_fp8.quantize_rows_fp8`) and the activation never
 reaches memory in bf16: no bias + GELU + quantise pass of its own. The down projection
@@ -12,13 +8,9 @@ the scales can be written M-major (strides (1, R)), the layout it takes.
 
 The kernel is persistent: one or two programs per SM walk the tiles, loading them by
 TMA and storing the codes by TMA, the next tile's loads issued under this one's
-epilogue; so K and N must be multiples of 16 (`tma_loadable`; other shapes take the
-reference, `kernels.fp8_ffn`). On sm90 Triton chains the FP8 MMAs over all of K in the
-tensor cores' reduced precision (its default `max_num_imprecise_acc`), where cuBLASLt
-adds in fp32; docs/FP8.md measures the quality on a trained model.
-
-Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before
-this module is imported.
+epilogue; so K and N must be multiples of 16 (`tma_loadable`). On sm90 Triton chains the
+FP8 MMAs over all of K in the tensor cores' reduced precision (its default
+`max_num_imprecise_acc`), where cuBLASLt adds in fp32: docs/FP8.md measures the quality.
 """
 
 from __future__ import annotations
@@ -67,9 +59,8 @@ def _epilogue(acc, rows, cols, R, sx_ptr, sw_ptr, b_ptr, N: tl.constexpr, TANH: 
     return quantize_rows_fp8(y, row_ok[:, None] & col_ok[None, :])
 
 
-# BLOCK_M, BLOCK_K, warps, stages and OCC, the programs each SM holds (two let one
-# program's epilogue run beside the other's MMAs); BLOCK_N is SCALE_BLOCK (one scale per
-# tile row); the default is the untuned launch's
+# BLOCK_N is SCALE_BLOCK (one scale per tile row); OCC: the programs each SM holds (two let
+# one program's epilogue run beside the other's MMAs); the default is the untuned launch's
 TMA_DEFAULT = triton.Config({"BLOCK_M": 128, "BLOCK_N": SCALE_BLOCK, "BLOCK_K": 128, "OCC": 1},
                             num_warps=8, num_stages=3)  # fmt: skip
 
@@ -200,8 +191,7 @@ def triton_fp8_up_gelu(
     config: triton.Config | None = None,  # one config (tests sweep them); None: autotuned
 ) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, N], fp32 [R, ceil(N / 128)] M-major
     """GELU(xq·xs @ (w.q·w.scale).T + bias), quantised per row and 128 columns, the
-    scales M-major (strides (1, R): cuBLASLt's 1 x 128 layout). On a GPU the tanh GELU
-    takes its tanh from the hardware's `tanh.approx.f32`."""
+    scales M-major (strides (1, R): cuBLASLt's 1 x 128 layout)."""
     r, k = xq.shape
     n = w.q.shape[0]
     assert xq.stride(1) == 1 and w.q.shape[1] == k and w.q.is_contiguous()

@@ -1,25 +1,16 @@
-"""Triton body and launcher of the CD+GTM mask (ARCHITECTURE.md §7); `kernels.gtm_mask` dispatches.
+"""Triton body and launcher of the CD+GTM mask; `kernels.gtm_mask` dispatches here.
 
-One program per beam row. It walks the row's trie node's child range (CSR
-`node_offsets`) in chunks of BLOCK_C children; per chunk: CD (the children exist), then
-— in GTM mode — the bitmask test against the request's bitmask row, then, only for the
-children that passed, the Bloom test ANY-of-many over the request's L location rows.
-It writes the whole output row: −inf / −1 everywhere, then the allowed tokens' logits
-and child nodes, then goes on to the decode loop's candidate scores in the same program
-— the row's log-softmax plus the row's accumulated score (`kernels.gtm_mask.candidates`)
-— so the loop runs no separate cast, log-softmax, add and fill passes over `[R, V]`.
-The log-softmax is over the allowed tokens ("masked" scoring), or with UNMASKED the
-model's own over the whole logits row (its max and sum from one more read of the V
-logits), barred tokens −inf either way. Logits may be float32
-or bfloat16/float16 (read as fp32). The masked softmax takes "allowed" as "written with a
-finite logit": a NaN logit (a broken model) becomes a −inf candidate here, where the
-unfused reference would carry the NaN; the unmasked one, like the reference, carries a
-NaN anywhere in the row into the row's allowed candidates.
-Fixed shapes, no host syncs: the launch can sit inside a CUDA graph
-(after one eager warm-up call, which autotunes).
-
-Tables are int64 views of the uint64 words (`kernels.gtm_mask.GtmTables`); Triton's
-bitwise ops and equality on int64 give the same bits.
+One program per beam row walks the row's trie node's child range (CSR `node_offsets`) in
+chunks of BLOCK_C children: CD (the children exist), then in GTM mode the bitmask test
+and, only for the children that passed, the Bloom test ANY-of-many over the request's L
+location rows. It writes the whole output row (−inf / −1, then the allowed tokens' logits
+and child nodes) and turns it into the candidate scores in the same program, so the loop
+runs no separate cast, log-softmax, add and fill passes over `[R, V]`. The masked softmax
+takes "allowed" as "written with a finite logit": a NaN logit (a broken model) becomes a
+−inf candidate here, where the unfused reference would carry the NaN; the unmasked one,
+like the reference, carries a NaN anywhere in the row into the row's allowed candidates.
+Fixed shapes, no host syncs: the launch can sit inside a CUDA graph (after one eager
+warm-up call, which autotunes). Tables are int64 views: `contracts.tensors`.
 """
 
 from __future__ import annotations
@@ -115,9 +106,8 @@ def _gtm_mask_kernel(
             while (l0 < L) & (tl.max(need.to(tl.int32), axis=0) > 0):
                 ls = l0 + lanes_l
                 contained = need[:, None] & (ls < L)[None, :]  # [BLOCK_C, BLOCK_L]
-                # word by word keeps one [BLOCK_C, BLOCK_L] tile live, not W_BL of them;
-                # re-reading a matcher word is an L1 hit, and only lanes still
-                # searching read it
+                # word by word: one [BLOCK_C, BLOCK_L] tile live, not W_BL; re-reading a
+                # matcher word is an L1 hit, and only lanes still searching read it
                 for w in tl.static_range(W_BL):
                     q = tl.load(req_blooms + ls * W_BL + w, mask=ls < L, other=0)
                     m = tl.load(bloom_table_ptr + bl_row * W_BL + w, mask=need, other=0)
@@ -202,9 +192,8 @@ def gtm_mask_triton(
     scoring: Scoring = "masked",  # the log-softmax over the allowed tokens, or the row
     config: dict[str, int] | None = None,  # BLOCK_C, BLOCK_L, num_warps; None: autotune
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (candidates float32 [R, V], child int32 [R, V])
-    """Launch the mask kernel: one program per row, every output element written: the
-    candidates `kernels.gtm_mask.candidates(score, masked, allowed, scoring=scoring,
-    logits=logits)` and the allowed tokens' child nodes."""
+    """`kernels.gtm_mask.masked_candidates` for CD_ONLY (`gtm=False`) and CD_GTM: one
+    program per row, every output element written."""
     rows = node_ids.shape[0]
     floats = (torch.float32, torch.bfloat16, torch.float16)
     assert logits.dtype in floats and logits.dim() == 2, (logits.dtype, logits.shape)
@@ -240,9 +229,8 @@ def gtm_mask_triton(
         logits, masked, child, node_ids, row_request,
         t.node_offsets, t.child_nodes, t.tokens, t.bitmask_index, t.bloom_index,
         t.bitmask_table, t.bloom_table, req_bitmask, req_blooms, score,
-        # the key R is the rows rounded up to a power of two: a server's part-sized row
-        # counts (bucket 12: 6 144 rows) reuse the tuning of the next power of two instead
-        # of autotuning every bucket's shapes at start-up
+        # the key R, rows rounded up to a power of two: part-sized row counts reuse the
+        # next power's tuning instead of autotuning every bucket's shapes at start-up
         logits.stride(0), triton.next_power_of_2(rows), n_loc,
     )  # fmt: skip
     meta = {

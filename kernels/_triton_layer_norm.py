@@ -1,23 +1,11 @@
-"""Triton LayerNorm over a shifted input, `LN(x + shift)`: the GPU fast path behind
-`kernels.layer_norm.layer_norm` (pipeline stage 3, the fused decoder step).
-
-One program normalises `ROWS` rows of width D (the whole row in one block), in fp32,
-and writes them in x's dtype — or, with `FP8_OUT`, quantised for the FP8 GEMM that reads
-them (`kernels/fp8.py`): each row divided by its scale (its amax / 448; 1 for a zero row,
-never below the smallest normal fp32), clamped to ±448 and cast to e4m3, the scale
-written beside it. The quantisation costs no pass of its own: the row is in registers.
-The fp32 `shift` vector is the bias the fused decoder step has not yet added to its
-residual stream (`service/decode/step.py`): adding it here, on the way in, costs no
-extra pass over the bytes.
-
-With a `residual` the kernel first adds a pending projection to the residual stream,
-`x + residual` rounded to x's dtype (what `x += residual` would store), normalises that
-sum and, with `STORE_SUM`, writes it out as the stream's next value: the FP8 step's
-GEMMs cannot accumulate into the stream (`torch._scaled_mm` has no `beta`), so the add
-rides in the LayerNorm that reads the stream next instead of a pass of its own.
-
-Runs under `TRITON_INTERPRET=1` on CPU tensors (tests); that switch must be set before
-this module is imported.
+"""Triton LayerNorm of `x + shift`, with an optional pending `residual` added to x first:
+the GPU path behind `kernels.layer_norm` (which says why both ride here). One program
+normalises `ROWS` rows of width D (the whole row in one block) in fp32 and writes them in
+x's dtype or, with `FP8_OUT`, quantised per row for the FP8 GEMM that reads them
+(`_triton_fp8.quantize_rows_fp8`). The row is in registers, so neither the adds nor the
+quantisation cost a pass over the bytes of their own. With `STORE_SUM` it also writes
+`x + residual` (rounded to x's dtype, as `x += residual` would store it) as the residual
+stream's next value.
 """
 
 from __future__ import annotations

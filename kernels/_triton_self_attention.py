@@ -1,13 +1,11 @@
-"""Triton kernels of the short-sequence self-attention (paper §4.2–4.3, docs/ARCHITECTURE.md §7).
-
-Private to `kernels/self_attention.py`, which dispatches here for CUDA tensors. One jit
-body, three variants by `tl.constexpr` flags:
+"""Triton kernels of the short-sequence self-attention (paper §4.2–4.3), private to
+`kernels/self_attention.py`, which dispatches here for CUDA tensors. One jit body, three
+variants by `tl.constexpr` flags:
 - coalesced (FUSED=False): queries `[R, H, d_h]` against pre-gathered keys/values
   `[R, T, H, d_h]`;
 - fused (FUSED=True): q, k, v read straight from the QKV projection output; the new k/v
   written into the dense cache at position T (unless STORE=False: the last SID position,
-  which no later step reads) and attended from registers; tokens 0..T-1 read from the
-  cache;
+  which no later step reads) and attended from registers, tokens 0..T-1 from the cache;
 - paged (FUSED=True, PAGED=True): the same, every token addressed through the block
   table (a block = one beam row × one token × all heads).
 With FP8_OUT (fused variants) the output is written as e4m3 rows and one fp32 scale
@@ -21,16 +19,11 @@ Work split: a query is one (row, head) pair, flattened n = r * H + h, and a prog
 takes BLOCK_N consecutive ones, i.e. G = BLOCK_N / H whole beam rows when BLOCK_N ≥ H.
 Why flattened rather than G rows of one head: a row's H heads are one contiguous H·d_h
 span in q, qkv, out and in every cached token (dense row or paged block), so each load
-of a tile is one contiguous BLOCK_N·d_h run (4 KiB at BLOCK_N = 16, bf16) rather than G
-256-byte pieces 4 KiB apart; one block id serves all H heads of a row inside the tile
-(one-head tiles would read every id H times); and tiles stay full whatever H is. The
-step is bound by HBM bytes (≈ 1 FLOP per byte loaded), so the tile exists for wide,
-contiguous loads and enough bytes in flight per SM, not for FLOPs.
-
-At ~370 lines this is longer than the house's modules: one jit body serves the three
-variants and their FP8 output, and its launcher, autotuning configs and the two entry
-points that check the layouts it assumes belong beside it (split, the layout checks
-would sit a module away from the kernel that relies on them).
+of a tile is one contiguous BLOCK_N·d_h run rather than G pieces a row apart; one block
+id serves all H heads of a row inside the tile (one-head tiles would read every id H
+times); and tiles stay full whatever H is. The step is bound by HBM bytes (≈ 1 FLOP per
+byte loaded), so the tile exists for wide, contiguous loads and enough bytes in flight
+per SM, not for FLOPs.
 """
 
 from __future__ import annotations
@@ -50,15 +43,14 @@ from kernels._tuning import AUTOTUNE
 #   wasted FLOPs grow with BLOCK_N, hence the cap;
 # - diagonal: the same block diagonal computed directly on CUDA cores, token by token
 #   ([BLOCK_N, d_h] tiles, multiply and reduce over d_h, online softmax): no wasted FLOPs,
-#   and fewer registers (ptxas, sm_90, fused t = 3, BLOCK_N 16 × 4 warps: 95 vs 112).
+#   and fewer registers.
 
 
 def _keep(block_n: int, masked_dot: bool, warps: int) -> bool:
     if masked_dot and block_n > 32:  # the score tile grows as BLOCK_N²: FLOPs stop being free
         return False
     # 4..16 elements of a [BLOCK_N, d_h = 128] tile per thread: more spills registers in
-    # the fused step (ptxas, sm_90: BLOCK_N 32 × 4 warps needs 167 registers, 64 × 4
-    # spills), fewer leaves threads without loads to keep in flight
+    # the fused step, fewer leaves threads without loads to keep in flight
     return 1 <= block_n // warps <= 4
 
 
@@ -115,8 +107,8 @@ def _self_attn_kernel(
     s_tr,  # table strides
     s_tt,
     qk_scale,  # log2(e) / sqrt(D): softmax in base 2
-    N_BUCKET,  # n_queries rounded up to a power of two: the autotune key (a server's
-    # part-sized row counts, e.g. bucket 12's 6 144 rows, reuse the next power's tuning)
+    N_BUCKET,  # n_queries rounded up to a power of two: the autotune key (part-sized
+    # row counts reuse the next power's tuning)
     H: tl.constexpr,
     D: tl.constexpr,
     T: tl.constexpr,  # tokens read from memory; FUSED adds the new one at position T
@@ -341,7 +333,6 @@ def fused_self_attention_triton(
     fp8_out: bool = False,  # return (e4m3 [R, H·d_h], fp32 scale [R, 1]) for an FP8 GEMM
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [R, H, d_h]
     """Write the new k/v at position t, attend over 0..t: one pass over the step's bytes.
-
     Read 3·H·d_h + 2·t·H·d_h elements a row, write 2·H·d_h (store) + H·d_h. Paged: the
     blocks `block_table[:, t]` must be distinct and not among any row's blocks 0..t-1
     (fresh blocks, as `PagedKVCache` allots); blocks 0..t-1 may be shared.

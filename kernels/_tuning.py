@@ -1,12 +1,8 @@
-"""What the Triton launchers share about where they run: whether they autotune, whether
-Triton's interpreter runs them, and the Hopper limits the persistent kernels size their
-grids and tiles by.
-
-AUTOTUNE: the launchers autotune (the default: benches and the server) or run each
-kernel's fixed default config. The test suite sets `GRACE_AUTOTUNE=0` (tests/conftest.py)
-so a GPU test run does not benchmark every config at every awkward shape it checks; tests
-that sweep configs pass them explicitly. `grace train` and `grace eval` set it too unless
-asked (`cli/common.py::offline_kernels`). Both switches are read once, at import.
+"""What the Triton launchers share about where they run: whether they autotune (the
+default) or run each kernel's fixed default config (`GRACE_AUTOTUNE=0`: the tests, so a GPU
+run does not benchmark every config at every awkward shape; `grace train` and `grace eval`,
+`cli/common.py::offline_kernels`), whether Triton's interpreter runs them (both read once,
+at import), and the Hopper limits the persistent kernels size their grids and tiles by.
 """
 
 import functools

@@ -1,11 +1,8 @@
-"""One decode step's bookkeeping after top-k (pipeline stage 3; docs/ARCHITECTURE.md §2): from each
-request's kept candidates to the next step's rows — scores, parent rows, tokens,
-liveness and trie nodes.
-
+"""One decode step's bookkeeping after top-k (pipeline stage 3): from each request's kept
+candidates to the next step's rows — scores, parent rows, tokens, liveness and trie nodes.
 `parents_and_tokens` is the one home of how a kept candidate's position maps to its
-parent row and token.
-Dispatcher: the Triton kernel (`_triton_beam_advance`, one launch instead of ~10) on CUDA
-tensors, the torch reference elsewhere (the CPU path).
+parent row and token. The Triton kernel (`_triton_beam_advance`, one launch instead of
+~10) on CUDA tensors, the torch reference elsewhere.
 """
 
 from __future__ import annotations

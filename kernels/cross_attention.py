@@ -1,16 +1,14 @@
 """Cross-attention of beam rows to their request's context (paper §4.1, eq. 11–12), for the
-decoder step of pipeline stage 3.
+decoder step of pipeline stage 3. Beam-as-query keeps K/V per request `[B, H, T_ctx, d_h]`
+and views the beam rows of one request as its query sequence, so every K/V tile load
+serves all M beams of the request.
 
-Beam-as-query keeps K/V per request `[B, H, T_ctx, d_h]` and views the beam rows of one
-request as its query sequence, so every K/V tile load serves all M beams of the request.
-
-`cross_attention` is the dispatcher the decoder step calls. Backends (`BACKENDS`):
-- "sdpa_cudnn": PyTorch SDPA pinned to cuDNN on the `[B, H, M, d_h]` view — the CUDA
-  path for bf16/fp16, the fastest measured (docs/PERFORMANCE.md, Table 4 analogue);
-- "sdpa_efficient": SDPA's memory-efficient kernel, the CUDA path for fp32 (cuDNN has
-  none);
+Backends (`BACKENDS`) of `cross_attention`:
+- "sdpa_cudnn": SDPA pinned to cuDNN on the `[B, H, M, d_h]` view — the CUDA path for
+  bf16/fp16, the fastest measured (docs/PERFORMANCE.md);
+- "sdpa_efficient": SDPA's memory-efficient kernel, the CUDA path for fp32 (no cuDNN);
 - "reference": SDPA in fp32 on the same view — the CPU path and the tests' oracle.
-The per-beam layout the benchmark compares lives in `bench/baselines/cross_attention.py`.
+The per-beam layout the benchmark compares is `bench/baselines/cross_attention.py`.
 """
 
 from __future__ import annotations

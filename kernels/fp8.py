@@ -9,20 +9,16 @@ and `Fp8Linear`, the layer a model's `nn.Linear` becomes once at load
 
 x ≈ q · scale row by row, with q = x · (1 / scale) rounded to nearest-even on the e4m3 grid and
 clamped to ±448 (e4m3's largest finite value), so no value saturates to NaN; a row of
-zeros gets scale 1. The LayerNorm kernel quantises its own output the same way
-(`kernels.layer_norm.add_layer_norm_fp8`), so the QKV, cross-attention query and FFN up
-projections read FP8 straight from it (`fp8_gemm`), and so does the self-attention output
-projection from the self-attention kernel (`kernels.self_attention`, `fp8_out`); the
-cross-attention output is still quantised here, in a pass of its own (`fp8_matmul`; on
-CUDA one Triton kernel, `_triton_fp8.triton_quantize_rows`). The same
-`torch._scaled_mm` call runs on CPU (the numerics CI checks) and on CUDA (cuBLASLt FP8 on
-Hopper); a K or N that is not a multiple of 16 (which cuBLASLt refuses) takes the
-reference: the same quantised numbers multiplied in fp32.
+zeros gets scale 1. The LayerNorm and self-attention kernels quantise their own output the
+same way, so most projections read FP8 straight from them (`fp8_gemm`); the
+cross-attention output is quantised in a pass of its own (`fp8_matmul`). The same
+`torch._scaled_mm` call runs on CPU (the numerics CI checks) and on CUDA (cuBLASLt); a K
+or N that cuBLASLt refuses takes the same quantised numbers multiplied in fp32.
 
-The FFN's down projection reads finer scales, one per row and 128 columns, which its
-producer takes inside the up GEMM's epilogue (`kernels.fp8_ffn`): `quantize_row_blocks`
-is that layout's reference, `Fp8BlockWeight` the down weight with one scale per 128 x 128
-block, and `block_fp8_gemm` their product (cuBLASLt's block-scaled GEMM on CUDA).
+The FFN's down projection reads one scale per row and 128 columns, which the up GEMM's
+epilogue writes (`kernels.fp8_ffn`): `quantize_row_blocks` is that layout's reference,
+`Fp8BlockWeight` the down weight with one scale per 128 x 128 block, and `block_fp8_gemm`
+their product (cuBLASLt's block-scaled GEMM on CUDA).
 """
 
 from __future__ import annotations
@@ -43,9 +39,8 @@ E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _ALIGN = 16  # cuBLASLt FP8: K and N multiples of 16 (any row count)
 _TINY = torch.finfo(torch.float32).tiny  # the smallest normal fp32
 SCALE_BLOCK = 128  # the FFN down projection's scales: 1 x 128 (input), 128 x 128 (weight)
-# cuBLASLt's block-scaled GEMM takes row counts in multiples of this: on the H200 it ran
-# 4, 8, 12, 16 and 24 rows and refused 1, 2, 3 and 6 (step 0 of a small batch), so such
-# counts are padded with zero rows
+# cuBLASLt's block-scaled GEMM refuses some row counts (1, 2, 3, 6: step 0 of a small
+# batch) and runs multiples of this: other counts are padded with zero rows
 BLOCK_GEMM_ROWS = 4
 
 
@@ -113,9 +108,7 @@ def fp8_gemm(
 ) -> torch.Tensor:
     """(xq · xs) @ w.T (+ bias) -> [R, N] for activations quantised already (by the
     kernel that made them: `kernels.layer_norm.add_layer_norm_fp8`). The bias rides in the
-    GEMM (cuBLASLt's epilogue on CUDA): a separate add would be one more pass over the
-    output, which costs more than the bias epilogue at the decoder's shapes
-    (docs/FP8.md)."""
+    GEMM's epilogue: a separate add would be one more pass over the output."""
     k, n = xq.shape[1], w.q.shape[0]
     if k % _ALIGN or n % _ALIGN:  # any row count is fine; K and N must be multiples of 16
         out = _reference(xq, xs, w)
@@ -215,11 +208,10 @@ def block_fp8_reference(hq: torch.Tensor, hs: torch.Tensor, w: Fp8BlockWeight) -
 
 
 class Fp8Linear(nn.Module):
-    """An `nn.Linear` with its weight quantised once (`of`): per output channel
-    (`Fp8Weight`), or per 128 x 128 block (`Fp8BlockWeight`, `block=True`: the FFN down
-    projection, whose input the up GEMM's epilogue quantises per 1 x 128). The bias stays
-    in the model's dtype. `forward` quantises its input itself; the FP8 decoder step
-    hands the GEMMs inputs that the kernels before them quantised already."""
+    """An `nn.Linear` with its weight quantised once (`of`): per output channel, or per
+    128 x 128 block (`block=True`: the FFN down projection). The bias stays in the model's
+    dtype. `forward` quantises its input itself; the FP8 decoder step hands the GEMMs
+    inputs that the kernels before them quantised already."""
 
     def __init__(self, weight: Fp8Weight | Fp8BlockWeight, bias: torch.Tensor | None) -> None:
         super().__init__()

@@ -3,12 +3,8 @@
     LN kernel ─► e4m3 x + row scales ─► `fp8_up_gelu` ─► e4m3 h + 1 x 128 scales
               ─► `kernels.fp8.block_fp8_gemm` (128 x 128 weight scales) ─► bf16 out
 
-`fp8_up_gelu` is the up projection with its bias, the model's GELU and the quantisation
-of its output in one kernel (`_triton_fp8_ffn`: the GEMM's epilogue, one scale per row
-and 128 columns, written M-major for cuBLASLt) on CUDA where K and N are multiples of
-16; elsewhere (CPU serving, other shapes and the tests' oracle) `fp8_up_gelu_reference`:
-the fp32 product of the dequantised operands, torch's GELU,
-`kernels.fp8.quantize_row_blocks`.
+`fp8_up_gelu` is one kernel on CUDA where K and N are multiples of 16 (`_triton_fp8_ffn`);
+elsewhere (CPU serving, other shapes, the tests' oracle) `fp8_up_gelu_reference`.
 """
 
 from __future__ import annotations
@@ -31,9 +27,8 @@ def fp8_up_gelu(
     bias: torch.Tensor,  # [N]
     tanh: bool,  # the model's activation: tanh-approximated GELU, else erf GELU
 ) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [R, N], fp32 [R, ceil(N / 128)]
-    """GELU((xq · xs) @ w.T + bias), quantised per row and 128 columns. On a GPU the GEMM
-    chains its FP8 products in the tensor cores' precision and the tanh GELU takes tanh
-    from `tanh.approx.f32` (docs/FP8.md measures both on a trained model)."""
+    """GELU((xq · xs) @ w.T + bias), quantised per row and 128 columns (on a GPU in the
+    tensor cores' precision and with a hardware tanh: `_triton_fp8_ffn`)."""
     if triton_fp8_up_gelu is not None and xq.is_cuda and tma_loadable(xq.shape[1], w.q.shape[0]):
         return triton_fp8_up_gelu(xq, xs, w, bias, tanh)
     return fp8_up_gelu_reference(xq, xs, w, bias, tanh)

@@ -1,11 +1,9 @@
 """`gelu_tanh(x @ W.T + b)`: the FFN up-projection of the decoder step
-(`service/decode/step.py`, pipeline stage 3).
-
-On CUDA (no autograd, 2-D input) one cuBLASLt matmul with the bias + tanh-GELU epilogue
-(`torch._addmm_activation`); anywhere else the reference,
-`F.gelu(F.linear(x, W, b), approximate="tanh")`, so CPU serving and odd layouts stay
-correct. Our persistent Triton GEMM with the same epilogue, slower than cuBLASLt here
-(docs/PERFORMANCE.md), is a benchmark baseline: `bench/baselines/gelu_linear.py`.
+(`service/decode/step.py`, pipeline stage 3). On CUDA (no autograd, 2-D input) one
+cuBLASLt matmul with the bias + tanh-GELU epilogue (`torch._addmm_activation`); anywhere
+else the reference, `F.gelu(F.linear(x, W, b), approximate="tanh")`, so CPU serving and
+odd layouts stay correct. A Triton GEMM with the same epilogue measured slower and was
+retired (CHANGELOG.md, "Retired").
 """
 
 from __future__ import annotations

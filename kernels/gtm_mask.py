@@ -1,19 +1,15 @@
-"""The CD+GTM mask of one decode step (paper §3.5, docs/ARCHITECTURE.md §7).
+"""The CD+GTM mask of one decode step (paper §3.5, docs/ARCHITECTURE.md §2).
 
 For every beam row: which next tokens keep the prefix in the catalog (CD) and may still
 hold an ad eligible for the row's request (GTM: bitmask, then Bloom, ANY-of-many over the
-request's locations). Output is the step's logits with every disallowed token set to −inf,
-and the child trie node of every allowed token (−1 elsewhere) — fixed shapes `[R, V]`, so
-the decode loop around it can be captured in a CUDA graph.
-
-`masked_candidates` is what the fixed-shape decode loop calls: each allowed token's
-candidate score — the row's accumulated score plus the token's log-softmax
-(`candidates`) — and its child node, in one Triton kernel (`kernels._triton_gtm_mask`)
-on CUDA tensors for CD_ONLY and CD_GTM; elsewhere, and for k-way, the reference
-(`masked_logits_reference`, then `candidates`; `lookup`, below, is paper §3.5 `Lookup`
-in torch, the kernel's oracle and the CPU path). `scoring` picks the log-softmax
-(`contracts.request.Scoring`): "masked" (the default) over the allowed tokens only,
-"unmasked" the model's own over the whole vocabulary row, barred tokens −inf either way.
+request's locations). `masked_candidates`, what the decode loop calls, returns each
+allowed token's candidate score — the row's accumulated score plus the token's
+log-softmax, −inf where barred — and its child trie node (−1 elsewhere), fixed shapes
+`[R, V]` so the loop can be captured in a CUDA graph: one Triton kernel
+(`kernels._triton_gtm_mask`) on CUDA tensors for CD_ONLY and CD_GTM; elsewhere, and for
+k-way, the references (`lookup`, paper §3.5 `Lookup` in torch; `masked_logits_reference`;
+`candidates`). `scoring` (`contracts.request.Scoring`) picks the log-softmax: over the
+allowed tokens ("masked", the default) or the model's own over the whole row ("unmasked").
 """
 
 from __future__ import annotations
@@ -53,11 +49,10 @@ def candidates(
     scoring: Scoring = "masked",
     logits: torch.Tensor | None = None,  # [R, V] before the mask: needed for "unmasked"
 ) -> torch.Tensor:  # float32 [R, V]: score of every (row, token) extension, −inf if barred
-    """The row's score plus each allowed token's log-probability: with "masked" the
-    log-softmax of `masked` (renormalised over the allowed tokens), with "unmasked" the
-    log-softmax of the whole `logits` row (read as float32), what the model gives the token
-    whatever the mask. A row with nothing allowed (dead, or no eligible child) has a NaN
-    masked log-softmax: the fill turns it into −inf like every other barred token."""
+    """The row's score plus each allowed token's log-probability: the log-softmax of
+    `masked` ("masked") or of the whole `logits` row, read as float32 ("unmasked"). A row
+    with nothing allowed (dead, or no eligible child) has a NaN masked log-softmax: the
+    fill turns it into −inf like every other barred token."""
     if scoring == "masked":
         logp = torch.log_softmax(masked, dim=-1)
     elif scoring == "unmasked":
@@ -80,10 +75,10 @@ def masked_candidates(
     *,
     scoring: Scoring = "masked",  # the log-softmax: over the allowed tokens, or the row
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (candidates float32 [R, V], child int32 [R, V])
-    """`candidates(score, *masked_logits_reference(...), scoring=..., logits=logits)` in
-    one kernel on CUDA (mask, log-softmax and the score added per row: no cast or
-    elementwise passes over `[R, V]` between); the two references one after the other
-    elsewhere."""
+    """(`candidates(score, masked, child >= 0, scoring=scoring, logits=logits)`, child)
+    for `masked, child = masked_logits_reference(...)`: one kernel on CUDA (mask,
+    log-softmax and the score added per row: no cast or elementwise passes over `[R, V]`
+    between), the references one after the other elsewhere."""
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
     fast = mode in (FilterMode.CD_ONLY, FilterMode.CD_GTM)
@@ -95,9 +90,6 @@ def masked_candidates(
     full = logits.float()
     masked, child = masked_logits_reference(full, tables, node_ids, row_request, requests, mode)
     return candidates(score, masked, child >= 0, scoring=scoring, logits=full), child
-
-
-# ------------------------------------------------- the reference lookup (any device)
 
 
 def _contains(matchers: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -122,10 +114,8 @@ def lookup(
     requests: RequestTensors | None,
     mode: FilterMode = FilterMode.CD_GTM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allowed next tokens and their child nodes for every beam row.
-
-    Returns (allowed bool [R, VOCAB_SIZE], child int32 [R, VOCAB_SIZE], -1 where not allowed).
-    """
+    """Allowed next tokens and their child nodes for every beam row, on any device:
+    (allowed bool [R, VOCAB_SIZE], child int32 [R, VOCAB_SIZE], -1 where not allowed)."""
     dev = node_ids.device
     rows = node_ids.shape[0]
     start = tables.node_offsets[node_ids].long()

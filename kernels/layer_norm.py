@@ -1,17 +1,14 @@
 """LayerNorm of a shifted input, `LN(x + shift)`, for the fused decoder step
-(`service/decode/step.py`, pipeline stage 3).
-
-The fused step adds each linear layer's output to the residual stream inside the matmul
-(cuBLAS `beta = 1`) but leaves the bias out; the biases not yet added are one constant
-vector per LayerNorm, `shift`, added here on the way in. Dispatcher: the Triton kernel
-(`_triton_layer_norm`) on CUDA tensors, torch's LayerNorm on the shifted fp32 input
-elsewhere (the reference, and the CPU path).
+(`service/decode/step.py`, pipeline stage 3). The fused step adds each linear layer's
+output to the residual stream inside the matmul (cuBLAS `beta = 1`) but leaves the bias
+out; the biases not yet added are one constant vector per LayerNorm, `shift`, added here
+on the way in. The Triton kernel (`_triton_layer_norm`) on CUDA tensors, torch's
+LayerNorm on the shifted fp32 input elsewhere.
 
 The FP8 step's GEMMs cannot add into the residual stream (`torch._scaled_mm` has no
 `beta = 1`), so it hands each projection to the next LayerNorm as a `residual`:
 `add_layer_norm_fp8` adds it to the stream (rounded to the stream's dtype, as `x += r`
-would), returns the new stream and `LN(x + r + shift)` quantised per row for the FP8
-GEMM that reads it (`kernels/fp8.py`), in one pass; and
+would) and returns the new stream and `LN(x + r + shift)` quantised per row, in one pass;
 `layer_norm(..., residual=r)` does the add for the final norm, which needs no stream after.
 """
 
@@ -107,7 +104,6 @@ def add_layer_norm_fp8_reference(
     eps: float,
     shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference of `add_layer_norm_fp8`: `x + residual` in torch, then
-    `layer_norm_fp8_reference` of that sum."""
+    """`add_layer_norm_fp8` in torch: `layer_norm_fp8_reference` of `x + residual`."""
     total = x + residual
     return (total, *layer_norm_fp8_reference(total, weight, bias, eps, shift))

@@ -1,17 +1,11 @@
 """Self-attention of one new SID token over the row's ≤ 4 cached prefix tokens (paper §4.2).
 
-`fused_self_attention(qkv, k_cache, v_cache, t, block_table)` is a dispatcher (the
-Triton kernel of `_triton_self_attention` on CUDA tensors, the torch reference here
-otherwise, and whenever autograd is recording): it consumes the QKV projection output,
-writes the new key/value into the cache (a paged pool `[N, H, d_h]` addressed by
-`block_table [R, L]`, or dense `[R, L, H, d_h]`), gathers tokens 0..t and attends — one
-pass over the bytes. `store=False` skips the write where nothing will read it (the last
-SID position); `qkv_rows` reads row r's QKV from row `qkv_rows[r]` of a shared source
-(the decoder's layer-0 QKV table) without copying it out first.
-`prefix_self_attention_reference` attends over keys/values gathered already.
-
-On GPU the kernels autotune per (rows, H, d_h, t, variant) on first use: run each step
-shape once before capturing a CUDA graph.
+`fused_self_attention` consumes the QKV projection output, writes the new key/value into
+the cache (a paged pool `[N, H, d_h]` addressed by `block_table [R, L]`, or dense
+`[R, L, H, d_h]`), gathers tokens 0..t and attends — one pass over the bytes: the Triton
+kernel of `_triton_self_attention` on CUDA tensors, the torch reference otherwise and
+whenever autograd is recording. On GPU the kernels autotune per (rows, H, d_h, t,
+variant) on first use: run each step shape once before capturing a CUDA graph.
 """
 
 from __future__ import annotations
@@ -89,17 +83,11 @@ def fused_self_attention(
     qkv_rows: torch.Tensor | None = None,
     fp8_out: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Dispatcher: the fused (dense) or paged Triton kernel on CUDA, the reference elsewhere.
-
-    Same arguments as `fused_self_attention_reference`. Paged: the step's blocks
+    """`fused_self_attention_reference`'s work and arguments; paged, the step's blocks
     `block_table[:, t]` must be fresh (distinct, not among any row's blocks 0..t-1).
-    `store=False` at the last SID position saves the 2·H·d_h-element write per row that
-    no later step would read (at t = 3 on the paper shape: 805 MB → 671 MB moved).
     `fp8_out`: the output [R, H·d_h] quantised per row for the FP8 out projection,
-    (e4m3, fp32 scale [R, 1]) as `kernels.fp8.quantize_rows` gives on the output; the
-    kernel writes it so when a tile holds whole rows (`fp8_out_supported`), else the
-    output is quantised in a pass of its own.
-    """
+    (e4m3, fp32 scale [R, 1]) as `kernels.fp8.quantize_rows` gives; the kernel writes it so
+    when a tile holds whole rows (`fp8_out_supported`), else it takes a pass of its own."""
     args = (qkv, k_cache, v_cache, t, block_table)
     if _use_triton(qkv, k_cache, v_cache, block_table, qkv_rows):
         if fp8_out and fp8_out_supported(k_cache.shape[-2]):

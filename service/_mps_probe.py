@@ -1,11 +1,9 @@
 """The MPS attach probe: run by `service/mps.py` as a throwaway process (a script, no torch)
 right after `nvidia-cuda-mps-control -d`, with the daemon's CUDA_MPS_PIPE_DIRECTORY.
 
-`-d` returns as soon as the control daemon forks. Whether a client gets the GPU through
-it shows only when one attaches: an MPS server that cannot start (user, /dev/shm,
-another server on the GPU) fails the attach, and a client that cannot reach the daemon
-at all runs *without* MPS, silently — so the probe also asks the daemon, while it holds
-its context, for the server that serves it.
+`-d` returns once the daemon forks: an MPS server that cannot start shows only when a
+client attaches, and a client that cannot reach the daemon runs without MPS, silently, so
+the probe attaches and, while it holds its context, asks the daemon for its server.
 
     python -I service/_mps_probe.py CONTROL_BINARY GPU_ORDINAL    -> exit 0, or 1 + why
 """
@@ -17,10 +15,10 @@ import subprocess
 import sys
 
 
-def attach(ordinal: int, library: str = "libcuda.so.1") -> None:
+def attach(ordinal: int) -> None:
     """Retain GPU `ordinal`'s primary context through the driver API (what the CUDA
     runtime does first); RuntimeError naming the call that failed."""
-    cu = ctypes.CDLL(library)
+    cu = ctypes.CDLL("libcuda.so.1")
     dev, ctx = ctypes.c_int(), ctypes.c_void_p()
     steps = (
         ("cuInit", lambda: cu.cuInit(0)),
@@ -33,13 +31,6 @@ def attach(ordinal: int, library: str = "libcuda.so.1") -> None:
             raise RuntimeError(f"{name} failed with CUDA error {rc}")
 
 
-def servers(control: str) -> list[str]:
-    """The MPS server PIDs the control daemon lists (`get_server_list`)."""
-    done = subprocess.run([control], input="get_server_list\n", capture_output=True,
-                          text=True, errors="replace", timeout=30)  # fmt: skip
-    return done.stdout.split()
-
-
 def main(argv: list[str]) -> int:
     control, ordinal = argv[0], int(argv[1])
     try:
@@ -47,7 +38,10 @@ def main(argv: list[str]) -> int:
     except (OSError, RuntimeError) as exc:
         print(exc, file=sys.stderr)
         return 1
-    if not servers(control):  # asked while this process holds its context
+    # the MPS server PIDs the daemon lists, asked while this process holds its context
+    done = subprocess.run([control], input="get_server_list\n", capture_output=True,
+                          text=True, errors="replace", timeout=30)  # fmt: skip
+    if not done.stdout.split():
         print("a CUDA client attached without MPS: the daemon runs no server for it",
               file=sys.stderr)  # fmt: skip
         return 1

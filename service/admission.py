@@ -1,45 +1,20 @@
-"""Deadline-aware admission: will this request finish before its deadline? (docs/ARCHITECTURE.md §5)
+"""Deadline-aware admission: will this request finish before its deadline?
+(docs/RELIABILITY.md "Overload" says why and how; docs/ARCHITECTURE.md §5)
 
     Retrieve ─► Admission.decide(remaining, queued, in_flight) ─► admit / refuse at once
     pipeline: every finished batch ─► ServiceEstimate.observe(...) (learns online)
-
-A bounded queue alone does not protect goodput: under overload with client deadlines a
-request can wait in a queue that never fills, expire, and still be computed — the server
-then spends all of its capacity on answers nobody reads (docs/RELIABILITY.md). So each
-request is admitted only if the predicted time to answer it fits its deadline:
 
     predicted = wait + ceil(ahead / max_batch) × per_batch + ahead × per_request + service
     (ahead = queued + in flight)
     admitted  iff  predicted <= HEADROOM × remaining deadline
 
-- `per_batch`, `per_request`: what a batch costs the pipeline's throughput, as
-  per_batch + size × per_request — a least-squares line through the last `RATE_WINDOW`
-  batches' sizes and busy times. A batch's busy time is from when it was dispatched, or
-  when the batch before it finished if that was later, to when it finished: the union of
-  the batches' time in the pipeline, so batches that overlap (CPU: two in flight) and
-  batches that run one after another (GPU) are both measured right. Small batches cost
-  more per request than full ones (on the H200 a decode step costs ~1 ms plus ~0.7 ms per
-  request), so the line, not a ratio, says what a longer queue — which fills batches —
-  will cost;
-- `service`: a batch's own time in the four stages (the sum of their wall times, EWMA),
-  what a request costs after the work ahead of it is done;
-- `wait`: how long its batch may still wait for more requests (the batcher's max_wait or
-  max_wait_busy, 0 when the queue already fills a batch).
-
-Both follow recent batches, so the prediction follows the machine (a busy CPU, a GPU at
-its power cap) without configuration. Under overload the queue settles where the newest
-admitted request is predicted to finish just in time, so `HEADROOM` keeps a margin for
-the prediction's error: without it, about half of those marginal requests would miss
-their deadline after being computed. A request whose deadline is shorter than the
-fastest recent service time is hopeless (DEADLINE_EXCEEDED at once); one that does not
-fit behind the work ahead is refused with RESOURCE_EXHAUSTED at once, so the client can
-retry elsewhere while it still has time; its RetryInfo (`Admission.retry_after`) says when
-this server would have room for it. The queue itself is FIFO; the batcher drops
-a queued request whose remaining time has fallen below the service time before it is
-batched (service/batcher.py), and the pipeline drops expired requests at every stage
-hand-off (service/pipeline/runner.py).
-
-Pure Python, no locks: every method runs on the event loop.
+`per_batch` + size × `per_request` is a least-squares line (small batches cost more per
+request than full ones) through recent batches' busy times: the union of their time in the
+pipeline, so overlapping and back-to-back batches both count right. `service` is a batch's
+own stage time (EWMA); `wait` how long its batch may still wait to fill. A deadline
+shorter than the fastest recent service is hopeless (DEADLINE_EXCEEDED); one that does not
+fit is refused with RESOURCE_EXHAUSTED and a `retry_after`. Pure Python, no locks: every
+method runs on the event loop.
 """
 
 from __future__ import annotations
@@ -52,7 +27,7 @@ ALPHA = 0.2  # EWMA weight of the newest batch: ~5 batches of memory
 FLOOR_WINDOW = 64  # batches over which the fastest service time is taken
 RATE_WINDOW = 32  # batches the cost line is fitted over
 MIN_SIZE_VARIANCE = 0.5  # per batch: below it the sizes are too alike to fit a line
-HEADROOM = 0.8  # admit when the prediction is at most this share of the time left
+HEADROOM = 0.8  # admit when the prediction is at most this share of the time left (its error)
 # RetryInfo on a refusal (service/server.py): when the same request may be sent again to
 # this server, bounded so a cold estimate never asks for nothing or for seconds
 RETRY_MIN_SECONDS = 0.01

@@ -1,19 +1,13 @@
-"""Assembly and lifecycle of one serving process (`grace serve`).
+"""Assembly and lifecycle of one serving process (`grace serve`), in start-up order:
 
     settings -> first (model, index) pair (verified, validated) -> pipeline threads
     -> batcher -> grpc.aio server (AdRetrieval + grpc.health.v1 + reflection) + metrics
     HTTP port -> rollout (model and index hot swap) -> one warm-up request -> SERVING
     (+ stall watchdog) ... SIGTERM -> NOT_SERVING, drain, exit
 
-One event loop per process (uvloop when installed); model, GPU and C++ work run on the
-pipeline threads, never on the loop, and nothing that can block shares the loop's
-executor with gRPC (health and reflection are asyncio servicers). SIGTERM always ends the
-process: a drain that has not finished `drain_seconds` + `DRAIN_SLACK_SECONDS` after the
-notice exits 1 anyway. With `workers > 1` a supervisor runs that many such processes on
-one port (`service/workers.py`); `grace serve` (cli/serving.py) chooses.
-
-It is the one place that wires the pieces together (each lives in its own module), so
-it reads top to bottom as the start-up order.
+Model, GPU and C++ work run on the pipeline threads, never on the event loop. SIGTERM
+always ends the process: a drain unfinished `DRAIN_SLACK_SECONDS` after `drain_seconds`
+exits 1. Several such processes on one port: `service/workers.py`.
 """
 
 from __future__ import annotations
@@ -102,8 +96,7 @@ class App:
         await loop.run_in_executor(None, self.pipeline.stop, DRAIN_SLACK_SECONDS)
         if self.servicer.request_log is not None:
             await loop.run_in_executor(None, self.servicer.request_log.close)
-        # the last spans, within TRACING_FLUSH_SECONDS: a collector that does not answer
-        # must not turn the drain into a kill
+        # the last spans: a collector that does not answer must not turn the drain into a kill
         if not await loop.run_in_executor(None, self.tracing.shutdown, TRACING_FLUSH_SECONDS):
             log.warning("tracing: the last spans were not exported within %.0f s",
                         TRACING_FLUSH_SECONDS)  # fmt: skip
@@ -150,12 +143,6 @@ async def start(
 
     batcher: Batcher
 
-    def observe(stage: str, seconds: float) -> None:
-        metrics.stage.labels(stage).observe(seconds)
-
-    def dropped(stage: str, reason: str, n: int) -> None:
-        metrics.dropped.labels(stage, reason).inc(n)
-
     def dispatched(batch: Batch) -> None:
         metrics.batch_size.observe(len(batch.pending))
         metrics.padding.inc(stages.padding(batch.groups))
@@ -164,8 +151,8 @@ async def start(
         stages,
         serving,
         lambda *done: batcher.batch_done(*done),  # the batcher is made below
-        observe,
-        dropped,
+        lambda stage, seconds: metrics.stage.labels(stage).observe(seconds),
+        lambda stage, reason, n: metrics.dropped.labels(stage, reason).inc(n),
         dispatched,
         tracing,
     )
@@ -190,7 +177,7 @@ async def start(
     metrics.index_behind.set_function(lambda: int(rollout.index_behind))
     metrics.model_behind.set_function(lambda: int(rollout.model_behind))
     if device.startswith("cuda"):
-        metrics.track_gpu_memory(torch.cuda.memory_allocated)
+        metrics.gpu_memory.set_function(torch.cuda.memory_allocated)
     metrics.mps_client.set(int(mps_client(device)))
     request_log = None
     if settings.request_log:
@@ -307,10 +294,9 @@ async def serve_forever(settings: ServerSettings, **how: Any) -> None:
 
 
 def run(settings: ServerSettings, **how: Any) -> int:
-    """Serve one process until stopped (`how`: `start`'s keywords); returns the exit
-    status. One event loop per process (uvloop when available). SIGUSR1 writes every
-    thread's stack to stderr (what a wedged process is doing, without stopping it:
-    service/stackdump.py, docs/OPERATIONS.md)."""
+    """Serve one process until stopped (`how`: `start`'s keywords) on one event loop
+    (uvloop when available); returns the exit status. SIGUSR1 dumps every thread's stack
+    (service/stackdump.py)."""
     stackdump.install()
     main = serve_forever(settings, **how)
     try:

@@ -1,26 +1,15 @@
-"""Per-request balancing over the workers (`grace serve --workers N --balance request`).
-
-With the default `balance = "connection"` the workers share the public port through
-SO_REUSEPORT and the kernel spreads *connections* over them; every request follows its
-connection. On the H200 that split 64 client connections' requests anywhere from 48/52
-to 65/35 between runs, and the loaded worker's queue is what failed the P99
-(docs/OPERATIONS.md). With `balance = "request"` the supervisor (`service/workers.py`)
-runs this front instead, in a thread of its own process:
+"""Per-request balancing over the workers (`grace serve --workers N --balance request`;
+docs/SERVICE.md "Balancing requests, not connections"). SO_REUSEPORT spreads connections,
+and a request follows its connection's worker, however unevenly; with `balance =
+"request"` the supervisor (`service/workers.py`) runs this front in a thread instead:
 
     client ──gRPC──► front (public port) ──least in flight──► worker i (unix socket)
 
-- each worker serves on a private unix socket (no TCP, no SO_REUSEPORT);
-- each Retrieve goes, as raw bytes (never parsed here), to the worker with the fewest
-  calls in flight, ties in turn; deadline and metadata go with it, and the worker's
-  answer, status, details and trailing metadata come back unchanged;
-- a worker the supervisor has seen exit (it is stopping the rest) gets no new calls
-  while another is up (`mark_down`);
-- the front answers health and reflection itself: NOT_SERVING until every worker says
-  SERVING, then it binds the public port (nothing connects to a server still loading;
-  SO_REUSEPORT off, so a second server on the port is an error, not a silent share); on
-  stop it says NOT_SERVING, waits the drain notice, and lets calls in flight finish —
-  the supervisor tells the workers to drain only after that.
-The price is one local hop per request (measured on CPU in docs/SERVICE.md).
+Each Retrieve goes as raw bytes to the worker with the fewest calls in flight (ties in
+turn, workers seen to exit skipped), with its deadline and metadata; status, details and
+trailing metadata come back unchanged. The front answers health and reflection itself,
+binds the public port once every worker is SERVING, and on stop lets its calls in flight
+finish before the supervisor tells the workers to drain.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """When a forming batch closes and which queued requests join it: the batching policy, a
-pure object — state in, decision out, no clock, no I/O — that the batcher
-(`service/batcher.py`, on the event loop) and the batching model
-(`bench/model_batching.py`) both call (docs/SERVICE.md, "Settings").
+pure object (state in, decision out, no clock, no I/O) that the batcher
+(`service/batcher.py`) and the batching model (`bench/model_batching.py`) both call.
 
-**Close.** A batch closes at `max_batch` requests, or `max_wait` after its first request
-joined while the pipeline is nearly idle (fewer than `busy_batches` batches in flight:
-`service.settings.default_busy_batches` is 1 on a GPU and 2 on a CPU). When the pipeline
-is busy a small batch would only queue behind the others, and the GPU runs a padded
-bucket for it at almost the cost of a full one, so the batch keeps filling for up to
-`max_wait_busy`, looking again every `max_wait` (at least `BUSY_POLL`) in case the
-pipeline drains: at moderate load batches are full, not three requests every `max_wait`.
+**Close.** At `max_batch` requests, or `max_wait` after its first request joined while the
+pipeline is nearly idle (fewer than `busy_batches` in flight). While it is busy a small
+batch would only queue, and on the GPU cost almost a full bucket, so it keeps filling for
+up to `max_wait_busy`, looking again every `max_wait` (at least `BUSY_POLL`).
 
-**Groups.** A batch holds at most `max_groups` decode groups (requests sharing a beam
-schedule and filter mode, each one decode run): it takes, in queue order, the requests
-of a group it already has, or of a new group while there is room; the others keep their
-place for a later batch. At most `max_inflight` batches are in the pipeline at once.
+**Groups.** A batch holds at most `max_groups` decode groups (one beam schedule and filter
+mode each, one decode run): in queue order it takes requests of a group it has, or of a
+new one while there is room; the others keep their place (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations

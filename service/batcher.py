@@ -1,27 +1,15 @@
-"""Request batching on the event loop: the first stop of every Retrieve (ARCHITECTURE.md §2, §5).
+"""Request batching on the event loop: the first stop of every Retrieve (ARCHITECTURE.md §2).
 
     Retrieve handler ──admit──submit──► FIFO queue ──Batcher._run──► [≤ max_batch Pending]
     ──dispatch (stage 1 thread)──► pipeline ──Pending.resolve──► handler's await returns
                                            └─batch_done──► ServiceEstimate (admission)
 
-**Admission** (service/admission.py): a request is queued only if its deadline leaves room
-for the predicted wait behind the work already queued and in flight; otherwise `admit`
-raises at once — `Overloaded` (RESOURCE_EXHAUSTED) when it does not fit,
-`DeadlineExpired` (DEADLINE_EXCEEDED) when its deadline is shorter than the service
-itself. The queue is bounded too (`capacity`): requests without a deadline are refused
-when it is full.
-
-**Batches** form by the batching policy (`service/batch_policy.py`: when a forming
-batch closes, which queued requests of which decode groups join it); this module does
-the waiting, the queue and the hand-off.
-
-**Dropped in the queue**: a request the client gave up on (its future is done), or whose
-remaining time is below the fastest recent service time — it cannot finish, so it is
-answered `DeadlineExpired` at once and never reaches stage 1 (`on_expired` counts it).
-
-Only this module's coroutines run on the event loop; `dispatch` must hand the batch to a
-thread and return at once, and pipeline threads resolve results with `Pending.resolve` and
-report finished batches with `batch_done`, both thread-safe.
+`admit` refuses at once what admission (service/admission.py) or the bounded queue
+(`capacity`) will not take. Batches form by the policy (service/batch_policy.py); this
+module does the waiting, the queue and the hand-off. A queued request the client gave up
+on, or whose remaining time is below the fastest recent service, is dropped before stage 1
+(`DeadlineExpired`, counted by `on_expired`). `dispatch` must hand the batch to a thread and
+return at once; `Pending.resolve` and `batch_done` are called from the pipeline's threads.
 """
 
 from __future__ import annotations
@@ -127,21 +115,14 @@ class Batcher:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
-    def full(self) -> bool:
-        """No room in the queue: a new request would be refused."""
-        return len(self._queue) >= self.capacity
-
-    @property
     def depth(self) -> int:
         """Requests waiting for a batch."""
         return len(self._queue)
 
     def admit(self, timeout: float | None) -> None:
-        """Raise at once if a request with `timeout` seconds left would be refused:
-        `Overloaded` (queue full, or it would not finish behind the work ahead) or
-        `DeadlineExpired` (shorter than the service itself). Cheap: call it before
-        parsing the request."""
-        if self.full:
+        """Raise `Overloaded` or `DeadlineExpired` at once if a request with `timeout` seconds
+        left would be refused. Cheap: call it before parsing the request."""
+        if len(self._queue) >= self.capacity:
             raise Overloaded(f"request queue full ({self.capacity})", "queue_full")
         self.admission.wait = self.policy.admission_wait(len(self._queue), self.inflight)
         verdict = self.admission.decide(timeout, len(self._queue), self.inflight_requests)

@@ -1,13 +1,11 @@
 """CUDA graph capture for the whole process: reserved streams and one lock (pipeline
-stages 2 and 3: the decode engines' plans, the embedder's and encoder's buckets), and
-`BucketGraphs`, the bucketed-module pattern the embedder and encoder share.
+stages 2 and 3), and `BucketGraphs`, the bucketed-module pattern the embedder and encoder
+share.
 
-`torch.cuda.Stream()` hands out one of a small per-device pool of streams in rotation, so
-a stream drawn for a capture may be the very stream another pipeline stage is using on
-its own thread — and that thread's copies would be recorded into the graph instead of
-running. Captures here use streams drawn once per process from the high-priority pool
-(the pipeline's streams, the rollout's and torch's own come from the default one), and
-run one at a time (`LOCK`), since every capture shares them.
+`torch.cuda.Stream()` hands out streams of a small per-device pool in rotation, so a stream
+drawn for a capture may be one another stage's thread is using, and that thread's copies
+would be recorded into the graph. Captures here use streams drawn once per process from
+the high-priority pool, one capture at a time (`LOCK`).
 """
 
 from __future__ import annotations

@@ -2,23 +2,12 @@
 several workers (`service/balancer.py`): the service name, health, the drain notice, the
 Retrieve registration and the server options. It imports no torch, nor anything that does.
 
-Health is the asyncio servicer (`grpc_health.v1.health.aio`): its Check and Watch run on
-the event loop, so open Watch streams hold no thread — the synchronous servicer parks one
-executor thread per Watch for ever, and six of them wedge every later Check and the
-shutdown (docs/RELIABILITY.md). Its cost is bounded: Checks are paced by a token bucket
-(`HEALTH_CHECKS_PER_SECOND`, bursts of `HEALTH_CHECK_BURST`) — a Check beyond it waits for
-its turn, and one that would wait longer than `HEALTH_CHECK_MAX_WAIT_SECONDS` is answered
-RESOURCE_EXHAUSTED after that long (not at once: a caller in a loop would just ask again)
-— so probes in tight loops cannot take the event loop from Retrieve; at most
-`MAX_HEALTH_WATCHES` Watch streams are open at once. Reflection on an aio
-server is asyncio too, as grpc.reflection.v1 (what grpcurl and current clients ask
-first) and v1alpha.
-
-Each connection may hold `MAX_CONCURRENT_STREAMS` streams; gRPC's overload protection
-counts a stream until the server has released it, so a client that opens and resets
-streams in a loop (HTTP/2 "rapid reset") is pushed back on its own connection instead of
-filling the server's queue of calls not yet handed to the application — which gRPC
-sheds at random across all connections (other clients saw CANCELLED).
+Health and reflection are asyncio servicers: an open Watch stream holds no thread (the
+synchronous servicer parks an executor thread per Watch, and a few wedge every later Check
+and the shutdown). Checks are paced by a token bucket and Watches capped, so probes in
+tight loops cannot take the event loop from Retrieve; streams per connection are capped
+against HTTP/2 rapid reset (docs/RELIABILITY.md "Health, shutdown and the event loop",
+"Hostile clients").
 """
 
 from __future__ import annotations
@@ -45,9 +34,14 @@ DRAIN_NOTICE_SECONDS = 0.5  # NOT_SERVING is visible this long before the port c
 # that are still too long are refused, counted and logged by the Retrieve handler
 TRANSPORT_LIMIT_FACTOR = 2
 
-MAX_CONCURRENT_STREAMS = 256  # per connection; more than the queue holds is no use
+# per connection; gRPC counts a stream until the server has released it, so a client
+# resetting streams in a loop is pushed back on its own connection instead of filling the
+# queue of calls not yet handed over, which gRPC sheds at random across all connections
+MAX_CONCURRENT_STREAMS = 256
 HEALTH_CHECKS_PER_SECOND = 200.0
 HEALTH_CHECK_BURST = 50
+# a Check that would wait longer is answered RESOURCE_EXHAUSTED after this long, not at
+# once: a caller in a loop would just ask again
 HEALTH_CHECK_MAX_WAIT_SECONDS = 1.0
 MAX_HEALTH_WATCHES = 1024
 
@@ -67,7 +61,6 @@ class HealthServicer(health.aio.HealthServicer):
         self.rate, self.burst, self.max_watches = checks_per_second, burst, max_watches
         self._tokens, self._at = float(burst), time.monotonic()
         self.watches = 0  # Watch streams open now
-        self.refused = 0  # Checks and Watches answered RESOURCE_EXHAUSTED
 
     def _reserve(self) -> float | None:
         """Take a token; the seconds to wait for it, or None (and no token) when that is
@@ -84,7 +77,6 @@ class HealthServicer(health.aio.HealthServicer):
     async def Check(self, request, context):
         wait = self._reserve()
         if wait is None:
-            self.refused += 1
             await asyncio.sleep(HEALTH_CHECK_MAX_WAIT_SECONDS)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many health checks")
         if wait:
@@ -93,7 +85,6 @@ class HealthServicer(health.aio.HealthServicer):
 
     async def Watch(self, request, context):
         if self.watches >= self.max_watches:
-            self.refused += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many health watches")
         self.watches += 1
         try:
@@ -104,9 +95,8 @@ class HealthServicer(health.aio.HealthServicer):
 
 async def set_health(servicer: HealthServicer, serving: bool) -> None:
     """Overall and per-service health, which probes and balancers read."""
-    status = health_pb2.HealthCheckResponse.SERVING if serving else (
-        health_pb2.HealthCheckResponse.NOT_SERVING
-    )  # fmt: skip
+    reply = health_pb2.HealthCheckResponse
+    status = reply.SERVING if serving else reply.NOT_SERVING
     for name in ("", SERVICE):
         await servicer.set(name, status)
 
@@ -175,12 +165,8 @@ def server_options(
     if max_request_bytes is not None:
         limit = TRANSPORT_LIMIT_FACTOR * max_request_bytes
         options.append(("grpc.max_receive_message_length", limit))
-    if settings.max_connection_age_seconds > 0:
-        options += [
-            ("grpc.max_connection_age_ms", int(settings.max_connection_age_seconds * 1e3)),
-            (
-                "grpc.max_connection_age_grace_ms",
-                int(settings.max_connection_age_grace_seconds * 1e3),
-            ),
-        ]
+    age, grace = settings.max_connection_age_seconds, settings.max_connection_age_grace_seconds
+    if age > 0:
+        options.append(("grpc.max_connection_age_ms", int(age * 1e3)))
+        options.append(("grpc.max_connection_age_grace_ms", int(grace * 1e3)))
     return options

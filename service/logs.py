@@ -1,16 +1,12 @@
 """Log lines of every `grace` process: text or JSON (setting `log_format`), the request
-id on each line about a call, and the access log (docs/SERVICE.md "Logs").
+id on each line about a call, and the access log (docs/SERVICE.md "Logs" has the keys).
 
     cli/__init__.py main, cli/serving.py serve, service/workers.py worker
         ─► configure_logging(level, fmt, worker) ─► the root logger's one handler
     service/server.py Retrieve ─► AccessLog.record(...) ─► logger `grace.access`
 
-`text`: `ts LEVEL logger[worker i]: message key=value ...`; `json`: one object per line
-with `ts` (UTC, ISO 8601, ms), `level`, `logger`, `message`, `worker` (a worker of
-several), `request_id` (a line about one call), `exc` (a traceback), and the line's other
-fields (the access log's). The request id comes from the line's `extra` or, for any line
-logged while a Retrieve handler runs, from `service.request_id.current_request_id`.
-Imports nothing heavy: `grace --help` configures logging too.
+The request id comes from the line's `extra` or, while a Retrieve handler runs, from
+`service.request_id.current_request_id`. Imports nothing heavy: `grace --help` logs too.
 """
 
 from __future__ import annotations
@@ -20,11 +16,14 @@ import logging
 import random
 import sys
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
 from service.request_id import current_request_id
+
+if TYPE_CHECKING:
+    from service.pipeline.records import RetrievalResult
 
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
@@ -75,7 +74,8 @@ class TextFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line (keys in the module docstring)."""
+    """One JSON object per line: ts (UTC, ISO 8601, ms), level, logger, message, worker,
+    request_id, the line's `extra` fields, exc (a traceback)."""
 
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
@@ -105,11 +105,9 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 def configure_logging(level: int, fmt: str = "text", worker: int | None = None) -> None:
-    """Route every logger through one stderr handler in `fmt` ("text" or "json"),
-    replacing the one an earlier call installed (settings are read after the CLI's first
-    set-up). `worker`: this process's index among the workers of one supervisor. Like
-    `logging.basicConfig`, it leaves logging alone where someone else has configured
-    the root logger (a test runner, an embedding program)."""
+    """Route every logger through one stderr handler in `fmt`, replacing the one an earlier
+    call installed; `worker`: this process's index among a supervisor's workers. Like
+    `logging.basicConfig`, it leaves a root logger someone else configured alone."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {list(LOG_FORMATS)}, got {fmt!r}")
     root = logging.getLogger()
@@ -129,11 +127,11 @@ class AccessLog:
     """One line per Retrieve call on logger `grace.access`: every failed call, and each
     OK call with probability `sample` (setting `access_log_sample`; 0: no line at all)."""
 
-    def __init__(self, sample: float, logger: logging.Logger | None = None) -> None:
+    def __init__(self, sample: float) -> None:
         if not 0.0 <= sample <= 1.0:
             raise ValueError(f"access log sample must be in 0..1, got {sample}")
         self.sample = sample
-        self.logger = logger or logging.getLogger(ACCESS_LOGGER)
+        self.logger = logging.getLogger(ACCESS_LOGGER)
         self._random = random.Random()
 
     def wants(self, ok: bool) -> bool:
@@ -143,26 +141,18 @@ class AccessLog:
         return not ok or self.sample >= 1.0 or self._random.random() < self.sample
 
     def record(
-        self,
-        *,
-        request_id: str,
-        code: str,
-        latency_ms: float,
-        peer: str,
-        batch_size: int | None = None,
-        index_version: str | None = None,
-        model_version: str | None = None,
-        ads: int | None = None,
+        self, request_id: str, code: str, seconds: float, peer: str, r: RetrievalResult | None
     ) -> None:
-        """The call's line: `Retrieve CODE` with the fields as `extra`."""
+        """The call's line, `Retrieve CODE` with its fields as `extra`; `r`: what answered
+        it, if anything did."""
         fields: dict[str, Any] = {
             "request_id": request_id,
             "grpc_code": code,
-            "latency_ms": round(latency_ms, 3),
-            "batch_size": batch_size,
-            "index_version": index_version,
-            "model_version": model_version,
-            "ads": ads,
+            "latency_ms": round(seconds * 1e3, 3),
+            "batch_size": None if r is None else r.batch_size,
+            "index_version": None if r is None else r.index_version,
+            "model_version": None if r is None else r.model_version,
+            "ads": None if r is None or code != "OK" else len(r.post.ad_ids),
             "peer": peer,
         }
         level = logging.ERROR if code == "INTERNAL" else logging.INFO

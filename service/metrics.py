@@ -8,10 +8,11 @@ Latency buckets are ms-scale with an edge at the 100 ms SLO.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import datetime
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -26,19 +27,12 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily
 
-
-class RequestLogCounts(Protocol):
-    """What `service/request_log.py`'s `RequestLog` counts."""
-
-    written: int
-    rotations: int
-
-    @property
-    def dropped(self) -> int: ...
+if TYPE_CHECKING:
+    from service.request_log import RequestLog
 
 
 class _RequestLogCollector:
-    def __init__(self, request_log: RequestLogCounts) -> None:
+    def __init__(self, request_log: RequestLog) -> None:
         self._log = request_log
 
     def collect(self) -> Iterator[CounterMetricFamily]:
@@ -65,178 +59,149 @@ class Metrics:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)
             GCCollector(registry=r)
-        self.started = Counter(
-            "grpc_server_started_total", "RPCs started on the server.", _GRPC, registry=r
-        )
-        self.handled = Counter(
+        counter = functools.partial(Counter, registry=r)
+        gauge = functools.partial(Gauge, registry=r)
+        histogram = functools.partial(Histogram, registry=r)
+        info = functools.partial(Info, registry=r)
+        self.started = counter("grpc_server_started_total", "RPCs started on the server.", _GRPC)
+        self.handled = counter(
             "grpc_server_handled_total",
             "RPCs completed on the server, by status code.",
             (*_GRPC, "grpc_code"),
-            registry=r,
         )
-        self.handling = Histogram(
+        self.handling = histogram(
             "grpc_server_handling_seconds",
             "Response latency of RPCs handled by the server.",
             _GRPC,
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.stage = Histogram(
+        self.stage = histogram(
             "grace_stage_duration_seconds",
             "Wall time of one batch in one pipeline stage.",
             ("stage",),
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.batch_size = Histogram(
-            "grace_batch_size", "Requests per batch.", buckets=(1, 2, 4, 6, 8, 10, 12, 14, 16, 32),
-            registry=r,
-        )  # fmt: skip
-        self.padding = Counter(
+        self.batch_size = histogram(
+            "grace_batch_size", "Requests per batch.", buckets=(1, 2, 4, 6, 8, 10, 12, 14, 16, 32)
+        )
+        self.padding = counter(
             "grace_batch_padding_total",
             "Requests' worth of padding the GPU decoded: each decode group of a batch (one "
             "beam schedule and filter mode) runs at its graph bucket's size (graph_buckets), "
             "so a part-full group costs the GPU a full bucket. Stays 0 on CPU.",
-            registry=r,
         )
-        self.queue_depth = Gauge("grace_queue_depth", "Requests waiting for a batch.", registry=r)
-        self.refused = Counter(
+        self.queue_depth = gauge("grace_queue_depth", "Requests waiting for a batch.")
+        self.refused = counter(
             "grace_admission_refused_total",
             "Retrieve calls refused at the door, before parsing, by reason: 'overloaded' "
             "(the deadline does not leave room for the predicted wait: RESOURCE_EXHAUSTED), "
             "'queue_full' (RESOURCE_EXHAUSTED), 'hopeless' (the deadline is shorter than "
             "the service itself: DEADLINE_EXCEEDED).",
             ("reason",),
-            registry=r,
         )
-        self.queue_expired = Counter(
+        self.queue_expired = counter(
             "grace_queue_expired_total",
             "Requests dropped from the queue before batching: their deadline had passed "
             "or could no longer be met (answered DEADLINE_EXCEEDED).",
-            registry=r,
         )
-        self.dropped = Counter(
+        self.dropped = counter(
             "grace_stage_dropped_total",
             "Requests dropped at a pipeline stage hand-off, before that stage's work: "
             "reason 'deadline' (answered DEADLINE_EXCEEDED) or 'cancelled' (the client "
             "went away).",
             ("stage", "reason"),
-            registry=r,
         )
         for reason in ("overloaded", "queue_full", "hopeless"):  # series exist from the start
             self.refused.labels(reason)
         for stage in ("input", "features", "compute", "post"):
             for reason in ("deadline", "cancelled"):
                 self.dropped.labels(stage, reason)
-        self.predicted_wait = Gauge(
+        self.predicted_wait = gauge(
             "grace_admission_predicted_seconds",
             "Predicted time to answer a request arriving now, behind the work queued and "
             "in flight (what admission compares each deadline with).",
-            registry=r,
         )
-        self.serving = Gauge(
+        self.serving = gauge(
             "grace_serving",
             "1 from the moment this process says SERVING with its gRPC port open until it "
             "starts to drain, else 0: with several workers on one port a health probe "
             "reaches any one of them, this says it of each.",
-            registry=r,
         )
-        self.pipeline_batches = Gauge(
+        self.pipeline_batches = gauge(
             "grace_pipeline_batches",
             "Batches in the four-stage pipeline (dispatched, not yet through post).",
-            registry=r,
         )
-        self.inflight = Gauge(
-            "grace_inflight_requests", "Requests accepted and not yet answered.", registry=r
+        self.inflight = gauge("grace_inflight_requests", "Requests accepted and not yet answered.")
+        self.index_info = info("grace_index", "The index version being served.")
+        self.index_loaded = gauge(
+            "grace_index_loaded_timestamp_seconds", "When the served index was loaded."
         )
-        self.index_info = Info("grace_index", "The index version being served.", registry=r)
-        self.index_loaded = Gauge(
-            "grace_index_loaded_timestamp_seconds", "When the served index was loaded.",
-            registry=r,
-        )  # fmt: skip
-        self.index_created = Gauge(
-            "grace_index_created_timestamp_seconds", "When the served index was built.",
-            registry=r,
-        )  # fmt: skip
-        self.index_age = Gauge(
-            "grace_index_age_seconds", "Age of the served index since it was built.", registry=r
+        self.index_created = gauge(
+            "grace_index_created_timestamp_seconds", "When the served index was built."
+        )
+        self.index_age = gauge(
+            "grace_index_age_seconds", "Age of the served index since it was built."
         )
         self.index_age.set_function(self._index_age)
-        self.swaps = Counter(
-            "grace_index_swaps_total", "Index hot swaps (the first load is not one).", registry=r
+        self.swaps = counter(
+            "grace_index_swaps_total", "Index hot swaps (the first load is not one)."
         )
-        self.swap_failures = Counter(
+        self.swap_failures = counter(
             "grace_index_swap_failures_total",
             "Index versions refused: reason 'invalid' (an attempt to load, validate or "
             "prepare it failed; retried with backoff) or 'incompatible' (its SID space "
             "fits no model: counted once per model it was tried with).",
             ("reason",),
-            registry=r,
         )
-        self.index_behind = Gauge(
+        self.index_behind = gauge(
             "grace_index_behind_current",
             "1 while the served index is not the version CURRENT names (that one was "
             "refused, waits for a model of its SID space, or its directory has not "
             "appeared yet; also after a start-up fallback), else 0.",
-            registry=r,
         )
-        self.model_info = Info(
+        self.model_info = info(
             "grace_model",
             "The model being served: version (what the repository's CURRENT names, or the "
             "checkpoint directory's name), model_version (the checkpoint's own name, which "
             "responses carry) and sid_space.",
-            registry=r,
         )
-        self.model_loaded = Gauge(
-            "grace_model_loaded_timestamp_seconds", "When the served model was loaded.",
-            registry=r,
-        )  # fmt: skip
-        self.model_swaps = Counter(
-            "grace_model_swaps_total", "Model hot swaps (the first load is not one).", registry=r
+        self.model_loaded = gauge(
+            "grace_model_loaded_timestamp_seconds", "When the served model was loaded."
         )
-        self.model_swap_failures = Counter(
+        self.model_swaps = counter(
+            "grace_model_swaps_total", "Model hot swaps (the first load is not one)."
+        )
+        self.model_swap_failures = counter(
             "grace_model_swap_failures_total",
             "Model versions refused: reason 'invalid' (an attempt to load, verify or "
             "prepare it failed; retried with backoff) or 'incompatible' (its SID space "
             "fits no index: counted once per index it was tried with).",
             ("reason",),
-            registry=r,
         )
-        self.model_behind = Gauge(
+        self.model_behind = gauge(
             "grace_model_behind_current",
             "1 while the served model is not the version the model repository's CURRENT "
             "names (that one was refused, waits for an index of its SID space, or has not "
             "appeared yet; also after a start-up fallback), else 0.",
-            registry=r,
         )
         for reason in ("invalid", "incompatible"):
             self.swap_failures.labels(reason)
             self.model_swap_failures.labels(reason)
-        self.sids = Counter("grace_sids_generated_total", "SIDs the decoder emitted.", registry=r)
-        self.expanded = Counter(
-            "grace_ads_expanded_total", "Ads behind the generated SIDs.", registry=r
+        self.sids = counter("grace_sids_generated_total", "SIDs the decoder emitted.")
+        self.expanded = counter("grace_ads_expanded_total", "Ads behind the generated SIDs.")
+        self.eligible = counter(
+            "grace_ads_eligible_total", "Expanded ads passing the exact filter."
         )
-        self.eligible = Counter(
-            "grace_ads_eligible_total", "Expanded ads passing the exact filter.", registry=r
+        self.gpu_memory = gauge(  # on every device, so a CPU server reads 0, not "No data"
+            "grace_gpu_memory_bytes", "GPU memory allocated by the server; 0 on a CPU (no GPU)."
         )
-        self.gpu_memory = Gauge(  # on every device, so a CPU server reads 0, not "No data"
-            "grace_gpu_memory_bytes",
-            "GPU memory allocated by the server; 0 on a CPU (no GPU).",
-            registry=r,
-        )
-        self.mps_client = Gauge(
+        self.mps_client = gauge(
             "grace_mps_client",
             "1 when this process reaches its GPU through a CUDA MPS daemon, else 0 "
             "(several workers on one GPU without it time-slice: GraceGpuWorkersWithoutMps).",
-            registry=r,
         )
 
-    def track_gpu_memory(self, allocated: Callable[[], float]) -> None:
-        """Read `grace_gpu_memory_bytes` from `allocated` at each scrape (a server on a GPU;
-        on a CPU it stays 0)."""
-        self.gpu_memory.set_function(allocated)
-
-    def track_request_log(self, request_log: RequestLogCounts) -> None:
+    def track_request_log(self, request_log: RequestLog) -> None:
         """Export the request log's lines written, dropped and rotations (the setting
         `request_log`), read from it at each scrape."""
         self.registry.register(_RequestLogCollector(request_log))

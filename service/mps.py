@@ -1,26 +1,14 @@
-"""CUDA MPS for `grace serve --workers N` on one GPU (setting `mps`, docs/OPERATIONS.md).
-
-Without MPS the GPU time-slices between the workers' CUDA contexts: one process's
-kernels run while the other's wait, and a latency-bound kernel of one cannot fill the
-SMs the other leaves idle. The Multi-Process Service funnels every worker's work
-through one server context, so their kernels run side by side. The supervisor
-(`service/workers.py`) starts a private control daemon before the first worker and
-stops it after the last — by default whenever it can (`resolve_mps`), on request
-(`mps` true) or an error when it cannot:
+"""CUDA MPS for several workers on one GPU (setting `mps`; docs/SERVICE.md "MPS"): without
+it the GPU time-slices between the workers' contexts; through MPS their kernels run side
+by side. The supervisor (`service/workers.py`) brackets the workers with a private daemon:
 
     nvidia-cuda-mps-control -d      (pipe and log directories in a private temp dir)
     a throwaway CUDA client attaches through it (service/_mps_probe.py): it works
     workers inherit CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY and connect to it
     echo quit | nvidia-cuda-mps-control
 
-The supervisor decides without importing torch, and never initialises CUDA itself (it
-counts the GPUs for the workers' placement through NVML: service/workers.py `slots`):
-device 'auto' counts as CUDA where the NVIDIA driver's device node exists.
-
-Nothing of the GPU's own settings changes (compute mode, MIG): the daemon is a process
-of the serving user and goes with it. A node-wide MPS daemon (e.g. the NVIDIA device
-plugin's MPS sharing) needs none of this: its CUDA_MPS_PIPE_DIRECTORY reaching the pod
-keeps the default from starting another.
+It decides without importing torch or initialising CUDA, changes none of the GPU's own
+settings, and uses a node-wide daemon whose CUDA_MPS_PIPE_DIRECTORY reaches it as it is.
 """
 
 from __future__ import annotations
@@ -41,9 +29,7 @@ log = logging.getLogger("grace.mps")
 CONTROL = "nvidia-cuda-mps-control"
 ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 TIMEOUT_S = 30.0
-# `-d` returns as soon as the control daemon forks: a throwaway process attaches through
-# it before any worker starts (service/_mps_probe.py says what it checks)
-PROBE_SCRIPT = Path(__file__).with_name("_mps_probe.py")
+PROBE_SCRIPT = Path(__file__).with_name("_mps_probe.py")  # attaches before any worker
 ATTACH_TIMEOUT_S = 60.0
 
 
@@ -65,39 +51,26 @@ def check_mps(settings: ServerSettings) -> None:
 
 def _on_cuda(settings: ServerSettings) -> bool:
     """Whether the workers will run on CUDA, without importing torch: 'auto' does where
-    the driver is (a torch that cannot use that GPU — a CPU-only build, a driver too old
-    for it — then runs its workers on the CPU next to a daemon whose server holds some GPU
-    memory: set `mps` false there)."""
+    the driver is (where torch cannot use that GPU, set `mps` false)."""
     if settings.device == "auto":
         return DRIVER_NODE.exists()
     return settings.device.startswith("cuda")
 
 
-def _configured_daemon() -> str | None:
-    """The pipe directory of an MPS daemon this process's CUDA clients will use, if any:
-    the supervisor's private one (exported only once a client has attached through it)
-    or a node-wide one."""
-    return os.environ.get(ENV[0]) or None
-
-
 def mps_client(device: str) -> bool:
     """Whether a process on `device` reaches the GPU through an MPS daemon."""
-    return device.startswith("cuda") and _configured_daemon() is not None
+    # the supervisor's private daemon (exported once a client attached) or a node-wide one
+    return device.startswith("cuda") and bool(os.environ.get(ENV[0]))
 
 
 def resolve_mps(settings: ServerSettings) -> bool:
-    """Whether the supervisor runs its private daemon: `mps` when set; unset, whenever it
-    can help — several workers on CUDA, the control binary on PATH, and no MPS daemon
-    already configured for this process (CUDA_MPS_PIPE_DIRECTORY set: a node-wide one,
-    which the workers join by inheriting that environment). On one H200 (paper profile)
-    it cut the P99 at 900 req/s to a third and halved the decode plans' capture time
-    (docs/OPERATIONS.md).
-    """
+    """Whether the supervisor runs its private daemon: `mps` when set; unset, with several
+    workers on CUDA, the control binary on PATH and no daemon configured already."""
     if settings.mps is not None:
         return settings.mps
     if settings.workers < 2 or not _on_cuda(settings):
         return False
-    if (pipes := _configured_daemon()) is not None:
+    if pipes := os.environ.get(ENV[0]):
         log.info("MPS: using the daemon configured in %s=%s", ENV[0], pipes)
         return False
     if shutil.which(CONTROL) is None:
@@ -124,24 +97,19 @@ def control_binary() -> str:
 
 @contextlib.contextmanager
 def mps_daemon(
-    root: Path | None = None,
     ordinal: int = 0,
     *,
     visible: str | None = None,  # the daemon's (and its clients') CUDA_VISIBLE_DEVICES
     export: bool = True,
 ) -> Iterator[dict[str, str]]:
-    """Run a private MPS control daemon for the duration of the block; yields the
-    environment its clients need (with `export`, also set in `os.environ` meanwhile, so
-    spawned workers inherit it; one daemon per GPU of several yields it for that GPU's
-    workers alone). Raises MpsError when the control binary is missing, fails to start,
-    or no CUDA client can use GPU `ordinal` through it."""
+    """A private MPS control daemon for the block; yields the environment its clients need
+    (with `export` also set in `os.environ` meanwhile, for spawned workers to inherit).
+    MpsError when it cannot start or no CUDA client can use GPU `ordinal` through it."""
     exe = control_binary()
-    with contextlib.ExitStack() as stack:
-        if root is None:
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="grace-mps-")))
-        dirs = dict(zip(ENV, (root / "pipe", root / "log"), strict=True))
+    with tempfile.TemporaryDirectory(prefix="grace-mps-") as root:
+        dirs = {k: Path(root, name) for k, name in zip(ENV, ("pipe", "log"), strict=True)}
         for d in dirs.values():
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir()
         env = {k: str(v) for k, v in dirs.items()}
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
@@ -163,14 +131,9 @@ def mps_daemon(
             raise
         log.info("MPS control daemon started (pipes in %s%s)", env[ENV[0]],
                  f", GPU {visible}" if visible is not None else "")  # fmt: skip
-        if not export:
-            try:
-                yield env
-            finally:
-                _quit(exe, full)
-            return
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+        saved = {k: os.environ.get(k) for k in env} if export else {}
+        if export:
+            os.environ.update(env)
         try:
             yield env
         finally:

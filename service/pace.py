@@ -1,12 +1,8 @@
 """How background work yields to serving: a model swap's load and prepare (the rollout,
-`service/rollout/`) run on the same GPU, CPU cores and GIL as the requests they must not
-slow down. `Pace` is called between the steps of such a job (a chunk of the weights'
-checksum, a tensor's copy to the device, one CUDA graph's capture); after each step it
-sleeps long enough that the job takes at most `share` of the wall time, its GPU work
-included (it waits for the calling thread's CUDA stream before it measures).
-
-At start-up nothing serves yet (`active()` is false) and nothing is paced; `share = 1`
-turns pacing off. The setting is `rollout_share` (docs/MODEL.md, "Hot swap").
+`service/rollout/`) share the GPU, CPU cores and GIL with requests. `Pace` is called
+between the steps of such a job and sleeps so that the job takes at most `share` of the
+wall time, its GPU work included. Nothing is paced while nothing serves (`active()`) or at
+`share = 1`. The setting is `rollout_share` (docs/MODEL.md "Hot swap").
 """
 
 from __future__ import annotations

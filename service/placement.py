@@ -1,16 +1,10 @@
-"""Where the workers of `grace serve` run: `workers` serving processes on each GPU the
-settings name (`gpus`; default every visible GPU when `device` is `cuda` or `auto`), or
-`workers` processes on the CPU (docs/SERVICE.md, "Several GPUs").
+"""Where the workers of `grace serve` run: `workers` processes on each GPU the settings
+name (`gpus`; default every visible GPU when `device` is `cuda` or `auto`), or on the CPU
+(docs/SERVICE.md "Several GPUs"). On one GPU every worker sees all devices; on several,
+each sees only its own (`CUDA_VISIBLE_DEVICES`) and serves on `cuda:0`.
 
-    settings (device, gpus, workers) + the GPUs this process sees ─► [Slot]
+    settings (device, gpus, workers) + the GPUs this process sees ─► [Slot] (GPU-major)
         ─► service/workers.py starts one process per slot (and one MPS daemon per GPU)
-
-On one GPU nothing changes from a single-GPU host: every worker sees all devices and
-uses the settings' device. On several, each worker sees only its own GPU
-(`CUDA_VISIBLE_DEVICES` set to that GPU's id as this process sees it, so a list the
-orchestrator gave is respected) and serves on `cuda:0` — its model, index and CUDA
-graphs live on that GPU alone. Slot i serves metrics on `metrics_port + i`; worker
-order is GPU-major (the workers of the first GPU, then the second's, ...).
 """
 
 from __future__ import annotations

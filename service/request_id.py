@@ -5,13 +5,9 @@ line about the call, echoed in the reply (docs/SERVICE.md "Request ids").
                                                    ─► RetrieveResponse.request_id
                                                    ─► trailing metadata x-request-id
 
-The id is the request's `request_id` field when it is set (and valid), else the caller's
-`x-request-id` metadata, else a fresh uuid4 hex. Refusals come before the bytes are parsed
-(service/server.py), so the field is read here straight off the wire: every protobuf
-writer puts field 1 first, and a request whose first field is another one counts as
-having none until it is parsed. Gives `current_request_id` to the log formatters
-(service/logs.py): an asyncio task copies the context, so the value set in one call's
-handler is seen only by that call's log lines.
+Refusals come before parsing, so the request's field is read straight off the wire: every
+protobuf writer puts field 1 first. `current_request_id` set in one call's handler (its
+own asyncio task and context) is seen only by that call's log lines (service/logs.py).
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from collections.abc import Iterable
 from urllib.parse import quote
 
 METADATA_KEY = "x-request-id"
-MAX_REQUEST_ID_BYTES = 128  # the field's limit (service/validation.py) and the metadata's
+MAX_REQUEST_ID_BYTES = 128  # of the request_id field (service/validation.py) and the metadata
 _FIELD_1_TAG = 0x0A  # field 1 (request_id), wire type 2 (length-delimited)
 # what may stand in a metadata value as it is: printable ASCII but space and '%'
 _SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
@@ -35,7 +31,7 @@ current_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 def call_request_id(raw: bytes, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
     """The id of a call before its bytes are parsed: field 1 of `raw`, else the
     `x-request-id` metadata, else a new one."""
-    return usable(peek_request_id(raw)) or from_metadata(metadata) or new_request_id()
+    return usable(peek_request_id(raw)) or from_metadata(metadata) or uuid.uuid4().hex
 
 
 def peek_request_id(raw: bytes) -> str | None:
@@ -76,10 +72,6 @@ def from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | N
         if key == METADATA_KEY and isinstance(value, str):
             return usable(value.strip())
     return None
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 def for_metadata(request_id: str) -> str:

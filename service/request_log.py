@@ -3,14 +3,11 @@
 The format (one contract for `grace record`, the server's request log and the locust
 replay in `loadtest/`): UTF-8 text, one `RetrieveRequest` per line in protobuf's JSON
 mapping (`json_format.MessageToJson`, camelCase names, int64 as strings), no blank lines.
-`grace query --request-json` reads any single line of it.
 
-`RequestLog` is what the server appends with (setting `request_log`): the event loop only
-appends the request object to a bounded deque; a writer thread wakes every 0.1 s,
-serialises what waits, writes and flushes. When the writer falls behind, requests are
-dropped and counted rather than slowing the service. A file that reaches `max_bytes` is
-rotated like logrotate's numbered files: `path` -> `path.1` -> ... -> `path.<backups>`
-(the oldest removed), and a new `path` begins; each file holds whole lines only.
+`RequestLog` (setting `request_log`): the event loop only appends to a bounded deque; a
+writer thread serialises, writes and flushes every `interval`, and requests it cannot keep
+up with are dropped and counted, never slowed. Files rotate like logrotate's numbered ones
+(`path` -> `path.1` -> ... -> `path.<backups>`), each holding whole lines only.
 """
 
 from __future__ import annotations
@@ -91,11 +88,8 @@ class RequestLog:
         self._thread.start()
 
     def append(self, request: retrieval_pb2.RetrieveRequest) -> None:
-        """Queue one request for the writer; drops it (counted) when `capacity` are waiting.
-
-        Called on the event loop: no serialisation, no I/O, no lock. The message must not
-        be mutated afterwards (the servicer never does).
-        """
+        """Queue one request for the writer, or drop it (counted) when `capacity` wait: on
+        the event loop, no serialisation, I/O or lock. The message must not change after."""
         if len(self._pending) >= self.capacity:
             self.overflowed += 1
         else:

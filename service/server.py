@@ -1,29 +1,13 @@
 """The gRPC servicer: admit -> parse -> validate -> batcher -> reply (ARCHITECTURE.md §5).
 
-Runs on the event loop and only awaits. Retrieve is registered without (de)serialisers
-(`grpc_server.add_retrieval`): the handler gets the request's bytes and returns the
-reply's bytes, so every refusal is cheap and counted — in order:
-
-    UNAVAILABLE         draining, or no model and index loaded yet
-    RESOURCE_EXHAUSTED  larger than the largest valid request (`Limits.max_request_bytes`),
-                        or admission refuses it: the queue is full or the deadline does
-                        not leave room for the predicted wait (service/admission.py) —
-                        all before the bytes are parsed
-    DEADLINE_EXCEEDED   the deadline is shorter than the service itself, or it passed
-                        while the request waited (queue, stage hand-offs)
-    INVALID_ARGUMENT    bytes that are not a RetrieveRequest, or a field outside the
-                        contract (the message names it: service/validation.py)
-    INTERNAL            anything else
-
-A call the client abandons is counted DEADLINE_EXCEEDED when its deadline had (all but)
-passed, CANCELLED otherwise. Every outcome lands in the standard `grpc_server_*` metrics;
-refusals and failures are logged as one short line per status code at most every
-`LOG_EVERY_SECONDS`, with the number of others since, and each call may get an access-log
-line (service/logs.py). Every call has a request id (service/request_id.py): on its log
-lines, in the reply's `request_id` and in the trailing metadata `x-request-id`. Errors
-carry a `google.rpc.Status` in the trailers (service/rpc_status.py) besides the plain message:
-INVALID_ARGUMENT a `BadRequest` naming every bad field, RESOURCE_EXHAUSTED from admission
-and UNAVAILABLE a `RetryInfo` saying when this server may take the call again.
+Runs on the event loop and only awaits. Retrieve is registered as bytes in, bytes out
+(`grpc_server.add_retrieval`), so every refusal is cheap and counted: UNAVAILABLE
+(draining, nothing loaded yet), RESOURCE_EXHAUSTED (too long, or refused by admission:
+both before parsing), DEADLINE_EXCEEDED, INVALID_ARGUMENT (service/validation.py),
+INTERNAL. The codes and their `google.rpc.Status` details (service/rpc_status.py):
+docs/SERVICE.md "Status codes". Every outcome lands in the `grpc_server_*` metrics;
+refusals and failures log one line per code at most every `LOG_EVERY_SECONDS`; every call
+has a request id (service/request_id.py) and may get an access-log line (service/logs.py).
 """
 
 from __future__ import annotations
@@ -63,9 +47,8 @@ log = logging.getLogger("grace.server")
 RETRIEVE_METHOD = f"/{SERVICE}/Retrieve"  # the RPC span's name, less the slash
 LOG_EVERY_SECONDS = 10.0
 # The client's deadline reaches the server late (the headers wait for the event loop), so
-# a client that gives up at its deadline is seen cancelling a little before the server's
-# copy of it: within this share of the timeout (at least DEADLINE_SKEW_MIN) it counts as
-# DEADLINE_EXCEEDED.
+# a client giving up at its deadline cancels a little before the server's copy of it: a
+# cancel within this share of the timeout (at least DEADLINE_SKEW_MIN) is DEADLINE_EXCEEDED
 DEADLINE_SKEW_SHARE = 0.1
 DEADLINE_SKEW_MIN = 0.02
 # RetryInfo of UNAVAILABLE: a draining server's port closes within moments (retry on a new
@@ -177,25 +160,10 @@ class RetrievalServicer:
             seconds = time.perf_counter() - t0
             self._handling.observe(seconds)
             if self.access_log.wants(code == grpc.StatusCode.OK):
-                self._access(call, code, seconds, context)
+                self.access_log.record(call.log_id, code.name, seconds, context.peer(), call.result)
             if span is not None:
                 _annotate(span, call, code)
             current_request_id.reset(logged)
-
-    def _access(
-        self, call: _Call, code: grpc.StatusCode, seconds: float, context: grpc.aio.ServicerContext
-    ) -> None:
-        r = call.result
-        self.access_log.record(
-            request_id=call.log_id,
-            code=code.name,
-            latency_ms=seconds * 1e3,
-            peer=context.peer(),
-            batch_size=None if r is None else r.batch_size,
-            index_version=None if r is None else r.index_version,
-            model_version=None if r is None else r.model_version,
-            ads=None if r is None or code != grpc.StatusCode.OK else len(r.post.ad_ids),
-        )
 
     async def _retrieve(self, raw: bytes, deadline: float | None, call: _Call) -> bytes:
         unavailable = grpc.StatusCode.UNAVAILABLE
@@ -214,7 +182,6 @@ class RetrievalServicer:
         try:  # shed before any parsing: under overload refusals must be cheap
             self.batcher.admit(_left(deadline))
         except Overloaded as exc:
-            self.metrics.refused.labels(exc.reason).inc()
             raise self._refused(exc, deadline) from None
         except DeadlineExpired as exc:
             self.metrics.refused.labels("hopeless").inc()
@@ -243,7 +210,6 @@ class RetrievalServicer:
                 req, _left(deadline), self.tracing.current()
             )
         except Overloaded as exc:
-            self.metrics.refused.labels(exc.reason).inc()
             raise self._refused(exc, deadline) from None
         except DeadlineExpired as exc:
             raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
@@ -256,7 +222,8 @@ class RetrievalServicer:
             raise Abort(grpc.StatusCode.INTERNAL, f"building the reply failed: {exc}") from None
 
     def _refused(self, exc: Overloaded, deadline: float | None) -> Abort:
-        """RESOURCE_EXHAUSTED for an admission refusal, with when to come back."""
+        """RESOURCE_EXHAUSTED for an admission refusal (counted), with when to come back."""
+        self.metrics.refused.labels(exc.reason).inc()
         b = self.batcher
         delay = b.admission.retry_after(
             exc.reason == "queue_full", _left(deadline), b.depth, b.inflight_requests

@@ -1,29 +1,22 @@
 """Server settings: what `grace serve` reads once at start-up, before anything is loaded.
 
-Sources, highest precedence first:
-
-    1. overrides passed by the caller (CLI flags, as a dict; None values are ignored)
-    2. environment variables `GRACE_<FIELD>` (case-insensitive), e.g. `GRACE_PORT=50052`
-    3. a config file (TOML, JSON or YAML by suffix) named by the `config` override,
-       `GRACE_CONFIG`, or `load_settings(config_file=...)`; keys are the field names
-    4. the defaults below
-
-Relative paths are relative to the working directory, not to the config file. Beam
-schedules from the environment may be JSON (`[1,64,128,128]`) or comma-separated
-(`1,64,128,128`). `Limits.from_settings` (service/validation.py) derives the request
-limits; nothing downstream reads a setting per request. This module is longer than the
-house's ~300 lines because it is the settings reference: one field per setting, each with
-the description `grace serve --help` prints and the docs show, and its check — long
-because the settings are many, not because it does several things.
+Sources, highest precedence first: overrides passed by the caller (CLI flags; None values
+are ignored), `GRACE_<FIELD>` environment variables (case-insensitive), a config file
+(TOML, JSON or YAML by suffix, keys the field names: the `config` override or
+`GRACE_CONFIG`), the defaults below. Relative paths are relative to the working
+directory; lists from the environment may be JSON (`[1,64,128,128]`) or comma-separated.
+`Limits.from_settings` (service/validation.py) derives the request limits. Longer than the
+house's ~300 lines because it is the settings reference: each field with the description
+`grace serve --help` prints.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
@@ -41,10 +34,9 @@ from service.model.config import PROFILES
 # the precision a model serves in (the setting `dtype`: service/model/precision.py)
 Precision = Literal["auto", "float32", "bfloat16", "fp8"]
 
-# Batches in flight that make the pipeline busy (the batcher keeps a forming batch filling
-# while at least this many compute): on a GPU 1 — batches go when the pipeline drains, so
-# they never queue on the shared GPU; on a CPU 2 — the stage threads share the cores, and
-# a second batch in flight keeps them busy. docs/OPERATIONS.md gives the measurements.
+# Batches in flight that make the pipeline busy (a forming batch keeps filling while at
+# least this many compute): on a GPU 1, so batches never queue on the shared GPU; on a CPU
+# 2, so a second batch keeps the stage threads busy (docs/OPERATIONS.md).
 BUSY_BATCHES = 2
 BUSY_BATCHES_GPU = 1
 MAX_GROUPS = 2  # decode groups per batch (docs/RELIABILITY.md: the cost of a mixed batch)
@@ -55,14 +47,33 @@ def default_busy_batches(device: str) -> int:
     return BUSY_BATCHES_GPU if device.startswith("cuda") else BUSY_BATCHES
 
 
+def _must(holds: Callable[[Any], bool], be: str) -> AfterValidator:
+    """A field's check: a value (but None) for which `holds` is false is refused."""
+
+    def check(v: Any) -> Any:
+        if v is not None and not holds(v):  # the comparisons below also refuse NaN
+            raise ValueError(f"must be {be}, got {v}")
+        return v
+
+    return AfterValidator(check)
+
+
+Port = Annotated[
+    int, _must(lambda v: 0 <= v <= 65535, "a TCP port in 0..65535 (0 = any free port)")
+]
+AtLeastOne = Annotated[int, _must(lambda v: v >= 1, ">= 1")]
+_non_negative = _must(lambda v: v >= 0, ">= 0")
+NonNegative = Annotated[float, _non_negative]
+Ratio = Annotated[float, _must(lambda v: 0 <= v <= 1, "in [0, 1]")]
+Share = Annotated[float, _must(lambda v: 0 <= v <= 1, "a share in 0..1")]
+Interval = Annotated[float, _must(lambda v: 0 < v < float("inf"), "a positive number of seconds")]
+Schedule = Annotated[tuple[int, ...] | None, NoDecode]
 _FILE_SOURCES = {
     ".toml": TomlConfigSettingsSource,
     ".json": JsonConfigSettingsSource,
     ".yaml": YamlConfigSettingsSource,
     ".yml": YamlConfigSettingsSource,
 }
-
-Schedule = Annotated[tuple[int, ...] | None, NoDecode]
 
 
 class ServerSettings(BaseSettings):
@@ -78,16 +89,14 @@ class ServerSettings(BaseSettings):
     host: str = Field(
         "127.0.0.1",
         description="Address the gRPC and metrics ports listen on: 127.0.0.1, this machine "
-        "only (a demo on a laptop); 0.0.0.0, every interface, in a container or on a "
-        "server others call (GRACE_HOST=0.0.0.0, grace serve --host 0.0.0.0).",
+        "only; 0.0.0.0, every interface (in a container, or for other machines' clients).",
     )
-    port: int = Field(50051, description="gRPC port; 0 lets the OS pick a free one (tests).")
+    port: Port = Field(50051, description="gRPC port; 0 lets the OS pick a free one (tests).")
     workers: int = Field(
         1,
-        description="Serving processes per GPU (on a CPU: in all) sharing the gRPC port "
-        "(SO_REUSEPORT), each with its own model, index, GPU pipeline and GIL (one "
-        "process's event loop and stage threads share one GIL: docs/OPERATIONS.md). Worker "
-        "i serves metrics on metrics_port + i. More than one in all needs a fixed port.",
+        description="Serving processes per GPU (on a CPU: in all) sharing the gRPC port, each "
+        "with its own model, index, pipeline and GIL (service/workers.py). Worker i serves "
+        "metrics on metrics_port + i. More than one in all needs a fixed port.",
     )
     gpus: Annotated[list[int] | None, NoDecode] = Field(
         None,
@@ -99,84 +108,71 @@ class ServerSettings(BaseSettings):
         "connection",
         description="With workers > 1: 'connection' shares the port through SO_REUSEPORT "
         "(the kernel spreads connections, requests follow them); 'request' puts a front "
-        "on the port that hands each request to the worker with the fewest in flight, the "
-        "workers on private unix sockets (service/balancer.py; one local hop more).",
+        "on the port that hands each request to the worker with the fewest in flight "
+        "(service/balancer.py; one local hop more).",
     )
     mps: bool | None = Field(
         None,
         description="With workers > 1 on CUDA: run a private CUDA MPS control daemon so the "
-        "workers' kernels share the GPU side by side instead of time-slicing between their "
-        "contexts (service/mps.py; needs nvidia-cuda-mps-control on PATH). Unset: on "
-        "whenever it can be (workers > 1, CUDA, the binary on PATH, no MPS daemon already "
-        "configured in CUDA_MPS_PIPE_DIRECTORY); true: required, an error otherwise.",
+        "workers' kernels share the GPU instead of time-slicing (service/mps.py; needs "
+        "nvidia-cuda-mps-control on PATH). Unset: on whenever it can be (CUDA, the binary "
+        "on PATH, no daemon already configured in CUDA_MPS_PIPE_DIRECTORY); true: required.",
     )
-    metrics_port: int = Field(
-        9464, description="Prometheus HTTP port; 0 lets the OS pick a free one (tests)."
-    )
-    data_dir: Path = Field(
-        Path("data"), description="Working data directory (world, model, index)."
-    )
-    index_root: Path | None = Field(
-        None, description="Index root holding versions and CURRENT; default <data_dir>/index."
-    )
+    metrics_port: Port = Field(9464, description="Prometheus HTTP port; 0 lets the OS pick one.")
+    data_dir: Path = Field(Path("data"), description="Data directory (world, model, index).")
+    index_root: Path | None = Field(None, description="Index root; default <data_dir>/index.")
     model_dir: Path | None = Field(
         None, description="Model checkpoint directory (grace train); default <data_dir>/model."
     )
-    profile: str = Field(
-        "tiny", description=f"Model profile, one of {sorted(PROFILES)} (service/model/config.py)."
-    )
+    profile: str = Field("tiny", description=f"Model profile, one of {sorted(PROFILES)}.")
     device: str = Field(
         "auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'."
     )
     dtype: Precision = Field(
         "auto",
-        description="The precision a model serves in (service/model/precision.py): 'auto' is "
-        "bfloat16 on CUDA and float32 on CPU (bfloat16 is slow on most CPUs); 'fp8' (opt-in) "
-        "is 'auto' with the decode step's linear layers in FP8 e4m3 (docs/FP8.md), on CUDA "
-        "compute capability 8.9 or newer (Ada, Hopper).",
+        description="The precision a model serves in: 'auto' is bfloat16 on CUDA and float32 "
+        "on CPU; 'fp8' (opt-in) is 'auto' with the decode step's linear layers in FP8 e4m3, "
+        "on CUDA compute capability 8.9 or newer (service/model/precision.py, docs/FP8.md).",
     )
-    max_batch: int = Field(16, description="Most requests in one batch.")
+    max_batch: AtLeastOne = Field(16, description="Most requests in one batch.")
     graph_buckets: Annotated[list[int] | None, NoDecode] = Field(
         None,
         description="GPU only: batch sizes the CUDA graphs are captured for; a batch runs "
-        "padded to the next one (max_batch is always added). Finer buckets waste less GPU "
-        "on padding but take longer to capture at start-up and on each index swap (two "
-        "decode plans and their buffers per bucket); sizes >= max_batch are ignored. "
-        "Default: 2, 4, ..., 16 (GRAPH_BUCKETS in service/pipeline/stages.py).",
+        "padded to the next one (max_batch is always added, larger sizes are ignored). "
+        "Finer buckets pad less but take longer to capture, at start-up and on each index "
+        "swap. Default: 2, 4, ..., 16 (GRAPH_BUCKETS in service/pipeline/stages.py).",
     )
-    max_wait_ms: float = Field(
+    max_wait_ms: NonNegative = Field(
         5.0,
         description="Longest a request waits for its batch to fill while the pipeline is "
         "nearly idle, in milliseconds.",
     )
-    max_wait_busy_ms: float = Field(
+    max_wait_busy_ms: NonNegative = Field(
         20.0,
         description="Longest a batch keeps filling while the pipeline is busy (busy_batches "
-        "or more batches in flight: a small batch would only queue and waste the GPU), in ms.",
+        "or more batches in flight: a small batch would only queue), in ms.",
     )
-    busy_batches: int | None = Field(
+    busy_batches: AtLeastOne | None = Field(
         None,
         description="Batches in flight from which the pipeline counts as busy and a forming "
-        "batch keeps filling for up to max_wait_busy_ms instead of max_wait_ms: 1 fills "
-        "batches as soon as anything is in flight (fewer, fuller GPU batches), 2 as soon as "
-        "one batch waits behind a computing one. Default: 1 on CUDA, 2 on CPU "
-        "(default_busy_batches, above).",
+        "batch keeps filling for up to max_wait_busy_ms instead of max_wait_ms. Default: 1 "
+        "on CUDA (fewer, fuller GPU batches), 2 on CPU (default_busy_batches, above).",
     )
-    queue_capacity: int = Field(
+    queue_capacity: AtLeastOne = Field(
         256,
         description="Requests waiting for a batch; beyond it new ones get RESOURCE_EXHAUSTED. "
         "Requests with a deadline are refused earlier when it leaves no room for the "
         "predicted wait (service/admission.py).",
     )
-    max_decode_groups: int = Field(
+    max_decode_groups: AtLeastOne = Field(
         MAX_GROUPS,
         description="Most decode groups in one batch: requests sharing a beam schedule and "
-        "filter mode are one decode run, so a batch mixing many schedules costs many runs. "
-        "A request of another group waits for a later batch, keeping its place.",
+        "filter mode are one decode run. A request of another group waits for a later "
+        "batch, keeping its place.",
     )
-    default_max_ads: int = Field(1000, description="Ads returned when a request's max_ads is 0.")
-    max_ads_limit: int = Field(10_000, description="Largest max_ads a request may ask for.")
-    max_history_events: int = Field(
+    default_max_ads: AtLeastOne = Field(1000, description="Ads returned when max_ads is 0.")
+    max_ads_limit: AtLeastOne = Field(10_000, description="Largest max_ads a request may ask for.")
+    max_history_events: Annotated[int, _non_negative] = Field(
         10_000, description="Most user.history events a request may carry."
     )
     beam_max: Schedule = Field(
@@ -191,13 +187,11 @@ class ServerSettings(BaseSettings):
     )
     scoring: Scoring = Field(
         "masked",
-        description="How each decode step scores a token (contracts/request.py Scoring): "
-        "'masked' adds its log-softmax over the tokens the CD+GTM mask allows (renormalised: "
-        "a prefix with few eligible children keeps most of its mass); 'unmasked' the "
-        "model's own log-softmax over the whole vocabulary, barred tokens still excluded, "
-        "so a SID scores its model log-probability in either filter mode.",
+        description="How a decode step scores a token: 'masked' by the log-softmax over the "
+        "tokens the CD+GTM mask allows (renormalised); 'unmasked' by the model's own over the "
+        "whole vocabulary (barred tokens excluded): a SID scores the same in either filter mode.",
     )
-    index_poll_seconds: float = Field(
+    index_poll_seconds: Interval = Field(
         1.0,
         description="How often the rollout reads <index_root>/CURRENT and the model "
         "repository's CURRENT, in seconds.",
@@ -206,70 +200,60 @@ class ServerSettings(BaseSettings):
         0.25,
         gt=0,
         le=1,
-        description="The most of the wall time a swap takes while the server serves: a "
-        "model's load (each checksum chunk, each chunk of a tensor's copy to the device) and "
-        "every swap's prepare (each CUDA graph's capture), their GPU work included; after "
-        "each step the rollout rests so that requests keep the GPU, cores and GIL "
-        "(service/pace.py). An index's load is not paced (its tables go to the GPU in "
-        "chunks). 1 turns pacing off; start-up is never paced.",
+        description="The most of the wall time a model's load and a swap's prepare (GPU "
+        "work included) take while serving: the rollout rests between steps (service/pace.py)."
+        " An index's load and start-up are not paced; 1 turns pacing off.",
     )
-    max_connection_age_seconds: float = Field(
+    max_connection_age_seconds: NonNegative = Field(
         120.0,
         description="Close client connections after this age (with a GOAWAY) so that "
         "clients re-resolve and rebalance across replicas — HTTP/2 otherwise pins them; "
         "0 turns it off.",
     )
-    max_connection_age_grace_seconds: float = Field(
+    max_connection_age_grace_seconds: NonNegative = Field(
         30.0, description="Time calls on an aged connection get to finish, in seconds."
     )
-    drain_seconds: float = Field(
+    drain_seconds: NonNegative = Field(
         10.0, description="Grace period for in-flight requests on SIGTERM, in seconds."
     )
-    stall_seconds: float = Field(
+    stall_seconds: NonNegative = Field(
         60.0,
         description="A pipeline with batches in flight and no stage finished for this "
-        "long is wedged (a stuck GPU call, a deadlock): the process writes every thread's "
-        "stack to stderr and exits 3, so its supervisor or the orchestrator restarts it "
-        "(service/watchdog.py). 0 turns the watchdog off.",
+        "long is wedged: the process writes every thread's stack to stderr and exits 3, so "
+        "it is restarted (service/watchdog.py). 0 turns the watchdog off.",
     )
     request_log: Path | None = Field(
         None,
         description="Append every valid Retrieve request to this file as one line of "
-        "protobuf JSON (the JSON Lines that `grace record` writes and loadtest/ replays); "
-        "off when unset. Written by its own thread: when it falls behind, requests are "
-        "dropped from the log (counted), never slowed (service/request_log.py).",
+        "protobuf JSON (what `grace record` writes and loadtest/ replays); off when unset. "
+        "A writer behind drops lines (counted), never slows requests.",
     )
-    request_log_max_mb: float = Field(
+    request_log_max_mb: NonNegative = Field(
         256.0,
         description="Rotate the request log when it reaches this many MiB: the file becomes "
         "<file>.1 (older ones <file>.2, <file>.3; the oldest is removed). 0: never rotate.",
     )
     tracing: Literal["off", "console", "otlp"] = Field(
         "off",
-        description="OpenTelemetry spans per Retrieve RPC, per batch and per pipeline stage "
-        "(service/tracing.py): 'console' writes them to stderr, 'otlp' exports them over "
-        "OTLP/gRPC (the `otlp` extra; endpoint from OTEL_EXPORTER_OTLP_ENDPOINT, default "
-        "localhost:4317). A caller's W3C traceparent metadata makes them part of its trace.",
+        description="OpenTelemetry spans per Retrieve RPC, batch and stage: 'console' writes "
+        "them to stderr, 'otlp' exports them over OTLP/gRPC (the `otlp` extra; endpoint "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, default localhost:4317; docs/ops/tracing.md).",
     )
-    tracing_sample_ratio: float = Field(
+    tracing_sample_ratio: Ratio = Field(
         1.0,
         description="The share of new traces kept (0..1) when tracing is on; a trace the "
         "caller started follows the caller's sampling decision.",
     )
-
     log_format: Literal["text", "json"] = Field(
         "text",
         description="Log lines: 'text' (one readable line each) or 'json' (one JSON object "
-        "per line: ts, level, logger, message, worker, request_id, exc, and the access "
-        "log's fields — service/logs.py). Env: GRACE_LOG_FORMAT; grace serve --log-format.",
+        "per line; service/logs.py). Env: GRACE_LOG_FORMAT; grace serve --log-format.",
     )
-    access_log_sample: float = Field(
+    access_log_sample: Share = Field(
         0.0,
         description="Share of OK Retrieve calls that get an access-log line (logger "
-        "grace.access: request id, code, latency, batch size, versions, ads, peer); every "
-        "failed call gets one while this is above 0. 0 (the default): no access log — a "
-        "line is ~250 bytes and ~10 us of the event loop, so at 1,000 req/s one worker "
-        "would write ~20 GB a day of what the metrics already count (docs/SERVICE.md).",
+        "grace.access); every failed call gets one while this is above 0. 0 (the default): "
+        'no access log, as the metrics already count every call (docs/SERVICE.md "Logs").',
     )
 
     @classmethod
@@ -285,14 +269,15 @@ class ServerSettings(BaseSettings):
         path = init_settings().get("config") or env_settings().get("config")
         if path is None:
             return init_settings, env_settings
-        return init_settings, env_settings, _file_source(settings_cls, Path(path))
-
-    @field_validator("port", "metrics_port")
-    @classmethod
-    def _port(cls, v: int) -> int:
-        if not 0 <= v <= 65535:
-            raise ValueError(f"must be a TCP port in 0..65535 (0 = any free port), got {v}")
-        return v
+        path = Path(path)
+        source = _FILE_SOURCES.get(path.suffix.lower())
+        if source is None:
+            raise ValueError(
+                f"config file {path}: unknown type; use one of {sorted(_FILE_SOURCES)}"
+            )
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        return init_settings, env_settings, source(settings_cls, path)
 
     @field_validator("profile")
     @classmethod
@@ -309,20 +294,6 @@ class ServerSettings(BaseSettings):
             return v
         raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {v!r}")
 
-    @field_validator(
-        "max_batch",
-        "queue_capacity",
-        "max_decode_groups",
-        "default_max_ads",
-        "max_ads_limit",
-        "busy_batches",
-    )
-    @classmethod
-    def _at_least_one(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"must be >= 1, got {v}")
-        return v
-
     @field_validator("gpus")
     @classmethod
     def _gpus(cls, v: list[int] | None) -> list[int] | None:
@@ -337,49 +308,6 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"must be increasing sizes >= 1, got {v}")
         return v
 
-    @field_validator("max_history_events")
-    @classmethod
-    def _non_negative(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"must be >= 0, got {v}")
-        return v
-
-    @field_validator(
-        "max_wait_ms",
-        "max_wait_busy_ms",
-        "drain_seconds",
-        "stall_seconds",
-        "request_log_max_mb",
-        "max_connection_age_seconds",
-        "max_connection_age_grace_seconds",
-    )
-    @classmethod
-    def _non_negative_time(cls, v: float) -> float:
-        if not v >= 0:  # also refuses NaN
-            raise ValueError(f"must be >= 0, got {v}")
-        return v
-
-    @field_validator("tracing_sample_ratio")
-    @classmethod
-    def _ratio(cls, v: float) -> float:
-        if not 0 <= v <= 1:
-            raise ValueError(f"must be in [0, 1], got {v}")
-        return v
-
-    @field_validator("access_log_sample")
-    @classmethod
-    def _share(cls, v: float) -> float:
-        if not 0.0 <= v <= 1.0:  # also refuses NaN
-            raise ValueError(f"must be a share in 0..1, got {v}")
-        return v
-
-    @field_validator("index_poll_seconds")
-    @classmethod
-    def _positive_time(cls, v: float) -> float:
-        if not 0 < v < float("inf"):
-            raise ValueError(f"must be a positive number of seconds, got {v}")
-        return v
-
     @field_validator("beam_max", "beams", "graph_buckets", "gpus", mode="before")
     @classmethod
     def _parse_schedule(cls, v: Any) -> Any:
@@ -392,7 +320,7 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _schedule(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
         if v is not None:
-            _check_schedule(v)
+            check_schedule(tuple(v), SID_LENGTH, VOCAB_SIZE)
         return v
 
     @model_validator(mode="after")
@@ -443,28 +371,12 @@ class ServerSettings(BaseSettings):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check_schedule(beams: tuple[int, ...]) -> None:
-    check_schedule(tuple(beams), SID_LENGTH, VOCAB_SIZE)
-
-
-def _file_source(settings_cls: type[BaseSettings], path: Path) -> PydanticBaseSettingsSource:
-    source = _FILE_SOURCES.get(path.suffix.lower())
-    if source is None:
-        raise ValueError(f"config file {path}: unknown type; use one of {sorted(_FILE_SOURCES)}")
-    if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    return source(settings_cls, path)
-
-
 def load_settings(
     overrides: Mapping[str, Any] | None = None, *, config_file: Path | str | None = None
 ) -> ServerSettings:
-    """Settings from CLI overrides > environment > config file > defaults.
-
-    `overrides` maps field names to values; None values (flags not given) are dropped.
-    `config_file` is the same as an override `config` (so it wins over GRACE_CONFIG).
-    Raises pydantic.ValidationError (a ValueError) naming each bad field.
-    """
+    """Settings from `overrides` (field names to values, None dropped) > environment >
+    config file (`config_file`: an override `config`) > defaults; pydantic's
+    ValidationError (a ValueError) names each bad field."""
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     if config_file is not None:
         given.setdefault("config", Path(config_file))

@@ -1,17 +1,17 @@
 """SIGUSR1 → every thread's Python stack on stderr, without stopping the process: how an
-operator sees what a wedged server is doing (docs/OPERATIONS.md). `install` registers
-faulthandler's C-level handler when a server process starts (service/app.py `run`) and
-starts a guard thread that checks, every second, that the handler is still
-faulthandler's. It need not be: LLVM, inside Triton's compiler (libtriton.so), installs
-its own SIGUSR1 handler the first time a process compiles a kernel, and that handler
-swallows the signal (an H200 showed it: workers that compiled their kernels while warming
-up wrote no dump). A replaced handler is logged once, naming the library that owns it,
-and faulthandler's is registered again; LLVM registers its handlers once per process, so
-it stays.
+operator sees what a wedged server is doing (docs/RELIABILITY.md "Wedged pipeline").
+
+`install` registers faulthandler's C-level handler when a server process starts
+(service/app.py `run`) and starts a guard thread that checks every second that the handler
+is still faulthandler's: LLVM, inside Triton's compiler, installs its own SIGUSR1 handler
+(which swallows the signal) the first time a process compiles a kernel, and only then. A
+replaced handler is logged, naming the library that owns it, and faulthandler's
+registered again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import faulthandler
@@ -46,16 +46,10 @@ class _DlInfo(ctypes.Structure):
     ]
 
 
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
+_LIBC: ctypes.CDLL | None = None
+if sys.platform.startswith("linux"):
+    with contextlib.suppress(OSError):
+        _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _ours: list[int | None] = [None]  # faulthandler's handler address, once installed
 _lock = threading.Lock()
 _guard_started = threading.Event()

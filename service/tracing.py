@@ -9,22 +9,9 @@ per pipeline stage of each batch (docs/ops/tracing.md).
                               ├─ compute
                               └─ post
 
-The RPC span's parent is the caller's W3C `traceparent` (gRPC metadata), so the server's
-spans join the caller's trace. A batch serves up to 16 requests of as many traces: its
-span is a child of its first traced request's RPC span and links to every traced
-request's (the OpenTelemetry pattern for batch work), and its stage spans are its
-children. The batcher carries each request's span context from the RPC to the batch
-(`Pending.trace`); a batch with no traced request has no span.
-
-Off by default (`tracing = "off"`): nothing is created, the hooks return at once. `console`
-writes finished spans to stderr, one JSON object per line (a quick look); `otlp` exports
-them over OTLP/gRPC to a collector (the `otlp` extra, in the image too; where to, from
-the standard OTEL_EXPORTER_OTLP_* variables, default localhost:4317), each export giving
-up after `EXPORT_TIMEOUT_SECONDS` and the drain's last flush after `shutdown`'s timeout.
-`tracing_sample_ratio` keeps that share of new traces, and follows the caller's decision
-for traces it started. When on, the start logs one INFO line naming the exporter, where it
-sends and the ratio. A setting that cannot work is a one-line `TracingError` at the very
-start, before the model and index load.
+The batcher carries each request's span context to its batch (`Pending.trace`). Off by
+default (every hook then returns at once); a setting that cannot work is a one-line
+`TracingError` at the very start, before the model and index load.
 """
 
 from __future__ import annotations

@@ -1,39 +1,23 @@
 """Request validation: the RPC handler's first step, before a request may enter the queue.
+It is the request contract's one home (one check per client-settable field), hence longer
+than the house's ~300 lines.
 
     RetrieveRequest (proto) ──validate_request(req, limits)──► ValidatedRequest ──► batcher
 
-Every field a client can set is checked here, so nothing later in the pipeline sees a
-value outside the contract. A bad request raises `InvalidRequest` listing every bad field
-(`violations`: each field's proto path, `targeting.gender`, `options.beam_widths[2]`,
-`user.history[3].type`, and what is wrong) — the server answers INVALID_ARGUMENT with a
-`google.rpc.BadRequest` of them all and `str(error)` as the message, which starts with the
-first bad field's path and lists the others'. Each field gets at most one violation (a
-repeated field's elements one each, the first `MAX_ELEMENT_VIOLATIONS`); the beam growth
-rule is asked only of widths each within bounds. Nothing a client sends raises anything
-else (tests/service/test_validation.py fuzzes this). It is longer than the house's ~300
-lines because it is the request contract's one home: one check per client-settable field.
+A bad request raises `InvalidRequest` listing every bad field, which the server answers
+INVALID_ARGUMENT with a `google.rpc.BadRequest`; nothing a client sends raises anything
+else (tests/service/test_validation.py fuzzes this). The beam growth rule is asked only of
+widths each within bounds.
 
-Decisions on values the proto allows but the contract leaves open:
-
-- country: empty = unknown; otherwise two ASCII letters, either case, stored upper-case.
-  A well-formed code that is not an assigned ISO 3166-1 alpha-2 code (`"XX"`) is accepted
-  as *unknown*, like an empty one: upstream country tables drift, and an unknown country
-  only makes targeting stricter (docs/ARCHITECTURE.md §3), never wrong.
-- age: 0..150; 0 and ages below 13 are unknown (`targeting.age_bucket_index`).
-- gender: exactly "", "female" or "male".
-- locations: at most 64, each non-empty and at most 256 UTF-8 bytes; order and
-  duplicates are kept.
-- history: at most `Limits.max_history` events; type VIEW, CLICK or CONVERSION;
-  timestamp_ms >= 0; any ad_id (ads unknown to the index are dropped in stage 2).
-- user_id: any int64 (it is hashed). request_id: at most 128 UTF-8 bytes, may be empty.
-
-`Limits.max_request_bytes` is the size of the largest valid request, serialised, plus room
-for fields this server does not know yet (a newer client): the server refuses longer
-messages before parsing them (service/server.py).
-
-Every rule of the request contract lives here, one function per message, so a reader
-finds the whole contract in one file; that, not several jobs, is why it runs past the
-house's ~300 lines.
+Values the proto allows but the contract leaves open: country "" is unknown, else two ASCII
+letters, either case, stored upper-case; a well-formed code that is not an assigned ISO
+3166-1 alpha-2 code (`"XX"`) is accepted as unknown (upstream tables drift, and an unknown
+country only makes targeting stricter, never wrong: docs/ARCHITECTURE.md §3). Age 0..150,
+0 and below 13 unknown. Gender exactly "", "female" or "male". At most 64 locations, each
+non-empty and at most 256 UTF-8 bytes, order and duplicates kept. History: at most
+`Limits.max_history` events, type VIEW, CLICK or CONVERSION, timestamp_ms >= 0, any ad_id
+(ads unknown to the index are dropped in stage 2). user_id: any int64 (it is hashed).
+request_id: at most 128 UTF-8 bytes, may be empty.
 """
 
 from __future__ import annotations
@@ -46,11 +30,11 @@ import numpy as np
 from contracts.index_format import SID_LENGTH, VOCAB_SIZE
 from contracts.request import FilterMode, check_schedule
 from contracts.targeting import GENDERS, MAX_LOCATION_BYTES, MAX_REQUEST_LOCATIONS, Targeting
+from service.request_id import MAX_REQUEST_ID_BYTES
 from service.rpc.grace.v1 import retrieval_pb2 as pb
 from service.settings import ServerSettings
 
 MAX_AGE = 150
-MAX_REQUEST_ID_BYTES = 128
 MAX_ELEMENT_VIOLATIONS = 8  # bad elements of one repeated field named one by one
 MAX_SHOWN_CHARS = 32  # of a bad string value quoted in its violation
 UNKNOWN_FIELDS_BYTES = 64 * 1024  # room for fields a newer client may add (docs/ARCHITECTURE.md §5)
@@ -230,20 +214,18 @@ class _Elements:
 
     def __init__(self, bad: _Violations, field: str, noun: str) -> None:
         self.bad, self.field, self.noun = bad, field, noun
-        self.local = _Violations()
-        self.elements: set[int] = set()
+        self.named: set[int] = set()
         self.more: set[int] = set()
 
     def add(self, i: int, suffix: str, description: str) -> None:
-        if i in self.elements or len(self.elements) < MAX_ELEMENT_VIOLATIONS:
-            self.elements.add(i)
-            self.local.add(f"{self.field}[{i}]{suffix}", description)
+        if i in self.named or len(self.named) < MAX_ELEMENT_VIOLATIONS:
+            self.named.add(i)
+            self.bad.add(f"{self.field}[{i}]{suffix}", description)
         else:
             self.more.add(i)
 
     def close(self) -> None:
-        """Hand the violations found (added in element order) to the request's."""
-        self.bad.extend(self.local)
+        """After the named elements: the count of the others, on the field itself."""
         if self.more:
             self.bad.add(self.field, f"{len(self.more)} more {self.noun} are invalid (not listed)")
 

@@ -1,17 +1,12 @@
-"""The stall watchdog: a serving process whose pipeline stops making progress is wedged
-(a GPU call that never returns, a deadlock between threads) and must not stay up
-answering nothing (docs/RELIABILITY.md, "Wedged pipeline").
+"""The stall watchdog: a serving process whose pipeline stops making progress (a GPU call
+that never returns, a deadlock) is wedged and must not stay up answering nothing
+(docs/RELIABILITY.md "Wedged pipeline").
 
-A thread of its own reads `stalled_for()` (the pipeline's seconds without a finished
-stage while batches are in flight; 0 when idle) every `tick_s`. When it reaches
-`limit_s`, `on_stall` runs: by default `wedged`, which logs one line, writes every
-thread's stack to stderr and exits the process with status 3 — so `grace serve
---workers` stops the others and exits, and the orchestrator restarts the pod, which
-starts from the newest valid model and index (service/rollout/).
-
-A wedge that holds the GIL would stop this thread too, so each tick also re-arms a timer
-in C (`faulthandler.dump_traceback_later`) for the time left plus a margin: if the
-thread cannot tick, the timer writes the stacks and exits (status 1) without it.
+A thread reads `stalled_for()` (the pipeline's seconds without a finished stage while
+batches are in flight) every `tick_s`; at `limit_s`, `on_stall` runs: by default `wedged`,
+which logs, dumps every thread's stack and exits 3 so the process is restarted. A wedge
+that holds the GIL stops this thread too, so each tick re-arms a timer in C
+(`faulthandler.dump_traceback_later`) that dumps and exits 1 without it.
 """
 
 from __future__ import annotations

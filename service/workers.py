@@ -1,29 +1,12 @@
-"""Several serving processes on one host (`grace serve --workers N`, setting `workers`).
+"""Several serving processes on one host (`grace serve --workers N`; docs/SERVICE.md
+"Settings", "Several GPUs"): N full servers per GPU (service/placement.py), as one
+process's GIL, not the GPU, caps its rate.
 
-One serving process runs its gRPC event loop and its four pipeline threads under one GIL;
-on an H200 that GIL, not the GPU, caps the served rate (docs/OPERATIONS.md, "GPU
-server"). N workers are N full servers — each loads the model and index, captures its
-CUDA graphs and runs its pipeline on the same GPU — listening on one port through
-SO_REUSEPORT, so the kernel spreads new connections over them (clients rebalance as
-`max_connection_age` closes old ones). The workers open the port together, once every
-one is warm (a barrier), so no connection lands on one still loading and a probe
-reaching any worker says SERVING only when all do. On several GPUs, `workers` run on
-each (service/placement.py). Worker i serves metrics on
-`metrics_port + i` (or a free port when `metrics_port` is 0). With `balance = "request"`
-the workers listen on private unix sockets instead and a front in this process
-(`service/balancer.py`) hands each request to the least busy one.
-
-The supervisor (this process) starts the workers, forwards SIGTERM/SIGINT (each worker
-drains as a single server does; the front, if any, drains first) and watches them: if
-one exits on its own, it stops the others and exits non-zero, so the orchestrator
-restarts the whole pod; a worker whose supervisor dies gets SIGTERM (PR_SET_PDEATHSIG)
-instead of living on. SIGUSR1 to the supervisor reaches every worker: each writes its
-threads' stacks to stderr (service/stackdump.py). On the shared port a gRPC health or liveness
-probe reaches whichever worker the kernel picks: one wedged worker out of N fails a probe
-only 1/N of the time, so do not rely on probes alone to catch it: each worker's
-`grace_serving` gauge (on its own metrics port) says whether that one is SERVING (and a
-stalled pipeline ends its worker: service/watchdog.py). Behind the front the probe asks the
-front, which says SERVING from the moment every worker did until it drains.
+They share one port through SO_REUSEPORT and open it together once every one is warm (a
+barrier), or, with `balance = "request"`, listen on private unix sockets behind a front in
+this process (service/balancer.py). Worker i serves metrics on `metrics_port + i`. This
+supervisor forwards SIGTERM/SIGINT (each worker drains; the front first) and SIGUSR1, and
+when one worker exits on its own stops the others and exits non-zero, so the pod restarts.
 """
 
 from __future__ import annotations
@@ -111,36 +94,33 @@ def _die_with(parent: int) -> None:
 
 
 def supervise(settings: ServerSettings, placed: list[Slot] | None = None) -> int:
-    """Run a worker per slot (`slots`: `settings.workers` per GPU) until they stop; 0
-    when all stopped cleanly. A worker that exits on its own (whatever its status) stops
-    the others: exit 1. With MPS (`resolve_mps`: by default whenever it can) the workers
-    of a GPU share it through a private daemon (service/mps.py), one per GPU, started
-    before the first worker and stopped after the last."""
+    """Run a worker per slot (`slots`) until they stop: 0 when all stopped cleanly, else 1
+    (one that exits on its own stops the others). With MPS (`resolve_mps`) a private daemon
+    per GPU (service/mps.py) outlives its workers."""
     placed = slots(settings) if placed is None else placed
-    envs = {s.worker: {} if s.visible is None else {"CUDA_VISIBLE_DEVICES": s.visible}
-            for s in placed}  # fmt: skip
-    if not resolve_mps(settings):
-        return _supervise(settings, placed, envs)
-    check_mps(settings)
+    plain = {s.worker: {} if s.visible is None else {"CUDA_VISIBLE_DEVICES": s.visible}
+             for s in placed}  # fmt: skip
+    envs = dict(plain)
     with contextlib.ExitStack() as stack:
-        try:
-            if all(s.visible is None for s in placed):  # one GPU: one daemon, inherited
-                gpu = placed[0].gpu
-                stack.enter_context(mps_daemon(ordinal=gpu_ordinal(settings) if gpu is None
-                                               else gpu))  # fmt: skip
-            for visible in dict.fromkeys(s.visible for s in placed if s.visible is not None):
-                env = stack.enter_context(mps_daemon(visible=visible, export=False))
-                for s in placed:
-                    if s.visible == visible:
-                        envs[s.worker] = env
-        except MpsError as exc:
-            if settings.mps:  # asked for: the CLI reports it as bad input
-                raise
-            # an error, not a warning: serving goes on, ~3x slower in the tail under load
-            log.error("MPS did not start, the workers time-slice the GPU: %s", exc)
-            stack.close()  # the daemons started so far: the workers use none of them
-            envs = {s.worker: {} if s.visible is None else {"CUDA_VISIBLE_DEVICES": s.visible}
-                    for s in placed}  # fmt: skip
+        if resolve_mps(settings):
+            check_mps(settings)
+            try:
+                if all(s.visible is None for s in placed):  # one GPU: one daemon, inherited
+                    gpu = placed[0].gpu
+                    ordinal = gpu_ordinal(settings) if gpu is None else gpu
+                    stack.enter_context(mps_daemon(ordinal=ordinal))
+                for visible in dict.fromkeys(s.visible for s in placed if s.visible is not None):
+                    env = stack.enter_context(mps_daemon(visible=visible, export=False))
+                    for s in placed:
+                        if s.visible == visible:
+                            envs[s.worker] = env
+            except MpsError as exc:
+                if settings.mps:  # asked for: the CLI reports it as bad input
+                    raise
+                # an error, not a warning: serving goes on, much slower in the tail under load
+                log.error("MPS did not start, the workers time-slice the GPU: %s", exc)
+                stack.close()  # the daemons started so far: the workers use none of them
+                envs = plain
         return _supervise(settings, placed, envs)
 
 
@@ -180,8 +160,6 @@ def _run_workers(
     signalled: set[int] = set()
     front_deadline = [0.0]
     front = None
-    # on the shared port the workers open it together, once every one is warm (a probe
-    # reaching any worker then says what all say); behind the front, the front waits
     gate = ctx.Barrier(len(placed)) if addresses[0] is None else None
     gate_broken = threading.Event()
     if addresses[0] is not None:

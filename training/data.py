@@ -1,11 +1,9 @@
 """Training and evaluation examples from users' histories: a synthetic world
 (index_builder/synth) or a team's own interactions and users (`training/user_data.py`).
-
-A training example is (user, i): the user's events before event i are the history, the
-SID of event i's ad is the target (teacher-forced next-SID prediction). The held-out
-example of a user is their whole history with the held-out next interaction as target.
-Every event was eligible for its user when it happened, so the targets are ads the
-service is allowed to return.
+A training example is (user, i): the events before event i are the history, the SID of
+event i's ad the target (teacher-forced next-SID prediction); a user's held-out example is
+the whole history with the held-out next interaction as target. Every event was eligible
+for its user when it happened, so the targets are ads the service may return.
 """
 
 from __future__ import annotations
@@ -38,24 +36,6 @@ class Histories(Protocol):
     def history(self, u: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
 
-def valid_index(world: Histories) -> np.ndarray:
-    """Per user, the position in its history of its validation event (`UserData`); -1
-    where it has none (a synthetic world has no validation split)."""
-    return getattr(world, "valid_index", np.full(world.n_users, -1, dtype=np.int64))
-
-
-def heldout_fresh(world: Histories) -> np.ndarray | None:
-    """Per user, whether its held-out ad launched after the log (bool [U]: a synthetic
-    world with `fresh_share` > 0, docs/SYNTH.md); None where the data cannot say."""
-    flags = getattr(world, "heldout_fresh", None)
-    return None if flags is None else np.asarray(flags, bool)
-
-
-def evaluable_users(world: Histories) -> np.ndarray:
-    """Positions of the users with a held-out event."""
-    return np.flatnonzero(world.heldout_ad_ids >= 0)
-
-
 @dataclass(frozen=True)
 class Batch:
     features: FeatureBatch
@@ -74,7 +54,8 @@ class Examples:
         user = np.repeat(np.arange(world.n_users), lengths)
         pos = np.arange(len(user)) - off[user]
         _, known = lookup.lookup(world.history_ad_ids)
-        self.valid_index = valid_index(world)
+        # each user's validation event's position in its history; -1: none (a world has none)
+        self.valid_index = getattr(world, "valid_index", np.full(world.n_users, -1, np.int64))
         held = pos == self.valid_index[user]  # validation targets are never trained on
         self.pairs = np.stack([user, pos], axis=1)[(pos >= 1) & known & ~held]  # [P, 2]
         # users whose validation event has a SID (and a history before it)

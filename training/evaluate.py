@@ -1,8 +1,7 @@
-"""Held-out retrieval quality: recall@K of the next interaction, model vs popularity.
-
-The model retrieves with the served decode engine + post stage (`training/offline.py`);
-the baseline ranks ads by how often they occur in the training histories, keeping only
-ads eligible for the user (the same exact rules), so both return only eligible ads.
+"""Held-out retrieval quality: recall@K of the next interaction, model vs popularity. The
+model retrieves with the served engine and post stage (`training/offline.py`); the
+baseline ranks the ads eligible for the user by how often they occur in the training
+histories, so both return only eligible ads.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ def recall_at_k(
     ranking = popularity_ranking(examples.world, ads.ad_ids)
     ranked_bitmask = ads.ad_bitmask[ranking]
     ranked_locations = location_rows(ads, ranking)
-    hits_model = {k: 0 for k in ks}
-    hits_pop = {k: 0 for k in ks}
+    hits_model, hits_pop = dict.fromkeys(ks, 0), dict.fromkeys(ks, 0)
     returned = 0
     retriever = OfflineRetriever(model, index, batch_size)
     for s in range(0, len(users), batch_size):
@@ -57,12 +55,8 @@ def recall_at_k(
         for res, t, target in zip(results, targeting, batch.target_ad.tolist(), strict=True):
             returned += len(res.ad_ids)
             rank = np.flatnonzero(res.ad_ids == target)
-            eligible = exact_eligible(
-                ranked_bitmask,
-                *ranked_locations,
-                request_bitmask(t),
-                index.vocabulary.ids(t.locations),
-            )
+            request = (request_bitmask(t), index.vocabulary.ids(t.locations))
+            eligible = exact_eligible(ranked_bitmask, *ranked_locations, *request)
             pop = ads.ad_ids[ranking[eligible][: max(ks)]]
             pop_rank = np.flatnonzero(pop == target)
             for k in ks:

@@ -1,7 +1,6 @@
-"""The served decode engine and post stage, run in one thread over whole batches: what
-training's held-out evaluation (`training/evaluate.py`) and the effectiveness study
-(`training/study.py`) retrieve with — the same engine and C++ post stage as pipeline
-stages 3 and 4, without the service around them.
+"""The served decode engine and C++ post stage (pipeline stages 3 and 4) without the
+service around them, run in one thread over whole batches: what training's held-out
+evaluation (`training/evaluate.py`) and the effectiveness study (`training/study.py`) use.
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ from service.post import PostRequest, PostResult
 
 
 class OfflineRetriever:
-    """One model over one index, batches of up to `max_batch` requests. `scoring` is the
-    decode steps' log-softmax (`contracts.request.Scoring`): "masked" (the served default)
-    over the allowed tokens, "unmasked" the model's own over the whole vocabulary."""
+    """One model over one index, batches of up to `max_batch` requests, the decode steps
+    scored by `scoring` (`contracts.request.Scoring`)."""
 
     def __init__(
         self,

@@ -7,10 +7,9 @@ reports when no bar is shown.
            (fused on CUDA), the loss left on the device (read back every 50 steps)
         ─► `ProgressLog` lines (step, loss, steps/s, ETA) each tenth of the run
 
-A batch's features are built in Python and numpy (~5 ms for 256 pairs of the demo
-profile); on a GPU that is time the device would otherwise idle, so it is built while
-the previous step runs. fp32 is the default: on the H200 at the demo profile bf16
-autocast ran 0.6x as many steps per second (docs/PERFORMANCE.md, "Training").
+A batch's features are built in Python and numpy, time a GPU would otherwise idle, so the
+next is built while the previous step runs. fp32 is the default: bf16 autocast ran slower
+(docs/MODEL.md, "Training").
 """
 
 from __future__ import annotations
@@ -61,11 +60,9 @@ def prefetch(items: Iterable[X], make: Callable[[X], Y], depth: int = 2) -> Iter
 
     def put(entry: tuple[bool, object]) -> bool:
         while not stop.is_set():  # the consumer may be gone: never block for good
-            try:
+            with contextlib.suppress(queue.Full):
                 ready.put(entry, timeout=0.05)
                 return True
-            except queue.Full:
-                continue
         return False
 
     def work() -> None:

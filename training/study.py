@@ -1,24 +1,14 @@
 """`grace eval`: the paper's effectiveness study (§6, Table 3) on a synthetic world, plus
-what the paper never reported — retrieval quality, a comparison at a fixed number of
-generated ads, and the scoring question (docs/EVALUATION.md).
-
-For each `Variant` — a filter mode (CD only, CD+GTM, CD+GTM with static or dynamic k-way
-partitions) and a scoring (`masked`: the log-softmax over the allowed tokens, today's
-default; `unmasked`: the model's own log-probabilities) — every evaluated user's request
-is decoded with the same model, beams and index (`training/offline.py`: the served engine
-and post stage); the generated SIDs are expanded to ads, in score order, and each ad is
-checked exactly:
-- bitmask pass: its country/age/gender rules hold;
-- Bloom pass: its per-ad Bloom row contains one of the request's locations (the paper's
-  location test; conservative);
-- location pass: its location rule holds exactly (our post stage's test);
-- final pass: exactly eligible (bitmask ∧ exact location) — what survives.
-Per user the study keeps those counts, the eligible ads returned, the counts among the
-first N generated ads (`fixed`), and the rank of the held-out next interaction among the
-returned ads; the report pools them overall and per bucket of ads generated (the paper's
-< 5k / 5k–9.9k / 10k+ and finer ones for small worlds) and gives recall@K and NDCG@K with
-bootstrap intervals, and each variant's paired difference to the first one
-(`training/study_stats.py`). `training/study_plots.py` draws the report.
+retrieval quality, a comparison at a fixed number of generated ads and the scoring question
+(docs/EVALUATION.md: the study and its report). Each `Variant` (a filter mode, a scoring,
+FP8 or not) decodes every evaluated user's request with the same model, beams and index
+(`training/offline.py`); the generated SIDs are expanded to ads in score order and each ad
+is checked exactly: bitmask pass (country/age/gender), Bloom pass (its Bloom row contains a
+request location: the paper's conservative test), location pass (its exact location rule:
+our post stage's test) and final pass (bitmask ∧ exact location). The report pools the
+per-user counts overall and per bucket of ads generated, with recall@K / NDCG@K of the
+held-out next interaction and bootstrap intervals (`training/study_stats.py`);
+`training/study_plots.py` draws it.
 """
 
 from __future__ import annotations
@@ -48,7 +38,7 @@ from service.index.loaded import LoadedIndex
 from service.model.precision import quantize_decoder
 from service.model.retriever import GenerativeRetriever
 from service.post.expand import expand_leaves, location_rows
-from training.data import Examples, heldout_fresh
+from training.data import Examples
 from training.offline import OfflineRetriever
 from training.study_stats import (
     interval,
@@ -68,8 +58,7 @@ CURVE_KS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 @dataclass(frozen=True)
 class Variant:
     """One decoding of every user: the index's arrays (k-way partitions differ), the
-    filter mode, the scoring and whether the model serves in FP8
-    (`service/model/precision.py`)."""
+    filter mode, the scoring and whether the model serves in FP8."""
 
     name: str
     arrays: IndexArrays
@@ -169,7 +158,7 @@ def _summary(
     ranks = np.asarray(u.rank, np.int64)
     overall = pooled(counts, np.ones(n, bool), n)
     overall.pop("users_share")
-    max_ads = max(ks)
+    curve = {k: float(recall(ranks, k).mean()) if n else 0.0 for k in sorted({*CURVE_KS, *ks})}
     return {
         "variant": v.name,
         "mode": v.mode.name.lower(),
@@ -178,13 +167,9 @@ def _summary(
         **overall,
         "eligible_ads_per_user": float(np.mean(u.eligible_returned)) if n else 0.0,
         "ineligible_returned": int(sum(u.ineligible_returned)),
-        **{f"recall@{k}": float(recall(ranks, k).mean()) if n else 0.0 for k in ks},
+        **{f"recall@{k}": curve[k] for k in ks},
         "metrics": metric_table(ranks, ks, draws),
-        "recall_curve": {
-            str(k): float(recall(ranks, k).mean()) if n else 0.0
-            for k in sorted({*CURVE_KS, *ks})
-            if k <= max_ads
-        },
+        "recall_curve": {str(k): v for k, v in curve.items() if k <= max(ks)},
         "buckets": bucket_table(counts, buckets),
         "paper_buckets": bucket_table(counts, PAPER_BUCKETS),
         **({"recall_by_launch": by_launch(ranks, fresh, ks)} if fresh is not None else {}),
@@ -247,16 +232,13 @@ def run_study(
         quantize_decoder(fp8_model.decoder)
     kept = set(bases) | set(bases.values())  # whose SIDs the FP8 comparison reads
     for vi, v in enumerate(variants):
-        keep_sids = vi in kept
         index = LoadedIndex.from_arrays(v.arrays, device)
         retriever = OfflineRetriever(fp8_model if v.fp8 else model, index, batch_size,
                                      scoring=v.scoring)  # fmt: skip
         ads = v.arrays.ads
         if id(ads) not in bloom_rows:  # k-way variants share the plain index's ad arrays
-            bloom_rows[id(ads)] = ad_blooms(
-                Ragged(ads.ad_loc_offsets, ads.ad_loc_ids),
-                location_blooms(ads.location_strings()),
-            )
+            locations = Ragged(ads.ad_loc_offsets, ads.ad_loc_ids)
+            bloom_rows[id(ads)] = ad_blooms(locations, location_blooms(ads.location_strings()))
         ad_bloom = bloom_rows[id(ads)]
         per_user = _PerUser(final_first={size: [] for size in fixed})
         bar = tqdm(total=len(users), desc=f"eval {v.name}", disable=not progress)
@@ -267,7 +249,7 @@ def run_study(
             for b, (t, target) in enumerate(zip(targeting, batch.target_ad.tolist(), strict=True)):
                 leaves, scores = (x.cpu().numpy() for x in res.valid(b))
                 by_score = np.argsort(-scores, kind="stable")  # generated ads, best SID first
-                if keep_sids:
+                if vi in kept:
                     per_user.sids.append(leaves[by_score])
                 rows, _ = expand_leaves(ads, leaves[by_score])
                 req_bm, req_ids = request_bitmask(t), index.vocabulary.ids(t.locations)
@@ -293,8 +275,9 @@ def run_study(
             bar.update(len(batch.users))
         bar.close()
         found.append(per_user)
-    flags = heldout_fresh(examples.world)
-    fresh = None if flags is None else flags[users]
+    # per user, whether its held-out ad launched after the log (docs/SYNTH.md); None: unknown
+    flags = getattr(examples.world, "heldout_fresh", None)
+    fresh = None if flags is None else np.asarray(flags, bool)[users]
     out = [_summary(v, u, ks, draws, buckets, fresh) for v, u in zip(variants, found, strict=True)]
     for row, fixed in zip(out, fixed_generation(found, resamples, seed), strict=True):
         row["fixed_generation"] = fixed

@@ -1,16 +1,8 @@
 """Pictures of a `grace eval` report (`training/study.py`), written as PNGs by
-`grace eval --plots DIR` and shown in docs/EVALUATION.md:
-
-- `pass_rates.png`: the paper's Table 3 as bars — the final pass rate of each variant per
-  bucket of ads generated (with each bucket's share of users), and every check's pass rate
-  (bitmask, Bloom, location, final) over all users;
-- `recall.png`: recall@K and NDCG@K of the held-out next interaction against K for each
-  variant, with the bootstrap intervals at the report's cut-offs;
-- `fixed_generation.png` (when the report has it): the final pass rate among the first N
-  generated ads, per variant.
-
-matplotlib is the `eval` extra (`pip install grace-serving[eval]`); without it
-`MissingPlotting` says how to get it.
+`grace eval --plots DIR` (docs/EVALUATION.md, "The report"): `pass_rates.png`,
+`recall.png` and, when the report has it, `fixed_generation.png`. matplotlib is the
+`eval` extra (`pip install grace-serving[eval]`); without it `MissingPlotting` says how to
+get it.
 """
 
 from __future__ import annotations
@@ -28,12 +20,9 @@ class MissingPlotting(RuntimeError):
     """matplotlib is not installed."""
 
 
-def require_plotting() -> None:
-    """Raise MissingPlotting now, not after the decoding, when matplotlib is missing."""
-    _pyplot()
-
-
-def _pyplot() -> Any:
+def require_plotting() -> Any:
+    """matplotlib's pyplot, drawing into files; MissingPlotting without matplotlib (called
+    first by `grace eval --plots`, so that it fails before the decoding)."""
     try:
         import matplotlib
     except ImportError as e:
@@ -48,7 +37,7 @@ def _pyplot() -> Any:
 
 def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     """Every picture of `report` into directory `out`; returns their paths."""
-    plt = _pyplot()
+    plt = require_plotting()
     out.mkdir(parents=True, exist_ok=True)
     rows = report["variants"]
     paths = [_pass_rates(plt, rows, out / "pass_rates.png", report),
@@ -58,9 +47,14 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
-def _title(report: dict[str, Any]) -> str:
-    return (f"{report['users']:,} users, beams {report['beams']}, "
-            f"model {report['model_version']}")  # fmt: skip
+def _save(plt: Any, fig: Any, path: Path, report: dict, rect: tuple | None = None) -> Path:
+    """Title the figure with the report's run, lay it out, write it as a PNG, close it."""
+    title = f"{report['users']:,} users, beams {report['beams']}, model {report['model_version']}"
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _bars(ax: Any, groups: Sequence[str], rows: Sequence[dict[str, Any]], value) -> None:
@@ -104,11 +98,7 @@ def _pass_rates(plt: Any, rows: list[dict[str, Any]], path: Path, report: dict) 
     _bars(right, checks, rows, lambda r, c: r[f"{c}_pass"])
     right.set_xticks(range(len(checks)), checks)
     right.set_title("pass rate of each check, all users")
-    fig.suptitle(_title(report), fontsize=9)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, report, rect=(0, 0.06, 1, 1))
 
 
 def _recall(plt: Any, rows: list[dict[str, Any]], path: Path, report: dict) -> Path:
@@ -135,11 +125,7 @@ def _recall(plt: Any, rows: list[dict[str, Any]], path: Path, report: dict) -> P
         ax.legend(fontsize=8)
     left.set_title("recall@K of the held-out next interaction (95% bootstrap CI)")
     right.set_title("NDCG@K (95% bootstrap CI)")
-    fig.suptitle(_title(report), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, report)
 
 
 def _fixed(plt: Any, rows: list[dict[str, Any]], path: Path, report: dict) -> Path:
@@ -158,8 +144,4 @@ def _fixed(plt: Any, rows: list[dict[str, Any]], path: Path, report: dict) -> Pa
     ax.set_ylabel("final pass rate among the first N generated")
     ax.set_title("at a fixed number of generated ads")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.suptitle(_title(report), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, report)

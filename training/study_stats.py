@@ -1,13 +1,9 @@
 """The statistics of the effectiveness study (`training/study.py`, `grace eval`): recall@K
-and NDCG@K of each user's held-out next interaction from the rank it was returned at, and
-percentile-bootstrap confidence intervals over users — of one variant's mean, and of the
-paired difference between two variants decoded for the same users (the resampled users
-are the same on both sides, so the users' own spread cancels out).
-
-A rank is the 0-based position of the held-out ad in the returned list, or -1 when it was
-not returned. One relevant item per user: recall@K is the share of users with a rank
-< K, NDCG@K the mean of 1 / log2(rank + 2) over those hits (0 for a miss; the ideal DCG
-is 1).
+and NDCG@K of each user's held-out next interaction from the rank it was returned at (its
+0-based position in the returned list, -1 when not returned; one relevant item per user,
+so the ideal DCG is 1), and percentile-bootstrap confidence intervals over users — of one
+variant's mean, and of the paired difference between two variants decoded for the same
+users (the resampled users are the same on both sides, so the users' own spread cancels).
 """
 
 from __future__ import annotations

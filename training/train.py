@@ -7,9 +7,9 @@ resumable, with a validation loss after every epoch where the data has a validat
     index ─► (user history, next event's SID) pairs ─► AdamW on cross-entropy over the 4
     SID positions ─► checkpoint (weights + config + tokenizer + metrics)
 
-Work in progress lives in `<out>.partial/` (tokenizer, `state.pt` every
-`checkpoint_every` steps); a rerun with the same arguments resumes from it. The data
-order is a function of (seed, epoch), so a resumed run sees the same batches.
+Work in progress lives in `<out>.partial/` (tokenizer, `state.pt` every `checkpoint_every`
+steps); a rerun with the same arguments resumes from it and sees the same batches (the
+data order is a function of (seed, epoch)).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from service.index.loaded import LoadedIndex
 from service.model.checkpoint import save_checkpoint
 from service.model.config import ModelConfig, profile
 from service.model.retriever import GenerativeRetriever
-from training.data import Batch, Examples, Histories, evaluable_users
+from training.data import Batch, Examples, Histories
 from training.evaluate import recall_at_k
 from training.steps import (
     Precision,
@@ -133,10 +133,8 @@ def prepare(
             raise ValueError(f"SID space {sid_space!r}: {missing} catalog rows carry no sid")
         sids, _ = assign_sids(catalog, None)
         return histories, None, build_arrays(catalog, sids)
-    if tokenizer_path is not None:
-        tokenizer = SIDTokenizer.load(tokenizer_path)
-    elif saved.exists():
-        tokenizer = SIDTokenizer.load(saved)
+    if tokenizer_path is not None or saved.exists():
+        tokenizer = SIDTokenizer.load(tokenizer_path or saved)
     elif catalog.embedding is None:
         raise ValueError(
             f"catalog {catalog_path} carries no embeddings to train a SID tokenizer on: "
@@ -156,12 +154,6 @@ def prepare(
         tokenizer.save(saved)
     sids, _ = assign_sids(catalog, tokenizer)
     return histories, tokenizer, build_arrays(catalog, sids)
-
-
-def _same_run(saved: dict[str, Any], settings: TrainSettings) -> bool:
-    """Whether a saved state's settings are these; a field the state predates (such as
-    `precision`) counts as its default."""
-    return {**asdict(TrainSettings()), **saved} == asdict(settings)
 
 
 def train(
@@ -201,7 +193,9 @@ def train(
     earlier_s = 0.0  # seconds of steps before the saved state (a resumed run adds them)
     if state_file.exists():
         state = torch.load(state_file, map_location=settings.device, weights_only=False)
-        if not _same_run(state["settings"], settings) or state["tokenizer"] != space:
+        # a field the state predates (such as `precision`) counts as its default
+        saved = {**asdict(TrainSettings()), **state["settings"]}
+        if saved != asdict(settings) or state["tokenizer"] != space:
             raise ValueError(f"{work} holds a run with other settings; remove it to start over")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -211,20 +205,18 @@ def train(
         log.info("resuming at step %d of %d", step, total)
 
     def save_state() -> None:
+        state = {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "step": step,
+            "settings": asdict(settings),
+            "tokenizer": space,
+            "validation": validation,
+            "best": best,
+            "train_seconds": earlier_s + time.perf_counter() - t0,
+        }
         tmp = state_file.with_suffix(".tmp")
-        torch.save(
-            {
-                "model": model.state_dict(),
-                "optimizer": opt.state_dict(),
-                "step": step,
-                "settings": asdict(settings),
-                "tokenizer": space,
-                "validation": validation,
-                "best": best,
-                "train_seconds": earlier_s + time.perf_counter() - t0,
-            },
-            tmp,
-        )
+        torch.save(state, tmp)
         tmp.replace(state_file)
 
     log.info("training on %s (%s): %d pairs, %d steps of %d (%.3g epochs)", settings.device,
@@ -279,15 +271,8 @@ def train(
                     pending.clear()
                     bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}", epoch=epoch)
                 if epoch_end and len(examples.validation_users):
-                    validation.append(
-                        validation_loss(
-                            model,
-                            examples,
-                            settings.batch_size,
-                            settings.device,
-                            settings.precision,
-                        )
-                    )
+                    setup = (settings.batch_size, settings.device, settings.precision)
+                    validation.append(validation_loss(model, examples, *setup))
                     bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}", epoch=epoch,
                                     val=f"{validation[-1]:.3f}")  # fmt: skip
                     if best is None or validation[-1] < best["loss"]:
@@ -305,7 +290,7 @@ def train(
     if best is not None:  # the checkpoint keeps the epoch with the lowest validation loss
         model.load_state_dict(best["model"])
     rng = np.random.default_rng(settings.seed + 1)
-    held = evaluable_users(world)
+    held = np.flatnonzero(world.heldout_ad_ids >= 0)  # the users with a held-out event
     users = np.sort(rng.permutation(held)[: settings.eval_users])
     metrics = recall_at_k(model, examples, index, users, settings.eval_ks, config.beams)
     metrics |= {
@@ -317,12 +302,9 @@ def train(
         "best_epoch": best["epoch"] if best is not None else None,
     }
     log.info("held-out evaluation: %s", metrics)
+    extra = {"metrics": metrics, "settings": asdict(settings)}
     version = save_checkpoint(
-        model,
-        tokenizer,
-        out,
-        extra={"metrics": metrics, "settings": asdict(settings)},
-        sid_space=sid_space if tokenizer is None else None,
+        model, tokenizer, out, extra=extra, sid_space=sid_space if tokenizer is None else None
     )
     shutil.rmtree(work, ignore_errors=True)
     metrics["model_version"] = version

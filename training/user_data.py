@@ -1,24 +1,16 @@
-"""A team's own users and interactions (docs/DATA.md) -> the users, time-ordered
-histories and held-out events that training and evaluation read (`training/data.py`).
+"""A team's own users and interactions (docs/DATA.md, "Interactions and users") -> the
+users, time-ordered histories and held-out events that training and evaluation read
+(`training/data.py`).
 
     interactions (user_id, ad_id, event_type, timestamp_ms[, split]) ─┐
     users (user_id, country, age, gender, locations) ─────────────────┴─► UserData
 
-Files are Parquet, CSV or JSON Lines. Bad rows raise `DataError` naming the file, the row
-(0-based data row) and the field. Event types are read through an `EventMap`: the RPC's
-names and numbers, and a log's own names mapped onto them; a row of any other type is
-refused or, by choice, skipped and counted per type (`summary["skipped_event_types"]` and
-one warning). Events on ads the catalog lacks or on users the users file lacks are dropped
-and counted (`UserData.dropped`); above `MAX_DROPPED_SHARE` of the remaining events the
-data is refused — the files do not belong together. The split is the `split`
-column where there is one (at most one `test` and one `valid` event per user), else
-leave-last-out: each user's last event (by time) is held out for test and, with three or
-more events, the second-last is the validation target. The validation event stays in the
-history (the test example sees it) but is never a training target. Users without a
-test event are kept for training only.
-
-`UserData` has the shape of the synthetic world (`index_builder.synth.World`), which is
-one producer of this format, so the training and evaluation code serve both alike.
+Files are Parquet, CSV or JSON Lines; bad rows raise `DataError` naming the file, the row
+(0-based data row) and the field. Event types are read through an `EventMap`; events on
+ads or users the other files lack are dropped and counted (`UserData.dropped`), and too
+many of them refuse the data. The split is the `split` column where there is one, else
+leave-last-out. `UserData` has the shape of the synthetic world
+(`index_builder.synth.World`), so the training and evaluation code serve both alike.
 """
 
 from __future__ import annotations
@@ -232,8 +224,42 @@ def read_user_data(
     order = np.lexsort((ts, user_pos))  # per user, oldest first
     user_pos, ad, etype, ts, split = (x[order] for x in (user_pos, ad, etype, ts, split))
     test, valid = _held_events(user_pos, split if split_col is not None else None, interactions)
-    return _assemble(
-        interactions, user_ids, targeting, user_pos, ad, etype, ts, test, valid, dropped, skipped
+    u = len(user_ids)
+    held_ad = np.full(u, -1, dtype=np.int64)
+    held_type = np.zeros(u, dtype=np.int8)
+    held_ts = np.zeros(u, dtype=np.int64)
+    held_ad[user_pos[test]], held_type[user_pos[test]] = ad[test], etype[test]
+    held_ts[user_pos[test]] = ts[test]
+    hist = ~test
+    counts = np.bincount(user_pos[hist], minlength=u)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    valid_index = np.full(u, -1, dtype=np.int64)
+    at = np.flatnonzero(valid[hist])  # positions among the history events
+    valid_index[user_pos[hist][at]] = at - offsets[user_pos[hist][at]]
+    summary = {
+        "source": str(interactions),
+        "users": u,
+        "events": len(ad),
+        "history_events": int(hist.sum()),
+        "test_events": int(test.sum()),
+        "valid_events": int(valid.sum()),
+        "dropped": dropped,
+        "skipped_event_types": skipped,  # rows of unmapped types, by type (--unmapped skip)
+    }
+    return UserData(
+        path=interactions,
+        summary=summary,
+        user_ids=user_ids,
+        targeting=targeting,
+        history_offsets=offsets,
+        history_ad_ids=ad[hist],
+        history_types=etype[hist],
+        history_ts=ts[hist],
+        heldout_ad_ids=held_ad,
+        heldout_types=held_type,
+        heldout_ts=held_ts,
+        valid_index=valid_index,
+        dropped=dropped,
     )
 
 
@@ -278,43 +304,3 @@ def _held_events(
         if len(users) != len(np.unique(users)):
             raise DataError(f"{path}: field 'split': a user has more than one {kind} event")
     return test, valid
-
-
-def _assemble(path, user_ids, targeting, user_pos, ad, etype, ts, test, valid, dropped, skipped):
-    u = len(user_ids)
-    held_ad = np.full(u, -1, dtype=np.int64)
-    held_type = np.zeros(u, dtype=np.int8)
-    held_ts = np.zeros(u, dtype=np.int64)
-    held_ad[user_pos[test]], held_type[user_pos[test]] = ad[test], etype[test]
-    held_ts[user_pos[test]] = ts[test]
-    hist = ~test
-    counts = np.bincount(user_pos[hist], minlength=u)
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    valid_index = np.full(u, -1, dtype=np.int64)
-    at = np.flatnonzero(valid[hist])  # positions among the history events
-    valid_index[user_pos[hist][at]] = at - offsets[user_pos[hist][at]]
-    summary = {
-        "source": str(path),
-        "users": u,
-        "events": len(ad),
-        "history_events": int(hist.sum()),
-        "test_events": int(test.sum()),
-        "valid_events": int(valid.sum()),
-        "dropped": dropped,
-        "skipped_event_types": skipped,  # rows of unmapped types, by type (--unmapped skip)
-    }
-    return UserData(
-        path=path,
-        summary=summary,
-        user_ids=user_ids,
-        targeting=targeting,
-        history_offsets=offsets,
-        history_ad_ids=ad[hist],
-        history_types=etype[hist],
-        history_ts=ts[hist],
-        heldout_ad_ids=held_ad,
-        heldout_types=held_type,
-        heldout_ts=held_ts,
-        valid_index=valid_index,
-        dropped=dropped,
-    )

@@ -1,8 +1,6 @@
-"""Synthetic ads world generator (docs/ARCHITECTURE.md §8): seeded, realistic, vectorised.
-
-Flow: `profiles` (knobs) → `geography` → `advertisers` → `ads` (streamed chunks) →
-`users` → `histories` → `calibration` → `writer`; `world` ties them together and reads
-a world back. `docs/SYNTH.md` describes the world, its knobs and measured scale.
+"""Synthetic ads world generator (docs/ARCHITECTURE.md §8, docs/SYNTH.md): seeded,
+vectorised. Flow: `profiles` → `geography` → `advertisers` → `ads` (chunks, `campaigns`)
+→ `users` → `histories` → `calibration` → `writer`, tied together by `world`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Command line: `python -m index_builder.synth PROFILE OUT [--seed S] [--ads N] [--users U]
-[--workers W] [--no-jsonl]`.
-
-A thin wrapper over `generate_world`; prints the eligibility figures and timings.
-"""
+"""Command line: a thin wrapper over `generate_world` that prints the world's counts,
+eligibility figures and timings."""
 
 from __future__ import annotations
 

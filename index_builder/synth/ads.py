@@ -1,22 +1,11 @@
-"""Ads: compact per-ad state, streamed in fixed-size chunks (docs/ARCHITECTURE.md §8).
+"""Ads: compact per-ad state, drawn in fixed-size chunks (docs/SYNTH.md "The world").
 
-Fourth stage of the synth flow (… advertisers → **ads** → users → histories). An ad is
-its advertiser plus a few bytes of per-ad variation, so 30 M ads cost ~30 bytes each in
-RAM plus one float32 embedding row in a memory-mapped file:
-
-    ad i = advertiser[i], its age range (age_lo/age_hi, jittered), gender rule, `keep`
-           bits (which of the advertiser's country/location slots this ad uses; slot 0
-           always), popularity, ad_id, embedding (advertiser vector + noise), and a
-           campaign market (geo_country/geo_loc) replacing the advertiser's geo rule.
-
-With creatives (`campaigns.py`) the embedding is the creative's vector + noise instead,
-and a share of ads draws its own market and age / gender band.
-
-`rules_of(...)` turns any subset of ads back into `targeting.Ragged` rule lists, the
-contract's vectorised input: the writer uses it to emit catalog rows, the history
-sampler and the eligibility estimate use it with `targeting.ad_bitmasks` /
-`exact_eligible`. Chunk k always draws from `stream(seed, "ads", k)`, so the world is
-identical however it is streamed.
+Ads stage of the synth flow (… advertisers → **ads** → users → histories). An ad is its
+advertiser plus a few bytes of per-ad variation (`AdState`), so 30 M ads cost ~30 bytes
+each plus one float32 embedding row in a memory-mapped file. `rules_of` turns any subset
+of ads back into the contract's `targeting.Ragged` rule lists, for the catalog writer,
+the history sampler and the eligibility estimate. Chunk k always draws from
+`stream(seed, "ads", k)`, so the world is identical however it is streamed.
 """
 
 from __future__ import annotations
@@ -26,8 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from contracts.targeting import AGE_BUCKETS, BITMASK_WORDS, COUNTRIES, Ragged, ad_bitmasks
+from index_builder.parallel import take_segments
 from index_builder.synth.advertisers import SLOTS, Advertisers
-from index_builder.synth.campaigns import Creatives, Markets, draw_variants
+from index_builder.synth.campaigns import Creatives, draw_variants
+from index_builder.synth.geography import Geography
 from index_builder.synth.profiles import NATIONAL, WorldProfile
 
 _MASK48 = np.uint64((1 << 48) - 1)
@@ -52,7 +43,7 @@ class AdState:
     age_lo: np.ndarray  # int8 [N], -1 = no age rule
     age_hi: np.ndarray  # int8 [N]
     gender: np.ndarray  # int8 [N], -1 = no gender rule
-    keep: np.ndarray  # uint8 [N]: bit j = slot j in use
+    keep: np.ndarray  # uint8 [N]: bit j = advertiser slot j in use (slot 0 always)
     popularity: np.ndarray  # float32 [N]
     geo_country: np.ndarray  # int16 [N]: campaign market country (COUNTRIES), -1 = none
     geo_loc: np.ndarray  # int32 [N]: campaign market location id, -1 = none
@@ -91,7 +82,7 @@ def fill_chunk(
     hi: int,
     rng: np.random.Generator,
     creatives: Creatives | None = None,
-    markets: Markets | None = None,
+    markets: Geography | None = None,  # `campaigns.markets`
 ) -> None:
     """Draw the per-ad variation of ads [lo, hi) in place."""
     n = hi - lo
@@ -100,13 +91,10 @@ def fill_chunk(
         base, noise = adv.vector[a], p.ad_noise
     else:
         base, noise = creatives.vector[creatives.creative[lo:hi]], p.creative_noise
-    emb = base + (noise / np.sqrt(p.embedding_dim)) * rng.standard_normal(
-        (n, p.embedding_dim), dtype=np.float32
-    )
-    ads.embedding[lo:hi] = emb
-    ads.popularity[lo:hi] = adv.popularity[a] * rng.lognormal(
-        0.0, p.popularity_sigma, size=n
-    ).astype(np.float32)
+    z = rng.standard_normal((n, p.embedding_dim), dtype=np.float32)
+    ads.embedding[lo:hi] = base + (noise / np.sqrt(p.embedding_dim)) * z
+    popularity = rng.lognormal(0.0, p.popularity_sigma, size=n).astype(np.float32)
+    ads.popularity[lo:hi] = adv.popularity[a] * popularity
 
     # age: shift one end of the advertiser's range by one bucket, staying contiguous
     age_lo, age_hi = adv.age_lo[a].astype(np.int16), adv.age_hi[a].astype(np.int16)
@@ -212,21 +200,11 @@ def pool_keys(rules: AdRules, positions: np.ndarray, n_locations: int) -> tuple[
     by_country = (n_loc == 0) & (n_c > 0)
     glob = (n_loc == 0) & (n_c == 0)
     c_rows = np.repeat(by_country, n_c)
-    keys = np.concatenate(
-        [
-            rules.locations.values.astype(np.int64),
-            n_locations + rules.countries.values[c_rows].astype(np.int64),
-            np.full(int(glob.sum()), n_locations + GLOBAL_KEY, dtype=np.int64),
-        ]
-    )
-    pos = np.concatenate(
-        [
-            np.repeat(positions, n_loc),
-            np.repeat(positions, n_c)[c_rows],
-            positions[glob],
-        ]
-    )
-    return keys, pos
+    loc_keys = rules.locations.values.astype(np.int64)
+    country_keys = n_locations + rules.countries.values[c_rows].astype(np.int64)
+    global_keys = np.full(int(glob.sum()), n_locations + GLOBAL_KEY, dtype=np.int64)
+    pos = [np.repeat(positions, n_loc), np.repeat(positions, n_c)[c_rows], positions[glob]]
+    return np.concatenate([loc_keys, country_keys, global_keys]), np.concatenate(pos)
 
 
 @dataclass(frozen=True)
@@ -245,10 +223,6 @@ class EncodedAds:
             np.zeros(0, dtype=np.int32),
         )
 
-    def fill(self, lo: int, rules: AdRules) -> None:
-        """Record the bitmask and location-rule lengths of ads [lo, lo + len(rules))."""
-        self.store(lo, rules.bitmasks(), rules.locations)
-
     def store(self, lo: int, bitmask: np.ndarray, locations: Ragged) -> None:
         """Record already-encoded ads [lo, lo + len(bitmask)): bitmask rows and the lengths
         of their location rules."""
@@ -265,9 +239,5 @@ class EncodedAds:
 
     def take(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(bitmask rows, location offsets, location ids) of ads `idx`, in that order."""
-        start, stop = self.loc_offsets[idx], self.loc_offsets[idx + 1]
-        lengths = stop - start
-        offsets = np.zeros(len(idx) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        flat = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1])
+        offsets, flat = take_segments(self.loc_offsets, idx)
         return self.bitmask[idx], offsets, self.loc_ids[flat]

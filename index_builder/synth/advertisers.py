@@ -1,16 +1,9 @@
-"""Advertisers: Zipf sizes, topics, home places and targeting styles (docs/ARCHITECTURE.md §8).
+"""Advertisers: Zipf sizes, topics, home places and targeting styles (docs/SYNTH.md).
 
-Third stage of the synth flow (profile → geography → **advertisers** → ads → users →
-histories). An advertiser owns everything its ads share: a topic vector (ads are noisy
-copies of it, so SIDs cluster by advertiser and topic), a popularity, a home city, and a
-targeting style with up to `SLOTS` targeted countries and up to `SLOTS` targeted location
-strings. Per-ad variation (which slots an ad keeps, a jittered age range) is drawn later
-in `ads.py`; this module only draws per-advertiser choices, all vectorised.
-
-Styles: global = no country/location rule; national = `countries=[home]` (+ sometimes
-neighbours of the same world region); regional = `countries=[home]`, `locations` = 1–4
-region strings of the home country; local = `countries=[home]`, `locations` = the home
-city and nearby cities, or 1–4 neighbourhoods of the home city.
+An advertiser owns what its ads share: a topic vector (ads are noisy copies of it, so
+SIDs cluster by advertiser and topic), a popularity, a home city, and a targeting style
+(table in docs/SYNTH.md) with up to `SLOTS` targeted countries and location strings.
+Per-ad variation (which slots an ad keeps, a jittered age range) is drawn in `ads.py`.
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from index_builder.synth.geography import Geography, cumulative, sample_within, zipf_weights
+from index_builder.synth.geography import Geography, sample_within, zipf_weights
 from index_builder.synth.profiles import AGE_RULES, GLOBAL, LOCAL, NATIONAL, REGIONAL, WorldProfile
 
 SLOTS = 4  # targeted countries / location strings per advertiser, at most
@@ -76,10 +69,6 @@ def _dedupe_rows(slots: np.ndarray) -> None:
         slots[dup, j] = -1
 
 
-def _extra_count(rng: np.random.Generator, n: int, probs: tuple[float, ...]) -> np.ndarray:
-    return rng.choice(len(probs), size=n, p=probs)
-
-
 def build_advertisers(
     p: WorldProfile, geo: Geography, topics: Topics, rng: np.random.Generator
 ) -> Advertisers:
@@ -93,45 +82,38 @@ def build_advertisers(
     # countries: [home] for every style but global, plus neighbours for some national ones
     country_slots = np.full((n_adv, SLOTS), -1, dtype=np.int32)
     country_slots[:, 0] = np.where(style == GLOBAL, -1, geo.iso_index[home_country])
-    members = np.argsort(geo.group, kind="stable")
-    g_size = np.bincount(geo.group)
-    g_start = np.concatenate([[0], np.cumsum(g_size)])
-    g = geo.group[home_country]
     n_nb = np.where(
         (style == NATIONAL) & (rng.random(n_adv) < p.neighbour_country_share),
         rng.integers(1, SLOTS, size=n_adv),
         0,
     )
     for j in range(1, SLOTS):
-        pick = members[g_start[g] + (rng.random(n_adv) * g_size[g]).astype(np.int64)]
+        pick = geo.neighbour(home_country, rng.random(n_adv))
         country_slots[:, j] = np.where(n_nb >= j, geo.iso_index[pick], -1)
     _dedupe_rows(country_slots)
 
     # locations: region strings (regional), cities or neighbourhoods (local)
     loc_slots = np.full((n_adv, SLOTS), -1, dtype=np.int32)
-    region_w = np.bincount(geo.city_region, weights=geo.city_weight, minlength=geo.n_regions)
-    region_cum, city_cum = cumulative(region_w), cumulative(geo.city_weight)
-    nbhd_cum = cumulative(geo.nbhd_weight)
     c_lo, c_hi = geo.region_start[home_country], geo.region_start[home_country + 1]
     r_lo, r_hi = geo.city_start[home_region], geo.city_start[home_region + 1]
     n_lo, n_hi = geo.nbhd_start[home_city], geo.nbhd_start[home_city + 1]
     regional, local = style == REGIONAL, style == LOCAL
     by_nbhd = local & (rng.random(n_adv) < 0.4)
     by_city = local & ~by_nbhd
-    n_extra_region = _extra_count(rng, n_adv, (0.5, 0.25, 0.15, 0.10))
-    n_extra_city = _extra_count(rng, n_adv, (0.4, 0.3, 0.2, 0.1))
-    n_nbhd = _extra_count(rng, n_adv, (0.35, 0.3, 0.2, 0.15)) + 1
+    n_extra_region = rng.choice(SLOTS, size=n_adv, p=(0.5, 0.25, 0.15, 0.10))
+    n_extra_city = rng.choice(SLOTS, size=n_adv, p=(0.4, 0.3, 0.2, 0.1))
+    n_nbhd = rng.choice(SLOTS, size=n_adv, p=(0.35, 0.3, 0.2, 0.15)) + 1
     loc_slots[regional, 0] = geo.region_loc(home_region[regional])
     loc_slots[by_city, 0] = geo.city_loc(home_city[by_city])
     for j in range(SLOTS):
         if j:
-            r = sample_within(region_cum, c_lo, c_hi, rng.random(n_adv))
+            r = sample_within(geo.region_cum, c_lo, c_hi, rng.random(n_adv))
             m = regional & (n_extra_region >= j)
             loc_slots[m, j] = geo.region_loc(r[m])
-            k = sample_within(city_cum, r_lo, r_hi, rng.random(n_adv))
+            k = sample_within(geo.city_cum, r_lo, r_hi, rng.random(n_adv))
             m = by_city & (n_extra_city >= j)
             loc_slots[m, j] = geo.city_loc(k[m])
-        nb = sample_within(nbhd_cum, n_lo, n_hi, rng.random(n_adv))
+        nb = sample_within(geo.nbhd_cum, n_lo, n_hi, rng.random(n_adv))
         m = by_nbhd & (n_nbhd > j)
         loc_slots[m, j] = geo.nbhd_loc(nb[m])
     _dedupe_rows(loc_slots)

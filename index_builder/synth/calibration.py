@@ -1,13 +1,7 @@
-"""How much of the catalog targeting lets through, measured on a sample (docs/ARCHITECTURE.md §8).
-
-Runs after histories, before the summary is written. Two figures go into `world.json`:
-
-- `mean_eligible_share`: per sampled user, the share of a uniform catalog sample it is
-  eligible for (exactly, via `targeting.exact_eligible`), averaged over users;
-- `topk_affinity_pass_rate`: per sampled user, the share of the `topk_for_pass_rate`
-  sampled ads with the highest beta·affinity + log popularity (ignoring targeting) that
-  are eligible — a proxy for the exact pass rate of CD-only decoding, which proposes
-  relevant ads without knowing the targeting (the paper measured 23.6 %).
+"""How much of the catalog targeting lets through, measured on a sample (docs/SYNTH.md
+"Eligibility calibration"): `mean_eligible_share` and `topk_affinity_pass_rate`, the
+share of a user's top-affinity ads (targeting ignored) that are eligible, a proxy for
+CD-only decoding's exact pass rate. Runs after histories; the figures go into world.json.
 """
 
 from __future__ import annotations

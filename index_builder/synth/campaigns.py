@@ -1,29 +1,10 @@
-"""Creatives and campaigns: ads that share content but not targeting (docs/SYNTH.md).
+"""Creatives and campaigns: ads that share content but not targeting (docs/SYNTH.md,
+"Creatives and campaigns": the knobs, whose neutral values leave a world as it was).
 
-Part of the ads stage of the synth flow (… advertisers → **ads** → users …), switched on
-by six profile knobs whose neutral values leave a world exactly as it was without them:
-
-- `ads_per_creative` > 1: each advertiser's ads are spread uniformly over
-  round(size / ads_per_creative) creatives; an ad's embedding is its creative's vector
-  plus `creative_noise` (instead of its advertiser's vector plus `ad_noise`), so the ads
-  of one creative are near-identical and RQ-KMeans gives them one SID prefix.
-- `campaign_geo_share` > 0: that share of ads (campaigns) targets its own market instead
-  of its advertiser's: one country by population (global advertisers), one country of
-  the home world region (national), one region of the home country (regional) or one
-  city of the home region (local).
-- `campaign_demo_share` > 0: that share of ads draws its own age band (`AGE_RULES`) and,
-  half of the time, its own gender rule.
-- `campaign_geo_by_creative`: the markets are drawn per creative instead (`with_markets`,
-  its own stream), so the ads of one creative share one market — a SID's ads are in or
-  out of a user's market together, and only their demographics differ.
-- `fresh_share` > 0: that share of creatives (of ads, without creatives) launched after
-  the interaction log (`fresh_ads`, its own stream): `histories` keeps them out of every
-  event but the held-out one, so a model trained on the log never saw their markets.
-
-So the ads behind one SID differ in targeting, and which of them a user may see cannot
-be read off the content. `build_creatives` runs once before the chunks (its own stream,
-so the ad layout is unchanged); `draw_variants` runs inside `ads.fill_chunk`, after that
-chunk's existing draws; `creative_summary` describes the result for `world.json`.
+Part of the ads stage. `build_creatives`, `with_markets` and `fresh_ads` run once before
+the chunks, each on its own stream, so the ad layout is unchanged; `draw_variants` runs
+inside `ads.fill_chunk`, after that chunk's other draws; `creative_summary` describes the
+result for `world.json`.
 """
 
 from __future__ import annotations
@@ -34,8 +15,9 @@ import numpy as np
 
 from contracts.targeting import Ragged
 from index_builder.synth.advertisers import Advertisers
-from index_builder.synth.geography import Geography, cumulative, sample_within
+from index_builder.synth.geography import Geography, sample_within
 from index_builder.synth.profiles import AGE_RULES, GLOBAL, LOCAL, NATIONAL, REGIONAL, WorldProfile
+from index_builder.trie import splitmix64
 
 
 @dataclass(frozen=True)
@@ -68,11 +50,15 @@ def build_creatives(
 
 
 def with_markets(
-    p: WorldProfile, creatives: Creatives, m: Markets, adv: Advertisers, rng: np.random.Generator
+    p: WorldProfile,
+    creatives: Creatives,
+    geo: Geography,
+    adv: Advertisers,
+    rng: np.random.Generator,
 ) -> Creatives:
     """`campaign_geo_by_creative`: each creative draws its campaign market once (as
     `draw_variants` draws one per ad), and every ad of it carries that market."""
-    v = draw_variants(p, m, adv, creatives.advertiser.astype(np.int32), rng)
+    v = draw_variants(p, geo, adv, creatives.advertiser.astype(np.int32), rng)
     return replace(creatives, geo_country=v.geo_country, geo_loc=v.geo_loc)
 
 
@@ -88,44 +74,9 @@ def fresh_ads(
     return (rng.random(len(creatives.vector)) < p.fresh_share)[creatives.creative]
 
 
-@dataclass(frozen=True)
-class Markets:
-    """Sampling tables for campaign geo variants, built once from the geography."""
-
-    iso: np.ndarray  # int32 [C]: targeting.COUNTRIES index per geography country
-    country_cum: np.ndarray  # float64 [C+1]: cumulative population share
-    members: np.ndarray  # int64 [C]: countries sorted by world region
-    group_start: np.ndarray  # int64 [G+1]: countries of region g are members[start[g]:…]
-    group: np.ndarray  # int32 [C]: world region of each country
-    region_cum: np.ndarray  # float64 [R+1]
-    city_cum: np.ndarray  # float64 [K+1]
-    region_start: np.ndarray  # int64 [C+1]
-    city_start: np.ndarray  # int64 [R+1]
-    city_region: np.ndarray  # int32 [K]
-    n_countries: int
-    n_regions: int
-
-
-def build_markets(p: WorldProfile, geo: Geography) -> Markets | None:
-    """None when no ad varies its targeting (both campaign shares 0)."""
-    if p.campaign_geo_share <= 0.0 and p.campaign_demo_share <= 0.0:
-        return None
-    region_w = np.bincount(geo.city_region, weights=geo.city_weight, minlength=geo.n_regions)
-    g_size = np.bincount(geo.group)
-    return Markets(
-        iso=geo.iso_index,
-        country_cum=cumulative(geo.country_weight),
-        members=np.argsort(geo.group, kind="stable"),
-        group_start=np.concatenate([[0], np.cumsum(g_size)]),
-        group=geo.group,
-        region_cum=cumulative(region_w),
-        city_cum=cumulative(geo.city_weight),
-        region_start=geo.region_start,
-        city_start=geo.city_start,
-        city_region=geo.city_region,
-        n_countries=geo.n_countries,
-        n_regions=geo.n_regions,
-    )
+def markets(p: WorldProfile, geo: Geography) -> Geography | None:
+    """Where campaign variants draw their markets; None when no ad varies its targeting."""
+    return geo if p.campaign_geo_share > 0.0 or p.campaign_demo_share > 0.0 else None
 
 
 @dataclass(frozen=True)
@@ -141,23 +92,22 @@ class Variants:
 
 
 def draw_variants(
-    p: WorldProfile, m: Markets, adv: Advertisers, a: np.ndarray, rng: np.random.Generator
+    p: WorldProfile, geo: Geography, adv: Advertisers, a: np.ndarray, rng: np.random.Generator
 ) -> Variants:
     """Campaign variants of ads whose advertisers are `a` (int32 [n])."""
     n = len(a)
     style, home = adv.style[a], adv.home_country[a].astype(np.int64)
-    home_region = m.city_region[adv.home_city[a]].astype(np.int64)
+    home_region = geo.city_region[adv.home_city[a]].astype(np.int64)
     u = rng.random((4, n))
-    anywhere = np.searchsorted(m.country_cum, u[0], side="right") - 1
-    g = m.group[home]
-    g_lo, g_hi = m.group_start[g], m.group_start[g + 1]
-    neighbour = m.members[g_lo + (u[1] * (g_hi - g_lo)).astype(np.int64)]
-    country = np.where(style == GLOBAL, np.clip(anywhere, 0, m.n_countries - 1), home)
-    country = np.where(style == NATIONAL, neighbour, country)
-    region = sample_within(m.region_cum, m.region_start[home], m.region_start[home + 1], u[2])
-    city = sample_within(m.city_cum, m.city_start[home_region], m.city_start[home_region + 1], u[3])
-    loc = np.where(style == REGIONAL, m.n_countries + region, -1)
-    loc = np.where(style == LOCAL, m.n_countries + m.n_regions + city, loc)
+    anywhere = np.searchsorted(geo.country_cum, u[0], side="right") - 1
+    country = np.where(style == GLOBAL, np.clip(anywhere, 0, geo.n_countries - 1), home)
+    country = np.where(style == NATIONAL, geo.neighbour(home, u[1]), country)
+    r_lo, r_hi = geo.region_start[home], geo.region_start[home + 1]
+    k_lo, k_hi = geo.city_start[home_region], geo.city_start[home_region + 1]
+    region = sample_within(geo.region_cum, r_lo, r_hi, u[2])
+    city = sample_within(geo.city_cum, k_lo, k_hi, u[3])
+    loc = np.where(style == REGIONAL, geo.region_loc(region), -1)
+    loc = np.where(style == LOCAL, geo.city_loc(city), loc)
     geo_on = rng.random(n) < p.campaign_geo_share
 
     rules = np.array([(lo, hi) for lo, hi, _ in AGE_RULES], dtype=np.int8)
@@ -166,7 +116,7 @@ def draw_variants(
     has_gender = rng.random(n) < 0.5
     female = rng.random(n) < p.female_rule_share
     return Variants(
-        geo_country=np.where(geo_on, m.iso[country], -1).astype(np.int16),
+        geo_country=np.where(geo_on, geo.iso_index[country], -1).astype(np.int16),
         geo_loc=np.where(geo_on, loc, -1).astype(np.int32),
         demo=rng.random(n) < p.campaign_demo_share,
         age_lo=rules[band, 0],
@@ -175,29 +125,19 @@ def draw_variants(
     )
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser: uint64 -> well-spread uint64."""
-    x = x.astype(np.uint64)
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def targeting_keys(bitmask: np.ndarray, locations: Ragged) -> np.ndarray:
     """uint64 [n]: equal for ads with equal rules (bitmask rows [n, W] are exact for
     country / age / gender; location lists are hashed as sets)."""
     with np.errstate(over="ignore"):
         key = np.zeros(len(bitmask), dtype=np.uint64)
         for w in range(bitmask.shape[1]):
-            key = _mix(key ^ _mix(bitmask[:, w] + np.uint64(w)))
+            key = splitmix64(key ^ splitmix64(bitmask[:, w] + np.uint64(w)))
         lengths = np.diff(locations.offsets)
-        loc_hash = _mix(locations.values.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15))
+        loc_hash = splitmix64(locations.values.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15))
         rows = np.repeat(np.arange(len(bitmask)), lengths)
         per_ad = np.zeros(len(bitmask), dtype=np.uint64)
         np.add.at(per_ad, rows, loc_hash)
-        return _mix(key ^ per_ad)
+        return splitmix64(key ^ per_ad)
 
 
 def creative_summary(creative: np.ndarray, keys: np.ndarray) -> dict[str, float | int]:

@@ -1,16 +1,11 @@
-"""Ad chunks, drawn in one process or by a pool of forked workers (the ads stage's engine).
+"""Ad chunks, drawn in this process or by a pool of forked workers (the ads stage's engine).
 
-Part of the ads stage of the synth flow (… advertisers → **ads** → users …). Chunk k of
-the catalog always draws from `stream(seed, "ads", k)` (see `ads.py`), so chunks are
-independent: workers may draw them in any order, and the parent consumes them in chunk
-order and writes exactly the bytes a single process writes, whatever the worker count.
-
-Workers are forked after the advertisers and the ad layout exist, so they inherit those
-(≈ 1 GB at 30 M ads) instead of receiving them pickled. Each worker writes its chunk's
-embeddings straight into the shared memory-mapped scratch file and sends back only what
-the parent stores or writes: the chunk's per-ad fields, its rules, bitmask rows, pool
-keys and, when the world keeps a JSONL catalog, its serialised lines (the costliest
-part of a JSONL world, so it is worth doing in parallel).
+Chunk k always draws from `stream(seed, "ads", k)`, so workers may draw chunks in any
+order; the parent consumes them in chunk order and writes exactly the bytes one process
+writes. Workers fork after the advertisers and the ad layout exist, so they inherit them
+(≈ 1 GB at 30 M ads) instead of receiving them pickled; each writes its embeddings into
+the shared scratch memmap and sends back only what the parent stores or writes (its JSONL
+lines too: the costliest part of a JSONL world).
 """
 
 from __future__ import annotations
@@ -20,13 +15,14 @@ import warnings
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from multiprocessing.pool import AsyncResult, Pool
+from multiprocessing.pool import Pool
 
 import numpy as np
 
 from index_builder.synth.ads import AdRules, AdState, fill_chunk, pool_keys, rules_of
 from index_builder.synth.advertisers import Advertisers
-from index_builder.synth.campaigns import Creatives, Markets
+from index_builder.synth.campaigns import Creatives
+from index_builder.synth.geography import Geography
 from index_builder.synth.profiles import WorldProfile, stream
 from index_builder.synth.writer import jsonl_chunk
 
@@ -45,7 +41,7 @@ class AdJob:
     n_locations: int  # size of the location vocabulary (pool keys after it)
     location_names: np.ndarray | None  # object [V]; None = no JSONL catalog
     creatives: Creatives | None = None  # None: every ad its own content
-    markets: Markets | None = None  # None: no ad varies its advertiser's targeting
+    markets: Geography | None = None  # None: no ad varies its advertiser's targeting
 
     @property
     def n_chunks(self) -> int:
@@ -110,17 +106,10 @@ def store(ads: AdState, chunk: Chunk) -> None:
 
 
 class ChunkStream:
-    """Every chunk, in chunk order, drawn by `workers` forked processes (1: this one).
-
-        with ChunkStream(job, workers) as chunks:  # workers fork here
-            for chunk in chunks:
-                store(job.ads, chunk)
-                ...
-
-    Enter it before starting threads of your own (writers, progress bars): fork copies
-    only the calling thread. At most `workers + 2` chunks are in flight, so results never
-    pile up in the parent when it writes more slowly than the workers draw.
-    """
+    """Every chunk, in chunk order, drawn by `workers` forked processes (1: this one); the
+    caller `store`s each. The workers fork on entering it, so enter it before starting
+    threads of your own (fork copies only the calling thread). At most `workers + 2`
+    chunks are in flight, so results never pile up in the parent."""
 
     def __init__(self, job: AdJob, workers: int) -> None:
         self.job = job
@@ -152,17 +141,12 @@ class ChunkStream:
     def __iter__(self) -> Iterator[Chunk]:
         n, pool = self.job.n_chunks, self._pool
         if pool is None:
-            for k in range(n):
-                yield draw_chunk(self.job, k)
+            yield from (draw_chunk(self.job, k) for k in range(n))
             return
-        pending: deque[AsyncResult] = deque()
-        submitted = 0
-        while submitted < n and len(pending) < self.workers + 2:
-            pending.append(pool.apply_async(_draw_in_worker, (submitted,)))
-            submitted += 1
-        while pending:
+        ahead = min(n, self.workers + 2)
+        pending = deque(pool.apply_async(_draw_in_worker, (k,)) for k in range(ahead))
+        for k in range(ahead, n + ahead):
             chunk = pending.popleft().get()
-            if submitted < n:
-                pending.append(pool.apply_async(_draw_in_worker, (submitted,)))
-                submitted += 1
+            if k < n:
+                pending.append(pool.apply_async(_draw_in_worker, (k,)))
             yield chunk

@@ -1,9 +1,8 @@
-"""Synthetic geography: countries → regions → cities → neighbourhoods (docs/ARCHITECTURE.md §8).
+"""Synthetic geography: countries → regions → cities → neighbourhoods (docs/SYNTH.md).
 
-Second stage of the synth flow, right after the profile: advertisers pick home places and
-targeted places here, users pick where they live and travel. Every place has a
-hierarchical location string (`"US"`, `"US/R07"`, `"US/R07/C0123"`,
-`"US/R07/C0123/N4"`) and one id in a single vocabulary, laid out as
+Built right after the profile; advertisers pick home and targeted places here, users
+where they live and travel. Every place has a hierarchical location string (`"US"`,
+`"US/R07"`, `"US/R07/C0123"`, `"US/R07/C0123/N4"`) and one id in a single vocabulary:
 
     [0, C) countries | [C, C+R) regions | [C+R, C+R+K) cities | then neighbourhoods
 
@@ -14,6 +13,7 @@ population-weighted sampling inside a parent is one `searchsorted` on a cumulati
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -87,8 +87,31 @@ class Geography:
     def nbhd_loc(self, n: np.ndarray | int) -> np.ndarray | int:
         return self.n_countries + self.n_regions + self.n_cities + n
 
-    def city_country(self, k: np.ndarray) -> np.ndarray:
-        return self.region_country[self.city_region[k]]
+    # sampling tables: cumulative weights with a leading 0, for `sample_within`
+    @cached_property
+    def country_cum(self) -> np.ndarray:  # float64 [C+1]
+        return cumulative(self.country_weight)
+
+    @cached_property
+    def region_cum(self) -> np.ndarray:  # float64 [R+1]
+        w = np.bincount(self.city_region, weights=self.city_weight, minlength=self.n_regions)
+        return cumulative(w)
+
+    @cached_property
+    def city_cum(self) -> np.ndarray:  # float64 [K+1]
+        return cumulative(self.city_weight)
+
+    @cached_property
+    def nbhd_cum(self) -> np.ndarray:  # float64 [Nb+1]
+        return cumulative(self.nbhd_weight)
+
+    def neighbour(self, country: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """A country of each `country`'s world region, picked by u (float64 [n] in [0, 1)),
+        uniformly: int64 [n]."""
+        members = np.argsort(self.group, kind="stable")
+        start = np.concatenate([[0], np.cumsum(np.bincount(self.group))])
+        g = self.group[country]
+        return members[start[g] + (u * (start[g + 1] - start[g])).astype(np.int64)]
 
     def counts(self) -> dict[str, int]:
         return {

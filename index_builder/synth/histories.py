@@ -1,20 +1,10 @@
-"""Interaction histories drawn only from eligible ads (docs/ARCHITECTURE.md §8).
+"""Interaction histories drawn only from eligible ads (docs/SYNTH.md "Histories").
 
-Sixth stage of the synth flow (… users → **histories** → writer). Per user:
-
-1. pool: the ads keyed by the user's locations, its country and "global" in a
-   `CandidateIndex` (see `ads.pool_keys`): a superset of the ads it is eligible for;
-2. sample `candidates_per_user` pool entries uniformly (the whole pool when smaller);
-3. keep the eligible ones, exactly: `targeting.ad_bitmasks` + `exact_eligible`;
-4. draw the events i.i.d. from softmax(beta · interest·embedding + log popularity) over
-   them, so a uniform pool sample followed by this weighting approximates drawing from
-   the whole eligible pool; types (VIEW/CLICK/CONVERSION) rise with affinity,
-   timestamps are sessions of short gaps separated by long ones.
-
-The last event of each sequence is the held-out "next interaction". With fresh ads
-(`campaigns.fresh_ads`) the logged events are drawn among the eligible ads launched
-before the log ends and the held-out one among all eligible ads. Users whose pool holds
-no eligible (logged) ad are dropped (counted in the summary).
+Per user: sample `candidates_per_user` entries of its pool (`CandidateIndex`: a superset
+of the ads it is eligible for, see `ads.pool_keys`), keep the eligible ones exactly, and
+draw the events from softmax(beta · interest·embedding + log popularity) over them. The
+last event of each sequence is held out; with fresh ads (`campaigns.fresh_ads`) only it
+may show one. Users whose pool holds no eligible (logged) ad are dropped and counted.
 """
 
 from __future__ import annotations

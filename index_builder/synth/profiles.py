@@ -1,17 +1,15 @@
 """World profiles: every knob of the synthetic ads world, as named frozen dataclasses.
 
-First stop of the synth flow (docs/ARCHITECTURE.md §8): `generate_world(profile, seed, out)` looks a
-`WorldProfile` up in `PROFILES`, derives its random streams with `stream(...)`, and then
-runs geography → advertisers → ads → users → histories → writer. Nothing downstream
-reads a profile in a hot loop; each stage pulls the few numbers it needs once.
-`docs/SYNTH.md` explains which knobs drive the eligibility share.
+`generate_world` looks a `WorldProfile` up in `PROFILES` and derives each stage's random
+stream with `stream(...)`; each stage reads the few numbers it needs once. docs/SYNTH.md
+documents the knobs and which of them drive the eligibility share.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -130,9 +128,6 @@ class WorldProfile:
             n_users=self.n_users if n_users is None else n_users,
         )
 
-    def knobs(self) -> dict[str, object]:
-        return asdict(self)
-
     def with_knobs(self, settings: Mapping[str, str]) -> WorldProfile:
         """This profile with knobs set from text (`grace synth --set KNOB=VALUE`): numbers
         as written, booleans as true / false, tuples as comma-separated numbers; an
@@ -199,8 +194,7 @@ PROFILES: dict[str, WorldProfile] = {
             campaign_demo_share=0.8,
             campaign_geo_by_creative=True,
             # 40 % of creatives launched after the log: no model trained on it has seen
-            # where they may run, as with a production catalog's new campaigns; with it the
-            # demo model at 1 M ads passes 0.22 CD only and CD+GTM 1.80x (docs/EVALUATION.md)
+            # where they may run, as with a production catalog's new campaigns
             fresh_share=0.4,
         ),
         WorldProfile(name="paper", n_ads=30_000_000, n_users=100_000, n_topics=128),
@@ -222,11 +216,9 @@ def _parse_knob(knob: str, text: str, like: object) -> object:
             return parts
         return type(like)(text)
     except ValueError:
-        kind = (
-            f"{len(like)} comma-separated numbers"
-            if isinstance(like, tuple)
-            else type(like).__name__
-        )
+        kind = type(like).__name__
+        if isinstance(like, tuple):
+            kind = f"{len(like)} comma-separated numbers"
         raise ValueError(f"knob {knob}: {text!r} is not {kind} (now {like!r})") from None
 
 

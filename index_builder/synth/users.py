@@ -1,15 +1,9 @@
-"""Users: country, age, gender, clustered locations and latent interests (docs/ARCHITECTURE.md §8).
+"""Users: country, age, gender, clustered locations and latent interests (docs/SYNTH.md).
 
-Fifth stage of the synth flow (… ads → **users** → histories). A user lives in a city
-drawn by population; its location list is clustered around it, in this order:
-
-    country, home region, home city, 1+ home neighbourhoods,
-    nearby cities of the home region (negative-binomial count, population-weighted),
-    travel cities anywhere (Poisson count) each with its region,
-
-deduplicated and cut at `MAX_REQUEST_LOCATIONS` (64). Interests are a Dirichlet mixture
-of 1..`max_user_topics` topics plus noise. Random draws are vectorised; only the cheap
-list assembly loops over users.
+A user lives in a city drawn by population; its locations are, in order, its country,
+home region, home city and neighbourhoods, nearby cities of the home region and travel
+cities anywhere (each with its region), deduplicated and cut at `MAX_REQUEST_LOCATIONS`.
+Draws are vectorised; only the cheap list assembly loops over users.
 """
 
 from __future__ import annotations
@@ -18,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from contracts.targeting import AGE_BUCKETS, GENDERS, MAX_REQUEST_LOCATIONS, Targeting
+from contracts.targeting import AGE_BUCKETS, MAX_REQUEST_LOCATIONS
 from index_builder.synth.ads import mix_ids
 from index_builder.synth.advertisers import Topics
-from index_builder.synth.geography import Geography, cumulative, sample_within
+from index_builder.synth.geography import Geography, sample_within
 from index_builder.synth.profiles import WorldProfile
 
 # Ages drawn inside each AGE_BUCKETS range; 65+ is spread over 65..84.
@@ -48,15 +42,6 @@ class Users:
     def locations(self, u: int) -> np.ndarray:
         return self.loc_ids[self.loc_offsets[u] : self.loc_offsets[u + 1]]
 
-    def targeting(self, u: int, geo: Geography) -> Targeting:
-        g = int(self.gender[u])
-        return Targeting(
-            country=geo.codes[self.country[u]],
-            age=int(self.age[u]),
-            gender=GENDERS[g] if g >= 0 else "",
-            locations=tuple(geo.names[self.locations(u)].tolist()),
-        )
-
 
 def _ages(p: WorldProfile, n: int, rng: np.random.Generator) -> np.ndarray:
     w = np.asarray(p.age_bucket_weights)
@@ -79,25 +64,15 @@ def build_users(
     gender = np.where(known, (rng.random(n) < 0.5).astype(np.int8), -1).astype(np.int8)
 
     # home neighbourhoods: 1..3 weighted draws (duplicates merge)
-    nbhd_cum, city_cum = cumulative(geo.nbhd_weight), cumulative(geo.city_weight)
-    nb = np.stack(
-        [
-            sample_within(nbhd_cum, geo.nbhd_start[home], geo.nbhd_start[home + 1], rng.random(n))
-            for _ in range(3)
-        ],
-        axis=1,
-    )
+    nb_lo, nb_hi = geo.nbhd_start[home], geo.nbhd_start[home + 1]
+    nb = np.stack([sample_within(geo.nbhd_cum, nb_lo, nb_hi, rng.random(n)) for _ in range(3)], 1)
     n_nb = rng.integers(1, 4, size=n)
     # nearby cities: negative binomial (heavy-ish tail), drawn with replacement then merged
     mean = p.nearby_cities_mean
     n_near = rng.negative_binomial(2, 2 / (2 + mean), size=n) if mean > 0 else np.zeros(n, int)
     near_user = np.repeat(np.arange(n), n_near)
-    near = sample_within(
-        city_cum,
-        geo.city_start[region[near_user]],
-        geo.city_start[region[near_user] + 1],
-        rng.random(len(near_user)),
-    )
+    near_lo, near_hi = geo.city_start[region[near_user]], geo.city_start[region[near_user] + 1]
+    near = sample_within(geo.city_cum, near_lo, near_hi, rng.random(len(near_user)))
     near_off = np.concatenate([[0], np.cumsum(n_near)])
     n_travel = rng.poisson(p.travel_cities_mean, size=n)
     travel = rng.choice(geo.n_cities, size=int(n_travel.sum()), p=geo.city_weight)

@@ -1,12 +1,9 @@
 """Generate a synthetic ads world and read it back: the synth package's front door.
 
-`generate_world` runs the whole flow, each stage on its own random stream:
-
-    profile → geography → topics, advertisers → ads (streamed chunks → catalog files,
-    pool index) → users → histories → eligibility estimate → users/heldout files →
-    world.json → atomic rename into `out`
-
-`load_world` is the matching reader used by tests and by training / evaluation code.
+`generate_world` runs the flow, each stage on its own random stream (profile → geography
+→ topics, advertisers → ads in chunks → catalog files and pool index → users → histories
+→ eligibility → users/held-out files → world.json → rename into `out`); `load_world`
+reads a world for tests, training and evaluation.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,23 +19,18 @@ import numpy as np
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from contracts.targeting import GENDERS, Targeting
+from contracts.targeting import Targeting
 from index_builder.synth import campaigns, writer
-from index_builder.synth.ads import AdState, EncodedAds, allocate_ads
+from index_builder.synth.ads import EncodedAds, allocate_ads
 from index_builder.synth.advertisers import build_advertisers, build_topics
 from index_builder.synth.calibration import estimate_eligibility
 from index_builder.synth.chunks import AdJob, ChunkStream, store
 from index_builder.synth.geography import Geography, build_geography
 from index_builder.synth.histories import CandidateIndex, Histories, sample_histories
 from index_builder.synth.profiles import PROFILES, STYLES, WorldProfile, stream
-from index_builder.synth.users import Users, build_users
+from index_builder.synth.users import build_users
 
 WORLD_FORMAT = 1
-
-
-def _style_counts(adv_style: np.ndarray, ads: AdState) -> dict[str, int]:
-    per_style = np.bincount(adv_style[ads.advertiser], minlength=len(STYLES))
-    return {s: int(c) for s, c in zip(STYLES, per_style, strict=True)}
 
 
 def generate_world(
@@ -53,13 +45,9 @@ def generate_world(
     jsonl: bool = True,
 ) -> dict[str, Any]:
     """Write the world of `profile` (a `PROFILES` name or a profile of its own; counts
-    optionally overridden) and `seed` into `out`.
-
-    Returns the summary that is also written as `out/world.json`. The same arguments give
-    the same catalog, users and held-out events, whatever `workers` (processes drawing
-    ad chunks); only timings differ between runs. `jsonl=False` writes the catalog as
-    Parquet only (paper scale: JSONL would add ~15 GB and most of the ads phase).
-    """
+    optionally overridden) and `seed` into `out`; returns `world.json`'s summary. The same
+    arguments give the same files whatever `workers` (processes drawing ad chunks);
+    `jsonl=False` writes the catalog as Parquet only (what paper scale wants)."""
     if isinstance(profile, str) and profile not in PROFILES:
         raise KeyError(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
     if seed < 0:
@@ -90,7 +78,7 @@ def generate_world(
         )
         ads = allocate_ads(adv, emb, seed, stream(seed, "ads-layout"))
         creatives = campaigns.build_creatives(p, adv, ads.advertiser, stream(seed, "creatives"))
-        markets = campaigns.build_markets(p, geo)
+        markets = campaigns.markets(p, geo)
         if creatives is not None and markets is not None and p.campaign_geo_by_creative:
             creatives = campaigns.with_markets(p, creatives, markets, adv,
                                                stream(seed, "creative-markets"))  # fmt: skip
@@ -98,7 +86,8 @@ def generate_world(
         names = geo.names if jsonl else None
         job = AdJob(p, adv, ads, seed, len(geo.names), names, creatives, markets)
         index, enc, rule_counts, tkeys = _write_catalog(job, geo, tmp, progress, workers)
-        style_counts = _style_counts(adv.style, ads)
+        per_style = np.bincount(adv.style[ads.advertiser], minlength=len(STYLES))
+        style_counts = {s: int(c) for s, c in zip(STYLES, per_style, strict=True)}
         lap("ads")
 
         users = build_users(p, geo, topics, seed, stream(seed, "users"))
@@ -109,7 +98,7 @@ def generate_world(
         lap("histories")
         elig = estimate_eligibility(p, geo, ads, enc, users, stream(seed, "calibration"))
         lap("eligibility")
-        _write_users(tmp, geo, users, ads, hist, fresh)
+        writer.write_users(tmp, geo, users, ads, hist, fresh)
         lap("write_users")
         del emb, ads, enc
         emb_path.unlink()
@@ -120,7 +109,7 @@ def generate_world(
             "format": WORLD_FORMAT,
             "profile": p.name,
             "seed": seed,
-            "knobs": p.knobs(),
+            "knobs": asdict(p),
             "counts": {
                 "ads": p.n_ads,
                 "advertisers": adv.n,
@@ -145,13 +134,7 @@ def generate_world(
             **({"fresh": _fresh_summary(fresh, hist)} if fresh is not None else {}),
             "eligibility": elig,
             "timings_s": timings,
-            "files": [
-                *([writer.CATALOG_JSONL] if jsonl else []),
-                writer.CATALOG_PARQUET,
-                writer.USERS_PARQUET,
-                writer.HELDOUT_PARQUET,
-                writer.INTERACTIONS_PARQUET,
-            ],
+            "files": [*([writer.CATALOG_JSONL] if jsonl else []), *writer.FILES],
         }
         writer.write_summary(tmp, summary)  # last: its presence marks a complete world
         writer.publish(tmp, out)
@@ -208,54 +191,6 @@ def _fresh_summary(fresh: np.ndarray, hist: Histories) -> dict[str, float]:
     }
 
 
-def _write_users(
-    directory: Path,
-    geo: Geography,
-    users: Users,
-    ads: AdState,
-    hist: Histories,
-    fresh: np.ndarray | None = None,
-) -> None:
-    kept = hist.user
-    last = hist.offsets[1:] - 1  # each user's held-out event
-    is_hist = np.ones(len(hist.ad), dtype=bool)
-    is_hist[last] = False
-    loc_len = np.diff(users.loc_offsets)[kept]
-    loc_sel = np.repeat(users.loc_offsets[:-1][kept], loc_len) + (
-        np.arange(loc_len.sum()) - np.repeat(np.cumsum(loc_len) - loc_len, loc_len)
-    )
-    gender = np.array([*GENDERS, ""], dtype=object)[users.gender[kept]]  # -1 -> ""
-    writer.write_users(
-        directory,
-        user_id=users.user_id[kept],
-        country=[geo.codes[c] for c in users.country[kept]],
-        age=users.age[kept],
-        gender=gender.tolist(),
-        loc_offsets=np.concatenate([[0], np.cumsum(loc_len)]),
-        loc_names=geo.names[users.loc_ids[loc_sel]].tolist(),
-        hist_offsets=hist.offsets - np.arange(len(hist.offsets)),
-        hist_ad=ads.ad_id[hist.ad[is_hist]],
-        hist_type=hist.type[is_hist],
-        hist_ts=hist.ts[is_hist],
-    )
-    writer.write_heldout(
-        directory,
-        user_id=users.user_id[kept],
-        ad_id=ads.ad_id[hist.ad[last]],
-        typ=hist.type[last],
-        ts=hist.ts[last],
-        fresh=None if fresh is None else fresh[hist.ad[last]],
-    )
-    writer.write_interactions(
-        directory,
-        user_id=np.repeat(users.user_id[kept], np.diff(hist.offsets)),
-        ad_id=ads.ad_id[hist.ad],
-        typ=hist.type,
-        ts=hist.ts,
-        test=~is_hist,
-    )
-
-
 @dataclass(frozen=True)
 class World:
     """A generated world, read back: users with their targeting, histories and held-out."""
@@ -277,10 +212,6 @@ class World:
     @property
     def catalog_parquet(self) -> Path:
         return self.path / writer.CATALOG_PARQUET
-
-    @property
-    def catalog_jsonl(self) -> Path:
-        return self.path / writer.CATALOG_JSONL
 
     @property
     def n_users(self) -> int:
@@ -305,13 +236,8 @@ def load_world(directory: Path | str) -> World:
     user_ids = users["user_id"].to_numpy()
     if not np.array_equal(user_ids, held["user_id"].to_numpy()):
         raise ValueError(f"{d}: users and held-out events are not aligned")
-    cols = {k: users[k].to_pylist() for k in ("country", "age", "gender", "locations")}
-    targeting = tuple(
-        Targeting(c, a, g, tuple(loc))
-        for c, a, g, loc in zip(
-            cols["country"], cols["age"], cols["gender"], cols["locations"], strict=True
-        )
-    )
+    cols = [users[k].to_pylist() for k in ("country", "age", "gender", "locations")]
+    targeting = tuple(Targeting(c, a, g, tuple(loc)) for c, a, g, loc in zip(*cols, strict=True))
     hist = users["history_ad_id"].combine_chunks()
     lengths = hist.value_lengths().to_numpy(zero_copy_only=False)
     return World(

@@ -1,14 +1,10 @@
 """World files: catalog (Parquet, and JSONL unless turned off), users, held-out events,
-atomic publish.
+interactions, `world.json`; atomic publish (docs/SYNTH.md "Files").
 
-Last stage of the synth flow. The catalog is exactly the docs/ARCHITECTURE.md §4 contract
-(`ad_id`, `embedding`, `countries`, `age_buckets`, `genders`, `locations`; empty list =
-no rule) plus an `advertiser_id` column, streamed one chunk at a time into both files.
-JSONL costs ~4 s and ~512 bytes per 1 k ads; paper-scale worlds skip it (`jsonl=False`):
-every reader in the project takes the Parquet file.
-Everything is written into a hidden staging directory beside `out`, `world.json` last,
-and the directory is renamed into place only when complete, so an interrupted run never
-leaves a world that looks finished (and `load_world` also requires `world.json`).
+The catalog is the docs/DATA.md format plus an `advertiser_id` column, streamed one chunk
+at a time. Everything is written into a hidden staging directory beside `out`,
+`world.json` last, and renamed into place only when complete, so an interrupted run
+never leaves a world that looks finished.
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from types import TracebackType
 
 import numpy as np
 import orjson
@@ -25,7 +20,11 @@ import pyarrow.parquet as pq
 
 from contracts.data_format import CATALOG_FORMAT_VERSION, CATALOG_VERSION_KEY
 from contracts.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Ragged
-from index_builder.synth.ads import AdRules
+from index_builder.parallel import take_segments
+from index_builder.synth.ads import AdRules, AdState
+from index_builder.synth.geography import Geography
+from index_builder.synth.histories import Histories
+from index_builder.synth.users import Users
 
 CATALOG_JSONL = "catalog.jsonl"
 CATALOG_PARQUET = "catalog.parquet"
@@ -33,6 +32,8 @@ USERS_PARQUET = "users.parquet"
 HELDOUT_PARQUET = "heldout.parquet"
 INTERACTIONS_PARQUET = "interactions.parquet"  # the same events in the docs/DATA.md format
 WORLD_JSON = "world.json"
+# a world's files in world.json's order, but for catalog.jsonl (first, when written)
+FILES = (CATALOG_PARQUET, USERS_PARQUET, HELDOUT_PARQUET, INTERACTIONS_PARQUET)
 
 _COUNTRY_NAMES = np.array(COUNTRIES, dtype=object)
 _AGE_NAMES = np.array(AGE_BUCKETS, dtype=object)
@@ -46,19 +47,18 @@ _ROW = (
 
 
 def _split_rows(nested: bytes) -> list[bytes]:
-    """`[[r0],[r1],...]` as serialised JSON -> the inner bytes of each row.
-
-    Safe because no value contains `],[` (numbers, and strings checked at construction).
-    """
+    """`[[r0],[r1],...]` as serialised JSON -> the inner bytes of each row (safe: no value
+    contains `],[`, numbers and strings checked by `CatalogWriter`)."""
     return nested[2:-2].split(b"],[")
 
 
-def _str_list(offsets: np.ndarray, strings: pa.Array) -> pa.ListArray:
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), strings)
+def _list_column(offsets: np.ndarray, values: object, typ: pa.DataType) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, typ))
 
 
 def _ragged_column(r: Ragged, names: pa.Array) -> pa.ListArray:
-    return _str_list(r.offsets - r.offsets[0], names.take(pa.array(r.values)))
+    offsets = pa.array((r.offsets - r.offsets[0]).astype(np.int32))
+    return pa.ListArray.from_arrays(offsets, names.take(pa.array(r.values)))
 
 
 def jsonl_chunk(
@@ -68,13 +68,10 @@ def jsonl_chunk(
     emb: np.ndarray,  # float32 [n, d], C-contiguous
     rules: AdRules,
 ) -> bytes:
-    """The JSON Lines of one catalog chunk (each row ends in a newline).
-
-    A free function so that the ad-drawing worker processes can serialise their own chunks.
-    """
-    # Serialise each column for the whole chunk in one orjson call and split it into
-    # rows (~1 us/row for 32 floats), then splice rows with one %-format each:
-    # 2-3x faster than one orjson call per row dict.
+    """The JSON Lines of one catalog chunk (each row ends in a newline); a free function,
+    so that the ad-drawing workers serialise their own chunks."""
+    # One orjson call per column for the whole chunk, split into rows, then one %-format
+    # per row: 2-3x faster than one orjson call per row dict.
     if not len(ad_id):
         return b""
     columns = [_split_rows(orjson.dumps(emb, option=orjson.OPT_SERIALIZE_NUMPY))]
@@ -136,30 +133,17 @@ class CatalogWriter:
     ) -> None:
         n = len(ad_id)
         emb = np.ascontiguousarray(embedding, dtype=np.float32)
-        ragged = {
-            "countries": rules.countries,
-            "age_buckets": rules.age_buckets,
-            "genders": rules.genders,
-            "locations": rules.locations,
-        }
         columns = [
             pa.array(ad_id, pa.int64()),
             pa.array(advertiser.astype(np.int64)),
-            pa.ListArray.from_arrays(
-                pa.array(np.arange(0, (n + 1) * self._dim, self._dim, dtype=np.int32)),
-                pa.array(emb.ravel()),
-            ),
-            *(_ragged_column(ragged[k], self._names[k]) for k in self._names),
+            _list_column(np.arange(0, (n + 1) * self._dim, self._dim), emb.ravel(), pa.float32()),
+            *(_ragged_column(getattr(rules, k), names) for k, names in self._names.items()),
         ]
         self._parquet.write_table(pa.Table.from_arrays(columns, schema=self.schema))
         if self._jsonl is not None:
             if jsonl is None:
                 jsonl = jsonl_chunk(self._loc_names, ad_id, advertiser, emb, rules)
             self._jsonl.write(jsonl)
-
-    @property
-    def files(self) -> list[str]:
-        return [CATALOG_PARQUET] + ([CATALOG_JSONL] if self._jsonl is not None else [])
 
     def close(self) -> None:
         self._parquet.close()
@@ -169,70 +153,63 @@ class CatalogWriter:
     def __enter__(self) -> CatalogWriter:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _list_column(offsets: np.ndarray, values: np.ndarray, typ: pa.DataType) -> pa.ListArray:
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, typ))
 
 
 def write_users(
     directory: Path,
-    user_id: np.ndarray,  # int64 [U]
-    country: list[str],
-    age: np.ndarray,  # int32 [U]
-    gender: list[str],
-    loc_offsets: np.ndarray,  # int64 [U+1]
-    loc_names: list[str],
-    hist_offsets: np.ndarray,  # int64 [U+1], held-out event excluded
-    hist_ad: np.ndarray,  # int64 [E]
-    hist_type: np.ndarray,  # int8 [E]
-    hist_ts: np.ndarray,  # int64 [E]
+    geo: Geography,
+    users: Users,
+    ads: AdState,
+    hist: Histories,
+    fresh: np.ndarray | None,  # bool [N]: launched after the log (`campaigns.fresh_ads`)
 ) -> None:
-    table = pa.table(
-        {
-            "user_id": pa.array(user_id, pa.int64()),
-            "country": pa.array(country, pa.string()),
-            "age": pa.array(age, pa.int32()),
-            "gender": pa.array(gender, pa.string()),
-            "locations": _list_column(loc_offsets, loc_names, pa.string()),
-            "history_ad_id": _list_column(hist_offsets, hist_ad, pa.int64()),
-            "history_type": _list_column(hist_offsets, hist_type, pa.int8()),
-            "history_ts": _list_column(hist_offsets, hist_ts, pa.int64()),
-        }
-    )
-    pq.write_table(table, directory / USERS_PARQUET)
-
-
-def write_heldout(
-    directory: Path,
-    user_id: np.ndarray,
-    ad_id: np.ndarray,
-    typ: np.ndarray,
-    ts: np.ndarray,
-    fresh: np.ndarray | None = None,
-) -> None:
-    """heldout.parquet; a `fresh` column (the ad launched after the log) only when given."""
-    columns = {
-        "user_id": pa.array(user_id, pa.int64()),
-        "ad_id": pa.array(ad_id, pa.int64()),
-        "type": pa.array(typ, pa.int8()),
-        "timestamp_ms": pa.array(ts, pa.int64()),
+    """users.parquet (the kept users, each history without its held-out event),
+    heldout.parquet (a `fresh` column only with fresh ads) and interactions.parquet: every
+    event in the docs/DATA.md format, split `train` (history) / `test` (held out), so the
+    world's files train like a team's own data."""
+    kept = hist.user
+    last = hist.offsets[1:] - 1  # each user's held-out event
+    logged = np.ones(len(hist.ad), dtype=bool)
+    logged[last] = False
+    loc_offsets, loc_sel = take_segments(users.loc_offsets, kept)
+    loc_names = geo.names[users.loc_ids[loc_sel]].tolist()
+    hist_offsets = hist.offsets - np.arange(len(hist.offsets))
+    gender = np.array([*GENDERS, ""], dtype=object)[users.gender[kept]]  # -1 -> ""
+    user_id = pa.array(users.user_id[kept], pa.int64())
+    people = {
+        "user_id": user_id,
+        "country": pa.array([geo.codes[c] for c in users.country[kept]], pa.string()),
+        "age": pa.array(users.age[kept], pa.int32()),
+        "gender": pa.array(gender.tolist(), pa.string()),
+        "locations": _list_column(loc_offsets, loc_names, pa.string()),
+        "history_ad_id": _list_column(hist_offsets, ads.ad_id[hist.ad[logged]], pa.int64()),
+        "history_type": _list_column(hist_offsets, hist.type[logged], pa.int8()),
+        "history_ts": _list_column(hist_offsets, hist.ts[logged], pa.int64()),
+    }
+    pq.write_table(pa.table(people), directory / USERS_PARQUET)
+    heldout = {
+        "user_id": user_id,
+        "ad_id": pa.array(ads.ad_id[hist.ad[last]], pa.int64()),
+        "type": pa.array(hist.type[last], pa.int8()),
+        "timestamp_ms": pa.array(hist.ts[last], pa.int64()),
     }
     if fresh is not None:
-        columns["fresh"] = pa.array(fresh, pa.bool_())
-    pq.write_table(pa.table(columns), directory / HELDOUT_PARQUET)
+        heldout["fresh"] = pa.array(fresh[hist.ad[last]], pa.bool_())
+    pq.write_table(pa.table(heldout), directory / HELDOUT_PARQUET)
+    events = {
+        "user_id": pa.array(np.repeat(users.user_id[kept], np.diff(hist.offsets)), pa.int64()),
+        "ad_id": pa.array(ads.ad_id[hist.ad], pa.int64()),
+        "event_type": pa.array(hist.type, pa.int8()),
+        "timestamp_ms": pa.array(hist.ts, pa.int64()),
+        "split": pa.array(np.where(logged, "train", "test").astype(object), pa.string()),
+    }
+    pq.write_table(pa.table(events), directory / INTERACTIONS_PARQUET)
 
 
 def write_summary(directory: Path, summary: dict[str, object]) -> None:
-    path = directory / WORLD_JSON
-    with open(path, "wb") as f:
+    with open(directory / WORLD_JSON, "wb") as f:
         f.write(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
         f.flush()
         os.fsync(f.fileno())
@@ -259,27 +236,3 @@ def publish(tmp: Path, out: Path) -> None:
         out.rename(old)
     tmp.rename(out)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def write_interactions(
-    directory: Path,
-    user_id: np.ndarray,  # int64 [E]
-    ad_id: np.ndarray,  # int64 [E]
-    typ: np.ndarray,  # int8 [E]: 1 view, 2 click, 3 conversion
-    ts: np.ndarray,  # int64 [E]
-    test: np.ndarray,  # bool [E]: the held-out event of its user
-) -> None:
-    """Every event, history and held-out, as the interactions file of docs/DATA.md (with
-    the world's split: `train` history, `test` held out), so the world's catalog,
-    `users.parquet` and this file train like a team's own data."""
-    split = np.where(test, "test", "train").astype(object)
-    table = pa.table(
-        {
-            "user_id": pa.array(user_id, pa.int64()),
-            "ad_id": pa.array(ad_id, pa.int64()),
-            "event_type": pa.array(typ, pa.int8()),
-            "timestamp_ms": pa.array(ts, pa.int64()),
-            "split": pa.array(split, pa.string()),
-        }
-    )
-    pq.write_table(table, directory / INTERACTIONS_PARQUET)

@@ -1,32 +1,14 @@
-"""The decode engine: pipeline stage 3's constrained beam search over SIDs, on CPU and GPU
-(docs/ARCHITECTURE.md §2, §7).
+"""The decode engine: pipeline stage 3's constrained beam search over SIDs, one engine on
+CPU and GPU (the steps, `scoring` and plan/run: docs/MODEL.md "Decode engine").
 
-For t = 1..4: the decoder step (`DecoderStep`) on W_t beam rows per request gives logits;
-the CD+GTM mask (`kernels.gtm_mask`: trie children ∧ bitmask ∧ Bloom) bars disallowed
-tokens, the log-softmax adds to each row's score (the engine's `scoring`: "masked", the
-default, over the allowed tokens; "unmasked", the model's own over the whole vocabulary,
-so a SID scores its model log-probability whatever the filter mode), each request keeps
-its top M_{t+1} (after the last step its top M_4 complete SIDs), the step's bookkeeping
-(`kernels.beam_advance`) finds parents, tokens and child nodes, and the paged KV cache is
-reordered by parent row. SIDs come from backtracking the parent pointers.
-
-Plan/run split: `plan(tables, level_offsets)` makes one index version's `IndexPlans`;
-`run(plans, ctx, requests, beams, mode)` decodes a batch on the buffers of its plan key —
-(batch bucket B, beam schedule, filter mode, request-location bucket L) — whose shapes are
-fixed, so on CUDA the whole 4-step loop is captured once as one CUDA graph per key and a
-batch is: copy inputs into the static buffers, `replay()`, clone the outputs. On CPU the
-same body runs eagerly with the kernels' torch references. `warm` makes every plan a
-server may hit before the version serves (a key first seen in `run` is made there).
-Captures go through `service/capture.py`; a plan of a bucket ≥ `SPLIT_MIN_BUCKET` runs as
-`streams` parts, parallel branches of its graph: one half's memory-bound kernels run
-beside the other's matmuls.
-
-Rows are request-major (row b·M_t + j). A row is dead — score −inf, parked on a leaf node
-with no children, never emitted — when it has no allowed continuation, when top-k could
-not fill it, or when its request is padding (a batch smaller than its bucket). Requests
-never interact, so padding rows cannot change real ones. The engine runs the decoder as
-it was loaded: `decoder_step` picks the FP8 step for a model made FP8 at load
-(`service/model/precision.py`).
+`plan` makes one index version's `IndexPlans`; `run` decodes a batch on the fixed-shape
+buffers of its `PlanKey`, on CUDA one captured graph per key (copy inputs in, `replay()`,
+clone the outputs), on CPU the same body eagerly. `warm` makes every plan a server may
+hit before the version serves. A plan of a bucket ≥ `SPLIT_MIN_BUCKET` runs as `streams`
+parts, parallel branches of its graph: one half's memory-bound kernels run beside the
+other's matmuls. Rows are request-major (row b·M_t + j); a dead row (no allowed
+continuation, unfilled by top-k, or a padding request) has score −inf and sits on a leaf
+node with no children, so it is never emitted and padding never changes real rows.
 """
 
 from __future__ import annotations
@@ -107,9 +89,7 @@ class DecodeEngine:
         pace: Callable[[], None] | None = None,
     ) -> int:
         """Build every plan a server may hit (on CUDA: capture its graph); returns how many
-        plans exist. Report SERVING only after this returns. `pace` is called after each
-        plan, outside the plans' lock (`service/pace.py`: a swap's prepare yields to
-        serving)."""
+        plans exist. `pace` is called after each plan, outside the plans' lock."""
         keys = {
             (b, mode, self.location_key(mode, n))
             for b in batch_sizes or self.batch_buckets
@@ -154,8 +134,6 @@ class DecodeEngine:
             # clone before the next replay overwrites the graph's outputs
             leaves, scores, sids = (x[:b].clone() for x in out)
         return DecodeResult(leaves, scores, sids, tuple(b * m for m in plan.beams))
-
-    # ----------------------------------------------------------------------- plans
 
     def _load(self, plan: Plan, ctx: torch.Tensor, requests: RequestTensors | None) -> None:
         """Copy a batch into the plan's static inputs; padding requests are marked dead."""
@@ -230,13 +208,10 @@ class DecodeEngine:
                            warmup_runs=self.warmup_runs)  # fmt: skip
         plan.graph = graph
 
-    # ----------------------------------------------------------------------- the loop
-
     def _decode(self, plans: IndexPlans, plan: Plan, parallel: bool = False) -> Outputs:
         """The whole plan. A split plan's parts run one after the other, or with
-        `parallel` (only inside `capture`, which owns the reserved streams) each on its
-        own stream, forked from and joined back to the current one, so the graph records
-        them as parallel branches."""
+        `parallel` (only inside `capture`, which owns the reserved streams) each on a
+        stream forked from and joined back to the current one: parallel graph branches."""
         if not plan.parts:
             return self._body(plans, plan)
         if not parallel:
@@ -274,8 +249,7 @@ class DecodeEngine:
             )  # fmt: skip
             keep = plan.beams[-1] if last else plan.beams[t + 1]
             # the kept beams' order matters only after the last step: elsewhere top-k
-            # skips its sort of the winners (one small block per request, ~22 µs per
-            # step on the H200)
+            # skips sorting the winners
             top, flat = cand.view(bsz, -1).topk(keep, dim=1, sorted=last)
             score, parent, token, live, node = beam_advance(
                 top, flat, child, plan.beams[t], c.vocab_size, plans.dead_node

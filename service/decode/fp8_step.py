@@ -1,16 +1,11 @@
 """The decoder step of a model whose linear layers are FP8 (pipeline stage 3; docs/FP8.md):
-`DecoderStep`'s loop with its three linear-layer operations in e4m3
-(`kernels.fp8.Fp8Linear`, made at load by `service/model/precision.py`).
-
-An FP8 GEMM cannot add into the residual stream (`torch._scaled_mm` has no `beta`), so
-each output projection is handed on as a pending `residual`, and the LayerNorm that reads
-the stream next adds it (`kernels.layer_norm.add_layer_norm_fp8`: one pass writes the new
-stream and the next GEMM's FP8 input, quantised per row; the final norm adds the last
-one) — no separate add kernel runs. The self-attention kernel writes its output quantised
-for the out projection (`fp8_out`); the cross-attention output takes a quantising pass of
-its own (`kernels.fp8.fp8_matmul`). The FFN's up GEMM adds its bias, applies GELU and
-quantises per row and 128 columns in its epilogue (`kernels.fp8_ffn`), for a down GEMM
-whose weight has one scale per 128 x 128 block.
+`DecoderStep`'s loop with its linear layers in e4m3 (`kernels.fp8.Fp8Linear`, made at load
+by `service/model/precision.py`). An FP8 GEMM cannot add into the residual stream
+(`torch._scaled_mm` has no `beta`), so each output projection is handed on as a pending
+`residual` that the next LayerNorm kernel adds (`add_layer_norm_fp8`, which also quantises
+the next GEMM's input per row). The self-attention kernel writes its output quantised
+(`fp8_out`); the FFN's up GEMM adds its bias, applies GELU and quantises per row and 128
+columns in its epilogue (`kernels.fp8_ffn`) for a down GEMM with 128 x 128 weight blocks.
 """
 
 from __future__ import annotations

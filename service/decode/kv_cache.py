@@ -1,21 +1,13 @@
 """The paged self-attention KV cache for the ≤ 4-token SID prefix of every beam row
 (paper §4.3), owned by the decode engine (pipeline stage 3).
 
-The cache owns "write + attend" (`attend(layer, t, qkv[, rows])`): the decoder step hands
-each layer's QKV projection (or, with `rows`, a shared source and each row's index into
-it — layer 0's QKV table) to the cache, and `fused_self_attention` writes the new key and
-value and attends over tokens 0..t of every row in one kernel. Every buffer is allocated
-once, for the rows of each step (`rows_per_step`, B · W_t), and nothing is reallocated
-per step, so the engine keeps one cache per (batch bucket, schedule) across runs and
-captures it in its CUDA graphs.
-
-A block holds one beam row × one token × all heads; each layer has a K and a V pool
-`[blocks, H, d_h]`, and step t's block table `[B · W_t, L_SID]` says which block holds row
-r's token-j key/value. Step t's new keys go to fresh blocks (`base_t + r`: column t of
-step t's table is fixed, planned once at allocation and shared by all layers), so a
-parent's blocks are shared by all of its children and beam reorder copies block ids
-(`table_t[parent]`), never KV bytes. The dense per-row cache whose reorder copies bytes,
-and the unfused attention paths, are benchmark baselines (`bench/baselines/kv_cache.py`).
+A block holds one beam row × one token × all heads; each layer has K and V pools
+`[blocks, H, d_h]`, and step t's block table `[B · W_t, L_SID]` names the block of row r's
+token j. Step t's new keys go to fresh blocks (column t of its table, planned once for
+every layer and run), so children share their parent's blocks and beam reorder copies
+block ids, never KV bytes. The cache owns "write + attend": `fused_self_attention` writes
+the new key and value and attends over tokens 0..t in one kernel. Buffers are allocated
+once, so the engine keeps one cache per (batch bucket, schedule) inside its CUDA graphs.
 """
 
 from __future__ import annotations
@@ -69,8 +61,7 @@ class PagedKVCache:
         out projection (`kernels.self_attention.fused_self_attention`)."""
         r = qkv.shape[0] if rows is None else rows.shape[0]
         assert r == self.rows[t], f"step {t} has {self.rows[t]} rows, got {r}"
-        # the last position's k/v are never read again: skip writing them (1/6 of the
-        # step's bytes at t = 3)
+        # the last position's k/v are never read again: skip writing them
         store = t + 1 < len(self.rows)
         return fused_self_attention(qkv, self.k[layer], self.v[layer], t, self.tables[t],
                                     store=store, qkv_rows=rows, fp8_out=fp8_out)  # fmt: skip

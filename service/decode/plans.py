@@ -1,13 +1,8 @@
 """The decode engine's per-index state (pipeline stage 3): one `IndexPlans` per loaded index
-version, holding that index's trie tables and every `Plan` — the static buffers and, on
-CUDA, the captured graph — of one plan key (batch bucket B, beam schedule, filter mode,
-request-location bucket L).
-
-The compute stage keeps one `IndexPlans` per index version (`service/pipeline/stages.py`);
-a swap builds and warms the next version's before it serves, and the old one is freed
-with the last batch that holds its index. Plans of one index share their inputs (per
-bucket) and KV caches (per bucket and schedule); calls are serialised (`lock`), and on
-CUDA every call must come from the same stream.
+version — its trie tables and every `Plan` (static buffers and, on CUDA, the captured
+graph) made for it, kept by the model runtime and freed with the index. Plans share their
+inputs (per bucket) and KV caches (per bucket and schedule); calls are serialised (`lock`),
+and on CUDA every call must come from the same stream.
 """
 
 from __future__ import annotations

@@ -1,33 +1,15 @@
-"""The decoder step of the decode loop (pipeline stage 3): one SID token for R beam rows.
+"""The decoder step of the decode loop (pipeline stage 3): one SID token for R beam rows,
+`SIDDecoder.forward_train` at one position with fewer passes over the `[R, d_model]`
+activations (docs/MODEL.md "Decode engine"):
 
-`DecoderStep(decoder)` computes the function of `SIDDecoder.forward_train` at one position,
-with its elementwise work folded into the matmuls — fewer passes over the `[R, d_model]`
-activations (docs/ARCHITECTURE.md §7, "fewer kernels per step"):
+1. layer 0's QKV is a per-model table over (position, token) — layer 0 sees only the token
+   embedding — read straight by the self-attention (3 MB per position, L2-resident);
+2. residual adds run inside the matmuls (`x.addmm_(a, W.t())`, cuBLAS `beta = 1`), the
+   biases carried as a pending `shift` each LayerNorm adds, so no add kernel ever runs;
+3. on CUDA a "gelu_tanh" model's GELU is the up-projection's cuBLASLt epilogue.
 
-1. Layer 0's QKV is a table. Layer 0 sees only the token embedding, and its QKV
-   projection `qkv(LN(tok_emb[t, token]))` depends on (t, token) alone, so it is computed
-   once per model for the sid_length × (vocab + 1) pairs, and the self-attention reads
-   each row's entry straight from the table (`PagedKVCache.attend(..., rows=tokens)`: 3 MB
-   per position, L2-resident) — the layer 0 QKV matmul (7 % of the decoder's FLOPs) and
-   the copy of its output both disappear.
-2. Residual adds go into the matmul: `x.addmm_(a, W.t())` (cuBLAS `beta = 1`) adds the
-   projection to the residual stream in place. The bias is left out and carried as a
-   pending constant: every LayerNorm normalises `x + shift`, where `shift` is the sum of
-   the biases added so far (`kernels.layer_norm`, one pass, fp32), so no separate add
-   kernel runs, ever.
-3. The FFN's GELU is the up-projection's epilogue on CUDA when the model was trained with
-   "gelu_tanh" (`kernels.gelu_linear`: cuBLASLt's GELU_BIAS epilogue); an erf-GELU model
-   (older checkpoints) keeps the separate activation.
-
-A model whose linear layers were made FP8 at load (`service/model/precision.py`) runs
-`FP8DecoderStep` (`fp8_step.py`): the same loop, its three linear-layer operations
-replaced (`decoder_step` picks the step for the model it is given).
-
-Self-attention's "write + attend" belongs to the KV cache (`service/decode/kv_cache.py`);
-cross-attention runs beam-as-query over the per-request K/V of `SIDDecoder.cross_kv`
-(`kernels.cross_attention`). On CPU the same code runs the kernels' torch references.
-Inference only (no autograd): build one per loaded decoder; the table and the shifts are
-snapshots of its weights.
+`FP8DecoderStep` (`fp8_step.py`) is the same loop for a model made FP8 at load. Build one
+per loaded decoder: the table and the shifts are snapshots of its weights.
 """
 
 from __future__ import annotations
@@ -69,8 +51,7 @@ class DecoderStep:
         first = decoder.layers[0]
         # [sid_length, vocab + 1, 3·H·d_h]: layer 0's QKV for every (position, token)
         self.qkv0 = first.qkv(first.norm_self(decoder.tok_emb)).contiguous()
-        # the biases not yet in the residual stream at each LayerNorm: (self, cross, ffn)
-        # per layer, then the final norm's
+        # per layer the biases not yet in the stream at its (self, cross, ffn) LayerNorms
         self.shifts: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
         pending: torch.Tensor | None = None
         for layer in decoder.layers:

@@ -1,10 +1,6 @@
-"""One loaded index version — everything a batch reads from it (docs/ARCHITECTURE.md §3,
-§4).
-
-The rollout (`service/rollout/`) loads and fully validates a new version in the
-background (`load_index`); it serves in a (model, index) pair (`service/pipeline/runtime.py`)
-once the model has prepared its decode plans for it. A `LoadedIndex` holds data only: the
-decode engine's plans for it (CUDA graphs, static buffers) belong to the model runtime.
+"""One loaded index version: everything a batch reads from it (docs/ARCHITECTURE.md §3).
+The rollout (`service/rollout/`) loads and validates it off the request path; the decode
+plans made for it belong to the model runtime (`service/pipeline/runtime.py`).
 """
 
 from __future__ import annotations
@@ -73,15 +69,10 @@ def load_index(
     device: str = "cpu",
     expect_version: str | None = None,
 ) -> LoadedIndex:
-    """Validate everything (raises IndexValidationError), then prepare the tables.
-
-    The arrays are read into private memory, each file once with its checksum over the
-    same bytes (`contracts/npy_private.py`), not memory-mapped: the files on disk may be
-    truncated, overwritten or removed while the version serves without reaching it.
-    `expect_version`: the version name the manifest must carry (the rollout passes the
-    directory's name); `tokenizer_fingerprint`: the SID space it must be built for (None:
-    any — the rollout checks each pair itself).
-    """
+    """Validate everything (raises IndexValidationError), then prepare the tables. The
+    arrays are read into private memory, not memory-mapped, so the files on disk may be
+    truncated, overwritten or removed while the version serves. `tokenizer_fingerprint`:
+    the SID space it must be built for (None: any; the rollout checks each pair)."""
     index = validate_index(
         Path(path),
         expect_tokenizer=tokenizer_fingerprint,

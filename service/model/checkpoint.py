@@ -1,19 +1,12 @@
-"""Model checkpoints: the one writer/reader pair for a trained retriever (docs/ARCHITECTURE.md §6).
+"""Model checkpoints: the one writer/reader pair for a trained retriever (docs/MODEL.md
+"Checkpoints"). Training writes with `save_checkpoint`; the server, evaluation and `grace`
+commands read with `load_checkpoint`. A checkpoint is a directory, written into a hidden
+temporary sibling, fsynced and renamed into place:
 
-Training writes with `save_checkpoint`; the server, evaluation and `grace` commands read
-with `load_checkpoint`. A checkpoint is a directory:
-
-    model.safetensors   the GenerativeRetriever state dict (`embedder.*`, `encoder.*`, `decoder.*`)
-    config.json         format name and version, model_version, ModelConfig, the SID
-                        tokenizer fingerprint, sha256 of model.safetensors, created time,
-                        `extra` (e.g. training metrics)
-    tokenizer/          the SID tokenizer (`contracts/tokenizer_format.py`); absent for a model of a
-                        named SID space (SIDs made outside, `contracts/sid_space.py`)
-
-It is written into a hidden temporary sibling, fsynced and renamed into place, so a
-reader never sees a half-written checkpoint. `tokenizer_fingerprint` holds the model's
-SID space — its tokenizer's fingerprint or `sid-space:<name>` — and the server refuses an
-index built for another one.
+    model.safetensors   the GenerativeRetriever state dict
+    config.json         format and version, model_version, ModelConfig, the SID space
+                        (`tokenizer_fingerprint`), weights sha256, created, `extra`
+    tokenizer/          the SID tokenizer; absent for a model of a named SID space
 """
 
 from __future__ import annotations
@@ -83,12 +76,9 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     sid_space: str | None = None,
 ) -> str:
-    """Write `model` (with a `.config: ModelConfig`) and `tokenizer` to directory `path`;
-    without a tokenizer, `sid_space` names the SID space it was trained on.
-
-    Replaces an existing checkpoint at `path`. Returns the model version: `model_version`,
-    or `f"{config.name}-{sha256(model.safetensors)[:12]}"` by default.
-    """
+    """Write `model` (with a `.config: ModelConfig`) and `tokenizer` (else the name of its
+    `sid_space`) to directory `path`, replacing any checkpoint there. Returns the model
+    version: `model_version`, or `f"{config.name}-{sha256(weights)[:12]}"` by default."""
     if (tokenizer is None) == (sid_space is None):
         raise ValueError("a checkpoint needs its SID tokenizer or the name of its SID space")
     space = tokenizer.fingerprint if tokenizer is not None else sid_spaces.named(str(sid_space))
@@ -138,13 +128,8 @@ def load_checkpoint(
     pace: Callable[[], None] | None = None,
 ) -> LoadedModel:
     """Read and check a checkpoint; `build` makes the empty model (default GenerativeRetriever).
-    `pace` is called between the load's steps (a chunk of the checksum, one tensor's copy
-    to the device: `service/pace.py`, a swap under load).
-
-    Raises FileNotFoundError for a missing file and CheckpointError, naming the problem,
-    for an unknown format version, a corrupt or truncated weights file, a tokenizer
-    whose fingerprint differs from the stored one, or weights that do not fit the config.
-    """
+    `pace` is called between the load's steps (`service/pace.py`). Raises FileNotFoundError
+    for a missing file, CheckpointError naming any other problem."""
     path = Path(path)
     seconds: dict[str, float] = {}
     t = time.perf_counter()
@@ -195,9 +180,8 @@ def load_checkpoint(
 def verify_checkpoint(
     path: Path, *, build: Callable[[ModelConfig], nn.Module] | None = None
 ) -> dict[str, Any]:
-    """Every check `load_checkpoint` makes, without loading the weights: the format, the
-    config, the weights' sha256, the tokenizer's fingerprint and each tensor's name and
-    shape against the config. Returns config.json; raises as `load_checkpoint` does."""
+    """Every check `load_checkpoint` makes, without loading the weights (tensor names and
+    shapes only). Returns config.json; raises as `load_checkpoint` does."""
     path = Path(path)
     meta, config = _verified(path)
     try:
@@ -241,18 +225,22 @@ def _verified(
             f"checkpoint {path}: {WEIGHTS_FILE} is corrupt or truncated (sha256 {digest[:12]}, "
             f"config.json records {str(meta['weights_sha256'])[:12]})"
         )
-    held = None if named_space else _tokenizer_fingerprint(path)
-    if held is not None and held != meta["tokenizer_fingerprint"]:
-        raise CheckpointError(
-            f"checkpoint {path}: tokenizer mismatch: config.json names fingerprint "
-            f"{meta['tokenizer_fingerprint']}, {TOKENIZER_DIR}/ holds {held}"
-        )
+    if not named_space:
+        try:
+            held = tokenizer_format.read(path / TOKENIZER_DIR)[2]
+        except (FileNotFoundError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path}: tokenizer unreadable: {e}") from e
+        if held != meta["tokenizer_fingerprint"]:
+            raise CheckpointError(
+                f"checkpoint {path}: tokenizer mismatch: config.json names fingerprint "
+                f"{meta['tokenizer_fingerprint']}, {TOKENIZER_DIR}/ holds {held}"
+            )
     return meta, config
 
 
 def _empty(config: ModelConfig, build: Callable[[ModelConfig], nn.Module] | None) -> nn.Module:
     """The model of `config` with shapes only (the meta device): no random init of
-    weights about to be replaced (8 s of the paper profile's 4.6 GB on a CPU)."""
+    weights about to be replaced."""
     if build is None:
         from service.model.retriever import GenerativeRetriever
 
@@ -261,16 +249,8 @@ def _empty(config: ModelConfig, build: Callable[[ModelConfig], nn.Module] | None
         return build(config)
 
 
-def _tokenizer_fingerprint(path: Path) -> str:
-    try:
-        return tokenizer_format.read(path / TOKENIZER_DIR)[2]
-    except (FileNotFoundError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: tokenizer unreadable: {e}") from e
-
-
 def _fingerprint(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Per state_dict entry, its storage and in-place version: any replacement or write
-    changes one of them."""
+    """Per state_dict entry, its storage and in-place version (a write changes one)."""
     return {k: (v.data_ptr(), v._version) for k, v in model.state_dict().items()}
 
 
@@ -287,12 +267,8 @@ def _read_meta(p: Path) -> dict[str, Any]:
             f"{p}: unknown checkpoint format version {version!r}; "
             f"this build reads version {FORMAT_VERSION}"
         )
-    missing = [
-        k
-        for k in ("config", "model_version", "tokenizer_fingerprint", "weights_sha256")
-        if k not in meta
-    ]
-    if missing:
+    required = ("config", "model_version", "tokenizer_fingerprint", "weights_sha256")
+    if missing := [k for k in required if k not in meta]:
         raise CheckpointError(f"{p}: missing keys {missing}")
     return meta
 
@@ -301,20 +277,18 @@ def _check_weights(
     expected: dict[str, torch.Tensor], stored: dict[str, torch.Tensor], path: Path
 ) -> None:
     """Raise CheckpointError naming missing, unexpected or mis-shaped tensors."""
-    missing = sorted(expected.keys() - stored.keys())
-    unexpected = sorted(stored.keys() - expected.keys())
-    problems = []
-    if missing:
-        problems.append(f"missing tensors {missing[:5]}" + (" ..." if len(missing) > 5 else ""))
-    if unexpected:
-        more = " ..." if len(unexpected) > 5 else ""
-        problems.append(f"unexpected tensors {unexpected[:5]}{more}")
+    problems = [
+        f"{what} tensors {names[:5]}" + (" ..." if len(names) > 5 else "")
+        for what, names in (
+            ("missing", sorted(expected.keys() - stored.keys())),
+            ("unexpected", sorted(stored.keys() - expected.keys())),
+        )
+        if names
+    ]
     for name in sorted(expected.keys() & stored.keys()):
-        want, got = tuple(expected[name].shape), tuple(stored[name].shape)
+        want, got = list(expected[name].shape), list(stored[name].shape)
         if want != got:
-            problems.append(
-                f"shape mismatch for {name}: checkpoint {list(got)}, config {list(want)}"
-            )
+            problems.append(f"shape mismatch for {name}: checkpoint {got}, config {want}")
     if problems:
         raise CheckpointError(
             f"checkpoint {path}: weights do not fit its config: " + "; ".join(problems)

@@ -1,6 +1,5 @@
-"""Model profiles (docs/ARCHITECTURE.md §6): one frozen config per named size, as in gpt-fast's
-`ModelArgs.from_name`. The encoder, decoder, FLOP counter, training and the decode engine
-all read their shapes from a `ModelConfig`; nothing threads a config through hot loops.
+"""Model profiles (docs/ARCHITECTURE.md §6, docs/MODEL.md): one frozen `ModelConfig` per
+named size, read by the model, the FLOP counter, training and the decode engine.
 """
 
 from __future__ import annotations

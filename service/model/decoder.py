@@ -1,13 +1,7 @@
-"""The SID decoder (docs/ARCHITECTURE.md §6): pre-norm layers of self-attention over the SID prefix,
-cross-attention to the encoder's context, and an FFN; position-specific token embeddings;
-a 512-way head. Pipeline stage 3 runs it inside the decode loop, one step per SID token.
-
-The module holds the weights and the training path, `forward_train`: teacher forcing over
-all 4 positions at once (causal self-attention), for training and for scoring given SIDs.
-Inference runs one token for R beam rows at a time through `service/decode/step.py`
-(`DecoderStep`: the same weights and function, with the KV cache and the fused kernels);
-`cross_kv` gives the per-request cross-attention K/V it reads (once per request, never
-per beam). Input at position 0 is BOS; at position t > 0 it is the token chosen at t − 1.
+"""The SID decoder (docs/MODEL.md "Architecture"): its weights and `forward_train`, teacher
+forcing over all positions at once (causal), for training and for scoring given SIDs.
+Inference runs one token for R beam rows at a time through `service/decode/step.py`,
+reading the per-request cross-attention K/V of `cross_kv` (never per beam).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Feature embeddings: the embedding-heavy half of pipeline stage 2 (docs/ARCHITECTURE.md §2, §6).
+"""Feature embeddings: pipeline stage 2 (docs/MODEL.md "Architecture"), on its own thread
+and stream while stage 3 encodes the batch before.
 
     FeatureBatch (features.py) ──FeatureEmbedder──► EmbeddedFeatures ──► ContextEncoder
 
-Embedding tables and bags live here, apart from the encoder's compute, so the service
-can run them in stage 2 on their own thread and stream while stage 3 encodes the batch
-before. Per request:
-
-- non-sequence tokens (NUM_NONSEQ_TOKENS = 4): embeddings of the user hash, country, age
-  bucket and gender, one token each;
-- one sequence token per history event: the bag (sum) of its 4 SID-token embeddings (one
-  table per SID position), plus its event type, its time-gap bucket and its recency rank
-  (0 = newest event; ranks count real events only, so padding changes nothing);
-  padding tokens are zero.
+A history event's token sums its SID-token embeddings (one table per SID position), its
+type, time-gap bucket and recency rank (0 = newest, counting real events only).
 """
 
 from __future__ import annotations
@@ -65,20 +58,13 @@ class FeatureEmbedder(nn.Module):
         """(Re)make the buffers no checkpoint holds: `load_checkpoint` builds the model on
         the meta device and calls this once the stored weights are in."""
         length, vocab = self._sid_rows
-        self.register_buffer(
-            "sid_offsets", torch.arange(length) * vocab, persistent=False
-        )  # [sid_length]
+        offsets = torch.arange(length) * vocab  # [sid_length]
+        self.register_buffer("sid_offsets", offsets, persistent=False)
 
     def forward(self, f: FeatureBatch) -> EmbeddedFeatures:
-        nonseq = torch.stack(
-            [
-                self.user_emb(f.user_hash),
-                self.country_emb(f.country),
-                self.age_emb(f.age_bucket),
-                self.gender_emb(f.gender),
-            ],
-            dim=1,
-        )  # [B, N, d]
+        tables = (self.user_emb, self.country_emb, self.age_emb, self.gender_emb)
+        ids = (f.user_hash, f.country, f.age_bucket, f.gender)
+        nonseq = torch.stack([t(i) for t, i in zip(tables, ids, strict=True)], dim=1)  # [B, N, d]
         mask = f.hist_mask  # [B, L]
         n_real = mask.sum(1, keepdim=True)  # [B, 1]
         pos = torch.arange(mask.shape[1], device=mask.device)  # [L]

@@ -1,24 +1,13 @@
-"""Context encoder: the first half of pipeline stage 3 (docs/ARCHITECTURE.md §2, §6).
+"""Context encoder: the first half of pipeline stage 3 (docs/MODEL.md "Architecture").
 
-    EmbeddedFeatures (stage 2, embeddings.py) ──ContextEncoder──► ctx [B, t_ctx, d_model]
-    ──► SID decoder
+    EmbeddedFeatures (stage 2) ──ContextEncoder──► ctx [B, t_ctx, d_model] ──► SID decoder
 
-InterFormer-style: the non-sequence tokens (user hash, country, age, gender) and the
-behaviour-sequence tokens (one per history event) keep their own streams and exchange
-information in both directions at every layer.
-
-- Each `_InteractionLayer`, pre-norm:
-    1. cross-talk on summaries: the masked mean of the sequence is projected and added to
-       every non-sequence token (sequence -> non-sequence), and the mean of the
-       non-sequence tokens gives a FiLM scale/shift for every sequence token
-       (non-sequence -> sequence; zero-initialised, so it starts as the identity);
-    2. joint self-attention over [non-seq ; seq] with the padding mask on the keys;
-    3. FFN (GELU) on every token.
-- Readout: `t_ctx` learned query tokens cross-attend to all tokens, then an FFN and a
-  final LayerNorm: the context the decoder cross-attends to.
-
-The non-sequence tokens are never masked, so every attention row has a valid key: an
-empty history gives finite outputs. There is no dropout: eval mode is deterministic.
+InterFormer-style: the non-sequence tokens and the behaviour-sequence tokens keep their own
+streams; each pre-norm `_InteractionLayer` exchanges summaries both ways (sequence mean ->
+non-sequence tokens; non-sequence mean -> a FiLM scale/shift of the sequence, zero-init so
+it starts as the identity), then runs joint self-attention and an FFN. `t_ctx` learned
+queries read out the context. Non-sequence tokens are never masked, so every attention
+row has a valid key and an empty history gives finite outputs.
 """
 
 from __future__ import annotations

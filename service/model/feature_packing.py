@@ -1,11 +1,6 @@
-"""Feature packing: a FeatureBatch as one int64 buffer, for the host -> device copy.
-
-    prepare_features (features.py) ──► FeatureBatch ──pack_features──► int64 [B, K]
-    ──one pinned, non-blocking copy──► unpack_features ──► PackedFeatureBatch (device views)
-    ──► FeatureEmbedder / StaticFeatures (stage 2)
-
-Pipeline stage 1 packs each batch (service/pipeline/stages.py); static_features.py's graphs
-take the packed buffer as their one static input and unpack it themselves.
+"""A FeatureBatch as one int64 buffer, so stage 1's host -> device copy is one pinned,
+non-blocking copy (`service/pipeline/stages.py`); the device side views it
+(`unpack_features`), and `static_features.py`'s graphs take it as their one static input.
 """
 
 from __future__ import annotations
@@ -69,8 +64,7 @@ def _columns(packed: torch.Tensor, sid_length: int) -> list[torch.Tensor]:
 @dataclass(frozen=True)
 class PackedFeatureBatch(FeatureBatch):
     """A FeatureBatch over one packed buffer (`unpack_features`; do not `replace` fields):
-    every field but the mask (derived from its column) views `packed`, so pinning or
-    moving the batch is one copy, and stage 2 can load it into its graphs with one more."""
+    every field but the mask views `packed`, so pinning or moving it is one copy."""
 
     packed: torch.Tensor  # int64 [B, K], the layout of pack_features
 

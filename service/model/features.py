@@ -1,25 +1,16 @@
-"""Feature preparation: pipeline stage 2 (ARCHITECTURE.md §2), between the batcher and the encoder.
+"""Feature preparation: pipeline stage 1 (docs/MODEL.md "Architecture"), before the embedder.
 
-    [UserFeatures] x B  ──prepare_features──►  FeatureBatch (CPU tensors)  ──.to(device)──►
-    FeatureEmbedder (embeddings.py, rest of stage 2)  ──►  ContextEncoder (stage 3)
+    [UserFeatures] x B ──prepare_features──► FeatureBatch ──► FeatureEmbedder (stage 2)
 
-On GPU the FeatureBatch travels as one int64 buffer (feature_packing.py: `pack_features`,
-one pinned buffer, one host -> device copy) and the device side views it (`unpack_features`).
-
-Each request's raw inputs (user id, targeting attributes, behaviour history as ad ids,
-event types and timestamps) become fixed-shape integer tensors: vocabulary indices of the
-non-sequence features and a left-aligned, masked behaviour sequence of SID tokens. The
-ad -> SID mapping comes from the current index (`SidLookup.from_ads`), so a history event
-whose ad left the catalog is dropped here. Training calls the same function with large
-batches, so everything past the per-request unpacking is vectorised over the whole batch.
+History events whose ad is not in the served index (`SidLookup`) are dropped here. Training
+calls the same function with large batches, so all but the per-request unpacking is
+vectorised over the batch.
 
 Definitions (shared by training and serving; changing one changes the model's inputs):
 
 - user hash: `splitmix64(user_id mod 2**64) mod user_hash_buckets` (`user_hash`), stable
   across processes and machines, unlike Python's salted `hash`.
-- country: index into `COUNTRIES`; `len(COUNTRIES)` = unknown / not a known code.
-- age bucket: `age_bucket_index` (0..6); 7 = unknown (age 0 or below 13).
-- gender: index into `GENDERS` (0 female, 1 male); 2 = unknown.
+- country, age bucket, gender: as `FeatureBatch` says; age 0 or below 13 is unknown.
 - time gap of an event: `gap_s = (ref_ms - timestamp_ms) / 1000`, clipped at 0, where
   `ref_ms` is the request's `now_ms` or, without one, its newest history timestamp;
   bucket `min(G-1, floor((G-1) * log2(1 + gap_s) / log2(1 + GAP_HORIZON_S)))` with
@@ -118,7 +109,7 @@ class UserFeatures:
 
 @dataclass(frozen=True)
 class FeatureBatch:
-    """Stage 2 -> stage 3 hand-off: B requests as int tensors, L = longest kept history."""
+    """Stage 1 -> stage 2 hand-off: B requests as int tensors, L = longest kept history."""
 
     user_hash: torch.Tensor  # int64 [B]: user_hash(user_id) in [0, user_hash_buckets)
     country: torch.Tensor  # int64 [B]: index into COUNTRIES, len(COUNTRIES) = unknown
@@ -169,15 +160,10 @@ def prepare_features(
     *,
     width: int | None = None,
 ) -> FeatureBatch:
-    """Turn B requests into a FeatureBatch (CPU tensors).
-
-    Per request: events whose ad is not in `lookup` are dropped, the newest
-    `config.max_history` of the rest are kept, oldest first, left-aligned; the padded tail
-    has mask False, type 0, SID 0, gap 0. An empty history gives an all-masked row.
-    `width` fixes L (>= every kept history, e.g. `config.max_history` for static shapes);
-    None gives the longest kept history of the batch.
-    Raises ValueError for an event type outside {1, 2, 3}.
-    """
+    """B requests as a FeatureBatch (CPU tensors): per request the newest
+    `config.max_history` events whose ad is in `lookup`, oldest first, left-aligned, the
+    tail all zeros. `width` fixes L (>= every kept history; None: the longest kept one).
+    Raises ValueError for an event type outside {1, 2, 3}."""
     b_size, max_len, sid_len = len(users), config.max_history, config.sid_length
     lengths = np.fromiter((len(u.history_ad_ids) for u in users), np.int64, b_size)
     user_of = np.repeat(np.arange(b_size), lengths)  # [E] request of each event

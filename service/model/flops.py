@@ -1,24 +1,8 @@
-"""FLOP counter for the model (ARCHITECTURE.md §6, §9): decoder FLOPs per request, by step and term.
-
-Used by the `paper` profile's sizing (its `d_ff` is chosen so the count lands on the
-paper's 446 GFLOPs), by the decoder benchmark's FLOP floor, and by `FlopReport.table()`
-for the CLI. It is arithmetic on a `ModelConfig`; nothing here touches torch.
-
-Conventions (`decoder_flops`):
-
-- one multiply-add = 2 FLOPs; a [m, k] x [k, n] matmul = 2·m·k·n.
-- counted: matmuls only: projections, attention scores (Q·K^T) and the weighted sum
-  (P·V), FFN, output head. Not counted: embeddings (gathers), LayerNorm, GELU, softmax,
-  biases, residual adds, the CD+GTM mask, log-softmax, top-k and beam reorder — all
-  O(rows · d_model) or less, under 1 % of the total at the `paper` sizes.
-- step t (1-based) runs M_t rows per request; row r's query attends (self-attention) to
-  the t tokens of its prefix (the start token plus t - 1 SID tokens, cached K/V).
-- per row and layer: self-attn QKV d_model -> 3·H·d_h and output H·d_h -> d_model;
-  self-attn scores 2·(2·t·H·d_h); cross-attn Q d_model -> H·d_h and output; cross
-  scores 2·(2·T_ctx·H·d_h); FFN d_model -> d_ff -> d_model. Per row: head d_model -> 512.
-- cross K/V: the context's K and V projections, d_model -> 2·H·d_h for T_ctx tokens,
-  once per request per layer (beam-as-query keeps K/V per request, docs/ARCHITECTURE.md §7) and
-  reused by all four steps; reported apart from the steps (`once`) and in the total.
+"""FLOP counter for the model: decoder FLOPs per request by step and term, arithmetic on a
+`ModelConfig` (the `paper` profile's sizing, the benchmarks' FLOP floor, `grace flops`).
+Matmuls only, a multiply-add = 2 FLOPs; step t's rows attend to the t tokens of their
+prefix; the cross K/V projection runs once per request per layer (`once`). What is counted
+and why: docs/MODEL.md "Profiles".
 """
 
 from __future__ import annotations
@@ -70,25 +54,15 @@ class FlopReport:
             for term in DECODER_TERMS
         ]
         rows += [[k] + ["-"] * n + [_g(v)] for k, v in self.once.items()]
-        rows.append(
-            ["total"] + [_g(self.step_total(t)) for t in range(1, n + 1)] + [_g(self.total)]
-        )
+        rows.append(["total", *(_g(self.step_total(t)) for t in range(1, n + 1)), _g(self.total)])
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-        lines = [
-            f"decoder GFLOPs per request, profile {self.config_name}, beams {self.beams}",
-            "  ".join(
-                h.ljust(w) if i == 0 else h.rjust(w)
-                for i, (h, w) in enumerate(zip(head, widths, strict=True))
-            ),
-        ]
-        for r in rows:
-            lines.append(
-                "  ".join(
-                    c.ljust(w) if i == 0 else c.rjust(w)
-                    for i, (c, w) in enumerate(zip(r, widths, strict=True))
-                )
-            )
-        return "\n".join(lines)
+
+        def line(cells: list[str]) -> str:  # the term column left-aligned, numbers right
+            pairs = enumerate(zip(cells, widths, strict=True))
+            return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
+
+        title = f"decoder GFLOPs per request, profile {self.config_name}, beams {self.beams}"
+        return "\n".join([title, *(line(r) for r in [head, *rows])])
 
 
 def _g(flops: int) -> str:
@@ -118,13 +92,9 @@ def decoder_flops(config: ModelConfig, beams: Sequence[int] | None = None) -> Fl
 
 
 def encoder_flops(config: ModelConfig, history_len: int) -> int:
-    """Estimated encoder FLOPs per request for `history_len` real events (matmuls only).
-
-    Mirrors `ContextEncoder`: S = 4 non-sequence tokens + history_len sequence tokens;
-    per interaction layer the two summary projections, joint self-attention over S
-    tokens (Q, K/V, output projections; scores and weighted sum over S keys) and the FFN;
-    then the readout: t_ctx queries attend to S tokens, plus the readout FFN.
-    """
+    """Estimated encoder FLOPs per request for `history_len` real events (matmuls only),
+    following `ContextEncoder`: per interaction layer the summary projections, joint
+    attention over S = 4 + history_len tokens and the FFN; then the readout."""
     from service.model.embeddings import NUM_NONSEQ_TOKENS
 
     d, da, dff, t = config.d_model, config.d_attn, config.encoder_d_ff, config.t_ctx

@@ -1,16 +1,11 @@
 """The precision a model serves in (the setting `dtype`): one transform when a model
 version loads (`for_serving`, called by `service/rollout/sources.py`), after which the
-decode engine runs whatever the model holds (pipeline stage 3; docs/FP8.md).
+decode engine runs whatever the model holds (docs/FP8.md).
 
-- "float32", "bfloat16": the weights, cast;
-- "auto": bfloat16 on CUDA (the kernels' dtype), float32 on a CPU (bfloat16 is slow on
-  most CPUs);
-- "fp8": the "auto" weights, then every linear layer of the decode step becomes an FP8
-  e4m3 layer (`kernels.fp8.Fp8Linear`, weights quantised here, once): QKV of layers ≥ 1
-  (layer 0's is read as a table, `service/decode/step.py`), both attention output
-  projections, the cross-attention query and the FFN (its down projection per 128 x 128
-  block). The cross K/V, the LayerNorms, the embeddings and the logits head stay in
-  the model's dtype. Refused on a GPU without FP8 (compute capability below 8.9).
+"auto" is bfloat16 on CUDA (the kernels' dtype) and float32 on a CPU (bfloat16 is slow on
+most CPUs); "fp8" is "auto" with the decode step's linear layers as FP8 e4m3 layers,
+quantised here once (the cross K/V, LayerNorms, embeddings and head keep the model's
+dtype). Refused on a GPU without FP8 (compute capability below 8.9).
 """
 
 from __future__ import annotations

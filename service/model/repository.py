@@ -1,15 +1,6 @@
-"""The model repository: trained checkpoints published as versions under one root, with a
-`CURRENT` pointer — the versioned-root protocol indexes use (`contracts/versions.py`;
-docs/MODEL.md, "Model repository").
-
-    <root>/<version>/config.json ...   one checkpoint each (`service/model/checkpoint.py`)
-    <root>/CURRENT                     the version the server should serve
-
-`publish_model` (`grace publish-model`) verifies a checkpoint, copies it into a new
-version (config.json last), verifies the copy, marks it valid and moves `CURRENT`; a
-checkpoint that fails verification is refused and nothing changes. The server follows the
-root with `service/rollout/` and hot-swaps models between batches. A plain checkpoint
-directory still serves as a repository of one fixed version (no hot swap).
+"""The model repository: checkpoints published as versions under one root with a `CURRENT`
+pointer, by the versioned-root protocol indexes use (`contracts/versions.py`; docs/MODEL.md
+"Model repository"). A plain checkpoint directory serves as a fixed version.
 """
 
 from __future__ import annotations

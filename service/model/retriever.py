@@ -1,11 +1,6 @@
-"""The generative retriever: encoder + SID decoder as one module (docs/ARCHITECTURE.md §6).
-
-    FeatureBatch ──embed (stage 2)──► EmbeddedFeatures ──encoder (stage 3)──►
-    ctx [B, t_ctx, d_model] ──► decode engine (service/decode), which drives `decoder`
-    FeatureBatch, target SID ──forward_train──► logits [B, sid_length, vocab] (training)
-
-Training, checkpoints and the decode engine hold this one object; its parameter names are
-the checkpoint's tensor names (`embedder.*`, `encoder.*`, `decoder.*`).
+"""The generative retriever: embedder + encoder + SID decoder as one module, which training,
+checkpoints and the serving runtime hold; its parameter names are the checkpoint's tensor
+names (`embedder.*`, `encoder.*`, `decoder.*`). docs/ARCHITECTURE.md §6.
 """
 
 from __future__ import annotations

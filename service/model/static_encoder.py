@@ -1,14 +1,9 @@
 """The context encoder at fixed shapes, one CUDA graph per batch bucket: the first half of
-pipeline stage 3 on GPU (docs/ARCHITECTURE.md §2, §7), next to the decode loop's graphs.
-
-Eager, the encoder launches ~150 small kernels per batch from the compute thread, and
-under load that Python dispatch competes for the GIL with the gRPC event loop and the
-other stage threads (docs/OPERATIONS.md, "Throughput"); a replay is one launch.
-Inputs are padded to (bucket, max_history): padding requests carry zeros with only their
-non-sequence keys set, history positions past the batch's width are masked. The encoder
-treats every request on its own and masked positions never reach unmasked ones, so the
-padding changes nothing (tested against the eager encoder). On CPU the same padded body
-runs eagerly; wider or larger inputs than the plans hold take the eager encoder.
+pipeline stage 3 on GPU. Eager, it launches ~150 small kernels per batch whose Python
+dispatch competes for the GIL with the other threads; a replay is one launch. Inputs are
+padded to (bucket, max_history); requests never interact and masked positions never reach
+unmasked ones, so padding changes nothing. On CPU the same padded body runs eagerly;
+inputs larger than the plans take the eager encoder.
 """
 
 from __future__ import annotations
@@ -54,23 +49,19 @@ class StaticEncoder(BucketGraphs[EmbeddedFeatures, EmbeddedFeatures, torch.Tenso
         return inputs
 
     def _load(self, inputs: EmbeddedFeatures, batch: EmbeddedFeatures) -> None:
-        _load(inputs, batch)
+        """Rows past the batch become padding requests and positions past its width
+        masked padding (stale rows of earlier batches are wiped)."""
+        b, w = batch.seq.shape[:2]
+        n = NUM_NONSEQ_TOKENS
+        inputs.nonseq.zero_()
+        inputs.seq.zero_()
+        inputs.keys[:, n:] = False
+        inputs.nonseq[:b].copy_(batch.nonseq, non_blocking=True)
+        inputs.seq[:b, :w].copy_(batch.seq, non_blocking=True)
+        inputs.keys[:b, : n + w].copy_(batch.keys, non_blocking=True)
 
     def _body(self, inputs: EmbeddedFeatures) -> torch.Tensor:
         return self.encoder(inputs)
 
     def _take(self, out: torch.Tensor, size: int) -> torch.Tensor:
         return out[:size].clone()  # before the next replay overwrites it
-
-
-def _load(dst: EmbeddedFeatures, x: EmbeddedFeatures) -> None:
-    """Copy a batch into the static buffers: rows past it become padding requests and
-    positions past its width masked padding (stale rows of earlier batches are wiped)."""
-    b, w = x.seq.shape[:2]
-    n = NUM_NONSEQ_TOKENS
-    dst.nonseq.zero_()
-    dst.seq.zero_()
-    dst.keys[:, n:] = False
-    dst.nonseq[:b].copy_(x.nonseq, non_blocking=True)
-    dst.seq[:b, :w].copy_(x.seq, non_blocking=True)
-    dst.keys[:b, : n + w].copy_(x.keys, non_blocking=True)

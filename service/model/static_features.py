@@ -1,20 +1,9 @@
-"""The feature embedder at fixed shapes, one CUDA graph per batch bucket: the rest of
-pipeline stage 2 on GPU (ARCHITECTURE.md §2), ahead of the encoder's graphs (static_encoder.py).
-
-    stage 1: FeatureBatch ──pack_features──► int64 [B, K]: one pinned buffer, one copy
-    stage 2: PackedFeatureBatch ──StaticFeatures──► EmbeddedFeatures at width max_history
-    stage 3: ──► StaticEncoder
-
-Eager, `FeatureEmbedder` launches ~20 small kernels per batch from the features thread,
-and under load that Python dispatch competes for the GIL with the other stage threads;
-here a batch costs a copy into its bucket's packed buffer, one replay and the copies out.
-The graph unpacks the buffer itself (`unpack_features`), so any batch loads with one
-copy: packed rows are event-major, so the zeros past a batch's width are masked padding
-events, and all-zero rows past the batch are padding requests (index 0 everywhere, no
-history). For the batch's rows and history positions the outputs equal the eager
-embedder's (recency ranks count real events only); past them `seq` is zero and `keys`
-False, which the encoder ignores. On CPU the same padded body runs eagerly; batches
-larger than the largest bucket or wider than max_history take the eager embedder.
+"""The feature embedder at fixed shapes, one CUDA graph per batch bucket: pipeline stage 2
+on GPU. Eager, `FeatureEmbedder` launches ~20 small kernels per batch competing for the
+GIL; here a batch costs one copy into its bucket's packed buffer (`feature_packing.py`),
+one replay and the copies out. Zeros past a batch's width are masked padding events and
+all-zero rows past the batch padding requests, which the encoder ignores. On CPU the same
+body runs eagerly; inputs larger than the plans take the eager embedder.
 """
 
 from __future__ import annotations

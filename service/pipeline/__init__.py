@@ -1,4 +1,3 @@
-"""The four-stage pipeline (ARCHITECTURE.md §2, paper §2.5): input -> features -> compute -> post,
-each stage on its own thread (and CUDA stream on GPU). `records.py` holds the typed
-hand-offs, `stages.py` the stage bodies, `runner.py` the threads that connect them.
+"""The four-stage pipeline (docs/ARCHITECTURE.md §2): `records.py` the typed hand-offs,
+`stages.py` the stage bodies, `runner.py` their threads, `runtime.py` the served pair.
 """

@@ -3,14 +3,10 @@
     list[Pending] (batcher) ─► Batch ─stage 1─► Packed ─stage 2─► Embedded ─stage 3─►
     Decoded ─stage 4─► RetrievalResult per live request (Pending.resolve)
 
-A `Batch` is fixed when the batcher hands it over: its requests, the one (model, index)
-pair every stage uses (`service/pipeline/runtime.py`), and its decode groups (computed
-once, here). Each stage returns one
-frozen record that the next stage reads; on GPU each record carries the CUDA event its
-stage recorded on its stream, and the next stage's stream waits on it, so hand-offs are
-ordered without host syncs. Which requests are still worth answering changes on the way
-(deadlines pass, clients go away): that is the runner's to track (`service/pipeline/runner.py`),
-and a stage that needs it gets the live rows as an argument.
+A `Batch` is fixed at dispatch: its requests, its (model, index) pair and its decode
+groups. Each stage returns a frozen record carrying, on GPU, the CUDA event its stage
+recorded, which the next stage's stream waits on (no host syncs). Which requests are still
+live is the runner's to track; a stage that needs it gets the live rows as an argument.
 """
 
 from __future__ import annotations
@@ -94,8 +90,7 @@ class Batch:
 
 @dataclass(frozen=True)
 class DeviceGroup:
-    """A decode group's inputs on the compute device (made at stage 1, so stage 3 does no
-    host -> device copies of its own)."""
+    """A decode group's inputs on the compute device (made at stage 1: stage 3 copies none)."""
 
     group: DecodeGroup
     index: torch.Tensor | None  # int64 [len(rows)]: the rows in the batch; None: all of it
@@ -122,8 +117,7 @@ class Embedded:
 
 @dataclass(frozen=True)
 class Decoded:
-    """Stage 3 (compute) -> 4: one decode result per group run, with the batch rows it
-    covers (only rows live at stage 3: groups are narrowed to them)."""
+    """Stage 3 (compute) -> 4: per decode run, the batch rows live at stage 3 and the result."""
 
     runs: tuple[tuple[tuple[int, ...], DecodeResult], ...]
     event: torch.cuda.Event | None

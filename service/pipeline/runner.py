@@ -1,30 +1,16 @@
 """Four stage threads connected by queues: batch n+1 packs while batch n computes.
 
-`Pipeline.dispatch` is the batcher's hand-off: it takes the current (model, index) pair
-for the batch, makes its `Batch` record and queues it for stage 1; it never blocks (the
-batcher bounds batches in flight). Each thread runs one stage for one batch at a time and passes the
-batch on; stage 4 resolves every request and frees the batcher's slot. An exception in
-any stage fails that batch's requests (the server answers INTERNAL) and the pipeline
-carries on with the next batch.
+`Pipeline.dispatch` (the batcher's hand-off; never blocks) takes the current (model, index)
+pair for the batch and queues it for stage 1; stage 4 resolves every request. A stage that
+raises fails its batch's requests and the pipeline carries on. At every hand-off requests
+whose deadline passed or whose client went away are dropped (docs/RELIABILITY.md); a batch
+with none left skips its remaining stages.
 
-Before each stage the runner drops the requests whose deadline has passed (answered
-DEADLINE_EXCEEDED there and then) or whose client went away (forgotten), counted through
-`on_dropped(stage, reason, n)`; the later stages work on the live rows only, and a batch
-with none left skips its remaining stages, so no GPU or C++ work is spent on answers
-nobody reads. `on_dispatch(batch)` sees every batch as it enters; `on_batch_done(size,
-dispatched, service)` tells the batcher a batch has left and, when it ran every stage,
-what they cost (the admission estimate learns from it; None for a batch that failed or
-was dropped part-way).
-
-Device memory: a record's tensors are allocated on its stage's stream and read by the
-later stages' streams. The CUDA caching allocator hands a freed block to the next
-allocation on the stream that allocated it, without waiting for other streams, so a
-stage-1 buffer freed as soon as stage 2 has queued its kernels could be refilled with
-the next batch's inputs before stage 2's stream has read it (wrong features, on the H200
-an out-of-range embedding index and a dead CUDA context). Every record of a batch
-therefore lives until the batch leaves the pipeline, after its last stage's event is
-complete (`_finish`: the post stage has waited for it; a batch failed or dropped
-part-way waits there).
+Device memory: the CUDA caching allocator reuses a freed block on the stream that
+allocated it without waiting for other streams, so a stage's buffer freed once the next
+stage has queued its kernels could be refilled with the next batch's inputs before it is
+read (wrong features, or a dead CUDA context). So every record of a batch lives until the
+batch leaves, after its last stage's event is complete (`_finish`).
 """
 
 from __future__ import annotations
@@ -147,8 +133,7 @@ class Pipeline:
         self._queues[0].put(flight)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Finish the batches already dispatched, then end the threads (waiting at most
-        `timeout` seconds in all: they are daemon threads)."""
+        """Finish the dispatched batches, then end the (daemon) threads: `timeout` s at most."""
         self._queues[0].put(_STOP)
         end = time.monotonic() + timeout
         for t in self._threads:

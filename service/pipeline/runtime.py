@@ -1,14 +1,8 @@
 """What one batch runs on: a model version as the pipeline runs it (`ModelRuntime`), the
-(model, index) pair it is served with (`Serving`) and the holder of the current pair
-(docs/ARCHITECTURE.md §3, §6).
-
-The rollout (`service/rollout/`) loads new model and index versions off the request path,
-checks that the pair shares a SID space, has the runtime `prepare` its decode plans for
-the index (on GPU: captures the CUDA graphs of the embedder, the encoder and the decode
-loop) and then `ServingHolder.swap`s the pair in between batches. A batch takes
-`ServingHolder.current` once, at dispatch, and keeps that pair to the end; an old model
-or index is freed when the last batch holding it finishes (reference counting — the
-decode plans of an index live in a weak map of the runtime, so they go with either).
+(model, index) pair it is served with (`Serving`) and the holder of the current pair. A
+batch takes `ServingHolder.current` once, at dispatch, and keeps it to the end; an old
+model or index is freed with the last batch holding it (an index's decode plans live in a
+weak map of the runtime, so they go with either). docs/ARCHITECTURE.md §2, §3.
 """
 
 from __future__ import annotations
@@ -18,12 +12,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from contracts.request import FilterMode, Scoring
+from contracts.request import Scoring
 from service.decode.engine import DecodeEngine
 from service.decode.plans import IndexPlans
 from service.index.loaded import LoadedIndex
@@ -38,8 +32,7 @@ log = logging.getLogger("grace.pipeline")
 
 
 class ModelRuntime:
-    """One model version with its decode engine, its embedder and encoder (CUDA graphs on
-    GPU) and the decode plans of each index version it serves with."""
+    """A model version with its decode engine, embedder, encoder and plans per index."""
 
     def __init__(
         self,
@@ -91,10 +84,9 @@ class ModelRuntime:
     def prepare(
         self, index: LoadedIndex, beams: tuple[int, ...], pace: Callable[[], None] | None = None
     ) -> None:
-        """Before a pair serves: make the index's decode plans; on GPU capture the CUDA
-        graphs of the default schedule (both filter modes, every batch and location
-        bucket), and, once per model, the embedder's and the encoder's. `pace` is called
-        after each capture (`service/pace.py`)."""
+        """Before a pair serves: make the index's decode plans; on GPU capture the graphs
+        of the default schedule and, once per model, the embedder's and the encoder's.
+        `pace` is called after each capture (`service/pace.py`)."""
         plans = self.plans(index)
         if not self.cuda:
             return
@@ -102,34 +94,26 @@ class ModelRuntime:
             self._warm_graphs(pace)
             self._graphs_warm = True
         t0 = time.perf_counter()
-        n = self.engine.warm(plans, beams, modes=(FilterMode.CD_GTM, FilterMode.CD_ONLY),
-                             pace=pace)  # fmt: skip
+        n = self.engine.warm(plans, beams, pace=pace)  # both filter modes
         log.info("model %s, index %s: %d decode plans captured as CUDA graphs in %.1f s",
                  self.model_version, index.version, n, time.perf_counter() - t0)  # fmt: skip
 
     def _warm_graphs(self, pace: Callable[[], None] | None = None) -> None:
         """Capture the embedder's and the encoder's graphs; where that fails, serve with
         the eager module rather than not at all."""
-        if isinstance(self.embedder, StaticFeatures) and not _warmed(
-            self.embedder, "embedder", pace
-        ):
-            self.embedder = self.model.embedder
-        if isinstance(self.encoder, StaticEncoder) and not _warmed(self.encoder, "encoder", pace):
-            self.encoder = self.model.encoder
-
-
-def _warmed(
-    static: StaticFeatures | StaticEncoder, name: str, pace: Callable[[], None] | None
-) -> bool:
-    t0 = time.perf_counter()
-    try:
-        static.warm(pace)
-    except Exception:
-        log.exception("capturing the %s's CUDA graphs failed: eager %s", name, name)
-        return False
-    log.info("%s: CUDA graphs for buckets %s captured in %.1f s", name, static.buckets,
-             time.perf_counter() - t0)  # fmt: skip
-    return True
+        for name in ("embedder", "encoder"):
+            static = getattr(self, name)
+            if not isinstance(static, StaticFeatures | StaticEncoder):
+                continue
+            t0 = time.perf_counter()
+            try:
+                static.warm(pace)
+            except Exception:
+                log.exception("capturing the %s's CUDA graphs failed: eager %s", name, name)
+                setattr(self, name, getattr(self.model, name))
+            else:
+                log.info("%s: CUDA graphs for buckets %s captured in %.1f s", name,
+                         static.buckets, time.perf_counter() - t0)  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)  # identity equality: one pair is one object
@@ -139,7 +123,6 @@ class Serving:
 
     model: ModelRuntime
     index: LoadedIndex
-    since: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         if self.model.sid_space != self.index.sid_space:

@@ -1,17 +1,8 @@
-"""The bodies of the four pipeline stages (docs/ARCHITECTURE.md §2). Each reads the record
-of the stage before it, does its part on the compute device (on its own CUDA stream on
-GPU) and returns its own record (`service/pipeline/records.py`).
-
-1. input: pack requests into a `FeatureBatch` (history -> SID tokens via the batch's
-   index) and the decode groups' targeting tensors, pin them and copy them host ->
-   device without blocking (on GPU the FeatureBatch as one packed buffer: one copy);
-2. features: embedding tables and bags of the batch's model (`FeatureEmbedder`; on GPU
-   `StaticFeatures`: CUDA graphs over padded buckets);
-3. compute: encoder (on GPU `StaticEncoder`: CUDA graphs over padded buckets), then the
-   decode engine — one run per decode group of the batch, on the plans the batch's model
-   keeps for its index (`service/pipeline/runtime.py`: made before the pair serves);
-4. post: SIDs -> ads, exact filter, rank, cut (the C++ post stage of the batch's index)
-   and one `RetrievalResult` per live request.
+"""The bodies of the four pipeline stages (docs/ARCHITECTURE.md §2): each reads the record
+of the stage before it (`records.py`), works on its own CUDA stream on GPU and returns its
+own record. 1 input: features and targeting tensors, host -> device without blocking;
+2 features: the embedder; 3 compute: the encoder, then one decode run per decode group;
+4 post: the index's C++ post stage, one `RetrievalResult` per live request.
 """
 
 from __future__ import annotations
@@ -46,12 +37,9 @@ from service.post import PostRequest
 log = logging.getLogger("grace.pipeline")
 
 _Movable = TypeVar("_Movable", torch.Tensor, FeatureBatch)
-# Batch sizes the GPU graphs are captured for (embedder, encoder, decode loop): a batch runs
-# padded to the next one. A graph's cost is its bucket's, not the batch's (the decode loop:
-# about 0.96 ms + 0.72 ms per request of its bucket on the H200), so every even size up to
-# 16: padding costs at most one request. The price is start-up and every index swap: two
-# decode plans (filter modes) per bucket. docs/OPERATIONS.md gives the measurements; the
-# `graph_buckets` setting overrides them. The CPU runs every batch at its own size.
+# Batch sizes the GPU graphs are captured for: a batch runs padded to the next one, at its
+# bucket's cost, so every even size (padding ≤ 1 request) at the price of start-up and swap
+# time (docs/OPERATIONS.md; setting `graph_buckets`). The CPU runs batches at their size.
 GRAPH_BUCKETS = (2, 4, 6, 8, 10, 12, 14, 16)
 
 
@@ -111,9 +99,8 @@ class Stages:
         return sum(bucket_of(self.buckets, len(g.rows)) - len(g.rows) for g in groups)
 
     def settle(self, record: Packed | Embedded | Decoded | None, failed: int | None = None) -> None:
-        """Wait until the device has run the stage that made `record` (and so every stage
-        before it) and, for a batch whose stage `failed` raised, what that stage queued:
-        then nothing on the device reads the batch's buffers any more."""
+        """Wait until the device has run the stage that made `record` (so every stage before
+        it) and what a `failed` stage queued: then nothing reads the batch's buffers."""
         if record is not None and record.event is not None:
             record.event.synchronize()
         if failed is not None and (event := self._event(failed)) is not None:

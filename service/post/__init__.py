@@ -1,18 +1,13 @@
 """Pipeline stage 4 (post): SID -> ads expansion, exact targeting filter, rank, cut.
 
-Stage 3 (`service/decode`) hands over each request's generated leaves and beam scores
-(`DecodeResult.valid`); `PostStage.run` expands every leaf to its ads through the
-SID -> ad index, keeps only the exactly eligible ones (bitmask rules and actual location
-ids, docs/ARCHITECTURE.md §3 — never Bloom bits), ranks them by beam score, cuts each request to its
-`max_ads` and returns `PostResult`s for the reply.
-
-The work runs in the private C++ extension `_post` (built by `pip install -e .`, see
-setup.py) with the GIL released and the requests of a batch spread over a few threads.
-Its results are identical to the Python reference post stage
-(`tests/helpers/reference_post.py`, the oracle of tests/service/post/). This module owns
-the types and checks the arrays it hands over.
-`encode_ads` writes a result's ads as the reply's wire bytes (the server parses them in
-one C call instead of building a Python message per ad).
+`PostStage.run` expands each request's generated leaves (`DecodeResult.valid`) to their ads
+through the SID -> ad index, keeps the exactly eligible ones (bitmask rules and actual
+location ids, never Bloom bits: docs/ARCHITECTURE.md §3), ranks them by beam score and
+cuts each request to its `max_ads`. The work runs in the private C++ extension `_post`
+(built by `pip install -e .`) with the GIL released, a batch's requests spread over a few
+threads, with results identical to `tests/helpers/reference_post.py`. This module owns the
+types and checks the arrays it hands over; `encode_ads` writes a result's ads as the
+reply's wire bytes (parsed in one C call instead of a Python message per ad).
 """
 
 from __future__ import annotations
@@ -119,7 +114,7 @@ class PostRequest:
         )
 
 
-# AdArrays field -> dtype the C++ side reads in place
+# AdArrays field -> dtype the C++ side reads in place, in `AdIndex`'s argument order
 _AD_DTYPES: dict[str, type[np.generic]] = {
     "leaf_sids": np.int16,
     "leaf_ad_offsets": np.int64,
@@ -151,15 +146,7 @@ class PostStage:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.ads = ads
-        self._index = AdIndex(
-            ads.leaf_sids,
-            ads.leaf_ad_offsets,
-            ads.ad_ids,
-            ads.ad_bitmask,
-            ads.ad_loc_offsets,
-            ads.ad_loc_ids,
-            threads,
-        )
+        self._index = AdIndex(*(getattr(ads, name) for name in _AD_DTYPES), threads)
 
     @property
     def threads(self) -> int:

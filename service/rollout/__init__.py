@@ -1,6 +1,3 @@
-"""Rollout of models and indexes without a restart (docs/ARCHITECTURE.md §3).
-
-follower.py  `Follower`: one versioned root — CURRENT, pending versions, failures and
-             their backoff
-rollout.py   `Rollout`: chooses, loads, prepares and hot-swaps the (model, index) pair
+"""Rollout of models and indexes without a restart (docs/ARCHITECTURE.md §3): `rollout.py`
+chooses, loads, prepares and hot-swaps the pair; `follower.py` follows one versioned root.
 """

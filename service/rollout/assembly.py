@@ -27,8 +27,7 @@ log = logging.getLogger("grace.rollout")
 def build_rollout(
     settings: ServerSettings, stages: Stages, serving: ServingHolder, metrics: Metrics, device: str
 ) -> Rollout:
-    """The server's rollout: its model repository and index root followed, the metrics
-    they move, the host's swap lock and the pace of a swap beside serving."""
+    """The server's rollout, wired from `settings` (module docstring)."""
 
     def served(kind: str) -> Callable[[], str | None]:
         return lambda: getattr(serving.current, kind).version if serving.ready else None

@@ -1,19 +1,9 @@
 """One versioned root (`contracts/versions.py`) as the server follows it: what CURRENT
-names, which versions have appeared, and each failed version's backoff (docs/ARCHITECTURE.md
-§3). The rollout (`service/rollout/rollout.py`) keeps one for the model repository and one
-for the index root, and decides what serves.
-
-* Any exception while a version is loaded, verified or prepared is a failure: reported
-  once through `on_failure(version, exc)`, logged on one line, and that version is
-  retried only after an exponential backoff (`backoff_seconds`, doubling per failure,
-  capped at `max_backoff_seconds`). When CURRENT moves to another version, that one is
-  tried at once.
-* A version CURRENT names before its directory (or its `complete` file) exists is
-  pending, not a failure: logged once, loaded as soon as it appears.
-* A CURRENT that cannot be read, or that names no version, is logged once per fault;
-  whatever serves keeps serving.
-* `single`: the root is itself one version (a plain checkpoint directory): its target is
-  always that version, it has no fallbacks, and it never changes.
+names, which versions have appeared, and each failed version's backoff (docs/SERVICE.md,
+the rollout paragraphs). A failure is reported through `on_failure`, logged on one line
+and retried after an exponential backoff; a version CURRENT names before it is complete is
+pending (logged once); an unreadable CURRENT is logged once per fault while whatever
+serves keeps serving. `single`: the root is itself one version (a checkpoint directory).
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
-"""Model and index rollout without a restart: follow the model repository's and the index
-root's `CURRENT`, load and verify new versions in the background, and swap in the pair
-they name between batches (docs/ARCHITECTURE.md §3, docs/MODEL.md "Model repository").
-
-The app calls `check_once` once at start-up for the first pair, then `start` polls both
-roots every `poll_seconds` on a thread of its own.
-
-* What serves is always a pair that shares a SID space (`Serving`). When CURRENT of
-  either root moves, the newcomer is loaded and verified (a failure: counted, logged,
-  retried with backoff — `service/rollout/follower.py`), then the best pair is chosen:
-  both targets together, else the new model with the served index, else the served model
-  with the new index. The chosen pair's decode plans are prepared off the request path
-  (on GPU the CUDA graphs are captured, on the rollout's own stream) before
-  `ServingHolder.swap` makes it current.
-* A newcomer that fits no partner (another SID space) is refused: the old pair keeps
-  serving, `on_incompatible(kind, version)` counts it once per pair tried and one line
-  says why. It stays loaded, waiting: when the other root's CURRENT moves to a version of
-  its SID space, the two swap in together — the coordinated rollout of a model with a new
-  SID space (publish its index and the model, in either order).
-* Start-up never gives up on a bad pointer: if the CURRENT pair cannot serve (a version
-  rejected, pending, or the two of different SID spaces), the other versions are tried,
-  newest first — models in the outer loop, indexes in the inner, SID spaces compared
-  before anything is loaded — and the first pair that loads serves (one warning line
-  says why). `model_behind` / `index_behind` are True while a served version is not the
-  one its CURRENT names; `why_none` says, per version, why nothing could serve.
+"""Model and index rollout without a restart (the policy: docs/SERVICE.md, the rollout
+paragraphs; docs/ARCHITECTURE.md §3). `Rollout` follows both roots' `CURRENT`, loads and
+verifies newcomers off the request path, and swaps in the first pair that shares a SID
+space (both targets, else the new model with the served index, else the served model with
+the new index) once its decode plans are prepared; a newcomer that fits no partner waits,
+loaded, for one. The app calls `check_once` at start-up, where a `CURRENT` pair that
+cannot serve falls back to the newest pair that does (models outer, indexes inner, SID
+spaces compared before anything loads), then `start` polls on a thread of its own.
 """
 
 from __future__ import annotations
@@ -59,8 +42,7 @@ class Rollout:
         one_at_a_time: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
         """`one_at_a_time`: held while a newcomer loads, prepares and swaps in (not at
-        start-up): the app passes a host-wide lock when workers share the GPU, so they
-        swap one after the other while the others serve at full speed."""
+        start-up; the app's is host-wide, `host_lock.py`)."""
         self.models, self.indexes, self.holder = models, indexes, holder
         self.device, self.poll_seconds = device, poll_seconds
         self._prepare, self._on_swap, self._on_incompatible = prepare, on_swap, on_incompatible
@@ -78,8 +60,6 @@ class Rollout:
             torch.cuda.Stream(torch.device(device)) if device.startswith("cuda") else None
         )
 
-    # -- what serves ------------------------------------------------------------------------
-
     @property
     def model_behind(self) -> bool:
         """True while the served model is not the version its CURRENT names."""
@@ -95,8 +75,7 @@ class Rollout:
             return False
         if not self.holder.ready:
             return True
-        current = self.holder.current
-        return (current.model if kind == "model" else current.index).version != target
+        return getattr(self.holder.current, kind).version != target
 
     def why_none(self) -> str:
         """Why nothing serves after `check_once`: each version tried and why it was refused."""
@@ -105,8 +84,6 @@ class Rollout:
         if self._unfit:
             parts.append(f"SID spaces: {'; '.join(self._unfit)}")
         return " | ".join(parts)
-
-    # -- polling ------------------------------------------------------------------------------
 
     def check_once(self) -> bool:
         """Load what CURRENT names if it is new and due; True when a swap happened."""
@@ -165,8 +142,6 @@ class Rollout:
                     self._loop_fault = repr(exc)
                     log.exception("rollout error")
 
-    # -- loading and swapping ---------------------------------------------------------------
-
     def _get(self, kind: str, version: str) -> ModelRuntime | LoadedIndex | None:
         staged = self._staged.get(kind)
         if staged is not None and staged.version == version:
@@ -220,8 +195,7 @@ class Rollout:
         return True
 
     def _first_load(self, model_target: str, index_target: str) -> bool:
-        """The CURRENT pair, else the newest pair that loads (models outer, indexes inner;
-        SID spaces compared before anything loads)."""
+        """The CURRENT pair, else the newest pair that loads (module docstring)."""
         index_versions = [index_target, *self.indexes.fallbacks(index_target)]
         index_spaces = {i: self.indexes.space(i) for i in index_versions}
         loaded: dict[str, LoadedIndex | None] = {}

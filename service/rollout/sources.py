@@ -1,13 +1,6 @@
-"""The two roots the server follows, as followers (`service/rollout/follower.py`): how a
-model version and an index version are loaded and verified for this process's device.
-
-* model: `model_dir` is a model repository (`<root>/<version>/` + CURRENT, `grace
-  publish-model`) or one checkpoint directory (served as a fixed version, no hot swap).
-  A version loads with every checksum verified (`load_checkpoint`), in the serving
-  precision (`service/model/precision.py`), as a `ModelRuntime` of the pipeline's stages.
-* index: `index_root` (`<root>/<version>/` + CURRENT, `grace build-index` and the
-  builder sidecar): every array validated (`load_index`); the SID space is checked
-  against the model by the rollout, per pair.
+"""How a version of each root the server follows (`follower.py`) loads for this process's
+device: a model with every checksum verified, in the serving precision, as a
+`ModelRuntime` of the pipeline's stages; an index with every array validated.
 """
 
 from __future__ import annotations
