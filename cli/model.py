@@ -35,6 +35,7 @@ def _train(args: argparse.Namespace) -> int:
     interruption."""
     offline_kernels(args.autotune)
     from index_builder.catalog import CatalogError
+    from training.steps import Diverged
     from training.train import TrainingData, TrainSettings, train
     from training.user_data import DataError
 
@@ -61,7 +62,7 @@ def _train(args: argparse.Namespace) -> int:
             progress=show_progress(args),
             sid_space=args.sid_space,
         )
-    except (DataError, CatalogError) as e:
+    except (DataError, CatalogError, Diverged) as e:
         print(f"grace train: {e}", file=sys.stderr)
         return 2
     print(json.dumps(metrics, indent=1))
@@ -191,20 +192,67 @@ def _publish_model(args: argparse.Namespace) -> int:
     """publish a checkpoint into a model repository (servers hot-swap it in)
 
     Verify a checkpoint (every checksum, the tokenizer, each tensor against the config),
-    copy it into ROOT/<version>/, verify the copy and move ROOT/CURRENT to it atomically;
-    servers whose --model is ROOT load it in the background and swap it in between batches
-    if its SID space fits their index (docs/MODEL.md, 'Model repository'). A checkpoint that
-    does not verify is refused and nothing changes."""
-    from service.model.checkpoint import CheckpointError
+    pass the model gate (finite weights; with --index, a canary: requests of --world or
+    --requests retrieved on that index must bring ads; without it only finiteness), copy it
+    into ROOT/<version>/ with the gate's figures (gate.json), verify the copy and move
+    ROOT/CURRENT to it atomically; servers whose --model is ROOT swap it in between batches
+    if its SID space fits their index (docs/MODEL.md, 'Model repository', 'The model
+    gate'). A checkpoint refused is named on one line and nothing changes."""
     from service.model.repository import publish_model
 
+    if (args.index is None) != (args.world is None and args.requests is None):
+        print("grace publish-model: the canary needs --index and --world or --requests",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    source, canary = Path(args.checkpoint), lambda: _canary(args, Path(args.checkpoint))
     try:
-        version = publish_model(Path(args.checkpoint), Path(args.root), keep=args.keep)
-    except (CheckpointError, FileNotFoundError) as e:
-        print(f"grace publish-model: {e}; nothing published", file=sys.stderr)
+        version = publish_model(source, Path(args.root), keep=args.keep,
+                                canary=canary if args.index else None)  # fmt: skip
+    except (ValueError, FileNotFoundError) as e:  # CheckpointError, ModelRefused, an index's
+        print(f"grace publish-model: {' '.join(str(e).split())}; nothing published",
+              file=sys.stderr)  # fmt: skip
         return 2
     print(f"published model {args.checkpoint} as version {version} of {args.root}")
     return 0
+
+
+def _canary(args: argparse.Namespace, checkpoint: Path) -> dict[str, object]:
+    """The gate's canary (service/model/gate.py) of `checkpoint` on --index, as the server
+    would retrieve: its figures, or ModelRefused when no request gets an ad."""
+    import itertools
+
+    from contracts.versions import resolve
+    from index_builder.synth import load_world
+    from service.index.loaded import load_index
+    from service.model.checkpoint import load_checkpoint
+    from service.model.features import UserFeatures
+    from service.model.gate import ModelRefused, canary
+    from service.pipeline.stages import Stages
+    from service.request_log import read_requests
+    from service.validation import Limits, validate_request
+
+    loaded = load_checkpoint(checkpoint, args.device)
+    index = load_index(resolve(Path(args.index)), tokenizer_fingerprint=loaded.sid_space,
+                       device=args.device)  # fmt: skip
+    if args.world:
+        world = load_world(Path(args.world))
+        users = [UserFeatures(int(world.user_ids[u]), world.targeting[u], *world.history(u))
+                 for u in range(min(args.canary, world.n_users))]  # fmt: skip
+    else:  # as the server reads them (beams and modes aside: the canary uses the model's)
+        limits = Limits(100, 1 << 30, loaded.config.beams, (1 << 30,) * len(loaded.config.beams))
+        valid = [validate_request(r, limits)
+                 for r in itertools.islice(read_requests(args.requests), args.canary)]  # fmt: skip
+        users = [UserFeatures(r.user_id, r.targeting, r.history_ad_ids, r.history_types,
+                              r.history_ts_ms) for r in valid]  # fmt: skip
+    runtime = Stages(args.device).runtime(loaded.model, version=loaded.model_version,
+                                          sid_space=loaded.sid_space)  # fmt: skip
+    figures = canary(runtime, index, users, loaded.config.beams)
+    if figures.ads_per_request == 0:
+        raise ModelRefused(f"checkpoint {checkpoint}: no ads for any of {figures.requests} "
+                           f"canary requests on index {index.version}")  # fmt: skip
+    print(f"canary: {figures.requests} requests on index {index.version}, "
+          f"{figures.ads_per_request:g} ads per request")  # fmt: skip
+    return vars(figures)
 
 
 def _flops(args: argparse.Namespace) -> int:
@@ -301,6 +349,13 @@ def register(add: AddCommand) -> None:
     p.add_argument("--root", required=True, help="model repository root (made if missing)")
     p.add_argument("--keep", type=int, default=3,
                    help="valid versions to keep, besides CURRENT's (3)")  # fmt: skip
+    p.add_argument("--index", metavar="ROOT", help="the gate's canary: refuse a model that "
+                   "brings no ads to the requests of --world or --requests on this index (root "
+                   "or version); without it only the weights' finiteness is checked")  # fmt: skip
+    p.add_argument("--world", help="canary requests: the first users of this world")
+    p.add_argument("--requests", metavar="FILE", help="canary requests: a replay (grace record)")
+    p.add_argument("--canary", type=positive_int, default=64, metavar="N", help="how many (64)")
+    p.add_argument("--device", default="cpu", help="where the canary runs (cpu)")
 
     p = add("flops", _flops)
     p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="paper")

@@ -25,6 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
     an index for any catalog with the default (or --model) model. Settings also come from
     GRACE_* variables and --config; flags win."""
     from cli.bootstrap import ensure_default, has_model, sid_source
+    from service.grpc_server import raise_fd_limit
     from service.logs import configure_logging
     from service.settings import load_settings
 
@@ -40,6 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
     from service.workers import slots
 
     placed = slots(settings)  # GPUs the settings name but this host lacks: fail now
+    raise_fd_limit(settings)  # before any worker starts: they inherit it
     progress = show_progress(args)
     if args.catalog:
         from index_builder.build import build_index

@@ -11,16 +11,19 @@ index builder, `grace publish-model`) and the server that follows it (docs/ARCHI
 `publish_version` writes a new version into a temp dir, runs the caller's `check` on it
 (a failure removes it and changes nothing), marks it valid, renames it into place, moves
 `CURRENT` and prunes, keeping the newest `keep` versions known valid; a crash at any point
-leaves `CURRENT` naming the previous complete version (every step: docs/FORMAT.md §3,
+leaves `CURRENT` naming the previous complete version, and a failure (a full disk
+included: `DiskFullError`) leaves no new version behind (every step: docs/FORMAT.md §3,
 "Publishing"). Version names sort by publication time (`new_version_name`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -33,10 +36,35 @@ from contracts.index_format import fsync_path
 CURRENT = "CURRENT"
 VALID_MARKER = "validated.json"
 TMP_PREFIX = ".tmp-"
+FREE_SPACE_FLOOR = 1 << 20  # bytes free below which a write error without errno is ENOSPC
+log = logging.getLogger("grace.versions")
 
 
 class PublishError(RuntimeError):
     """The root cannot be written (another writer holds it, or the filesystem refused)."""
+
+
+class DiskFullError(OSError):
+    """A write refused for want of space, as one line naming the path (`disk_full`)."""
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
+
+def disk_full(exc: BaseException, path: Path, then: str = "") -> DiskFullError | None:
+    """`exc` as a DiskFullError naming `path` (`then` ends it) if a full disk caused it: errno
+    ENOSPC, or none and ENOSPC in Rust's words (safetensors) or under FREE_SPACE_FLOOR free
+    (numpy's `N requested and M written`). Call it before the failed write's files go."""
+    code, detail = getattr(exc, "errno", None), ""
+    if code is None and isinstance(exc, Exception) and not isinstance(exc, RuntimeError):
+        rust_enospc = f"(os error {errno.ENOSPC})" in str(exc)  # a Rust io::Error's text
+        with contextlib.suppress(OSError):  # errno dropped by the library: ask the filesystem
+            st = os.statvfs(path if os.path.exists(path) else os.path.dirname(path))
+            if rust_enospc or st.f_bavail * st.f_frsize < FREE_SPACE_FLOOR:
+                code, detail = errno.ENOSPC, f": {exc}"
+    if code != errno.ENOSPC:
+        return None  # not a full disk (RuntimeError: a cancelled build, a held lock)
+    return DiskFullError(errno.ENOSPC, f"no space left on device (ENOSPC{detail}){then}", str(path))
 
 
 def new_version_name(now: datetime | None = None) -> str:
@@ -101,11 +129,15 @@ def writer_lock(root: Path, what: str = "publisher") -> Iterator[None]:
 def _replace(path: Path, text: str) -> None:
     """Write `path` atomically: the rename of a fsynced temp file, its directory fsynced."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: no half-written temp file left
+        raise
     fsync_path(path.parent)
 
 
@@ -154,14 +186,19 @@ def publish_version(
     root = Path(root)
     with writer_lock(root, what):
         for stale in root.glob(TMP_PREFIX + "*"):  # a previous writer died mid-write
+            log.warning("%s: removing %s, left by a writer stopped mid-write", root, stale.name)
             shutil.rmtree(stale, ignore_errors=True)
+        current = current_version(root)
+        if ahead := [v for v in list_versions(root, complete) if current is None or v > current]:
+            log.warning("%s: %s newer than CURRENT's %s: a writer stopped between rename and "
+                        "CURRENT, or CURRENT was set back", root, ahead, current)  # fmt: skip
         version = new_version_name()
         while (root / version).exists():
             time.sleep(1e-6)
             version = new_version_name()
         tmp = root / f"{TMP_PREFIX}{version}"
-        tmp.mkdir()
         try:
+            tmp.mkdir()
             write(tmp, version)
             if not (tmp / complete).is_file():
                 raise PublishError(f"the {what} finished without writing {complete}")
@@ -169,12 +206,19 @@ def publish_version(
                 check(tmp, version)
                 mark_valid(tmp, complete)
             fsync_path(tmp)
-            os.rename(tmp, root / version)
+            os.rename(tmp, root / version)  # the one way a version directory appears
             fsync_path(root)
-        except BaseException:
+            set_current(root, version)
+        except BaseException as exc:
+            named = current_version(root) == version  # CURRENT moved; only an fsync failed
+            full = disk_full(exc, root, "" if named else f"; {version} not published, "
+                             f"CURRENT still names {current or 'nothing'}")  # fmt: skip
+            if not named:  # renamed but never named (CURRENT's write failed): not a version
+                shutil.rmtree(root / version, ignore_errors=True)
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        set_current(root, version)
+            if full is None:
+                raise
+            raise full from exc
         prune(root, keep=keep, complete=complete, is_valid=is_valid)
     return version
 

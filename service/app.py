@@ -38,8 +38,10 @@ from service.grpc_server import (
     HealthServicer,
     add_health_and_reflection,
     add_retrieval,
+    max_connections,
     server_options,
     set_health,
+    tcp_connections,
 )
 from service.logs import AccessLog
 from service.metrics import Metrics
@@ -196,6 +198,7 @@ async def start(
     # only a supervisor's own workers share a port: a second server on it is refused
     options.append(("grpc.so_reuseport", int(bind_when_ready and address is None)))
     server = grpc.aio.server(options=options)
+    metrics.connections_max.set(max_connections(settings))
     add_retrieval(server, servicer.Retrieve)
     add_health_and_reflection(server, health_servicer)
     address = address or f"{settings.host}:{settings.port}"
@@ -220,6 +223,7 @@ async def start(
         port = app.port = _bind(server, address)
         await server.start()
     metrics.serving.set(1)  # SERVING and listening
+    metrics.connections.set_function(lambda: tcp_connections(port))
     if settings.stall_seconds > 0:  # from now on a stalled pipeline is a wedged process
         app.watchdog = Watchdog(pipeline.stalled_for, settings.stall_seconds, on_stall=wedged)
         app.watchdog.start()

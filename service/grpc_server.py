@@ -6,14 +6,18 @@ Health and reflection are asyncio servicers: an open Watch stream holds no threa
 synchronous servicer parks an executor thread per Watch, and a few wedge every later Check
 and the shutdown). Checks are paced by a token bucket and Watches capped, so probes in
 tight loops cannot take the event loop from Retrieve; streams per connection are capped
-against HTTP/2 rapid reset (docs/RELIABILITY.md "Health, shutdown and the event loop",
-"Hostile clients").
+against HTTP/2 rapid reset, and connections below the open-files limit, which `grace
+serve` raises to its hard limit (docs/RELIABILITY.md "Health, shutdown and the event
+loop", "Hostile clients", "Open files and connections").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
+import resource
 import time
 from collections.abc import Awaitable, Callable
 
@@ -44,6 +48,10 @@ HEALTH_CHECK_BURST = 50
 # once: a caller in a loop would just ask again
 HEALTH_CHECK_MAX_WAIT_SECONDS = 1.0
 MAX_HEALTH_WATCHES = 1024
+# open files no client connection may take: the rollout's files, metrics scrapes, the
+# runtime's own (docs/RELIABILITY.md "Open files and connections")
+FD_RESERVE = 512
+log = logging.getLogger("grace.serve")
 
 RawHandler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
 
@@ -156,12 +164,52 @@ def add_retrieval(server: grpc.aio.Server, retrieve: RawHandler) -> None:
     )
 
 
+def raise_fd_limit(settings: ServerSettings) -> None:
+    """Raise this process's soft open-files limit to its hard one (containers commonly
+    start at 1,024; workers inherit it) and log both and the connection cap, on one line."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):  # an unlimited hard limit: above nr_open
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    log.info("open files: soft limit %d, now %d (hard %d); client connections capped at %s",
+             soft, now, hard, max_connections(settings) or "none")  # fmt: skip
+
+
+def max_connections(settings: ServerSettings) -> int:
+    """The setting, else the soft open-files limit less FD_RESERVE (at least half of it);
+    0: no cap."""
+    if settings.max_connections is not None:
+        return settings.max_connections
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 0 if soft == resource.RLIM_INFINITY else max(soft - FD_RESERVE, soft // 2)
+
+
+def tcp_connections(port: int) -> int:
+    """Established TCP connections to `port` that this process holds: the rows of
+    /proc/net/tcp{,6} whose socket is one of its descriptors (0 without /proc)."""
+    mine, held = set[str](), 0
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # closed meanwhile
+                mine.add(os.readlink(f"/proc/self/fd/{fd}"))
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            for row in rows.readlines()[1:]:  # sl local rem st ... inode
+                f = row.split()
+                local_port = int(f[1].rsplit(":", 1)[1], 16)
+                held += f[3] == "01" and local_port == port and f"socket:[{f[9]}]" in mine
+    return held
+
+
 def server_options(
     settings: ServerSettings, max_request_bytes: int | None = None
 ) -> list[tuple[str, int]]:
     """gRPC core options of a server: connection ageing lets clients rebalance across
-    replicas; the receive limit follows the largest valid request."""
+    replicas; the receive limit follows the largest valid request; connections beyond
+    `max_connections` are closed as they come (a clean UNAVAILABLE, not a timeout)."""
     options = [("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)]
+    if cap := max_connections(settings):
+        options.append(("grpc.max_allowed_incoming_connections", cap))
     if max_request_bytes is not None:
         limit = TRANSPORT_LIMIT_FACTOR * max_request_bytes
         options.append(("grpc.max_receive_message_length", limit))

@@ -1,5 +1,6 @@
 """Log lines of every `grace` process: text or JSON (setting `log_format`), the request
-id on each line about a call, and the access log (docs/SERVICE.md "Logs" has the keys).
+id on each line about a call, grpcio's own lines throttled (a client can trigger them),
+and the access log (docs/SERVICE.md "Logs" has the keys).
 
     cli/__init__.py main, cli/serving.py serve, service/workers.py worker
         ─► configure_logging(level, fmt, worker) ─► the root logger's one handler
@@ -16,6 +17,7 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
@@ -31,6 +33,7 @@ ACCESS_LOGGER = "grace.access"
 # what every LogRecord has: the rest of its attributes came as `extra`
 _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 _OURS = frozenset({"worker", "request_id", "where"})
+GRPC_LOG_EVERY_SECONDS = 10.0  # grpcio's own lines: one per message this often
 
 
 class _Context(logging.Filter):
@@ -44,6 +47,38 @@ class _Context(logging.Filter):
         record.worker = self.worker
         if getattr(record, "request_id", None) is None:
             record.request_id = current_request_id.get()
+        return True
+
+
+class _GrpcThrottle(logging.Filter):
+    """grpcio's records (loggers `grpc.*`): one short line per message every `every` s,
+    the rest counted. A text metadata value that is not UTF-8 makes grpcio log three
+    tracebacks a call, the value repeated (docs/RELIABILITY.md "Hostile clients")."""
+
+    def __init__(
+        self, every: float = GRPC_LOG_EVERY_SECONDS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self.every, self.clock = every, clock
+        self._last: dict[tuple[str, str], float] = {}
+        self._held: dict[tuple[str, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != "grpc" and not record.name.startswith("grpc."):
+            return True
+        key = (record.name, str(record.msg)[:60])
+        if key not in self._last and len(self._last) >= 64:
+            key = (record.name, "")  # messages formatted by the caller: one budget
+        now = self.clock()
+        if now - self._last.get(key, -self.every) < self.every:
+            self._held[key] = self._held.get(key, 0) + 1
+            return False
+        self._last[key], held = now, self._held.pop(key, 0)
+        text, exc = record.getMessage()[:200], record.exc_info and record.exc_info[1]
+        if exc:  # its type and message instead of the traceback
+            text += f" ({type(exc).__name__}: {str(exc)[:200]})"
+        more = f" (and {held} more in the last {self.every:.0f} s)" if held else ""
+        record.msg, record.args, record.exc_info, record.exc_text = text + more, None, None, None
         return True
 
 
@@ -116,6 +151,7 @@ def configure_logging(level: int, fmt: str = "text", worker: int | None = None) 
     handler = _Handler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(_Context(worker))
+    handler.addFilter(_GrpcThrottle())
     for old in root.handlers[:]:
         root.removeHandler(old)
     root.addHandler(handler)

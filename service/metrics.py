@@ -192,8 +192,19 @@ class Metrics:
         self.eligible = counter(
             "grace_ads_eligible_total", "Expanded ads passing the exact filter."
         )
+        self.empty_answers = counter(
+            "grace_empty_answers_total",
+            "Retrieve calls answered OK with no ads (a model that answers nothing shows "
+            "here: GraceEmptyAnswers watches their share of the OK answers).",
+        )
         self.gpu_memory = gauge(  # on every device, so a CPU server reads 0, not "No data"
             "grace_gpu_memory_bytes", "GPU memory allocated by the server; 0 on a CPU (no GPU)."
+        )
+        self.connections = gauge(  # beside process_open_fds / process_max_fds
+            "grace_grpc_connections", "Client connections this process holds on its gRPC port."
+        )
+        self.connections_max = gauge(
+            "grace_grpc_connections_max", "The cap on them (max_connections); 0: none."
         )
         self.mps_client = gauge(
             "grace_mps_client",

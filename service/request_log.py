@@ -5,14 +5,16 @@ replay in `loadtest/`): UTF-8 text, one `RetrieveRequest` per line in protobuf's
 mapping (`json_format.MessageToJson`, camelCase names, int64 as strings), no blank lines.
 
 `RequestLog` (setting `request_log`): the event loop only appends to a bounded deque; a
-writer thread serialises, writes and flushes every `interval`, and requests it cannot keep
-up with are dropped and counted, never slowed. Files rotate like logrotate's numbered ones
+writer thread serialises and writes (unbuffered) every `interval`; requests it cannot keep
+up with are dropped and counted, never slowed; so are lines a write fails for (a full disk:
+one error line per 10 s). Files rotate like logrotate's numbered ones
 (`path` -> `path.1` -> ... -> `path.<backups>`), each holding whole lines only.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
+from contracts.versions import disk_full
 from service.rpc.grace.v1 import retrieval_pb2
 
 log = logging.getLogger("grace.request_log")
@@ -73,7 +76,7 @@ class RequestLog:
             raise ValueError(f"max_bytes must be >= 0 and backups >= 1, got {max_bytes}, {backups}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by the thread)
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed by the thread)
         self.capacity, self.interval = capacity, interval
         self.max_bytes, self.backups = max_bytes, backups
         self.rotations = 0  # files rotated (writer thread only)
@@ -117,32 +120,43 @@ class RequestLog:
             if older.exists():
                 older.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
         self.path.replace(self.path.with_name(f"{self.path.name}.1"))
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by the thread)
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed by the thread)
         self.rotations += 1
+
+    def _append(self, line: bytes) -> None:
+        """Append a whole line or none: unbuffered, so a failed line is the one counted."""
+        done = 0
+        try:
+            while done < len(line):
+                done += self._file.write(line[done:])
+        except OSError:
+            if done:  # the disk is full, so nobody appended since: the last bytes are ours
+                os.ftruncate(self._file.fileno(), os.fstat(self._file.fileno()).st_size - done)
+            raise
 
     def _run(self) -> None:
         reported, last_report = 0, time.monotonic()
+        said = float("-inf")  # when a failed write was last logged (the count says the rest)
         try:
             while True:
                 closing = self._closing.wait(self.interval)  # wake a few times a second
                 while self._pending:
                     request = self._pending.popleft()
                     try:
-                        self._file.write(to_json_line(request) + "\n")
+                        self._append((to_json_line(request) + "\n").encode())
                         self.written += 1
                         if self.max_bytes and self._file.tell() >= self.max_bytes:
                             self._rotate()
                     except (OSError, ValueError) as exc:
                         self.write_errors += 1
-                        log.error("request log %s: write failed: %s", self.path, exc)
-                try:
-                    self._file.flush()  # lines reach the file within `interval` of their request
-                except OSError as exc:
-                    log.error("request log %s: flush failed: %s", self.path, exc)
+                        if time.monotonic() - said > _DROP_REPORT_SECONDS:  # not per request
+                            said, why = time.monotonic(), disk_full(exc, self.path)
+                            log.error("request log %s; requests dropped (counted)",
+                                      why or f"{self.path}: {exc}")  # fmt: skip
                 now = time.monotonic()
                 if self.dropped != reported and now - last_report > _DROP_REPORT_SECONDS:
-                    log.warning("request log %s: %d requests dropped so far (writer behind)",
-                                self.path, self.dropped)  # fmt: skip
+                    log.warning("request log %s: %d requests dropped so far (writer behind or "
+                                "writes failing)", self.path, self.dropped)  # fmt: skip
                     reported, last_report = self.dropped, now
                 if closing:
                     return

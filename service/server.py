@@ -250,7 +250,10 @@ class RetrievalServicer:
             request_id=request_id,
         )
         # concatenated messages merge: the ads (field 1) and the rest are one reply
-        return ads + rest.SerializeToString()
+        reply = ads + rest.SerializeToString()
+        if len(p.ad_ids) == 0:  # OK without ads: GraceEmptyAnswers watches their share
+            self.metrics.empty_answers.inc()
+        return reply
 
 
 def _annotate(span: Span, call: _Call, code: grpc.StatusCode) -> None:

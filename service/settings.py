@@ -213,6 +213,12 @@ class ServerSettings(BaseSettings):
     max_connection_age_grace_seconds: NonNegative = Field(
         30.0, description="Time calls on an aged connection get to finish, in seconds."
     )
+    max_connections: Annotated[int, _non_negative] | None = Field(
+        None,
+        description="Most client connections one process holds; gRPC closes new ones beyond "
+        "it at once (UNAVAILABLE). Default: the open-files limit, raised to the hard limit at "
+        "start, less 512 kept for the rollout's files and the runtime. 0: no cap.",
+    )
     drain_seconds: NonNegative = Field(
         10.0, description="Grace period for in-flight requests on SIGTERM, in seconds."
     )

@@ -33,6 +33,10 @@ X = TypeVar("X")
 Y = TypeVar("Y")
 
 
+class Diverged(ValueError):
+    """The loss turned NaN or inf: `grace train` stops on one line and saves nothing."""
+
+
 def check_precision(precision: str) -> None:
     """Raise on a precision not in PRECISIONS."""
     if precision not in PRECISIONS:

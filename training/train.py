@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
@@ -41,6 +42,7 @@ from service.model.retriever import GenerativeRetriever
 from training.data import Batch, Examples, Histories
 from training.evaluate import recall_at_k
 from training.steps import (
+    Diverged,
     Precision,
     ProgressLog,
     autocast,
@@ -269,6 +271,13 @@ def train(
                 if len(pending) == 50 or read_back:
                     losses.extend(torch.stack(pending).float().tolist())
                     pending.clear()
+                    if not all(map(math.isfinite, losses[-50:])):  # a diverged run: no save
+                        state_file.unlink(missing_ok=True)  # its weights may be the NaN ones
+                        raise Diverged(
+                            f"the loss turned non-finite by step {step} "
+                            f"({losses[-1]}, lr {settings.lr:g}): the run diverged, "
+                            f"nothing saved; lower --lr (tokenizer kept in {work})"
+                        )
                     bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}", epoch=epoch)
                 if epoch_end and len(examples.validation_users):
                     setup = (settings.batch_size, settings.device, settings.precision)

@@ -31,6 +31,7 @@ from contracts import sid_space as sid_spaces
 from contracts import tokenizer_format
 from contracts.index_format import file_sha256, fsync_path
 from contracts.tensors import to_device
+from contracts.versions import disk_full
 from service.model.config import ModelConfig
 
 FORMAT_NAME = "grace.model_checkpoint"
@@ -86,8 +87,8 @@ def save_checkpoint(
     config: ModelConfig = model.config  # type: ignore[assignment]
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         # clone: safetensors refuses aliased (tied) or non-contiguous tensors
         state = {
             k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()
@@ -114,9 +115,12 @@ def save_checkpoint(
                 fsync_path(p)
         fsync_path(tmp)
         _replace_dir(tmp, path)
-    except BaseException:
+    except BaseException as exc:
+        full = disk_full(exc, path, "; nothing written")  # safetensors' error has no errno
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if full is None:
+            raise
+        raise full from exc
     return version
 
 

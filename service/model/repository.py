@@ -5,12 +5,18 @@ pointer, by the versioned-root protocol indexes use (`contracts/versions.py`; do
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file
 
 from contracts import versions
 from contracts.index_format import fsync_path
+from service.model import gate
 from service.model.checkpoint import (
     CONFIG_FILE,
     TOKENIZER_DIR,
@@ -21,6 +27,7 @@ from service.model.checkpoint import (
 
 log = logging.getLogger("grace.model")
 COMPLETE = CONFIG_FILE  # written last into a version: its presence means complete
+GATE_FILE = "gate.json"  # what the model gate measured at publish (docs/MODEL.md)
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -68,15 +75,21 @@ def version_is_valid(root: Path, version: str) -> bool | None:
     return True
 
 
-def publish_model(checkpoint: Path, root: Path, *, keep: int = 3) -> str:
+def publish_model(
+    checkpoint: Path, root: Path, *, keep: int = 3, canary: Callable[[], Any] | None = None
+) -> str:
     """Publish the checkpoint at `checkpoint` as a new version of the repository `root`
     and point CURRENT at it; keep the newest `keep` valid versions. Raises CheckpointError
-    or FileNotFoundError (nothing published) for a checkpoint that does not verify."""
+    or FileNotFoundError (nothing published) for a checkpoint that does not verify or that
+    the model gate refuses (`gate.py`: the weights, then `canary`, which returns figures)."""
     source = Path(checkpoint)
     verify_checkpoint(source)  # refuse before copying gigabytes
+    gate.check_finite(load_file(source / WEIGHTS_FILE), f"checkpoint {source}")
+    checked = {"finite": True, "canary": canary() if canary is not None else None}
 
     def write(directory: Path, version: str) -> None:
         shutil.copyfile(source / WEIGHTS_FILE, directory / WEIGHTS_FILE)
+        (directory / GATE_FILE).write_text(json.dumps(checked, indent=1) + "\n")
         if (source / TOKENIZER_DIR).is_dir():
             shutil.copytree(source / TOKENIZER_DIR, directory / TOKENIZER_DIR)
         for p in directory.rglob("*"):

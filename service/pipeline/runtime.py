@@ -21,6 +21,7 @@ from contracts.request import Scoring
 from service.decode.engine import DecodeEngine
 from service.decode.plans import IndexPlans
 from service.index.loaded import LoadedIndex
+from service.model import gate
 from service.model.config import ModelConfig
 from service.model.embeddings import FeatureEmbedder
 from service.model.encoder import ContextEncoder
@@ -61,6 +62,7 @@ class ModelRuntime:
         )  # an index version's plans go with the version
         self._plans_lock = threading.Lock()
         self._graphs_warm = False
+        self._gated = False  # passed the model gate (`prepare`)
         # GPU: the embedder and the encoder as CUDA graphs over padded buckets (a replay
         # instead of ~20 and ~150 launches from their threads); CPU: eager, as they are
         self.embedder: StaticFeatures | FeatureEmbedder = model.embedder
@@ -86,17 +88,23 @@ class ModelRuntime:
     ) -> None:
         """Before a pair serves: make the index's decode plans; on GPU capture the graphs
         of the default schedule and, once per model, the embedder's and the encoder's.
-        `pace` is called after each capture (`service/pace.py`)."""
+        Before the model first serves, the model gate (`gate.py`, ModelRefused): its
+        weights first, a canary through what was made last. `pace` is called after each
+        capture (`service/pace.py`)."""
+        if not self._gated:
+            gate.check_finite(self.model.state_dict(), f"model {self.model_version}")
         plans = self.plans(index)
-        if not self.cuda:
-            return
-        if not self._graphs_warm:
-            self._warm_graphs(pace)
-            self._graphs_warm = True
-        t0 = time.perf_counter()
-        n = self.engine.warm(plans, beams, pace=pace)  # both filter modes
-        log.info("model %s, index %s: %d decode plans captured as CUDA graphs in %.1f s",
-                 self.model_version, index.version, n, time.perf_counter() - t0)  # fmt: skip
+        if self.cuda:
+            if not self._graphs_warm:
+                self._warm_graphs(pace)
+                self._graphs_warm = True
+            t0 = time.perf_counter()
+            n = self.engine.warm(plans, beams, pace=pace)  # both filter modes
+            log.info("model %s, index %s: %d decode plans captured as CUDA graphs in %.1f s",
+                     self.model_version, index.version, n, time.perf_counter() - t0)  # fmt: skip
+        if not self._gated:  # not later: those prepares run beside its graphs serving
+            gate.check_answers(self, index, beams)
+            self._gated = True
 
     def _warm_graphs(self, pace: Callable[[], None] | None = None) -> None:
         """Capture the embedder's and the encoder's graphs; where that fails, serve with

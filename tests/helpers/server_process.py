@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,9 +68,11 @@ class ServerProcess:
         index_root: Path | None = None,
         env: Mapping[str, str] | None = None,
         args: Sequence[str] = (),
+        preexec_fn: Callable[[], object] | None = None,
     ) -> ServerProcess:
         """Serve `data` (world, model, index as `make_serving_data` lays them out);
-        `env`: extra GRACE_* settings; `args`: extra `grace serve` flags."""
+        `env`: extra GRACE_* settings; `args`: extra `grace serve` flags; `preexec_fn`:
+        run in the child before it starts (e.g. its resource limits)."""
         port, metrics_port = free_port(), free_port()
         cmd = [sys.executable, "-m", "cli", "serve", "--data-dir", str(data),
                "--port", str(port), "--metrics-port", str(metrics_port), "--device", device,
@@ -80,7 +82,7 @@ class ServerProcess:
         with open(log, "wb") as fh:
             proc = subprocess.Popen(
                 cmd, cwd=REPO, env=os.environ | dict(env or {}), stdout=fh,
-                stderr=subprocess.STDOUT,
+                stderr=subprocess.STDOUT, preexec_fn=preexec_fn,
             )  # fmt: skip
         return cls(proc, port, metrics_port, log)
 

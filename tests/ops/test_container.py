@@ -438,6 +438,18 @@ def test_server_healthcheck_probes_grace_health(monkeypatch) -> None:
     assert all(p.startswith("127.0.0.1:") for p in server["ports"])  # a local stack
 
 
+def test_server_sets_an_open_files_limit_with_room_for_connections() -> None:
+    """Compose sets the limit (Docker >= 25 would start the server at 1,024, where ~1,000
+    idle connections made every new one time out); the server takes connections up to
+    FD_RESERVE below it (docs/RELIABILITY.md "Open files and connections")."""
+    from service.grpc_server import FD_RESERVE
+
+    nofile = compose()["services"]["server"]["ulimits"]["nofile"]
+    assert nofile["soft"] == nofile["hard"]
+    assert nofile["hard"] - FD_RESERVE >= 8192
+    assert nofile["hard"] <= 20000  # at or below the hard limit of the podman host
+
+
 def test_builder_publishes_into_the_index_root_the_server_watches(monkeypatch) -> None:
     services = compose()["services"]
     server, builder = services["server"], services["builder"]

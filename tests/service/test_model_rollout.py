@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import re
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -311,3 +316,160 @@ def test_a_worker_swaps_models_under_the_host_lock(
     lock = swap_lock_path(repo, data / "index")
     assert loads_under_lock == [False, True]  # start-up loads alone; the newcomer under the lock
     assert not held and lock.exists()
+
+
+def diverged(data: Path, out: Path, seed: int = 11) -> str:
+    """What a diverged training run saves: every weight NaN, with a matching sha256."""
+    torch.manual_seed(seed)
+    model = GenerativeRetriever(PROFILES["tiny"])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    return save_checkpoint(model, SIDTokenizer.load(data / "model" / "tokenizer"), out)
+
+
+def overflowing(data: Path, out: Path, seed: int = 12) -> str:
+    """Finite weights that answer nothing: head weights so large that every logit
+    overflows to inf (and its log-softmax to NaN)."""
+    torch.manual_seed(seed)
+    model = GenerativeRetriever(PROFILES["tiny"])
+    with torch.no_grad():
+        model.decoder.head.weight.fill_(3e38)
+    return save_checkpoint(model, SIDTokenizer.load(data / "model" / "tokenizer"), out)
+
+
+def by_hand(checkpoint_dir: Path, repo: Path, version: str) -> None:
+    """Put a checkpoint into a repository without `grace publish-model` and point CURRENT
+    at it (a copy, a sync or a script that bypasses the gate)."""
+    shutil.copytree(checkpoint_dir, repo / version)
+    (repo / "CURRENT.tmp").write_text(version + "\n")
+    (repo / "CURRENT.tmp").replace(repo / "CURRENT")
+
+
+def test_publish_model_refuses_a_diverged_checkpoint(data: Path, tmp_path: Path) -> None:
+    """A real `grace publish-model` process: a NaN checkpoint (a matching sha256) is
+    refused on one line, exit non-zero, nothing published — with or without a canary."""
+    repo, nan = tmp_path / "models", tmp_path / "nan"
+    diverged(data, nan)
+    canary = ["--index", str(data / "index"), "--world", str(data / "world")]
+    for extra in ([], canary):
+        run = subprocess.run(
+            [sys.executable, "-m", "cli", "publish-model", str(nan), "--root", str(repo), *extra],
+            cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        said = [line for line in run.stderr.splitlines() if "grace publish-model:" in line]
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+        assert len(said) == 1 and "not finite" in said[0] and "nothing published" in said[0]
+        assert list_versions(repo) == [] and current_version(repo) is None
+
+
+def test_publish_model_runs_a_canary_on_the_index_and_records_it(
+    data: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """With --index and requests (--world or --requests), a checkpoint whose weights are
+    finite but which brings no ads is refused; one that does is published with the
+    canary's figures in its version."""
+    repo, silent = tmp_path / "models", tmp_path / "silent"
+    overflowing(data, silent)
+    canary = ["--index", str(data / "index"), "--world", str(data / "world")]
+    assert main(["publish-model", str(silent), "--root", str(repo), *canary]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no ads" in err[0] and "nothing published" in err[0], err
+    assert list_versions(repo) == []
+    replay = tmp_path / "replay.jsonl"
+    assert main(["record", "--world", str(data / "world"), "--users", "40", "--out",
+                 str(replay)]) == 0  # fmt: skip
+    for requests in (canary, ["--index", str(data / "index"), "--requests", str(replay)]):
+        assert main(["publish-model", str(data / "model"), "--root", str(repo), *requests]) == 0
+        out = capsys.readouterr().out
+        assert "canary" in out and "ads per request" in out, out
+        gate = json.loads((repo / current_version(repo) / "gate.json").read_text())
+        assert gate["finite"] is True
+        assert gate["canary"]["requests"] >= 32 and gate["canary"]["ads_per_request"] > 0
+        assert gate["canary"]["index_version"] == current_version(data / "index")
+    assert main(["publish-model", str(silent), "--root", str(repo)]) == 0  # no index: finite only
+    gate = json.loads((repo / current_version(repo) / "gate.json").read_text())
+    assert gate["finite"] is True and gate["canary"] is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])  # fmt: skip
+def test_a_diverged_model_put_in_by_hand_is_refused_and_the_old_one_serves(
+    data: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, device: str
+) -> None:
+    """A NaN model, then a finite one that answers nothing, copied into the repository
+    by hand: the server's warm-up refuses each (counted as invalid, one line each, no
+    traceback) and answers on with ads from the model it had; health stays SERVING. On a
+    GPU the canary runs through the captured graphs, in bf16."""
+    repo = tmp_path / "models"
+    publish_model(data / "model", repo)
+    m1 = json.loads((data / "model" / "config.json").read_text())["model_version"]
+    diverged(data, tmp_path / "nan")
+    overflowing(data, tmp_path / "silent")
+
+    async def run() -> Load:
+        app = await start(serving_settings(data, model_dir=repo, device=device))
+        failures = functools.partial(sample, app, "grace_model_swap_failures_total",
+                                     {"reason": "invalid"})  # fmt: skip
+        try:
+            async with Load(app.port, data) as load:
+                await until(lambda: load.served(m1) >= 20, "answers from the first model")
+                for name, version in (("nan", "20990101T000000000000Z"),
+                                      ("silent", "20990101T000000000001Z")):  # fmt: skip
+                    before = failures()
+                    by_hand(tmp_path / name, repo, version)
+                    refused = functools.partial(app.rollout.models.why_not, version)
+                    await until(lambda r=refused: r().startswith("was rejected"), f"{name} refused")
+                    assert failures() > before
+                    after = load.served(m1)
+                    await until(lambda a=after: load.served(m1) >= a + 20, "serving on")
+                    assert app.servicer.serving.current.model.model_version == m1
+                    assert sample(app, "grace_model_behind_current") == 1
+                    assert sample(app, "grace_serving") == 1
+                assert sample(app, "grace_empty_answers_total") == 0
+        finally:
+            await app.drain()
+        return load
+
+    caplog.set_level("INFO", logger="grace.rollout")
+    load = asyncio.run(run())
+    assert load.failures == []
+    assert {a.model_version for _, a in load.answers} == {m1}
+    assert all(len(a.ads) > 0 for _, a in load.answers)
+    rejected = [r for r in caplog.records if " rejected (failure " in r.getMessage()]
+    nan = [r.getMessage() for r in rejected if "20990101T000000000000Z" in r.getMessage()]
+    silent = [r.getMessage() for r in rejected if "20990101T000000000001Z" in r.getMessage()]
+    assert nan and all("not finite" in m for m in nan), nan
+    assert silent and all("no SIDs" in m for m in silent), silent
+    assert all(r.exc_info is None and "\n" not in r.getMessage() for r in rejected)
+
+
+def test_empty_answers_are_counted(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's state, reached by switching the gate off: a diverged model serving,
+    every Retrieve OK with 0 ads and health SERVING. `grace_empty_answers_total` counts
+    each such answer (GraceEmptyAnswers alerts on their share)."""
+    from service.model import gate
+
+    for check in ("check_finite", "check_answers"):
+        monkeypatch.setattr(gate, check, lambda *args, **kwargs: None)
+    diverged(data, tmp_path / "nan")
+
+    async def run() -> None:
+        app = await start(serving_settings(data, model_dir=tmp_path / "nan"))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+                stub = retrieval_pb2_grpc.AdRetrievalStub(channel)
+                for u in range(8):
+                    request = request_for_user(data / "world", u, 50, retrieval_pb2.CD_GTM)
+                    reply = await stub.Retrieve(request, timeout=30)
+                    assert len(reply.ads) == 0 and reply.stats.sids_generated == 0
+            ok = {"grpc_type": "unary", "grpc_service": "grace.v1.AdRetrieval",
+                  "grpc_method": "Retrieve", "grpc_code": "OK"}  # fmt: skip
+            assert sample(app, "grpc_server_handled_total", ok) == 8
+            assert sample(app, "grace_empty_answers_total") == 8
+        finally:
+            await app.drain()
+
+    asyncio.run(run())

@@ -1,7 +1,9 @@
 """The server under hostile load, over real gRPC against a real `grace serve` process:
 open health watches wedge neither health nor shutdown, goodput holds past capacity,
 undecodable and oversized requests are refused and counted, rapid stream resets cancel
-no other client's call, and health-check loops leave Retrieve its throughput.
+no other client's call, health-check loops leave Retrieve its throughput, metadata that is
+not UTF-8 cannot flood the log, and idle connections at a soft open-files limit of 1,024
+leave health and the rollout working.
 
 Speeds are compared only with each other in the same test (ratios), never with absolute
 figures: the machine may be busy."""
@@ -10,22 +12,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import multiprocessing as mp
+import resource
+import selectors
+import shutil
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cli.query import request_for_user
+from index_builder.build import build_index
 from loadtest.overload import probe_capacity, run_open_loop, world_requests
-from service.grpc_server import HEALTH_CHECKS_PER_SECOND, TRANSPORT_LIMIT_FACTOR
+from service.grpc_server import FD_RESERVE, HEALTH_CHECKS_PER_SECOND, TRANSPORT_LIMIT_FACTOR
+from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from service.server import LOG_EVERY_SECONDS
 from service.settings import load_settings
 from service.validation import Limits
 from tests.helpers.server_process import ServerProcess, serving
 from tests.helpers.serving import make_serving_data
+from tests.helpers.waiting import until
 
 RETRIEVE = "/grace.v1.AdRetrieval/Retrieve"
 SERVICE_LABELS = {"grpc_service": "grace.v1.AdRetrieval", "grpc_method": "Retrieve"}
@@ -40,6 +52,12 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def requests(data: Path) -> list[bytes]:
     return world_requests(data / "world", 64)
+
+
+def build(data: Path, root: Path) -> str:
+    """`grace build-index` of the served world's catalog into `root`; the new version."""
+    catalog, tokenizer = data / "world" / "catalog.parquet", data / "model" / "tokenizer"
+    return build_index(catalog, root, tokenizer_path=tokenizer, progress=False)[0]
 
 
 def handled(server: ServerProcess, code: str) -> float:
@@ -284,3 +302,197 @@ def test_health_check_loops_leave_retrieve_its_throughput(
         hammer.join(30)
     assert loaded.ok_rps >= 0.5 * alone.ok_rps, (loaded.ok_rps, alone.ok_rps)
     assert checks_per_second <= 1.5 * HEALTH_CHECKS_PER_SECOND, checks_per_second
+
+
+def _raw_calls(port: int, n: int, metadata: list[tuple[bytes, bytes]], body: bytes) -> list[str]:
+    """`n` Retrieve calls over one raw HTTP/2 connection (`h2`, which sends header bytes
+    as they are: grpcio's own client refuses a text value that is not UTF-8), at most 8 in
+    flight; the grpc-status of each ('RESET' for a stream the server reset)."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    config = h2.config.H2Configuration(client_side=True, validate_outbound_headers=False,
+                                       normalize_outbound_headers=False)  # fmt: skip
+    conn = h2.connection.H2Connection(config)
+    conn.initiate_connection()
+    headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", RETRIEVE.encode()),
+               (b":authority", b"g"), (b"content-type", b"application/grpc"),
+               (b"te", b"trailers"), *metadata]  # fmt: skip
+    frame = b"\x00" + len(body).to_bytes(4, "big") + body
+    statuses: dict[int, str] = {}
+    next_stream, open_streams = 1, set()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        while len(statuses) < n:
+            while len(open_streams) < 8 and next_stream < 2 * n:
+                if conn.outbound_flow_control_window < len(frame) and open_streams:
+                    break  # wait for the server's WINDOW_UPDATE
+                conn.send_headers(next_stream, headers)
+                conn.send_data(next_stream, frame, end_stream=True)
+                open_streams.add(next_stream)
+                next_stream += 2
+            sock.sendall(conn.data_to_send())
+            received = sock.recv(1 << 16)
+            assert received, f"the server closed the connection after {len(statuses)} calls"
+            for event in conn.receive_data(received):
+                got = getattr(event, "headers", None) or ()  # trailers, or trailers-only
+                status = dict(got).get(b"grpc-status")
+                if status is not None:
+                    statuses[event.stream_id] = status.decode()
+                    open_streams.discard(event.stream_id)
+                elif isinstance(event, h2.events.StreamReset):
+                    statuses[event.stream_id] = "RESET"
+                    open_streams.discard(event.stream_id)
+                elif isinstance(event, h2.events.DataReceived):
+                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            sock.sendall(conn.data_to_send())
+    return list(statuses.values())
+
+
+def test_metadata_that_is_not_utf8_cannot_flood_the_log(
+    data: Path, requests: list[bytes], tmp_path: Path
+) -> None:
+    """Calls carrying a text metadata value that is not UTF-8 (4 KiB of b'\\xfe\\xff'),
+    sent by a raw HTTP/2 client: the calls are answered, the server's log grows by a
+    bounded number of short lines whatever their number — before, grpcio logged three
+    ERROR records with a traceback per call, each repeating the value (~49 KiB a call) —
+    and well-formed calls are still served."""
+    n, value = 200, b"\xfe\xff" * 2048
+    with serving(data, tmp_path / "server.log") as server:
+        asyncio.run(until(lambda: "serving grace.v1" in server.log_text(), "the serving line"))
+        with grpc.insecure_channel(server.target) as ch:
+            ch.unary_unary(RETRIEVE)(requests[0], timeout=30)  # anything lazy logs now
+        before = server.log.stat().st_size
+        start = time.monotonic()
+        statuses = _raw_calls(server.port, n, [(b"x-custom", value)], requests[1])
+        took = time.monotonic() - start
+        with grpc.insecure_channel(server.target) as ch:
+            ch.unary_unary(RETRIEVE)(requests[2], timeout=30)  # a well-formed call: served
+        server.check_alive()
+        grown = server.log.read_bytes()[before:].decode(errors="replace")
+    lines = grown.splitlines()
+    per_call = len(grown.encode()) / n
+    print(f"\nlog growth: {len(lines)} lines, {per_call:.0f} bytes per hostile call "
+          f"({n} calls in {took:.1f} s)")  # fmt: skip
+    assert statuses == ["0"] * n, statuses  # answered: the value is read as Latin-1
+    intervals = 1 + int(took // LOG_EVERY_SECONDS)
+    said = f"{len(lines)} lines, {per_call:.0f} bytes a call: {grown[:400]!r}"
+    assert len(lines) <= 2 * intervals and len(grown) <= 600 * intervals, said
+    assert "Traceback" not in grown, said
+
+
+# a client that connects, says the HTTP/2 preface and an empty SETTINGS, and then nothing
+IDLE_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def _connect_idle(port: int, n: int) -> list[socket.socket]:
+    """`n` idle HTTP/2 connections, as a client pool that leaks them would leave."""
+    socks = []
+    for _ in range(n):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        sock.sendall(IDLE_PREFACE)
+        socks.append(sock)
+    return socks
+
+
+def _sort(socks: list[socket.socket], timeout: float = 60.0) -> tuple[int, int]:
+    """Wait until the server has either answered each connection (its SETTINGS: held) or
+    closed it (refused); (held, refused). AssertionError when some got neither in time:
+    connections left waiting, as a server out of descriptors leaves them."""
+    held = refused = 0
+    with selectors.DefaultSelector() as sel:
+        for sock in socks:
+            sel.register(sock, selectors.EVENT_READ)
+        end = time.monotonic() + timeout
+        while sel.get_map() and time.monotonic() < end:
+            for key, _ in sel.select(timeout=1.0):
+                sock = key.fileobj
+                try:
+                    got = sock.recv(1 << 16)  # type: ignore[union-attr]
+                except ConnectionResetError:
+                    got = b""
+                held, refused = held + bool(got), refused + (not got)
+                sel.unregister(sock)
+        waiting = len(sel.get_map())
+    assert not waiting, f"{waiting} connections neither answered nor refused ({held} held)"
+    return held, refused
+
+
+def _health(target: str) -> str:
+    """One Check over a new connection: SERVING, NOT_SERVING, or `CODE: details`."""
+    with grpc.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=30)
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+@pytest.fixture
+def many_files() -> Iterator[None]:
+    """This test process may open a few thousand sockets (CI often starts at 1,024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 4096:
+        pytest.skip(f"the hard open-files limit ({hard}) is below 4,096")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_idle_connections_at_a_soft_limit_of_1024_leave_health_and_rollout_working(
+    data: Path, tmp_path: Path, many_files: None
+) -> None:
+    """A server started with the open-files limit containers commonly get (soft 1,024; the
+    hard limit 2,048 here), 1,100 idle connections against it (a leaking client pool):
+    new connections are answered, health says SERVING and a newly published index swaps
+    in — before, from about the 1,000th connection every new one timed out and the rollout
+    could not open CURRENT. Past the connection cap new connections are closed at once
+    (UNAVAILABLE, not a timeout) while the rollout still swaps, and once the idle ones go
+    new connections are answered again."""
+    root = tmp_path / "index"
+    shutil.copytree(data / "index", root)
+    env = {"GRACE_MAX_CONNECTION_AGE_SECONDS": "0"}  # no GOAWAY to the idle ones mid-test
+    limits = functools.partial(resource.setrlimit, resource.RLIMIT_NOFILE, (1024, 2048))
+    server = ServerProcess.start(data, tmp_path / "server.log", index_root=root, env=env,
+                                 preexec_fn=limits)  # fmt: skip
+    socks: list[socket.socket] = []
+
+    def swapped_to(version: str) -> bool:
+        return server.metric("grace_index_info", {"version": version}) == 1
+
+    try:
+        server.wait_serving()
+        socks += _connect_idle(server.port, 1100)
+        assert _health(server.target) == "SERVING"
+        assert _sort(socks) == (1100, 0)
+        assert server.metric("grace_grpc_connections") >= 1100
+        cap = server.metric("grace_grpc_connections_max")
+        assert server.metric("process_max_fds") == 2048 and cap == 2048 - FD_RESERVE
+        assert "open files: soft limit 1024, now 2048 (hard 2048)" in server.log_text()
+        version = build(data, root)  # published while they are held
+        asyncio.run(until(lambda: swapped_to(version), f"index {version} swapped in"))
+
+        more = _connect_idle(server.port, int(cap) - 1100 + 64)  # past the cap
+        socks += more
+        held, refused = _sort(more)
+        assert refused >= 64 and 1100 + held <= cap, (held, refused)
+        # closed at once — not `connection attempt timed out before receiving SETTINGS`
+        refusal = _health(server.target)
+        assert refusal.startswith("UNAVAILABLE") and "timed out" not in refusal, refusal
+        version = build(data, root)  # the reserve: the rollout still opens its files
+        asyncio.run(until(lambda: swapped_to(version), f"index {version} swapped in"))
+
+        for sock in socks:
+            sock.close()
+        socks.clear()
+        asyncio.run(until(lambda: _health(server.target) == "SERVING", "SERVING again"))
+        with grpc.insecure_channel(server.target) as ch:
+            stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+            request = request_for_user(data / "world", 0, 20, retrieval_pb2.CD_GTM)
+            assert stub.Retrieve(request, timeout=30).index_version == version
+        server.check_alive()
+    finally:
+        for sock in socks:
+            sock.close()
+        server.stop()

@@ -18,6 +18,8 @@ from service.request_log import RequestLog, read_requests, write_requests
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.settings import load_settings
 from tests.helpers.serving import make_serving_data, serving_settings
+from tests.helpers.tmpfs import PAGE, fill, small_tmpfs
+from tests.helpers.waiting import until
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +164,49 @@ def test_the_server_exports_the_request_logs_counts(data: Path, tmp_path: Path) 
         await app.drain()
 
     asyncio.run(main())
+
+
+def test_a_full_disk_is_reported_once_counted_and_serving_goes_on(
+    data: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server whose request log lies on a full filesystem (a real tmpfs) answers every
+    call; the log says "no space left on device" once (per 10 s: here the test's whole
+    span), naming the file, and counts each request it lost; with a page free again the
+    lines that fit are written and the one cut short is cut back: whole lines only."""
+    monkeypatch.setattr(request_log, "_DROP_REPORT_SECONDS", 3600.0)  # a slow machine's span
+    caplog.set_level("WARNING", logger="grace.request_log")
+    sent = [request_for_user(data / "world", u, 5, retrieval_pb2.CD_GTM) for u in range(40)]
+    for i, r in enumerate(sent):
+        r.request_id = f"r{i}"
+
+    def errors() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+
+    with small_tmpfs(tmp_path / "fs", 1 << 20) as fs:
+        path = fs / "requests.jsonl"
+
+        async def main() -> None:
+            app = await start(serving_settings(data, request_log=path))
+            rlog = app.servicer.request_log
+            filler = fill(fs, 0)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+                stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
+                for r in sent[:10]:
+                    await stub.Retrieve(r)  # OK, or it raises
+                await until(lambda: rlog.write_errors == 10, "10 lost requests counted")
+                [line] = errors()
+                assert f"{path}: no space left on device" in line, line
+                filler.unlink()
+                fill(fs, PAGE)  # room for a few lines, then full again
+                for r in sent[10:]:
+                    await stub.Retrieve(r)
+                await until(lambda: rlog.written + rlog.write_errors == 40, "40 requests seen")
+            get = app.metrics.registry.get_sample_value
+            assert get("grace_request_log_dropped_total") == rlog.write_errors > 10
+            assert 0 < rlog.written < 30 and len(errors()) == 1
+            await app.drain()
+            kept = [int(r.request_id[1:]) for r in read_requests(path)]  # every line parses
+            assert len(kept) == rlog.written and kept == sorted(kept) and kept[0] >= 10
+            assert path.read_bytes().endswith(b"\n")
+
+        asyncio.run(main())

@@ -155,6 +155,21 @@ def test_connection_ageing_becomes_grpc_options_and_zero_turns_it_off() -> None:
         load_settings({"max_connection_age_seconds": -1})
 
 
+def test_the_connection_cap_keeps_a_reserve_of_open_files_and_zero_turns_it_off() -> None:
+    import resource
+
+    from service.grpc_server import FD_RESERVE, server_options
+
+    cap = "grpc.max_allowed_incoming_connections"
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY:  # default: what the open-files limit leaves
+        assert dict(server_options(load_settings()))[cap] == max(soft - FD_RESERVE, soft // 2)
+    assert dict(server_options(load_settings({"max_connections": 300})))[cap] == 300
+    assert cap not in dict(server_options(load_settings({"max_connections": 0})))
+    with pytest.raises(ValueError, match="max_connections"):
+        load_settings({"max_connections": -1})
+
+
 def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu() -> None:
     s = load_settings({})
     assert s.dtype == "auto"

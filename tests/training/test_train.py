@@ -120,3 +120,21 @@ def test_bf16_autocast_training_learns(
     metrics = train(world, tmp_path / "ckpt", replace(SETTINGS, precision="bf16"), progress=False)
     assert metrics["final_loss"] < 0.75 * math.log(512)
     assert len(entered) >= metrics["steps"] and set(entered) == {torch.bfloat16}
+
+
+def test_training_that_diverges_stops_and_saves_nothing(
+    world: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A learning rate far too large: the loss turns NaN. `grace train` stops on one
+    line naming the step and the loss instead of saving a NaN checkpoint."""
+    from cli import main
+
+    out = tmp_path / "ckpt"
+    args = ["train", "--world", str(world), "--out", str(out), "--lr", "1e8", "--epochs", "0.5",
+            "--batch-size", "32", "--eval-users", "8", "--no-progress"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("grace train:")]
+    assert len(said) == 1 and said[0].startswith("grace train: the loss turned non-finite"), err
+    assert "nothing saved" in said[0] and "Traceback" not in err
+    assert not out.exists()
