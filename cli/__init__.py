@@ -1,8 +1,8 @@
 """`grace`: the one command-line entry point. Each subcommand's --help explains it: the
 docstring of the function it runs. The commands live by area — `index.py` (synth,
 train-tokenizer, build-index, validate-index, builder), `model.py` (train, init-model,
-eval, publish-model, flops), `serving.py` (serve), `query.py`, `health.py`, `record.py` —
-and import their modules lazily so `grace --help` stays fast.
+publish-model, flops), `evaluate.py` (eval), `serving.py` (serve), `query.py`,
+`health.py`, `record.py` — and import their modules lazily so `grace --help` stays fast.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from cli import health, index, model, query, record, serving
+from cli import evaluate, health, index, model, query, record, serving
 from cli.common import EXIT_BAD_INPUT
 
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    for area in (index, model, serving, query, health, record):
+    for area in (index, model, evaluate, serving, query, health, record):
         area.register(add)
     return parser
 

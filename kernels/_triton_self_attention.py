@@ -15,6 +15,11 @@ With GATHER (fused variants) row r's q/k/v come from row `q_rows[r]` of the QKV 
 the decoder's layer 0 reads its per-(position, token) QKV table this way (a few MB that
 stay in L2) instead of having each row's 3·H·d_h copied out first.
 
+The served path runs the paged variant (`fused_self_attention_triton`); the coalesced and
+dense ones are the Table 5 forms the benchmark compares with it (bench/baselines/kv_cache.py
+launches the coalesced one). One body for all of them is why this module runs past the
+house's ~300 lines: the layout checks stay beside the kernel that relies on them.
+
 Work split: a query is one (row, head) pair, flattened n = r * H + h, and a program
 takes BLOCK_N consecutive ones, i.e. G = BLOCK_N / H whole beam rows when BLOCK_N ≥ H.
 Why flattened rather than G rows of one head: a row's H heads are one contiguous H·d_h
@@ -296,26 +301,6 @@ def _launch(
         assert not fp8_out or config["BLOCK_N"] % h == 0, "FP8_OUT: whole rows per tile"
         grid = (triton.cdiv(n, config["BLOCK_N"]),)
         _self_attn_kernel[grid](*args, qk_scale, triton.next_power_of_2(n), **consts, **config)
-    return result
-
-
-def prefix_self_attention_triton(
-    q: torch.Tensor,  # [R, H, d_h]: the new token's query per row
-    k: torch.Tensor,  # [R, t + 1, H, d_h]: keys of tokens 0..t; any row/token strides
-    v: torch.Tensor,  # [R, t + 1, H, d_h]
-    *,
-    out: torch.Tensor | None = None,  # [R, H, d_h] contiguous, written in full
-    config: dict | None = None,  # a fixed {"BLOCK_N", "MASKED_DOT"[, "num_warps"]}; None: tuned
-) -> torch.Tensor:  # [R, H, d_h]
-    """The coalesced kernel: read 2·(t+1)·H·d_h + H·d_h elements a row, write H·d_h."""
-    r, h, d = q.shape
-    assert k.dim() == 4 and k.shape[0] == r and k.shape[2:] == (h, d), (q.shape, k.shape)
-    assert v.shape == k.shape and k.shape[1] >= 1, (k.shape, v.shape)
-    assert q.dtype == k.dtype == v.dtype and q.device == k.device == v.device
-    assert _packed(q) and _packed(k) and _packed(v), "heads and d_h must be contiguous"
-    strides = (k.stride(1), v.stride(1))
-    result = _launch(q, q, q, k, v, None, out, k.shape[1], strides, False, False, config)
-    assert isinstance(result, torch.Tensor)
     return result
 
 

@@ -3,8 +3,8 @@ paged cache (`service/decode/kv_cache.py`); none of them is served.
 
 `attention` picks how a layer attends:
 - "fused": `fused_self_attention` (one kernel writes the new K/V, gathers 0..t, attends);
-- "gather": write, gather the prefix, the coalesced kernel
-  (`kernels._triton_self_attention.prefix_self_attention_triton`; its reference on a CPU);
+- "gather": write, gather the prefix, the coalesced variant of the served self-attention
+  kernel (`prefix_self_attention_triton`, below; its reference on a CPU);
 - "sdpa": write, gather, torch's `scaled_dot_product_attention` with one query per row
   (the naive baseline: a batch of R tiny attentions).
 
@@ -23,9 +23,9 @@ from kernels.self_attention import fused_self_attention, prefix_self_attention_r
 from service.decode.kv_cache import PagedKVCache
 
 try:
-    from kernels._triton_self_attention import prefix_self_attention_triton
+    from kernels import _triton_self_attention as tsa
 except ImportError:  # no triton here
-    prefix_self_attention_triton = None
+    tsa = None  # type: ignore[assignment]
 
 ATTENTION_MODES = ("fused", "gather", "sdpa")
 
@@ -42,9 +42,29 @@ def coalesced_self_attention(
     v: torch.Tensor,  # [R, t + 1, H, d_h]
 ) -> torch.Tensor:  # [R, H, d_h]
     """The coalesced kernel on CUDA, its torch reference elsewhere."""
-    if q.is_cuda and prefix_self_attention_triton is not None:
+    if q.is_cuda and tsa is not None:
         return prefix_self_attention_triton(q, k, v)
     return prefix_self_attention_reference(q, k, v)
+
+
+def prefix_self_attention_triton(
+    q: torch.Tensor,  # [R, H, d_h]: the new token's query per row
+    k: torch.Tensor,  # [R, t + 1, H, d_h]: keys of tokens 0..t; any row/token strides
+    v: torch.Tensor,  # [R, t + 1, H, d_h]
+    *,
+    out: torch.Tensor | None = None,  # [R, H, d_h] contiguous, written in full
+    config: dict | None = None,  # a fixed {"BLOCK_N", "MASKED_DOT"[, "num_warps"]}; None: tuned
+) -> torch.Tensor:  # [R, H, d_h]
+    """The coalesced kernel: read 2·(t+1)·H·d_h + H·d_h elements a row, write H·d_h."""
+    r, h, d = q.shape
+    assert k.dim() == 4 and k.shape[0] == r and k.shape[2:] == (h, d), (q.shape, k.shape)
+    assert v.shape == k.shape and k.shape[1] >= 1, (k.shape, v.shape)
+    assert q.dtype == k.dtype == v.dtype and q.device == k.device == v.device
+    assert tsa._packed(q) and tsa._packed(k) and tsa._packed(v), "heads and d_h must be contiguous"
+    strides = (k.stride(1), v.stride(1))
+    result = tsa._launch(q, q, q, k, v, None, out, k.shape[1], strides, False, False, config)
+    assert isinstance(result, torch.Tensor)
+    return result
 
 
 _UNFUSED = {"gather": coalesced_self_attention, "sdpa": _sdpa}

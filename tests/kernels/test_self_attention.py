@@ -3,8 +3,9 @@
 On CPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) at small,
 awkward shapes, with each evaluation strategy of the tile forced by a fixed config; the
 `gpu` tests run the autotuned dispatchers and every config at the paper's shape. The
-coalesced variant (pre-gathered keys/values: `prefix_self_attention_triton`, which only
-bench/bench_self_attention.py runs) gets one cheap check here and a GPU run.
+coalesced variant (pre-gathered keys/values: `bench.baselines.kv_cache`'s
+`prefix_self_attention_triton`, which only the benchmarks run) gets one cheap check here and
+a GPU run.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.baselines.kv_cache import prefix_self_attention_triton
 from kernels._triton_self_attention import (
     CONFIGS,
     fp8_out_supported,
     fused_self_attention_triton,
-    prefix_self_attention_triton,
 )
 from kernels.fp8 import quantize_rows_reference
 from kernels.self_attention import (
