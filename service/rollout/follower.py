@@ -113,13 +113,13 @@ class Follower(Generic[_T]):
         delay = min(self.max_backoff_seconds,
                     self.backoff_seconds * 2 ** min(failures - 1, _MAX_DOUBLINGS))  # fmt: skip
         reason = one_line(exc)
+        self._on_failure(version, exc)  # counted before `why_not` can name it
         self._retry[version] = _Retry(failures, self._clock() + delay, reason)
         log.error(
             "%s %s rejected (failure %d), still serving %s; next try in %.0f s: %s",
             self.kind, version, failures, self._served(), delay, reason,
             exc_info=None if isinstance(exc, EXPECTED) else exc,
         )  # fmt: skip
-        self._on_failure(version, exc)
 
     def fallbacks(self, version: str) -> list[str]:
         """The other complete versions, newest first (start-up's fallbacks)."""
