@@ -7,7 +7,10 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import grpc
 
 EXIT_BAD_INPUT = 2
 
@@ -26,6 +29,25 @@ def show_progress(args: argparse.Namespace) -> bool:
     if args.no_progress or not sys.stderr.isatty():
         return False
     return not any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
+
+
+def add_tls_flags(p: argparse.ArgumentParser) -> None:
+    """A client command's TLS: --tls-ca, --tls-cert, --tls-key, --tls-server-name."""
+    p.add_argument("--tls-ca", help="TLS: PEM roots the server's certificate must chain to "
+                   "($GRACE_TLS_CA; with neither this nor --tls-cert: plain text)")  # fmt: skip
+    p.add_argument("--tls-cert", help="mutual TLS: this client's PEM certificate "
+                   "($GRACE_TLS_CERT)")  # fmt: skip
+    p.add_argument("--tls-key", help="mutual TLS: its PEM private key ($GRACE_TLS_KEY)")
+    p.add_argument("--tls-server-name", help="the name the server's certificate must carry, "
+                   "when not the target's host ($GRACE_TLS_SERVER_NAME)")  # fmt: skip
+
+
+def channel(target: str, args: argparse.Namespace) -> grpc.Channel:
+    """A channel to `target`, TLS as add_tls_flags' flags (else GRACE_TLS_*) say."""
+    from service.tls import channel, client_env
+
+    tls = {k: getattr(args, f"tls_{k}") or v for k, v in client_env().items()}
+    return channel(target, **tls)
 
 
 def positive_int(text: str) -> int:

@@ -1,6 +1,7 @@
 """`grace health`: one grpc.health.v1 Check, for container and exec probes: exit 0 when
 the server answers SERVING, 1 for anything else, with one line saying which. Imports only
-grpc, so a probe every few seconds costs ~0.1 s of CPU, not a torch import.
+grpc (and service/tls.py: grpc and the standard library), so a probe every few seconds
+costs ~0.1 s of CPU, not a torch import.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import argparse
 import os
 import sys
 
-from cli.common import AddCommand, positive_float
+from cli.common import AddCommand, add_tls_flags, channel, positive_float
 
 DEFAULT_PORT = 50051
 
@@ -19,16 +20,18 @@ def default_target() -> str:
     return f"127.0.0.1:{os.environ.get('GRACE_PORT') or DEFAULT_PORT}"
 
 
-def check(target: str, service: str, timeout: float) -> tuple[bool, str]:
-    """(SERVING?, one-line message) for one Check of `service` ('' = the whole server)."""
+def check(args: argparse.Namespace, target: str) -> tuple[bool, str]:
+    """(SERVING?, one-line message) for one Check of `args.service` ('' = the server)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    service = args.service
     what = f"{target} service {service!r}" if service else f"{target} (server)"
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    with channel(target, args) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            request = health_pb2.HealthCheckRequest(service=service)
+            reply = stub.Check(request, timeout=args.timeout)
         except grpc.RpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.NOT_FOUND:  # the health servicer's answer for it
@@ -44,8 +47,9 @@ def _health(args: argparse.Namespace) -> int:
 
     Send one grpc.health.v1 Check and print the answer on one line. Exit 0 on SERVING; 1 on
     NOT_SERVING (still loading, or draining), an unknown service, nothing listening, or no
-    answer within --timeout. For container HEALTHCHECKs and exec probes."""
-    ok, message = check(args.target or default_target(), args.service, args.timeout)
+    answer within --timeout. For container HEALTHCHECKs and exec probes. A TLS port needs
+    --tls-ca (mutual TLS also --tls-cert and --tls-key), or their GRACE_TLS_* variables."""
+    ok, message = check(args, args.target or default_target())
     print(message, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 
@@ -65,3 +69,4 @@ def register(add: AddCommand) -> None:
     p.add_argument(
         "--timeout", type=positive_float, default=3.0, help="seconds to wait for the answer (3)"
     )
+    add_tls_flags(p)

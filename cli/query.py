@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.common import EXIT_BAD_INPUT, AddCommand
+from cli.common import EXIT_BAD_INPUT, AddCommand, add_tls_flags, channel
 from cli.health import default_target
 
 if TYPE_CHECKING:
@@ -79,7 +79,8 @@ def _query(args: argparse.Namespace) -> int:
     ads that come back is in that world's catalog, the server serves another catalog
     (another --data-dir, --catalog, your own data): query refuses in one line (exit 2)
     rather than print answers for a user of another world. For a server of your own data,
-    send --request-json FILE (examples/request.json for examples/)."""
+    send --request-json FILE (examples/request.json for examples/). A TLS port needs --tls-ca
+    (mutual TLS also --tls-cert and --tls-key), or their GRACE_TLS_* variables."""
     import grpc
     from google.protobuf import json_format
 
@@ -104,8 +105,8 @@ def _query(args: argparse.Namespace) -> int:
         mode = retrieval_pb2.CD_ONLY if args.mode == "cd_only" else retrieval_pb2.CD_GTM
         request = request_for_user(world, args.user, args.max_ads, mode, user_id=args.user_id)
     target = args.target or default_target()
-    with grpc.insecure_channel(target) as channel:
-        stub = retrieval_pb2_grpc.AdRetrievalStub(channel)
+    with channel(target, args) as ch:
+        stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
         try:
             response = stub.Retrieve(request, timeout=args.timeout)
         except grpc.RpcError as exc:
@@ -144,3 +145,4 @@ def register(add: AddCommand) -> None:
     p.add_argument("--max-ads", type=int, default=10)
     p.add_argument("--mode", choices=["cd_gtm", "cd_only"], default="cd_gtm")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    add_tls_flags(p)

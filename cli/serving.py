@@ -30,10 +30,15 @@ def _serve(args: argparse.Namespace) -> int:
     from service.settings import load_settings
 
     flags = ("config", "host", "port", "metrics_port", "data_dir", "index_root", "device")
-    flags += ("workers", "gpus", "mps", "balance", "log_format")
+    flags += ("workers", "gpus", "mps", "balance", "log_format", "metrics_host")
+    flags += ("tls_cert", "tls_key", "tls_client_ca")
     settings = load_settings({f: getattr(args, f) for f in flags} | {"model_dir": args.model})
     configure_logging(logging.getLogger().getEffectiveLevel(), settings.log_format)
     check_ports(settings)  # a taken port fails now, not after minutes of loading
+    if settings.tls_cert is not None:  # and so do TLS files that do not load
+        from service.tls import Reloader
+
+        Reloader(settings)
     if settings.mps:  # fail before building anything
         from service.mps import check_mps
 
@@ -71,10 +76,10 @@ def check_ports(settings: ServerSettings) -> None:
 
     from service.errors import StartupError
 
-    host = settings.host
-    ports = ((settings.port, "gRPC port", "--port"),
-             (settings.metrics_port, "metrics port", "--metrics-port"))  # fmt: skip
-    for port, what, flag in ports:
+    ports = ((settings.host, settings.port, "gRPC port", "--port", "--host"),
+             (settings.metrics_host, settings.metrics_port, "metrics port", "--metrics-port",
+              "--metrics-host"))  # fmt: skip
+    for host, port, what, flag, host_flag in ports:
         if port == 0:  # any free port: nothing to check
             continue
         try:
@@ -90,7 +95,7 @@ def check_ports(settings: ServerSettings) -> None:
                                    f"serve?): stop that server, or choose another port "
                                    f"with {flag}") from None  # fmt: skip
             raise StartupError(f"cannot listen on {host} port {port}: "
-                               f"{exc.strerror or exc} (--host)") from None  # fmt: skip
+                               f"{exc.strerror or exc} ({host_flag})") from None  # fmt: skip
 
 
 def register(add: AddCommand) -> None:
@@ -100,6 +105,12 @@ def register(add: AddCommand) -> None:
                    "container, or for other machines' clients)")  # fmt: skip
     p.add_argument("--port", type=int, help="gRPC port (50051)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (9464)")
+    p.add_argument("--metrics-host", help="address the Prometheus port listens on (--host)")
+    p.add_argument("--tls-cert", help="PEM certificate (chain) of the gRPC port: TLS, with "
+                   "--tls-key; reloaded when the file changes (plain text)")  # fmt: skip
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="PEM CA certificates that callers' certificates "
+                   "must chain to: mutual TLS (off)")  # fmt: skip
     p.add_argument("--data-dir", help="where the default world, model and index live (./data)")
     p.add_argument("--index-root", help="index root to serve (DATA_DIR/index)")
     p.add_argument("--model", help="checkpoint directory, or model repository to follow and "

@@ -20,6 +20,8 @@ import grpc.experimental.gevent as grpc_gevent
 from locust import User
 from locust.env import Environment
 
+from service import tls
+
 grpc_gevent.init_gevent()
 
 
@@ -75,8 +77,10 @@ class GrpcUser(User):
         target = self.host.removeprefix("grpc://").removeprefix("http://").rstrip("/")
         # each user its own connection, as separate clients have (gRPC otherwise shares
         # one connection among a process's channels to a target): with `grace serve
-        # --workers N` connections are what the kernel spreads over the workers
-        channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        # --workers N` connections are what the kernel spreads over the workers. TLS when
+        # GRACE_TLS_CA or GRACE_TLS_CERT says so (service/tls.py, docs/ops/security.md)
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        channel = tls.channel(target, **tls.client_env(), options=options)
         self._channel = grpc.intercept_channel(channel, LocustInterceptor(environment))
         self.stub: Any = self.stub_class(self._channel)
 

@@ -31,6 +31,7 @@ from contracts.request import FilterMode
 from contracts.targeting import Targeting
 from service import stackdump
 from service.batcher import Batcher
+from service.board import HEARTBEAT_SECONDS, Board
 from service.errors import StartupError
 from service.grpc_server import (
     DRAIN_NOTICE_SECONDS,
@@ -38,6 +39,7 @@ from service.grpc_server import (
     HealthServicer,
     add_health_and_reflection,
     add_retrieval,
+    bind,
     max_connections,
     server_options,
     set_health,
@@ -81,12 +83,15 @@ class App:
     settings: ServerSettings
     watchdog: Watchdog | None  # None: stall_seconds = 0
     tracing: Tracing
+    heartbeat: asyncio.Task[None] | None = None  # a worker of several: its beats
 
     async def drain(self) -> None:
         """Stop accepting, finish what is in flight, stop the threads. Watch streams end
         with the server's grace period (they are cancelled like any call)."""
         if self.watchdog is not None:
             self.watchdog.stop()  # a drain may take its time; it has its own deadline
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
         await self.health.enter_graceful_shutdown()  # NOT_SERVING for good
         self.metrics.serving.set(0)
         await asyncio.sleep(DRAIN_NOTICE_SECONDS)  # let health checkers and balancers see it
@@ -112,12 +117,15 @@ async def start(
     address: str | None = None,
     placed: tuple[int, str] | None = None,
     gate: Callable[[], None] | None = None,
+    board: Board | None = None,
 ) -> App:
     """Load, warm and serve. `bind_when_ready` (a worker of several): open the gRPC port
     only once SERVING, so the kernel never hands a connection to a worker still loading.
     `address` (a worker behind the request front): listen there, not on host:port.
     `placed`: (worker, gpu) of a worker of several, for `grace_worker_info`. `gate`:
-    returns once every worker of the host is warm (they open the shared port together)."""
+    returns once every worker of the host is warm (they open the shared port together).
+    `board`: the supervisor's (service/board.py), beaten on from the event loop once
+    SERVING, so a frozen process or a blocked loop is seen."""
     t0 = time.perf_counter()
     instance = {"service.instance.id": f"{socket.gethostname()}:{os.getpid()}"}
     # first: a tracing setting that cannot work fails now, not after minutes of loading
@@ -125,7 +133,7 @@ async def start(
     device = settings.resolve_device()
     metrics = Metrics()
     if placed is not None:
-        metrics.place(*placed)
+        metrics.place(*placed, board)
     health_servicer = HealthServicer()
     await set_health(health_servicer, serving=False)
     serving = ServingHolder()
@@ -202,14 +210,14 @@ async def start(
     add_retrieval(server, servicer.Retrieve)
     add_health_and_reflection(server, health_servicer)
     address = address or f"{settings.host}:{settings.port}"
-    port = 0 if bind_when_ready else _bind(server, address)
+    port = 0 if bind_when_ready else _bind(server, address, settings)
     if not bind_when_ready:
         await server.start()  # health answers NOT_SERVING while loading
     try:
-        metrics_port = metrics.serve(settings.metrics_port, settings.host)
+        metrics_port = metrics.serve(settings.metrics_port, settings.metrics_host)
     except OSError as exc:
         await server.stop(0)
-        raise StartupError(f"metrics port {settings.host}:{settings.metrics_port}: "
+        raise StartupError(f"metrics port {settings.metrics_host}:{settings.metrics_port}: "
                            f"{exc.strerror or exc} (--metrics-port)") from exc  # fmt: skip
     rollout.start()
     await _warm_up(batcher, settings)  # first batch pays one-time costs, not a client
@@ -220,13 +228,15 @@ async def start(
         raise StartupError("another worker of this host failed to start, or took too long")
     await set_health(health_servicer, serving=True)
     if bind_when_ready:
-        port = app.port = _bind(server, address)
+        port = app.port = _bind(server, address, settings)
         await server.start()
     metrics.serving.set(1)  # SERVING and listening
     metrics.connections.set_function(lambda: tcp_connections(port))
     if settings.stall_seconds > 0:  # from now on a stalled pipeline is a wedged process
         app.watchdog = Watchdog(pipeline.stalled_for, settings.stall_seconds, on_stall=wedged)
         app.watchdog.start()
+    if board is not None and placed is not None:
+        app.heartbeat = asyncio.create_task(_beat(board, placed[0]))
     log.info(
         "serving %s on %s (model %s, index %s, %s), ready in %.1f s",
         SERVICE, address if address.startswith("unix:") else f"{settings.host}:{port}",
@@ -234,6 +244,12 @@ async def start(
         time.perf_counter() - t0,
     )  # fmt: skip
     return app
+
+
+async def _beat(board: Board, worker: int) -> None:
+    while True:
+        board.beat(worker)
+        await asyncio.sleep(HEARTBEAT_SECONDS)
 
 
 async def _passed(gate: Callable[[], None]) -> bool:
@@ -246,10 +262,13 @@ async def _passed(gate: Callable[[], None]) -> bool:
     return True
 
 
-def _bind(server: grpc.aio.Server, address: str) -> int:
-    """Listen on `address`; a taken port is a one-line StartupError."""
+def _bind(server: grpc.aio.Server, address: str, settings: ServerSettings) -> int:
+    """Listen on `address` (TLS as the settings say: grpc_server.bind); a taken port is a
+    one-line StartupError."""
     try:
-        return server.add_insecure_port(address)
+        return bind(server, address, settings)
+    except StartupError:  # TLS files that do not load (a RuntimeError too)
+        raise
     except RuntimeError as exc:
         raise StartupError(
             f"cannot listen on {address}: the port is taken (another grace serve?) or the "

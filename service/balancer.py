@@ -6,10 +6,12 @@ and a request follows its connection's worker, however unevenly; with `balance =
     client ──gRPC──► front (public port) ──least in flight──► worker i (unix socket)
 
 Each Retrieve goes as raw bytes to the worker with the fewest calls in flight (ties in
-turn, workers seen to exit skipped), with its deadline and metadata; status, details and
-trailing metadata come back unchanged. The front answers health and reflection itself,
-binds the public port once every worker is SERVING, and on stop lets its calls in flight
-finish before the supervisor tells the workers to drain.
+turn, workers the supervisor marked down skipped), with its deadline and metadata; status,
+details and trailing metadata come back unchanged, except that a call a worker answers
+UNAVAILABLE (it died or is draining) is sent once more to another while its deadline
+allows: Retrieve only reads. The front answers health and reflection itself, binds the
+public port once every worker is SERVING, says NOT_SERVING while none is up, and on stop
+lets its calls in flight finish before the supervisor tells the workers to drain.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from service.grpc_server import (
     SERVICE,
     HealthServicer,
     add_health_and_reflection,
+    bind,
     server_options,
     set_health,
 )
@@ -56,7 +59,7 @@ class Front(grpc.GenericRpcHandler):
         self.settings, self.workers = settings, list(workers)
         self.inflight = [0] * len(self.workers)
         self.answered = [0] * len(self.workers)  # calls each worker finished (tests, logs)
-        self.down: set[int] = set()  # workers that exited (the supervisor's word)
+        self.down: set[int] = set()  # workers not serving (the supervisor's word)
         self._turn = itertools.count()
         self._channels: list[grpc.aio.Channel] = []
         self._handlers = {
@@ -66,15 +69,18 @@ class Front(grpc.GenericRpcHandler):
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
-    def mark_down(self, i: int) -> None:
-        """Worker i has exited: send it nothing more (any thread)."""
-        self.down.add(i)
+    async def mark(self, i: int, up: bool) -> None:
+        """Worker i serves (again), or does not: send it nothing; health says whether any
+        worker is up."""
+        (self.down.discard if up else self.down.add)(i)
+        if self.server is not None:  # ignored once draining
+            await set_health(self.health, serving=len(self.down) < len(self.workers))
 
-    def pick(self) -> int:
+    def pick(self, not_this: int | None = None) -> int:
         """The worker with the fewest calls in flight among those not down (all, if every
-        one is); ties go round in turn."""
-        up = [i for i in range(len(self.workers)) if i not in self.down]
-        up = up or list(range(len(self.workers)))
+        one is), other than `not_this` where there is another; ties go round in turn."""
+        up = [i for i in range(len(self.workers)) if i not in self.down and i != not_this]
+        up = up or [i for i in range(len(self.workers)) if i != not_this] or [0]
         low = min(self.inflight[i] for i in up)
         tied = [i for i in up if self.inflight[i] == low]
         return tied[next(self._turn) % len(tied)]
@@ -86,24 +92,31 @@ class Front(grpc.GenericRpcHandler):
         self, method: str
     ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
         async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            i = self.pick()
-            self.inflight[i] += 1
-            call = self._channels[i].unary_unary(method)(  # no (de)serialisers: bytes
-                request,
-                timeout=context.time_remaining(),
-                metadata=_client_metadata(context.invocation_metadata()),
-            )
-            try:
-                response = await call
-                context.set_trailing_metadata(tuple(await call.trailing_metadata() or ()))
-                return response
-            except grpc.aio.AioRpcError as exc:
-                context.set_trailing_metadata(tuple(exc.trailing_metadata() or ()))
-                await context.abort(exc.code(), exc.details() or "")
-                raise  # abort raises; this keeps type checkers content
-            finally:
-                self.inflight[i] -= 1
-                self.answered[i] += 1
+            tried = None
+            while True:
+                i = self.pick(tried)
+                self.inflight[i] += 1
+                call = self._channels[i].unary_unary(method)(  # no (de)serialisers: bytes
+                    request,
+                    timeout=context.time_remaining(),
+                    metadata=_client_metadata(context.invocation_metadata()),
+                )
+                try:
+                    response = await call
+                    context.set_trailing_metadata(tuple(await call.trailing_metadata() or ()))
+                    return response
+                except grpc.aio.AioRpcError as exc:
+                    left = context.time_remaining()
+                    if (exc.code() == grpc.StatusCode.UNAVAILABLE and tried is None
+                            and len(self.workers) > 1 and (left is None or left > 0)):  # fmt: skip
+                        tried = i
+                        continue
+                    context.set_trailing_metadata(tuple(exc.trailing_metadata() or ()))
+                    await context.abort(exc.code(), exc.details() or "")
+                    raise  # abort raises; this keeps type checkers content
+                finally:
+                    self.inflight[i] -= 1
+                    self.answered[i] += 1
 
         return forward
 
@@ -126,7 +139,7 @@ class Front(grpc.GenericRpcHandler):
         add_health_and_reflection(self.server, self.health)
         address = f"{self.settings.host}:{self.settings.port}"
         try:
-            self.port = self.server.add_insecure_port(address)
+            self.port = bind(self.server, address, self.settings)
         except RuntimeError as exc:  # taken (SO_REUSEPORT is off) or not ours to bind
             raise OSError(f"the request front cannot bind {address}: {exc}") from exc
         await self.server.start()
@@ -204,6 +217,18 @@ class FrontThread(threading.Thread):
             log.exception("the request front failed: stopping the workers")
             self.failed = True
             self.on_error()
+
+    def mark(self, i: int, up: bool) -> None:
+        """`Front.mark` from the supervisor's thread (before the loop runs: at once)."""
+        loop = self._loop
+        if loop is None:
+            (self.front.down.discard if up else self.front.down.add)(i)
+            return
+        marked = self.front.mark(i, up)
+        try:
+            asyncio.run_coroutine_threadsafe(marked, loop)
+        except RuntimeError:  # its loop has already closed
+            marked.close()
 
     def stop(self) -> None:
         """Ask the front to drain and stop: from any thread, before or after it started,

@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha._async import ReflectionServicer  # the aio service
 
 from service.rpc.grace.v1 import retrieval_pb2
 from service.settings import ServerSettings
+from service.tls import server_credentials
 
 SERVICE = retrieval_pb2.DESCRIPTOR.services_by_name["AdRetrieval"].full_name
 REFLECTION_V1 = "grpc.reflection.v1"
@@ -162,6 +163,15 @@ def add_retrieval(server: grpc.aio.Server, retrieve: RawHandler) -> None:
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE, {"Retrieve": method}),)
     )
+
+
+def bind(server: grpc.aio.Server, address: str, settings: ServerSettings) -> int:
+    """Listen on `address`, with TLS when the settings name a certificate (service/tls.py:
+    reloaded on rotation; health and reflection share the port, so its terms); a unix
+    socket — the request front's hop to a worker on this host — stays plain text."""
+    if settings.tls_cert is None or address.startswith("unix:"):
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, server_credentials(settings))
 
 
 def raise_fd_limit(settings: ServerSettings) -> None:

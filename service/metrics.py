@@ -25,9 +25,10 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
+    from service.board import Board
     from service.request_log import RequestLog
 
 
@@ -43,6 +44,31 @@ class _RequestLogCollector:
                                   value=self._log.dropped)  # fmt: skip
         yield CounterMetricFamily("grace_request_log_rotations", "Request log files rotated "
                                   "(request_log_max_mb).", value=self._log.rotations)  # fmt: skip
+
+
+class _BoardCollector:
+    """The host's workers as the supervisor's board (service/board.py) has them."""
+
+    def __init__(self, board: Board, worker: int) -> None:
+        self._board, self._worker = board, worker
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        b = self._board
+        yield GaugeMetricFamily(
+            "grace_workers", "Workers this host's supervisor runs (--workers).", value=b.workers
+        )
+        yield GaugeMetricFamily(
+            "grace_workers_serving",
+            "Of them, those serving now (a fresh heartbeat): fewer while one restarts.",
+            value=b.serving(),
+        )
+        restarts = CounterMetricFamily(
+            "grace_worker_restarts",
+            "Times the supervisor restarted this worker (it exited, or froze).",
+            labels=["worker"],
+        )
+        restarts.add_metric([str(self._worker)], b.restarts[self._worker])
+        yield restarts
 
 
 SLO_SECONDS = 0.1
@@ -235,9 +261,12 @@ class Metrics:
     def _index_age(self) -> float:
         return time.time() - self._created if self._created else 0.0
 
-    def place(self, worker: int, gpu: str) -> None:
+    def place(self, worker: int, gpu: str, board: Board | None = None) -> None:
         """`grace_worker_info{worker, gpu}`, for a worker of several only (a metric never
-        set would still export one unlabelled sample)."""
+        set would still export one unlabelled sample); with the supervisor's `board`, the
+        host's workers serving and this one's restarts."""
+        if board is not None:
+            self.registry.register(_BoardCollector(board, worker))
         Info(
             "grace_worker",
             "Which worker of `grace serve` this process is (its metrics port is metrics_port "

@@ -88,8 +88,23 @@ class ServerSettings(BaseSettings):
     )
     host: str = Field(
         "127.0.0.1",
-        description="Address the gRPC and metrics ports listen on: 127.0.0.1, this machine "
-        "only; 0.0.0.0, every interface (in a container, or for other machines' clients).",
+        description="Address the gRPC (and, unless metrics_host, metrics) port listens on: "
+        "127.0.0.1, this machine only; 0.0.0.0, every interface (in a container, or for "
+        "other machines' clients).",
+    )
+    metrics_host: str | None = Field(
+        None, description="Address the Prometheus port listens on; default: host."
+    )
+    tls_cert: Path | None = Field(
+        None,
+        description="PEM certificate (chain) of the gRPC port: TLS with tls_key; read again "
+        "when it changes (service/tls.py). Unset: plain text.",
+    )
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert (unencrypted).")
+    tls_client_ca: Path | None = Field(
+        None,
+        description="PEM CA certificates that callers' certificates must chain to: mutual TLS "
+        "(a caller without one is refused). Needs tls_cert.",
     )
     port: Port = Field(50051, description="gRPC port; 0 lets the OS pick a free one (tests).")
     workers: int = Field(
@@ -228,6 +243,12 @@ class ServerSettings(BaseSettings):
         "long is wedged: the process writes every thread's stack to stderr and exits 3, so "
         "it is restarted (service/watchdog.py). 0 turns the watchdog off.",
     )
+    worker_heartbeat_seconds: NonNegative = Field(
+        5.0,
+        description="With workers > 1: a serving worker whose event loop has not beaten "
+        "for this long (frozen, or its loop blocked) is killed and restarted by the "
+        "supervisor (service/supervisor.py). 0: exits are still restarted, freezes not seen.",
+    )
     request_log: Path | None = Field(
         None,
         description="Append every valid Retrieve request to this file as one line of "
@@ -347,11 +368,16 @@ class ServerSettings(BaseSettings):
                 f"port {self.port} is among the workers' metrics ports "
                 f"{self.metrics_port}..{self.metrics_port + self.workers - 1}"
             )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both (TLS) or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs the server's tls_cert and tls_key")
         if self.default_max_ads > self.max_ads_limit:
             raise ValueError(
                 f"default_max_ads ({self.default_max_ads}) exceeds max_ads_limit "
                 f"({self.max_ads_limit})"
             )
+        self.metrics_host = self.metrics_host or self.host
         self.index_root = self.index_root or self.data_dir / "index"
         self.model_dir = self.model_dir or self.data_dir / "model"
         self.beam_max = self.beam_max or PROFILES[self.profile].beams

@@ -322,6 +322,52 @@ def test_probes_are_grpc_health_checks_on_the_server_port(rendered, overlay, mon
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_tls_components_serve_from_a_secret_and_probe_with_grace_health(
+    rendered, overlay, tmp_path, monkeypatch
+):
+    """components/tls and mtls on an overlay (docs/ops/security.md): the server's TLS files
+    come from a Secret volume; the probes, which the kubelet's plain-text gRPC probes
+    cannot be, run `grace health` over TLS with the same timings; the Service no longer
+    calls the port h2c."""
+    from cli import build_parser
+    from service.server import SERVICE
+
+    need_kubernetes_validate()
+    rel = [os.path.relpath(K8S / d, tmp_path) for d in (f"overlays/{overlay}", "components/tls",
+                                                        "components/mtls")]  # fmt: skip
+    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                     "resources": rel[:1], "components": rel[1:]}  # fmt: skip
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    objects = [o for o in yaml.safe_load_all(render.render_text(tmp_path)) if o]
+    assert render.validate(objects) == []
+    main, plain = server(objects), server(rendered[overlay])
+    volumes = {v["name"]: v for v in pod_spec(objects)["volumes"]}
+
+    def from_secret(path: object) -> bool:
+        mount = mount_for(main, str(path))
+        return bool(mount and mount.get("readOnly") and "secret" in volumes[mount["name"]])
+
+    settings = settings_for(main, monkeypatch)
+    known = {f"GRACE_{name.upper()}" for name in type(settings).model_fields}
+    assert {n for n in env(main) if n.startswith("GRACE_")} <= known
+    assert all(map(from_secret, (settings.tls_cert, settings.tls_key, settings.tls_client_ca)))
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = main[kind]
+        assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"exec"}, kind
+        assert {k: v for k, v in probe.items() if k != "exec"} == {
+            k: v for k, v in plain[kind].items() if k != "grpc"
+        }, kind
+        command = probe["exec"]["command"]
+        args = build_parser().parse_args(command[1:])
+        assert command[0] == "grace" and args.command == "health", kind
+        assert from_secret(args.tls_ca) and args.tls_server_name, kind
+        assert args.service == ("" if kind == "livenessProbe" else SERVICE), kind
+        assert args.timeout < probe["timeoutSeconds"], kind
+    (port,) = one(objects, "Service", "grace-serving")["spec"]["ports"]
+    assert "appProtocol" not in port
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_container_is_locked_down(rendered, overlay):
     spec = pod_spec(rendered[overlay])
     pod = spec["securityContext"]

@@ -355,11 +355,15 @@ def test_dashboard_shows_what_the_issue_asks_for() -> None:
 @pytest.fixture(scope="module")
 def live_samples(tmp_path_factory: pytest.TempPathFactory) -> list:
     """Every sample on /metrics of the tiny demo server after a few Retrieve calls (and
-    one refused), so histograms and counters carry samples."""
+    one refused), so histograms and counters carry samples; the server is worker 0 of a
+    supervisor's board, so the workers' series are there too."""
+    import multiprocessing
+
     from prometheus_client.parser import text_string_to_metric_families
 
     from cli.query import request_for_user
     from service.app import start
+    from service.board import Board
     from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
     from tests.helpers.serving import make_serving_data, serving_settings
 
@@ -367,7 +371,8 @@ def live_samples(tmp_path_factory: pytest.TempPathFactory) -> list:
     settings = serving_settings(root)
 
     async def main() -> str:
-        app = await start(settings)
+        board = Board(multiprocessing.get_context("spawn"), 1, 5.0)
+        app = await start(settings, placed=(0, "cpu"), board=board)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
                 stub = retrieval_pb2_grpc.AdRetrievalStub(ch)

@@ -76,12 +76,14 @@ def test_least_in_flight_then_in_turn() -> None:
     assert [front.pick() for _ in range(4)] == [1, 2, 1, 2]
     front.inflight = [0, 3, 0]
     assert {front.pick(), front.pick()} == {0, 2}
-    front.mark_down(0)  # the supervisor saw worker 0 exit: the busier live one is picked
+    front.down.add(0)  # the supervisor saw worker 0 exit: the busier live one is picked
     assert [front.pick() for _ in range(2)] == [2, 2]
-    front.mark_down(2)
+    front.down.add(2)
     assert front.pick() == 1
-    front.mark_down(1)  # none left up: pick among all rather than fail here
+    front.down.add(1)  # none left up: pick among all rather than fail here
     assert front.pick() in (0, 2)
+    front.down.discard(0)  # a retry goes to another worker than the one that failed it
+    assert front.pick(not_this=0) == 2 and front.pick() == 0
 
 
 def test_only_the_callers_own_metadata_is_passed_on() -> None:

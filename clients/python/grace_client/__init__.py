@@ -15,7 +15,7 @@ generated stubs of proto/grace/v1/retrieval.proto). It never imports the service
 from __future__ import annotations
 
 from grace_client.aio import AsyncGraceClient
-from grace_client.client import GraceClient, ServingStatus
+from grace_client.client import GraceClient, ServingStatus, tls_credentials
 from grace_client.errors import RETRYABLE, GraceError, InvalidRequestError
 from grace_client.request import RequestFields, build_request
 from grace_client.retry import Backoff
@@ -34,4 +34,5 @@ __all__ = [
     "build_request",
     "retrieval_pb2",
     "retrieval_pb2_grpc",
+    "tls_credentials",
 ]

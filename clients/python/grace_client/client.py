@@ -14,6 +14,7 @@ import enum
 import random
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Unpack
 
 import grpc
@@ -38,13 +39,27 @@ class ServingStatus(enum.Enum):
     SERVICE_UNKNOWN = 3
 
 
+def tls_credentials(
+    ca: str | Path | None = None, cert: str | Path | None = None, key: str | Path | None = None
+) -> grpc.ChannelCredentials:
+    """TLS credentials from PEM files, for `credentials=`: `ca` the roots the server's
+    certificate must chain to (default: grpc's public roots); `cert` and `key` this
+    client's own, for a server that asks for mutual TLS (both or neither)."""
+    if (cert is None) != (key is None):
+        raise ValueError("a client certificate and its key go together: give both or neither")
+    roots, chain, private = (None if p is None else Path(p).read_bytes() for p in (ca, cert, key))
+    return grpc.ssl_channel_credentials(roots, private, chain)
+
+
 def make_channel(
     target: str,
     credentials: grpc.ChannelCredentials | None,
     options: Sequence[tuple[str, Any]],
     aio: bool = False,
 ) -> Any:
-    """An insecure channel, or a TLS one when `credentials` are given."""
+    """An insecure channel, or a TLS one when `credentials` are given (`tls_credentials`;
+    `("grpc.ssl_target_name_override", name)` in `options` when the server's certificate
+    names another host than the target)."""
     module = grpc.aio if aio else grpc
     if credentials is None:
         return module.insecure_channel(target, options=options)
@@ -96,7 +111,8 @@ class GraceClient(ClientCore):
 
     `timeout` is each call's budget in seconds, retries included (None: no deadline);
     `retries` how many times an UNAVAILABLE answer, or a RESOURCE_EXHAUSTED with a
-    RetryInfo, is retried, after `backoff` or the server's RetryInfo delay. Use it as a
+    RetryInfo, is retried, after `backoff` or the server's RetryInfo delay; `credentials`
+    make the channel TLS (`tls_credentials(ca, cert, key)`), else plain text. Use it as a
     context manager, or `close()` it: the channel is the client's. Thread-safe, like the
     channel under it.
     """
