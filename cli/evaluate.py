@@ -59,20 +59,20 @@ def _eval(args: argparse.Namespace) -> int:
     users = sample_users(world.n_users, args.users, args.seed)
     beams = tuple(args.beams) if args.beams else loaded.config.beams
     scorings = list(dict.fromkeys(args.scoring))
+    suffix = {s: "" if s == "masked" else f"_{s}" for s in scorings}  # of variant names
+    filters = ((FilterMode.CD_ONLY, "cd_only"), (FilterMode.CD_GTM, "cd_gtm"))
     variants = []
     for scoring in scorings:  # the first variant (cd_only, first scoring) is the base
-        suffix = "" if scoring == "masked" else f"_{scoring}"
-        variants += [Variant(f"cd_only{suffix}", arrays, FilterMode.CD_ONLY, scoring),
-                     Variant(f"cd_gtm{suffix}", arrays, FilterMode.CD_GTM, scoring)]  # fmt: skip
-    for spec in filter(None, (args.kway or "").split("+")):  # in the first scoring
+        for mode, name in filters:
+            variants.append(Variant(f"{name}{suffix[scoring]}", arrays, mode, scoring))
+    first = scorings[0]  # the k-way and FP8 variants' scoring
+    for spec in filter(None, (args.kway or "").split("+")):
         kway = KwaySpec.parse(spec)
-        suffix = "" if scorings[0] == "masked" else f"_{scorings[0]}"
-        variants.append(Variant(f"{kway.mode}_kway{suffix}", with_partitions(arrays, kway),
-                                FilterMode.CD_GTM_KWAY, scorings[0]))  # fmt: skip
-    if args.fp8:  # the same two filters in FP8, in the first scoring
-        suffix = "" if scorings[0] == "masked" else f"_{scorings[0]}"
-        for mode, name in ((FilterMode.CD_ONLY, "cd_only"), (FilterMode.CD_GTM, "cd_gtm")):
-            variants.append(Variant(f"{name}{suffix}_fp8", arrays, mode, scorings[0], fp8=True))
+        variants.append(Variant(f"{kway.mode}_kway{suffix[first]}", with_partitions(arrays, kway),
+                                FilterMode.CD_GTM_KWAY, first))  # fmt: skip
+    if args.fp8:  # the same two filters in FP8
+        for mode, name in filters:
+            variants.append(Variant(f"{name}{suffix[first]}_fp8", arrays, mode, first, fp8=True))
     rows = run_study(loaded.model, examples, variants, users, beams, tuple(args.k),
                      fixed=tuple(args.fixed), device=args.device, resamples=args.resamples,
                      seed=args.seed, progress=show_progress(args))  # fmt: skip

@@ -3,13 +3,11 @@
 The index builder writes with `write_index_dir`; the server (into private memory,
 checksumming the bytes it serves: `npy_private.py`) and `grace validate-index`
 (memory-mapped) read with `read_index_dir`; nothing else touches the files. A version
-directory holds `manifest.json` and one `.npy` per array (the dataclasses below;
-docs/FORMAT.md §3 describes each). The manifest carries the format version, index
-version, creation time, counts, the targeting schema, the SID tokenizer fingerprint, the
-partition (k-way) settings and a sha256 of every array file; `read_manifest` checks the
-type of every key it hands on. Readers accept every format version up to `FORMAT_VERSION`
-and refuse newer ones. One writer/reader pair in one module, by design (FAISS's rule): it
-runs past the house's ~300 lines rather than split the format across files.
+directory holds `manifest.json` (every key checked by `read_manifest`) and one `.npy` per
+array (the dataclasses below); docs/FORMAT.md §3 describes each key and array. Readers
+accept every format version up to `FORMAT_VERSION` and refuse newer ones. One
+writer/reader pair in one module, by design (FAISS's rule): it runs past the house's ~300
+lines rather than split the format across files.
 """
 
 from __future__ import annotations

@@ -17,14 +17,10 @@ class FilterMode(enum.IntEnum):
     CD_GTM_KWAY = 3  # CD_GTM with the index's k-way partitioned matchers
 
 
-# How a decode step scores an allowed token (kernels/gtm_mask.py `candidates`; the
-# `scoring` server setting, `DecodeEngine(scoring=...)`, `OfflineRetriever(scoring=...)`):
-#   "masked"   (the default) the log-softmax over the tokens the step's mask allows: the
-#              allowed children's probabilities are renormalised to sum to 1, so a prefix
-#              with few eligible children keeps most of its mass;
-#   "unmasked" the model's own log-softmax over the whole vocabulary row, barred tokens
-#              still −inf: a SID scores its model log-probability whatever the mask, so
-#              CD_ONLY and CD_GTM give one SID the same score.
+# How a decode step scores an allowed token (kernels/gtm_mask.py `candidates`; the server's
+# `scoring` setting, docs/SERVICE.md): "masked" (the default), the log-softmax over the
+# tokens the step's mask allows; "unmasked", the model's own over the whole vocabulary row,
+# barred tokens still −inf, so CD_ONLY and CD_GTM give one SID the same score.
 Scoring = Literal["masked", "unmasked"]
 SCORINGS: tuple[Scoring, ...] = get_args(Scoring)
 

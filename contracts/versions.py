@@ -8,12 +8,9 @@ index builder, `grace publish-model`) and the server that follows it (docs/ARCHI
     <root>/.tmp-*                versions being written (never visible as CURRENT)
     <root>/.lock                 held by the one writer (flock)
 
-`publish_version` writes a new version into a temp dir, runs the caller's `check` on it
-(a failure removes it and changes nothing), marks it valid, renames it into place, moves
-`CURRENT` and prunes, keeping the newest `keep` versions known valid; a crash at any point
-leaves `CURRENT` naming the previous complete version, and a failure (a full disk
-included: `DiskFullError`) leaves no new version behind (every step: docs/FORMAT.md §3,
-"Publishing"). Version names sort by publication time (`new_version_name`).
+`publish_version` publishes one version (every step: docs/FORMAT.md §3, "Publishing"): a
+crash at any point leaves `CURRENT` naming the previous complete version, and a failure (a
+full disk included: `DiskFullError`) leaves no new version behind.
 """
 
 from __future__ import annotations
@@ -177,10 +174,10 @@ def publish_version(
     is_valid: Callable[[Path, str], bool | None],
     what: str = "publisher",
 ) -> str:
-    """Publish a new version as the module docstring says; returns its name.
-    `write(tmp_dir, version)` fills the empty directory, its `complete` file last;
-    `check(tmp_dir, version)`, when given, raises if the version must not serve (an error
-    of either propagates, nothing changed); `is_valid` is `prune`'s."""
+    """Publish a new version, checked, marked valid, renamed into place, named by `CURRENT`,
+    then prune; returns its name. `write(tmp_dir, version)` fills the empty directory, its
+    `complete` file last; `check(tmp_dir, version)`, when given, raises if the version must
+    not serve (an error of either propagates, nothing changed); `is_valid` is `prune`'s."""
     if keep < 1:
         raise ValueError("keep must be >= 1")
     root = Path(root)

@@ -23,7 +23,7 @@ from index_builder import parallel
 from index_builder.catalog import Catalog, catalog_fingerprint, read_catalog
 from index_builder.kway import KwaySpec, build_partitions
 from index_builder.publish import publish
-from index_builder.trie import build_trie, sid_keys, storage_stats
+from index_builder.trie import build_trie, storage_stats
 
 if TYPE_CHECKING:
     from index_builder.tokenizer import SIDTokenizer
@@ -91,8 +91,8 @@ def assign_sids(
 
 
 def _sorted_catalog(catalog: Catalog, order: np.ndarray, workers: int) -> Catalog:
-    """`catalog.take(order)` for a permutation, gathered by `workers` threads, without the
-    embeddings (the build needs none once SIDs exist)."""
+    """The catalog's rows in the order of the permutation `order`, gathered by `workers`
+    threads, without the embeddings (the build needs none once SIDs exist)."""
     offsets, flat = parallel.take_segments(catalog.loc_offsets, order)
     return Catalog(
         ad_id=parallel.take(catalog.ad_id, order, workers),
@@ -135,7 +135,8 @@ def build_arrays(
     workers = parallel.default_workers() if workers is None else workers
     t = time.perf_counter()
     # ads sorted by SID, ties in catalog order (a stable sort)
-    order = parallel.stable_argsort(sid_keys(sids), SID_LENGTH * (VOCAB_SIZE - 1).bit_length())
+    keys = parallel.digit_keys(sids, VOCAB_SIZE)
+    order = parallel.stable_argsort(keys, SID_LENGTH * (VOCAB_SIZE - 1).bit_length())
     cat, sids = _sorted_catalog(catalog, order, workers), parallel.take(sids, order, workers)
     del order
     ad_bloom = _ad_blooms(cat, workers)

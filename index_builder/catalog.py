@@ -31,7 +31,6 @@ from index_builder.catalog_columns import (
 )
 from index_builder.catalog_files import LIST_FIELDS, SID_LEVELS, CatalogError, Source
 from index_builder.catalog_parts import catalog_files, read_parts
-from index_builder.parallel import take_segments
 
 log = logging.getLogger("grace.catalog")
 
@@ -64,27 +63,6 @@ class Catalog:
     @property
     def has_sid(self) -> np.ndarray:  # bool [N]
         return self.sid[:, 0] >= 0
-
-    def take(self, order: np.ndarray) -> Catalog:
-        """Rows `order` (int indices, each at most once, or a bool mask) in that order;
-        the location vocabulary is kept as is."""
-        order = np.asarray(order)
-        order = np.flatnonzero(order) if order.dtype == bool else order.astype(np.int64)
-        if len(order) and (order.min() < 0 or order.max() >= self.n):
-            raise IndexError(f"take: indices must lie in [0, {self.n})")
-        if np.bincount(order, minlength=self.n).max(initial=0) > 1:
-            raise ValueError("take: repeated rows would duplicate ad ids")
-        offsets, flat = take_segments(self.loc_offsets, order)
-        return Catalog(
-            ad_id=self.ad_id[order],
-            sid=self.sid[order],
-            embedding=None if self.embedding is None else self.embedding[order],
-            bitmask=self.bitmask[order],
-            loc_offsets=offsets,
-            loc_ids=self.loc_ids[flat],
-            locations=self.locations,
-            source=self.source,
-        )
 
 
 def read_catalog(path: Path | str, *, progress: bool = True) -> Catalog:

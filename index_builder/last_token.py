@@ -1,16 +1,9 @@
-"""The last SID token: RQ codes → full SIDs and their `CollisionReport` (docs/TOKENIZER.md).
+"""The last SID token: RQ codes → full SIDs and their `CollisionReport` (docs/TOKENIZER.md,
+"Last token: rank or code", says how each mode picks it and what it counts).
 
 `SIDTokenizer.assign` (the RQ codes, the checked `reserved` SIDs) → **`complete_sids`**
-("rank" mode) or **`code_sids`** ("code" mode) → full SIDs for build.py.
-
-"rank": the ads that share a prefix are ranked by the norm of their final residual, then
-by input order, and the rank picks the token (TIGER). Tokens held by reserved SIDs are
-skipped while the prefix has room; a prefix with more ads than codes wraps (rank mod
-codebook_size), so several ads share a full SID, which `CollisionReport` counts.
-
-"code": the last token is the last of `levels + 1` RQ codes, so the SID is the codes as
-they are; ads with near-identical embeddings share it, and `CollisionReport` counts them
-(with the number of distinct SIDs and the largest SID group).
+("rank" mode: the rank inside the prefix, TIGER's) or **`code_sids`** ("code" mode: the
+last of `levels + 1` RQ codes) → full SIDs for build.py.
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from index_builder.parallel import float_sort_bits, stable_argsort
+from index_builder.parallel import digit_keys, float_sort_bits, stable_argsort
 
 
 @dataclass(frozen=True)
@@ -52,15 +45,15 @@ def complete_sids(
 ) -> tuple[np.ndarray, CollisionReport]:
     """int32 [N, levels + 1] full SIDs, in input order, and the catalog's collisions."""
     levels = prefix.shape[1]
-    key = _prefix_key(prefix, k)  # [N] int64
-    taken_key = _prefix_key(taken[:, :levels], k)  # [M] int64
+    key = digit_keys(prefix, k)  # [N] int64
+    taken_key = digit_keys(taken[:, :levels], k)  # [M] int64
     taken_token = taken[:, levels]
     # Group by prefix; inside a group by residual norm, then input order.
     order = _rank_order(key, residual_norm, (k**levels - 1).bit_length())
     sorted_key = key[order]
     first = np.r_[True, sorted_key[1:] != sorted_key[:-1]]
     rank = np.arange(len(key)) - np.maximum.accumulate(np.where(first, np.arange(len(key)), 0))
-    token = rank % k
+    token = rank % k  # a prefix with more ads than codes wraps: its ads share SIDs
     if len(taken):
         token = _skip_taken(sorted_key, rank, taken_key, taken_token, k, token)
     sids = np.empty((len(key), levels + 1), np.int32)
@@ -83,18 +76,10 @@ def code_sids(
     """SIDs of "code" mode: the codes as they are (int32 [N, levels + 1], input order);
     `taken` changes none of them and only enters the catalog's `CollisionReport`."""
     levels = codes.shape[1] - 1
-    sid_key = np.concatenate([_prefix_key(codes, k), _prefix_key(taken, k)])
+    sid_key = np.concatenate([digit_keys(codes, k), digit_keys(taken, k)])
     last = np.concatenate([codes[:, levels], taken[:, levels]])
     report = _collisions(sid_key // k, last, k, count_sids=True)
     return np.ascontiguousarray(codes, dtype=np.int32), report
-
-
-def _prefix_key(prefix: np.ndarray, k: int) -> np.ndarray:
-    """int64 [N]: prefix [N, l] read as a base-k number (sorts like the tuple)."""
-    key = np.zeros(len(prefix), np.int64)
-    for level in range(prefix.shape[1]):
-        key = key * k + prefix[:, level]
-    return key
 
 
 def _skip_taken(

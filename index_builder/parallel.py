@@ -36,11 +36,9 @@ def even_cuts(n: int, parts: int) -> list[int]:
     return [n * i // parts for i in range(parts + 1)]
 
 
-def ranges(n: int, workers: int, min_rows: int | None = None) -> list[tuple[int, int]]:
-    """[lo, hi) row ranges covering [0, n): one per worker, none under `min_rows` rows
-    (default `MIN_ROWS_PER_TASK`)."""
-    min_rows = MIN_ROWS_PER_TASK if min_rows is None else min_rows
-    parts = max(1, min(workers, n // max(1, min_rows)))
+def ranges(n: int, workers: int) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges covering [0, n): one per worker, none under MIN_ROWS_PER_TASK."""
+    parts = max(1, min(workers, n // MIN_ROWS_PER_TASK))
     return list(itertools.pairwise(even_cuts(n, parts)))
 
 
@@ -87,6 +85,15 @@ def or_reduceat(rows: np.ndarray, starts: np.ndarray, workers: int) -> np.ndarra
 
     run(part, ranges(len(starts), workers), workers)
     return out
+
+
+def digit_keys(digits: np.ndarray, base: int) -> np.ndarray:
+    """int64 [n]: the rows of int digits [n, l] read as base-`base` numbers, which sort like
+    the rows (SIDs and SID prefixes)."""
+    keys = np.zeros(len(digits), dtype=np.int64)
+    for column in range(digits.shape[1]):
+        keys = keys * base + digits[:, column].astype(np.int64)
+    return keys
 
 
 def stable_argsort(keys: np.ndarray, key_bits: int) -> np.ndarray:

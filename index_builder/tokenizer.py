@@ -89,15 +89,6 @@ class SIDTokenizer:
         last, in either mode)."""
         return self._encode(embeddings, device, workers, self.config.levels)[0]
 
-    def reconstruct(self, prefix: np.ndarray) -> np.ndarray:
-        """float32 [N, dim]: the sum of the codes a prefix [N, l <= rq_levels] names (in
-        "code" mode a full SID is such a prefix)."""
-        prefix = np.asarray(prefix)
-        out = np.zeros((len(prefix), self.dim), np.float32)
-        for level in range(prefix.shape[1]):
-            out += self.codebooks[level][prefix[:, level]]
-        return out
-
     def assign(
         self,
         embeddings: np.ndarray,  # [N, dim] float

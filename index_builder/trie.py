@@ -31,14 +31,6 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def sid_keys(sids: np.ndarray) -> np.ndarray:
-    """Pack SIDs [N, 4] into sortable int64 keys (9 bits a token)."""
-    keys = np.zeros(len(sids), dtype=np.int64)
-    for t in range(SID_LENGTH):
-        keys = keys * VOCAB_SIZE + sids[:, t].astype(np.int64)
-    return keys
-
-
 def _row_hash(rows: np.ndarray, workers: int) -> np.ndarray:
     """uint64 [n]: one splitmix64-chained hash per row of a uint64 [n, W] table."""
     h = np.empty(len(rows), dtype=np.uint64)
@@ -138,7 +130,7 @@ def build_trie(
     n = len(sids)
     if n == 0:
         raise ValueError("cannot build a trie from an empty catalog")
-    keys = sid_keys(sids)
+    keys = parallel.digit_keys(sids, VOCAB_SIZE)
     if np.any(keys[1:] < keys[:-1]):
         raise ValueError("ads must be sorted by SID before building the trie")
     leaf_first_ad = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))

@@ -2,10 +2,13 @@
 which FP8-emitting kernels share (`_triton_layer_norm` and `_triton_self_attention` with
 FP8_OUT, `_triton_fp8_ffn` per 128 columns) on the fp32 rows they hold, and
 `triton_quantize_rows`, one pass over a tensor no kernel emits in FP8 (the cross-attention
-output): the numbers of `kernels.fp8.quantize_rows_reference`.
+output): the numbers of `kernels.fp8.quantize_rows_reference`. Its configs and grid, `ROWS`
+whole rows a program, are the LayerNorm kernel's too.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -40,13 +43,17 @@ def empty_fp8_rows(r: int, k: int, device: torch.device) -> tuple[torch.Tensor, 
     return q, torch.empty((r, 1), dtype=torch.float32, device=device)
 
 
-def _configs() -> list[triton.Config]:
+def row_configs() -> list[triton.Config]:
     if not AUTOTUNE:
         return [triton.Config({"ROWS": 2}, num_warps=4)]
     return [triton.Config({"ROWS": rows}, num_warps=w) for rows in (1, 2, 4, 8) for w in (2, 4, 8)]
 
 
-@triton.autotune(configs=_configs(), key=["K"])
+def row_grid(r: int) -> Callable[[dict], tuple[int]]:
+    return lambda meta: (triton.cdiv(r, meta["ROWS"]),)
+
+
+@triton.autotune(configs=row_configs(), key=["K"])
 @triton.jit
 def _quantize_kernel(
     x_ptr,  # [R, K], last dim contiguous
@@ -77,9 +84,6 @@ def triton_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale = empty_fp8_rows(r, k, x.device)
     if r == 0:
         return q, scale
-
-    def grid(meta: dict) -> tuple[int]:
-        return (triton.cdiv(r, meta["ROWS"]),)
-
-    _quantize_kernel[grid](x, q, scale, r, x.stride(0), K=k, BLOCK_K=triton.next_power_of_2(k))
+    block_k = triton.next_power_of_2(k)
+    _quantize_kernel[row_grid(r)](x, q, scale, r, x.stride(0), K=k, BLOCK_K=block_k)
     return q, scale

@@ -14,19 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_fp8 import empty_fp8_rows, quantize_rows_fp8
-from kernels._tuning import AUTOTUNE
+from kernels._triton_fp8 import empty_fp8_rows, quantize_rows_fp8, row_configs, row_grid
 
 MAX_D = 16384  # one row in one block
 
 
-def _configs() -> list[triton.Config]:
-    if not AUTOTUNE:
-        return [triton.Config({"ROWS": 2}, num_warps=4)]
-    return [triton.Config({"ROWS": rows}, num_warps=w) for rows in (1, 2, 4, 8) for w in (2, 4, 8)]
-
-
-@triton.autotune(configs=_configs(), key=["D", "HAS_SHIFT", "HAS_RES", "STORE_SUM", "FP8_OUT"])
+@triton.autotune(configs=row_configs(), key=["D", "HAS_SHIFT", "HAS_RES", "STORE_SUM", "FP8_OUT"])
 @triton.jit
 def _layer_norm_kernel(
     x_ptr,  # [R, D], last dim contiguous
@@ -130,11 +123,7 @@ def _launch(
     if r == 0:
         return
     block_d = triton.next_power_of_2(d)
-
-    def grid(meta: dict) -> tuple[int]:
-        return (triton.cdiv(r, meta["ROWS"]),)
-
-    _layer_norm_kernel[grid](
+    _layer_norm_kernel[row_grid(r)](
         x, residual if residual is not None else x, total if total is not None else x,
         shift if shift is not None else weight, weight, bias, y,
         scale if scale is not None else weight, r, x.stride(0),

@@ -2,7 +2,7 @@
 default) or run each kernel's fixed default config (`GRACE_AUTOTUNE=0`: the tests, so a GPU
 run does not benchmark every config at every awkward shape; `grace train` and `grace eval`,
 `cli/common.py::offline_kernels`), whether Triton's interpreter runs them (both read once,
-at import), and the Hopper limits the persistent kernels size their grids and tiles by.
+at import), and the size of a persistent kernel's grid.
 """
 
 import functools
@@ -12,11 +12,6 @@ import torch
 
 AUTOTUNE = os.environ.get("GRACE_AUTOTUNE", "1") != "0"
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # CPU tensors, tests
-
-# one H100/H200 SM: 228 KiB of shared memory (227 KiB at most for one block, 1 KiB of
-# each block reserved by the driver)
-SM_SMEM_BYTES = 228 * 1024
-BLOCK_SMEM_BYTES = 227 * 1024
 CPU_PROGRAMS = 3  # the interpreter's "SM count": few programs, each walks several tiles
 
 

@@ -1,24 +1,12 @@
-"""FP8 (e4m3) linear layers for the decoder step (pipeline stage 3; docs/FP8.md): the GEMMs
-and `Fp8Linear`, the layer a model's `nn.Linear` becomes once at load
-(`service/model/precision.py`), which `service/decode/fp8_step.py` runs.
-
-    weight [N, K] ── once, at load ──► `Fp8Weight`: e4m3 [N, K] + fp32 scale per output
-                                       channel (its row's amax / 448)
-    activation [R, K] ── per call ───► e4m3 [R, K] + fp32 scale per row (`quantize_rows`)
-    `torch._scaled_mm` (rowwise scales) ─► [R, N] in bf16 (or the asked dtype)
-
-x ≈ q · scale row by row, with q = x · (1 / scale) rounded to nearest-even on the e4m3 grid and
-clamped to ±448 (e4m3's largest finite value), so no value saturates to NaN; a row of
-zeros gets scale 1. The LayerNorm and self-attention kernels quantise their own output the
-same way, so most projections read FP8 straight from them (`fp8_gemm`); the
-cross-attention output is quantised in a pass of its own (`fp8_matmul`). The same
-`torch._scaled_mm` call runs on CPU (the numerics CI checks) and on CUDA (cuBLASLt); a K
-or N that cuBLASLt refuses takes the same quantised numbers multiplied in fp32.
-
-The FFN's down projection reads one scale per row and 128 columns, which the up GEMM's
-epilogue writes (`kernels.fp8_ffn`): `quantize_row_blocks` is that layout's reference,
-`Fp8BlockWeight` the down weight with one scale per 128 x 128 block, and `block_fp8_gemm`
-their product (cuBLASLt's block-scaled GEMM on CUDA).
+"""FP8 (e4m3) linear layers for the decoder step (pipeline stage 3; docs/FP8.md, "What runs
+in FP8", states the numbers): the GEMMs and `Fp8Linear`, the layer a model's `nn.Linear`
+becomes once at load (`service/model/precision.py`), which `service/decode/fp8_step.py`
+runs. Weights carry one fp32 scale per output channel (`Fp8Weight`) or, for the FFN down
+projection, per 128 x 128 block (`Fp8BlockWeight`); activations one per row
+(`quantize_rows`; the LayerNorm and self-attention kernels write theirs, read by
+`fp8_gemm`) or per row and 128 columns (`quantize_row_blocks`: the layout the FFN's up
+kernel writes, `kernels.fp8_ffn`). The same `torch._scaled_mm` call runs on CPU (the
+numerics CI checks) and on CUDA (cuBLASLt).
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 (`service/decode/step.py`, pipeline stage 3). On CUDA (no autograd, 2-D input) one
 cuBLASLt matmul with the bias + tanh-GELU epilogue (`torch._addmm_activation`); anywhere
 else the reference, `F.gelu(F.linear(x, W, b), approximate="tanh")`, so CPU serving and
-odd layouts stay correct. A Triton GEMM with the same epilogue measured slower and was
-retired (CHANGELOG.md, "Retired").
+odd layouts stay correct.
 """
 
 from __future__ import annotations

@@ -10,30 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 
-from contracts.targeting import Targeting
+from index_builder.synth.world import UserHistories
 from service.model.config import ModelConfig
 from service.model.features import FeatureBatch, SidLookup, UserFeatures, prepare_features
-
-
-class Histories(Protocol):
-    """Users, their time-ordered histories and held-out events (`World`, `UserData`)."""
-
-    user_ids: np.ndarray  # int64 [U]
-    targeting: tuple[Targeting, ...]  # [U]
-    history_offsets: np.ndarray  # int64 [U+1]
-    history_ad_ids: np.ndarray  # int64 [E]
-    heldout_ad_ids: np.ndarray  # int64 [U]; -1: the user has no held-out event
-    heldout_ts: np.ndarray  # int64 [U]
-
-    @property
-    def n_users(self) -> int: ...
-
-    def history(self, u: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
 
 @dataclass(frozen=True)
@@ -47,7 +30,7 @@ class Batch:
 class Examples:
     """Index of (user, event) training pairs of a world, with SIDs from one index."""
 
-    def __init__(self, world: Histories, lookup: SidLookup, config: ModelConfig) -> None:
+    def __init__(self, world: UserHistories, lookup: SidLookup, config: ModelConfig) -> None:
         self.world, self.lookup, self.config = world, lookup, config
         off = world.history_offsets
         lengths = np.diff(off)

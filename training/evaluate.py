@@ -12,20 +12,19 @@ import numpy as np
 
 from contracts.request import FilterMode
 from contracts.targeting import exact_eligible, request_bitmask
+from index_builder.synth.world import UserHistories
 from service.index.loaded import LoadedIndex
 from service.model.retriever import GenerativeRetriever
 from service.post.expand import location_rows
-from training.data import Examples, Histories
+from training.data import Examples
 from training.offline import OfflineRetriever
+from training.user_data import positions
 
 
-def popularity_ranking(world: Histories, ad_ids: np.ndarray) -> np.ndarray:
+def popularity_ranking(world: UserHistories, ad_ids: np.ndarray) -> np.ndarray:
     """Positions into `ad_ids`, most frequent in the histories first (ties: by ad id)."""
-    order = np.argsort(ad_ids)
-    pos = np.searchsorted(ad_ids[order], world.history_ad_ids)
-    pos = np.minimum(pos, len(ad_ids) - 1)
-    hit = ad_ids[order][pos] == world.history_ad_ids
-    counts = np.bincount(order[pos[hit]], minlength=len(ad_ids))
+    pos = positions(ad_ids, world.history_ad_ids)
+    counts = np.bincount(pos[pos >= 0], minlength=len(ad_ids))
     return np.lexsort((ad_ids, -counts))
 
 
@@ -36,11 +35,9 @@ def recall_at_k(
     users: np.ndarray,
     ks: Sequence[int],
     beams: tuple[int, ...],
-    *,
-    mode: FilterMode = FilterMode.CD_GTM,
     batch_size: int = 16,
 ) -> dict[str, float]:
-    """Recall@K of the model and of eligible-popularity on the users' held-out events."""
+    """Recall@K of the model (CD+GTM) and of eligible-popularity on held-out events."""
     ads = index.arrays.ads
     ranking = popularity_ranking(examples.world, ads.ad_ids)
     ranked_bitmask = ads.ad_bitmask[ranking]
@@ -51,7 +48,7 @@ def recall_at_k(
     for s in range(0, len(users), batch_size):
         batch = examples.heldout(users[s : s + batch_size])
         targeting = [examples.world.targeting[u] for u in batch.users.tolist()]
-        results = retriever.retrieve(batch.features, targeting, beams, mode, max(ks))
+        results = retriever.retrieve(batch.features, targeting, beams, FilterMode.CD_GTM, max(ks))
         for res, t, target in zip(results, targeting, batch.target_ad.tolist(), strict=True):
             returned += len(res.ad_ids)
             rank = np.flatnonzero(res.ad_ids == target)

@@ -8,8 +8,7 @@ reports when no bar is shown.
         ─► `ProgressLog` lines (step, loss, steps/s, ETA) each tenth of the run
 
 A batch's features are built in Python and numpy, time a GPU would otherwise idle, so the
-next is built while the previous step runs. fp32 is the default: bf16 autocast ran slower
-(docs/MODEL.md, "Training").
+next is built while the previous step runs.
 """
 
 from __future__ import annotations
@@ -17,10 +16,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import queue
-import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 if TYPE_CHECKING:
@@ -58,40 +57,17 @@ def prefetch(items: Iterable[X], make: Callable[[X], Y], depth: int = 2) -> Iter
     """`make(item)` for each item, in order, computed on a background thread up to `depth`
     items ahead of the consumer. An exception in `make` is raised here, at its item; when
     the consumer stops early (break, exception, close) the thread stops too."""
-    ready: queue.Queue[tuple[bool, object]] = queue.Queue(depth)
-    stop = threading.Event()
-    end = object()
-
-    def put(entry: tuple[bool, object]) -> bool:
-        while not stop.is_set():  # the consumer may be gone: never block for good
-            with contextlib.suppress(queue.Full):
-                ready.put(entry, timeout=0.05)
-                return True
-        return False
-
-    def work() -> None:
-        try:
-            for item in items:
-                if not put((True, make(item))):
-                    return
-            put((True, end))
-        except BaseException as e:  # handed to the consumer, raised there
-            put((False, e))
-
-    thread = threading.Thread(target=work, name="grace-train-batches", daemon=True)
-    thread.start()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="grace-train-batches")
+    ahead: deque[Future[Y]] = deque()
     try:
-        while True:
-            ok, value = ready.get()
-            if not ok:
-                assert isinstance(value, BaseException)
-                raise value
-            if value is end:
-                return
-            yield value  # type: ignore[misc]
+        for item in items:
+            ahead.append(pool.submit(make, item))
+            if len(ahead) > depth:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
     finally:
-        stop.set()
-        thread.join()
+        pool.shutdown(cancel_futures=True)  # waits for the one `make` running, if any
 
 
 def cosine_lr(step: int, total: int, lr: float, warmup_steps: int) -> float:

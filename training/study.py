@@ -1,14 +1,11 @@
 """`grace eval`: the paper's effectiveness study (§6, Table 3) on a synthetic world, plus
 retrieval quality, a comparison at a fixed number of generated ads and the scoring question
-(docs/EVALUATION.md: the study and its report). Each `Variant` (a filter mode, a scoring,
-FP8 or not) decodes every evaluated user's request with the same model, beams and index
-(`training/offline.py`); the generated SIDs are expanded to ads in score order and each ad
-is checked exactly: bitmask pass (country/age/gender), Bloom pass (its Bloom row contains a
-request location: the paper's conservative test), location pass (its exact location rule:
-our post stage's test) and final pass (bitmask ∧ exact location). The report pools the
-per-user counts overall and per bucket of ads generated, with recall@K / NDCG@K of the
-held-out next interaction and bootstrap intervals (`training/study_stats.py`);
-`training/study_plots.py` draws it.
+(docs/EVALUATION.md: the study, its variants and its report). Each `Variant` decodes every
+evaluated user's request with the same model, beams and index (`training/offline.py`); the
+generated SIDs are expanded to ads in score order and each ad is checked exactly (`CHECKS`:
+bitmask, Bloom — the paper's conservative test —, exact location, and final: bitmask and
+location). The report pools the per-user counts, with bootstrap intervals
+(`training/study_stats.py`); `training/study_plots.py` draws it.
 """
 
 from __future__ import annotations

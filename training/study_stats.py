@@ -36,14 +36,12 @@ def resample_indices(n: int, resamples: int = RESAMPLES, seed: int = 0) -> np.nd
     return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
 
 
-def interval(
-    per_user: np.ndarray, draws: np.ndarray, confidence: float = CONFIDENCE
-) -> dict[str, float]:
-    """The mean of `per_user` and its percentile-bootstrap interval over `draws`."""
+def interval(per_user: np.ndarray, draws: np.ndarray) -> dict[str, float]:
+    """The mean of `per_user` and its CONFIDENCE percentile-bootstrap interval over `draws`."""
     if len(per_user) == 0:
         return {"mean": 0.0, "lo": 0.0, "hi": 0.0}
     means = per_user[draws].mean(axis=1)
-    tail = (1 - confidence) / 2 * 100
+    tail = (1 - CONFIDENCE) / 2 * 100
     lo, hi = np.percentile(means, [tail, 100 - tail])
     return {"mean": float(per_user.mean()), "lo": float(lo), "hi": float(hi)}
 

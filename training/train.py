@@ -34,12 +34,13 @@ from contracts.sid_space import LAST_TOKENS, LastToken
 from index_builder.build import assign_sids, build_arrays
 from index_builder.catalog import read_catalog
 from index_builder.synth import load_world
+from index_builder.synth.world import UserHistories
 from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
 from service.index.loaded import LoadedIndex
 from service.model.checkpoint import save_checkpoint
 from service.model.config import ModelConfig, profile
 from service.model.retriever import GenerativeRetriever
-from training.data import Batch, Examples, Histories
+from training.data import Batch, Examples
 from training.evaluate import recall_at_k
 from training.steps import (
     Diverged,
@@ -107,7 +108,7 @@ def prepare(
     progress: bool,
     sid_space: str | None = None,
     last_token: LastToken | None = None,
-) -> tuple[Histories, SIDTokenizer | None, IndexArrays]:
+) -> tuple[UserHistories, SIDTokenizer | None, IndexArrays]:
     """The users' histories, the SID tokenizer (kept in `work/tokenizer`; None for a named
     SID space: every catalog row carries its SID; trained with `last_token` when neither
     given nor kept: docs/TOKENIZER.md) and an in-memory index of the catalog."""
@@ -118,7 +119,7 @@ def prepare(
     catalog = read_catalog(catalog_path, progress=progress)
     log.info("catalog %s: %d ads read in %.1f s", catalog_path, len(catalog.ad_id),
              time.perf_counter() - t)  # fmt: skip
-    histories: Histories
+    histories: UserHistories
     if world is not None:
         histories = world
     else:

@@ -9,8 +9,8 @@ Files are Parquet, CSV or JSON Lines; bad rows raise `DataError` naming the file
 (0-based data row) and the field. Event types are read through an `EventMap`; events on
 ads or users the other files lack are dropped and counted (`UserData.dropped`), and too
 many of them refuse the data. The split is the `split` column where there is one, else
-leave-last-out. `UserData` has the shape of the synthetic world
-(`index_builder.synth.World`), so the training and evaluation code serve both alike.
+leave-last-out. `UserData` is a `UserHistories`, as the synthetic world is, so the
+training and evaluation code serve both alike.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -45,6 +44,7 @@ from contracts.targeting import (
     TargetingError,
     request_bitmask,
 )
+from index_builder.synth.world import UserHistories
 
 log = logging.getLogger("grace.user_data")
 
@@ -54,28 +54,12 @@ class DataError(ValueError):
 
 
 @dataclass(frozen=True)
-class UserData:
-    path: Path  # the interactions file
-    summary: dict[str, Any]
-    user_ids: np.ndarray  # int64 [U]
-    targeting: tuple[Targeting, ...]  # [U]
-    history_offsets: np.ndarray  # int64 [U+1]
-    history_ad_ids: np.ndarray  # int64 [E], time-ordered per user
-    history_types: np.ndarray  # int8 [E]
-    history_ts: np.ndarray  # int64 [E]
-    heldout_ad_ids: np.ndarray  # int64 [U]: the test event; -1 where a user has none
-    heldout_types: np.ndarray  # int8 [U]
-    heldout_ts: np.ndarray  # int64 [U]
+class UserData(UserHistories):
+    """A team's users and interactions (`path`: the interactions file); the held-out event
+    is each user's test event."""
+
     valid_index: np.ndarray  # int64 [U]: the validation event's position in the history; -1
     dropped: dict[str, int] = field(default_factory=dict)  # events dropped, by reason
-
-    @property
-    def n_users(self) -> int:
-        return len(self.user_ids)
-
-    def history(self, u: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        s = slice(self.history_offsets[u], self.history_offsets[u + 1])
-        return self.history_ad_ids[s], self.history_types[s], self.history_ts[s]
 
 
 def read_table(path: Path) -> pa.Table:
@@ -209,7 +193,7 @@ def read_user_data(
     n = len(uid)
     if n == 0:
         raise DataError(f"{interactions}: no events")
-    user_pos = _positions(user_ids, uid)
+    user_pos = positions(user_ids, uid)
     known_ad = np.isin(ad, ad_ids)
     dropped = {"unknown_user": int((user_pos < 0).sum()), "unknown_ad": int((~known_ad).sum())}
     keep = (user_pos >= 0) & known_ad
@@ -279,11 +263,11 @@ def _splits(arr: pa.Array | None, path: Path, n: int) -> np.ndarray:
     return out.astype(np.int8)
 
 
-def _positions(user_ids: np.ndarray, uid: np.ndarray) -> np.ndarray:
-    """Position of each event's user in `user_ids`; -1 for users it does not list."""
-    order = np.argsort(user_ids)
-    pos = np.minimum(np.searchsorted(user_ids[order], uid), len(user_ids) - 1)
-    found = user_ids[order][pos] == uid
+def positions(ids: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """int64: the position of each of `wanted` in `ids` (unique); -1 where it is absent."""
+    order = np.argsort(ids)
+    pos = np.minimum(np.searchsorted(ids[order], wanted), len(ids) - 1)
+    found = ids[order][pos] == wanted
     return np.where(found, order[pos], -1)
 
 

@@ -192,26 +192,22 @@ def _fresh_summary(fresh: np.ndarray, hist: Histories) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
-class World:
-    """A generated world, read back: users with their targeting, histories and held-out."""
+class UserHistories:
+    """Users with their targeting, time-ordered histories and held-out next events, as
+    training and evaluation read them: a generated `World`, or a team's own data
+    (`training.user_data.UserData`)."""
 
-    path: Path
-    summary: dict[str, Any]  # world.json
+    path: Path  # where they were read from
+    summary: dict[str, Any]
     user_ids: np.ndarray  # int64 [U]
     targeting: tuple[Targeting, ...]  # [U]: the request attributes of each user
     history_offsets: np.ndarray  # int64 [U+1]: user u's events are [off[u], off[u+1])
     history_ad_ids: np.ndarray  # int64 [E], time-ordered per user
     history_types: np.ndarray  # int8 [E]: 1 view, 2 click, 3 conversion
     history_ts: np.ndarray  # int64 [E]: timestamp_ms
-    heldout_ad_ids: np.ndarray  # int64 [U]: the next interaction after the history
+    heldout_ad_ids: np.ndarray  # int64 [U]: the next interaction; -1: the user has none
     heldout_types: np.ndarray  # int8 [U]
     heldout_ts: np.ndarray  # int64 [U]
-    # bool [U]: the held-out ad launched after the log (worlds with `fresh_share` > 0)
-    heldout_fresh: np.ndarray | None = None
-
-    @property
-    def catalog_parquet(self) -> Path:
-        return self.path / writer.CATALOG_PARQUET
 
     @property
     def n_users(self) -> int:
@@ -221,6 +217,18 @@ class World:
         """(ad_ids, types, timestamp_ms) of user position u, oldest first."""
         s = slice(self.history_offsets[u], self.history_offsets[u + 1])
         return self.history_ad_ids[s], self.history_types[s], self.history_ts[s]
+
+
+@dataclass(frozen=True)
+class World(UserHistories):
+    """A generated world, read back (`path`: its directory; `summary`: its world.json)."""
+
+    # bool [U]: the held-out ad launched after the log (worlds with `fresh_share` > 0)
+    heldout_fresh: np.ndarray | None = None
+
+    @property
+    def catalog_parquet(self) -> Path:
+        return self.path / writer.CATALOG_PARQUET
 
 
 def load_world(directory: Path | str) -> World:

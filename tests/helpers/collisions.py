@@ -1,5 +1,6 @@
 """The SID tokenizer's `CollisionReport`, counted the plain way (Counters over SID rows):
-the oracle of `index_builder/last_token.py`'s report in both last-token modes."""
+the oracle of `index_builder/last_token.py`'s report in both last-token modes; and the
+embedding a SID prefix names, for the tests of the tokenizer's codes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections import Counter
 import numpy as np
 
 from index_builder.last_token import CollisionReport
+from index_builder.tokenizer import SIDTokenizer
 
 
 def reference_report(sids: np.ndarray, k: int, *, code: bool = False) -> CollisionReport:
@@ -23,3 +25,9 @@ def reference_report(sids: np.ndarray, k: int, *, code: bool = False) -> Collisi
         max_group=max(prefixes.values()),
         **extra,
     )
+
+
+def reconstruct(tok: SIDTokenizer, prefix: np.ndarray) -> np.ndarray:
+    """float32 [N, dim]: the sum of the codes a SID prefix [N, l <= rq_levels] names (in
+    "code" mode a full SID is such a prefix)."""
+    return tok.codebooks[np.arange(prefix.shape[1]), prefix].sum(1, dtype=np.float32)

@@ -174,20 +174,6 @@ def test_parquet_column_variants_read_the_same(tmp_path: Path) -> None:
     assert_same(plain, read_catalog(path, progress=False))
 
 
-def test_take_reorders_rows_and_keeps_vocabulary(tmp_path: Path) -> None:
-    cat = read_catalog(write(tmp_path, MIXED, "jsonl"), progress=False)
-    order = np.array([4, 0, 2])
-    sub = cat.take(order)
-    assert sub.n == 3 and sub.locations is cat.locations
-    np.testing.assert_array_equal(sub.ad_id, cat.ad_id[order])
-    np.testing.assert_array_equal(sub.bitmask, cat.bitmask[order])
-    for j, i in enumerate(order):
-        got = sub.loc_ids[sub.loc_offsets[j] : sub.loc_offsets[j + 1]]
-        np.testing.assert_array_equal(got, cat.loc_ids[cat.loc_offsets[i] : cat.loc_offsets[i + 1]])
-    with pytest.raises(ValueError, match="repeated"):
-        cat.take(np.array([0, 0]))
-
-
 def test_fingerprint_changes_with_content(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "c.jsonl", [ad(1)])
     first = catalog_fingerprint(path)

@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 from index_builder.kmeans import rq_encode
 from index_builder.last_token import CollisionReport
 from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
-from tests.helpers.collisions import reference_report
+from tests.helpers.collisions import reconstruct, reference_report
 
 K = 16
 CODE = TokenizerConfig(levels=2, codebook_size=K, iterations=10, last_token="code")
@@ -164,8 +164,8 @@ def test_code_mode_extends_rank_mode(code_tokenizer, creatives):
     assert rank_report.overflow_prefixes == 0 and rank_report.ads_sharing_sid == 0
     assert code_tokenizer.fingerprint != rank.fingerprint
     # the full SID reconstructs the ad up to the last level's residual
-    error = ((ads - code_tokenizer.reconstruct(code_sids)) ** 2).sum(1).mean()
-    assert error < ((ads - rank.reconstruct(rank_sids[:, : RANK.levels])) ** 2).sum(1).mean()
+    error = ((ads - reconstruct(code_tokenizer, code_sids)) ** 2).sum(1).mean()
+    assert error < ((ads - reconstruct(rank, rank_sids[:, : RANK.levels])) ** 2).sum(1).mean()
 
 
 def test_the_mode_enters_the_fingerprint(monkeypatch):

@@ -14,7 +14,7 @@ from training.steps import ProgressLog, autocast, check_precision, prefetch
 
 
 def _prefetch_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "grace-train-batches"]
+    return [t for t in threading.enumerate() if t.name.startswith("grace-train-batches")]
 
 
 def test_prefetch_yields_every_item_made_in_order() -> None:
