@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from contracts.targeting_schema import LEGACY_FIELDS
+
 SCHEMA_VERSION = 1
 MAX_REQUEST_LOCATIONS = 64
 # A request's location strings are non-empty and at most this many UTF-8 bytes
@@ -206,12 +208,29 @@ def ad_bloom(locations: Sequence[str]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Targeting:
-    """The request attributes that targeting rules look at (RPC `Targeting`)."""
+    """The request's side of targeting (RPC `Targeting`). The four named fields are also
+    the model's user features; each fills the schema's attribute of its name, beside
+    `attributes` (every other attribute, by name). Blocks: ads, campaigns, advertisers
+    that must not come back."""
 
     country: str = ""  # ISO alpha-2, "" = unknown
     age: int = 0  # years, 0 = unknown
     gender: str = ""  # "female" | "male" | "" (unknown)
     locations: tuple[str, ...] = ()  # at most MAX_REQUEST_LOCATIONS
+    attributes: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (name, values), by name
+    exclude_ad_ids: tuple[int, ...] = ()
+    exclude_campaign_ids: tuple[int, ...] = ()
+    exclude_advertiser_ids: tuple[int, ...] = ()
+
+    def values(self) -> dict[str, tuple[str, ...]]:
+        """Every attribute's values by name, as `targeting_codec.Codec` reads a request:
+        the named fields under their own names (when set), then `attributes`."""
+        out = dict(self.attributes)
+        for name in LEGACY_FIELDS:
+            given = getattr(self, name)
+            if given:
+                out[name] = given if isinstance(given, tuple) else (str(given),)
+        return out
 
 
 def request_bitmask(t: Targeting) -> np.ndarray:

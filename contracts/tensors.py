@@ -2,19 +2,25 @@
 CD+GTM mask (`kernels/gtm_mask.py`) reads at every decode step (docs/ARCHITECTURE.md §3,
 §7). `GtmTables` is built once per loaded index version on the compute device,
 `RequestTensors` once per batch at stage 1. uint64 arrays become int64 views: torch's
-bitwise ops and comparisons are complete for int64, and the bits are identical.
+bitwise ops and comparisons are complete for int64, and the bits are identical. A Bloom
+row holds K >= 0 families (one per `set` attribute of the index's targeting schema) side
+by side: `GtmTables.bloom_families` says where each lives, `RequestTensors.n_blooms` how
+many rows of each a request has.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from contracts.index_format import PartitionArrays, TrieArrays
-from contracts.targeting import EncodedRequests
+
+if TYPE_CHECKING:  # `from_encoded` reads either encoding's three arrays
+    from contracts import targeting, targeting_codec
 
 COPY_CHUNK = 64 << 20  # bytes per piece of a tensor's copy to a GPU (`to_device`)
 
@@ -71,10 +77,39 @@ class GtmTables:
     kway_offsets: torch.Tensor | None = None  # int64 [E + 1]
     kway_bitmask: torch.Tensor | None = None  # int64 [P, W_bm]: rows, not ids
     kway_bloom: torch.Tensor | None = None  # int64 [P, W_bl]
+    # (first word, words) of each Bloom family, in order, tiling the W_bl words of a Bloom
+    # row (`TargetingSchema.family_words`); None: one family over the whole row (the
+    # locations of an index from before the schema), none at all when W_bl is 0
+    bloom_families: tuple[tuple[int, int], ...] | None = None
+
+    def __post_init__(self) -> None:
+        words = self.bloom_table.shape[1]
+        families = self.bloom_families
+        if families is None:
+            families = ((0, words),) if words else ()
+        families = tuple((int(at), int(w)) for at, w in families)
+        at = 0
+        for first, w in families:
+            if first != at or w < 1:
+                raise ValueError(f"Bloom families {families} must tile the row's words in order")
+            at += w
+        if at != words:
+            raise ValueError(f"Bloom families {families} cover {at} words, the rows hold {words}")
+        object.__setattr__(self, "bloom_families", families)
+
+    @property
+    def families(self) -> tuple[tuple[int, int], ...]:
+        """`bloom_families`, resolved: (first word, words) of each family."""
+        assert self.bloom_families is not None  # __post_init__ resolved it
+        return self.bloom_families
 
     @classmethod
     def from_arrays(
-        cls, trie: TrieArrays, kway: PartitionArrays | None = None, device: str = "cpu"
+        cls,
+        trie: TrieArrays,
+        kway: PartitionArrays | None = None,
+        device: str = "cpu",
+        families: tuple[tuple[int, int], ...] | None = None,  # schema.family_words
     ) -> GtmTables:
         extra = {}
         if kway is not None:
@@ -91,17 +126,31 @@ class GtmTables:
             bloom_index=_t(trie.bloom_index.astype(np.int32), device),
             bitmask_table=_t(trie.bitmask_table, device),
             bloom_table=_t(trie.bloom_table, device),
+            bloom_families=families,
             **extra,
         )
 
 
 @dataclass(frozen=True)
 class RequestTensors:
-    """`targeting.EncodedRequests` as tensors (int64 views)."""
+    """A batch's `EncodedRequests` as tensors (int64 views)."""
 
     bitmask: torch.Tensor  # int64 [B, W_bm]
-    blooms: torch.Tensor  # int64 [B, L, W_bl]; padding rows repeat row 0
+    # int64 [B, L, W_bl]: row l of family f in the words `GtmTables.bloom_families[f]`;
+    # rows at and past n_blooms[b, f] repeat the family's row 0
+    blooms: torch.Tensor
+    # int32 [B, K]: rows of each family (>= 1), so the mask reads no padding row; None:
+    # every request reads all L rows of every family (the same answer, more reads)
+    n_blooms: torch.Tensor | None = None
 
     @classmethod
-    def from_encoded(cls, enc: EncodedRequests, device: str = "cpu") -> RequestTensors:
-        return cls(_t(enc.bitmask, device), _t(enc.blooms, device))
+    def from_encoded(
+        cls,
+        enc: targeting_codec.EncodedRequests | targeting.EncodedRequests,
+        device: str = "cpu",
+    ) -> RequestTensors:
+        """Either encoding: the schema codec's (n_blooms [B, K]) or the fixed layout's,
+        whose one family is the locations (n_blooms [B]: K = 1)."""
+        n = np.asarray(enc.n_blooms, dtype=np.int32)
+        n = n[:, None] if n.ndim == 1 else n
+        return cls(_t(enc.bitmask, device), _t(enc.blooms, device), _t(n, device))

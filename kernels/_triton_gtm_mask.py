@@ -2,13 +2,18 @@
 
 One program per beam row walks the row's trie node's child range (CSR `node_offsets`) in
 chunks of BLOCK_C children: CD (the children exist), then in GTM mode the bitmask test
-and, only for the children that passed, the Bloom test ANY-of-many over the request's L
-location rows. It writes the whole output row (−inf / −1, then the allowed tokens' logits
-and child nodes) and turns it into the candidate scores in the same program, so the loop
-runs no separate cast, log-softmax, add and fill passes over `[R, V]`. The masked softmax
-takes "allowed" as "written with a finite logit": a NaN logit (a broken model) becomes a
-−inf candidate here, where the unfused reference would carry the NaN; the unmasked one,
-like the reference, carries a NaN anywhere in the row into the row's allowed candidates.
+and, family after family (the K >= 0 Bloom families of the schema's `set` attributes,
+`GtmTables.bloom_families`), only for the children that passed every test before, the
+Bloom test ANY-of-many over the request's rows of the family (its `n_blooms` rows when
+given, else all L). The layout is compile-time (`K`, `FAM_AT`, `FAM_W`): the family loop
+and each family's word loop (up to 512 bits) unroll, so an index of one 4-word family
+(the locations) compiles to the single-family kernel's instructions. It writes the whole
+output row (−inf / −1, then the allowed tokens' logits and child nodes) and turns it
+into the candidate scores in the same program, so the loop runs no separate cast,
+log-softmax, add and fill passes over `[R, V]`. The masked softmax takes "allowed" as
+"written with a finite logit": a NaN logit (a broken model) becomes a −inf candidate
+here, where the unfused reference would carry the NaN; the unmasked one, like the
+reference, carries a NaN anywhere in the row into the row's allowed candidates.
 Fixed shapes, no host syncs: the launch can sit inside a CUDA graph (after one eager
 warm-up call, which autotunes). Tables are int64 views: `contracts.tensors`.
 """
@@ -21,9 +26,21 @@ import triton.language as tl
 
 from contracts.index_format import VOCAB_SIZE
 from contracts.request import SCORINGS, Scoring
-from contracts.targeting import MAX_REQUEST_LOCATIONS
 from contracts.tensors import GtmTables, RequestTensors
 from kernels._tuning import AUTOTUNE
+
+# a family at most this wide (512 bits) unrolls its word loop; a wider one loops at run
+# time, so a 65,536-bit family does not compile 1,024 copies of the body
+UNROLL_WORDS = tl.constexpr(8)
+
+
+@triton.jit
+def _contains_word(contained, req_row, matcher_row, ls, n, need, w, W_BL: tl.constexpr):
+    """`contained` [BLOCK_C, BLOCK_L] narrowed by Bloom word w: (matcher & row) == row for
+    the request's rows `ls` (< n) and the children still searching (`need`)."""
+    q = tl.load(req_row + ls * W_BL + w, mask=ls < n, other=0)
+    m = tl.load(matcher_row + w, mask=need, other=0)
+    return contained & ((m[:, None] & q[None, :]) == q[None, :])
 
 
 @triton.jit
@@ -42,13 +59,18 @@ def _gtm_mask_kernel(
     bloom_table_ptr,  # int64 [R_bl, W_BL]
     req_bitmask_ptr,  # int64 [B, W_BM]
     req_blooms_ptr,  # int64 [B, L, W_BL]
+    n_blooms_ptr,  # int32 [B, K]: rows of each family (read only if HAS_N)
     score_ptr,  # float32 [R]: accumulated score of each row
     stride_logits,
     R,  # rows rounded up to a power of two: an autotune key only
-    L,  # Bloom rows per request (padding rows repeat row 0)
+    L,  # Bloom rows per request (padding rows repeat the family's row 0)
     V: tl.constexpr,
     W_BM: tl.constexpr,
     W_BL: tl.constexpr,
+    K: tl.constexpr,  # Bloom families
+    FAM_AT: tl.constexpr,  # tuple [K]: each family's first word in a Bloom row
+    FAM_W: tl.constexpr,  # tuple [K]: each family's words
+    HAS_N: tl.constexpr,  # search each family's n_blooms rows, not all L
     GTM: tl.constexpr,
     UNMASKED: tl.constexpr,  # log-softmax over the whole logits row
     BLOCK_V: tl.constexpr,
@@ -94,29 +116,42 @@ def _gtm_mask_kernel(
             )  # [BLOCK_C, BLOCK_WBM]; masked words read as 0 and match a 0 query word
             hit_bm = (m_bm & q_bm[None, :]) == q_bm[None, :]
             ok = ok & (tl.min(hit_bm.to(tl.int32), axis=1) > 0)
-            # Bloom only where the bitmask passed: failed lanes issue no loads, and a
-            # chunk where none passed never enters the location loop
-            bl_row = tl.load(bloom_index_ptr + entry, mask=ok, other=0)
-            need = ok  # passed the bitmask, no location contained yet
-            hit = tl.zeros([BLOCK_C], dtype=tl.int1)
-            l0 = 0
-            # ANY-of-many: BLOCK_L locations at a time, stopping as soon as every
-            # surviving child contains one (inner nodes' ORed Blooms are dense, so the
-            # first chunk usually settles them)
-            while (l0 < L) & (tl.max(need.to(tl.int32), axis=0) > 0):
-                ls = l0 + lanes_l
-                contained = need[:, None] & (ls < L)[None, :]  # [BLOCK_C, BLOCK_L]
-                # word by word: one [BLOCK_C, BLOCK_L] tile live, not W_BL; re-reading a
-                # matcher word is an L1 hit, and only lanes still searching read it
-                for w in tl.static_range(W_BL):
-                    q = tl.load(req_blooms + ls * W_BL + w, mask=ls < L, other=0)
-                    m = tl.load(bloom_table_ptr + bl_row * W_BL + w, mask=need, other=0)
-                    contained = contained & ((m[:, None] & q[None, :]) == q[None, :])
-                got = tl.max(contained.to(tl.int32), axis=1) > 0
-                hit = hit | got
-                need = need & ~got
-                l0 += BLOCK_L
-            ok = hit
+            if K > 0:
+                # Blooms only where the bitmask passed: failed lanes issue no loads
+                bl_row = tl.load(bloom_index_ptr + entry, mask=ok, other=0)
+                matcher = bloom_table_ptr + bl_row * W_BL
+            # ALL families, one after the other (unrolled): a family is searched only by
+            # the children that passed every test before it, and a chunk where none did
+            # never enters its row loop
+            for f in tl.static_range(K):
+                # the family's own rows, no padding row read; without counts all L rows
+                # (padding repeats row 0: reading it changes nothing)
+                n = tl.minimum(tl.load(n_blooms_ptr + req * K + f), L) if HAS_N else L
+                need = ok  # passed every test so far, no row of this family contained yet
+                hit = tl.zeros([BLOCK_C], dtype=tl.int1)
+                l0 = 0
+                # ANY-of-many: BLOCK_L rows at a time, stopping as soon as every surviving
+                # child contains one (inner nodes' ORed Blooms are dense, so the first
+                # chunk usually settles them)
+                while (l0 < n) & (tl.max(need.to(tl.int32), axis=0) > 0):
+                    ls = l0 + lanes_l
+                    contained = need[:, None] & (ls < n)[None, :]  # [BLOCK_C, BLOCK_L]
+                    # word by word: one [BLOCK_C, BLOCK_L] tile live, not the family's
+                    # width; re-reading a matcher word is an L1 hit, and only lanes still
+                    # searching read it
+                    if FAM_W[f] <= UNROLL_WORDS:
+                        for w in tl.static_range(FAM_AT[f], FAM_AT[f] + FAM_W[f]):
+                            contained = _contains_word(contained, req_blooms, matcher, ls, n,
+                                                       need, w, W_BL)  # fmt: skip
+                    else:
+                        for w in range(FAM_AT[f], FAM_AT[f] + FAM_W[f]):
+                            contained = _contains_word(contained, req_blooms, matcher, ls, n,
+                                                       need, w, W_BL)  # fmt: skip
+                    got = tl.max(contained.to(tl.int32), axis=1) > 0
+                    hit = hit | got
+                    need = need & ~got
+                    l0 += BLOCK_L
+                ok = hit
         # read the logits of the allowed tokens only; write them and their child nodes
         tok = tl.load(tokens_ptr + entry, mask=ok, other=0)
         child = tl.load(child_nodes_ptr + entry, mask=ok, other=0)
@@ -166,9 +201,9 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-_gtm_mask_autotuned = triton.autotune(configs=_configs(), key=["R", "L", "GTM", "UNMASKED"])(
-    _gtm_mask_kernel
-)
+_gtm_mask_autotuned = triton.autotune(
+    configs=_configs(), key=["R", "L", "FAM_W", "HAS_N", "GTM", "UNMASKED"]
+)(_gtm_mask_kernel)
 
 # used where nothing is autotuned (the interpreter, explicit `config=`)
 DEFAULT_CONFIG = {"BLOCK_C": 32, "BLOCK_L": 16, "num_warps": 2}
@@ -185,7 +220,8 @@ def gtm_mask_triton(
     tables: GtmTables,
     node_ids: torch.Tensor,  # int64 [R]: trie node of each beam row
     row_request: torch.Tensor,  # int64 [R]: batch index of each row's request
-    requests: RequestTensors | None,  # bitmask int64 [B, W_bm], blooms int64 [B, L, W_bl]
+    # bitmask int64 [B, W_bm], blooms int64 [B, L, W_bl], n_blooms int32 [B, K] or None
+    requests: RequestTensors | None,
     score: torch.Tensor,  # float32 [R]: each row's accumulated score
     *,
     gtm: bool,  # False: CD only
@@ -208,14 +244,22 @@ def gtm_mask_triton(
     _check(t.bitmask_table, "bitmask_table", torch.int64, 2)
     _check(t.bloom_table, "bloom_table", torch.int64, 2)
     w_bm, w_bl = t.bitmask_table.shape[1], t.bloom_table.shape[1]
+    families = t.families
+    n_blooms = None
     if gtm:
         assert requests is not None, "GTM needs encoded requests"
         _check(requests.bitmask, "requests.bitmask", torch.int64, 2)
         _check(requests.blooms, "requests.blooms", torch.int64, 3)
         assert requests.bitmask.shape[1] == w_bm and requests.blooms.shape[2] == w_bl
         n_loc = requests.blooms.shape[1]
-        assert 1 <= n_loc <= MAX_REQUEST_LOCATIONS, n_loc
-        req_bitmask, req_blooms = requests.bitmask, requests.blooms
+        assert n_loc >= 1, n_loc
+        req_bitmask, req_blooms, n_blooms = requests.bitmask, requests.blooms, requests.n_blooms
+        if n_blooms is not None:
+            _check(n_blooms, "requests.n_blooms", torch.int32, 2)
+            assert n_blooms.shape == (requests.bitmask.shape[0], len(families)), (
+                f"n_blooms {tuple(n_blooms.shape)}: one count per request and family "
+                f"({len(families)})"
+            )
     else:
         n_loc, req_bitmask, req_blooms = 1, node_ids, node_ids  # never read
     assert scoring in SCORINGS, scoring
@@ -228,7 +272,9 @@ def gtm_mask_triton(
     args = (
         logits, masked, child, node_ids, row_request,
         t.node_offsets, t.child_nodes, t.tokens, t.bitmask_index, t.bloom_index,
-        t.bitmask_table, t.bloom_table, req_bitmask, req_blooms, score,
+        t.bitmask_table, t.bloom_table, req_bitmask, req_blooms,
+        node_ids if n_blooms is None else n_blooms,  # never read without HAS_N
+        score,
         # the key R, rows rounded up to a power of two: part-sized row counts reuse the
         # next power's tuning instead of autotuning every bucket's shapes at start-up
         logits.stride(0), triton.next_power_of_2(rows), n_loc,
@@ -237,12 +283,15 @@ def gtm_mask_triton(
         "V": VOCAB_SIZE,
         "W_BM": w_bm,
         "W_BL": w_bl,
+        "K": len(families),
+        "FAM_AT": tuple(at for at, _ in families),
+        "FAM_W": tuple(w for _, w in families),
+        "HAS_N": n_blooms is not None,
         "GTM": gtm,
         "UNMASKED": scoring == "unmasked",
         "BLOCK_V": triton.next_power_of_2(VOCAB_SIZE),
         "BLOCK_WBM": triton.next_power_of_2(w_bm),
     }
-    assert w_bl == triton.next_power_of_2(w_bl), "Bloom rows are whole powers of two words"
     if config is None and (not logits.is_cuda or not AUTOTUNE):
         config = DEFAULT_CONFIG  # the interpreter (nothing to tune) or GRACE_AUTOTUNE=0
     if config is None:

@@ -1,11 +1,13 @@
 """The CD+GTM mask of one decode step (paper §3.5, docs/ARCHITECTURE.md §2).
 
 For every beam row: which next tokens keep the prefix in the catalog (CD) and may still
-hold an ad eligible for the row's request (GTM: bitmask, then Bloom, ANY-of-many over the
-request's locations). `masked_candidates`, what the decode loop calls, returns each
-allowed token's candidate score — the row's accumulated score plus the token's
-log-softmax, −inf where barred — and its child trie node (−1 elsewhere), fixed shapes
-`[R, V]` so the loop can be captured in a CUDA graph: one Triton kernel
+hold an ad eligible for the row's request (GTM: the bitmask, then the K >= 0 Bloom
+families of the targeting schema's `set` attributes one after the other — ANY of the
+request's rows of a family, ALL families — the first test that fails settling the entry;
+`GtmTables.bloom_families` lays them out). `masked_candidates`, what the decode loop calls,
+returns each allowed token's candidate score — the row's accumulated score plus the
+token's log-softmax, −inf where barred — and its child trie node (−1 elsewhere), fixed
+shapes `[R, V]` so the loop can be captured in a CUDA graph: one Triton kernel
 (`kernels._triton_gtm_mask`) on CUDA tensors for CD_ONLY and CD_GTM; elsewhere, and for
 k-way, the references (`lookup`, paper §3.5 `Lookup` in torch; `masked_logits_reference`;
 `candidates`). `scoring` (`contracts.request.Scoring`) picks the log-softmax: over the
@@ -97,13 +99,25 @@ def _contains(matchers: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     return ((matchers & query) == query).all(dim=-1)
 
 
-def _passes(bm: torch.Tensor, bl: torch.Tensor, req: torch.Tensor, r: RequestTensors):
-    """bm [T, W_bm], bl [T, W_bl] matchers of T candidates for requests req [T] -> bool [T]."""
+def _passes(
+    bm: torch.Tensor,  # int64 [T, W_bm]: bitmask matchers of T candidates
+    bl: torch.Tensor,  # int64 [T, W_bl]: their Bloom matchers, every family
+    req: torch.Tensor,  # int64 [T]: the request of each candidate
+    r: RequestTensors,
+    families: tuple[tuple[int, int], ...],  # (first word, words) of each family
+) -> torch.Tensor:  # bool [T]
+    """The bitmask contains the request's; then per family, where all before passed, ANY
+    of the request's rows (l < n_blooms, or all L) is contained in the family's words."""
     ok = _contains(bm, r.bitmask[req])
-    idx = ok.nonzero().squeeze(1)  # Bloom only where the bitmask passed
-    if len(idx):
-        blooms = r.blooms[req[idx]]  # [t, L, W_bl]
-        ok[idx] = _contains(bl[idx].unsqueeze(1), blooms).any(dim=1)
+    rows = torch.arange(r.blooms.shape[1], device=bm.device)
+    for f, (at, w) in enumerate(families):
+        idx = ok.nonzero().squeeze(1)  # only where everything before passed
+        if not len(idx):
+            break
+        hit = _contains(bl[idx, None, at : at + w], r.blooms[req[idx], :, at : at + w])  # [t, L]
+        if r.n_blooms is not None:
+            hit &= rows[None, :] < r.n_blooms[req[idx], f, None]
+        ok[idx] = hit.any(dim=1)
     return ok
 
 
@@ -134,6 +148,7 @@ def lookup(
                 tables.bloom_table[tables.bloom_index[entry]],
                 req,
                 requests,
+                tables.families,
             )
         else:
             ok = _any_partition(tables, entry, req, requests)
@@ -155,7 +170,9 @@ def _any_partition(
     owner = torch.repeat_interleave(torch.arange(entry.shape[0], device=entry.device), count)
     first = torch.cumsum(count, 0) - count
     part = start[owner] + torch.arange(owner.shape[0], device=entry.device) - first[owner]
-    passed = _passes(tables.kway_bitmask[part], tables.kway_bloom[part], req[owner], r)
+    passed = _passes(
+        tables.kway_bitmask[part], tables.kway_bloom[part], req[owner], r, tables.families
+    )
     ok = torch.zeros(entry.shape[0], dtype=torch.bool, device=entry.device)
     ok[owner[passed]] = True
     return ok

@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry.trace import Span, Status, StatusCode
 from prometheus_client import Counter
 
+from contracts.targeting_schema import DEFAULT, TargetingSchema
 from service.batcher import Batcher, DeadlineExpired, Overloaded
 from service.grpc_server import SERVICE
 from service.logs import AccessLog
@@ -106,7 +107,9 @@ class RetrievalServicer:
         self.tracing = tracing or Tracing()
         self.request_log = request_log
         self.access_log = access_log if access_log is not None else AccessLog(0.0)
-        self.max_request_bytes = limits.max_request_bytes()
+        # the schema of the index served at start (a later one's larger requests are
+        # refused as too long: docs/FORMAT.md §1)
+        self.max_request_bytes = limits.max_request_bytes(self._schema())
         self.draining = False
         labels = self._labels = ("unary", SERVICE, "Retrieve")
         # the labelled series, looked up once: every refusal under overload pays for each
@@ -114,6 +117,10 @@ class RetrievalServicer:
         self._handling = metrics.handling.labels(*labels)
         self._handled: dict[grpc.StatusCode, Counter] = {}
         self._log = RateLimitedLog(log)
+
+    def _schema(self) -> TargetingSchema:
+        """The served index's targeting schema (the default before one is served)."""
+        return self.serving.current.index.schema if self.serving.ready else DEFAULT
 
     async def Retrieve(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """One call, in its trace span when tracing is on (service/tracing.py)."""
@@ -198,7 +205,7 @@ class RetrievalServicer:
             call.request_id = own
             current_request_id.set(call.log_id)
         try:
-            req = validate_request(request, self.limits)
+            req = validate_request(request, self.limits, self._schema())
         except InvalidRequest as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), (bad_request(exc),)) from None
         if self.request_log is not None:

@@ -14,7 +14,11 @@ letters, either case, stored upper-case; a well-formed code that is not an assig
 3166-1 alpha-2 code (`"XX"`) is accepted as unknown (upstream tables drift, and an unknown
 country only makes targeting stricter, never wrong: docs/ARCHITECTURE.md §3). Age 0..150,
 0 and below 13 unknown. Gender exactly "", "female" or "male". At most 64 locations, each
-non-empty and at most 256 UTF-8 bytes, order and duplicates kept. History: at most
+non-empty and at most 256 UTF-8 bytes, order and duplicates kept. Each of those fields is
+also checked as the served index's schema (docs/FORMAT.md §1) reads the attribute of its
+name; `attributes` names only the schema's attributes, none also given as a field above,
+with values as `targeting_codec.Codec` takes them (one per enum or bucket, a bucket's an
+integer); each `exclude_*_ids` list at most `MAX_EXCLUDE_IDS` ids. History: at most
 `Limits.max_history` events, type VIEW, CLICK or CONVERSION, timestamp_ms >= 0, any ad_id
 (ads unknown to the index are dropped in stage 2). user_id: any int64 (it is hashed).
 request_id: at most 128 UTF-8 bytes, may be empty.
@@ -22,7 +26,8 @@ request_id: at most 128 UTF-8 bytes, may be empty.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,11 +35,20 @@ import numpy as np
 from contracts.index_format import SID_LENGTH, VOCAB_SIZE
 from contracts.request import FilterMode, check_schedule
 from contracts.targeting import GENDERS, MAX_LOCATION_BYTES, MAX_REQUEST_LOCATIONS, Targeting
+from contracts.targeting_codec import Codec, TargetingError, codec
+from contracts.targeting_schema import (
+    DEFAULT,
+    LEGACY_FIELDS,
+    MAX_VALUE_BYTES,
+    Attribute,
+    TargetingSchema,
+)
 from service.request_id import MAX_REQUEST_ID_BYTES
 from service.rpc.grace.v1 import retrieval_pb2 as pb
 from service.settings import ServerSettings
 
 MAX_AGE = 150
+MAX_EXCLUDE_IDS = 4096  # per block list of a request (exclude_ad_ids, ...)
 MAX_ELEMENT_VIOLATIONS = 8  # bad elements of one repeated field named one by one
 MAX_SHOWN_CHARS = 32  # of a bad string value quoted in its violation
 UNKNOWN_FIELDS_BYTES = 64 * 1024  # room for fields a newer client may add (docs/ARCHITECTURE.md §5)
@@ -87,10 +101,16 @@ class Limits:
     beam_max: tuple[int, ...]  # per-step maxima of options.beam_widths
     max_history: int = 10_000  # most user.history events
 
-    def max_request_bytes(self) -> int:
-        """Serialised size of the largest request these limits accept, plus
+    def max_request_bytes(self, schema: TargetingSchema = DEFAULT) -> int:
+        """Serialised size of the largest request these limits and `schema` accept, plus
         `UNKNOWN_FIELDS_BYTES`: every field at its longest encoding."""
         event = pb.Event(ad_id=-1, type=pb.CONVERSION, timestamp_ms=2**63 - 1)
+        longest = {
+            a.name: pb.Values(values=["x" * MAX_VALUE_BYTES] * _most_values(a))
+            for a in schema.attributes
+            if a.name not in LEGACY_FIELDS
+        }
+        blocks = [-1] * MAX_EXCLUDE_IDS
         largest = pb.RetrieveRequest(
             request_id="x" * MAX_REQUEST_ID_BYTES,
             user=pb.User(user_id=-1, history=[event] * self.max_history),
@@ -99,6 +119,10 @@ class Limits:
                 age=MAX_AGE,
                 gender=max(GENDERS, key=len),
                 locations=["x" * MAX_LOCATION_BYTES] * MAX_REQUEST_LOCATIONS,
+                attributes=longest,
+                exclude_ad_ids=blocks,
+                exclude_campaign_ids=blocks,
+                exclude_advertiser_ids=blocks,
             ),
             options=pb.Options(
                 max_ads=self.max_ads_limit,
@@ -137,9 +161,16 @@ class ValidatedRequest:
     include_sids: bool
 
 
-def validate_request(req: pb.RetrieveRequest, limits: Limits) -> ValidatedRequest:
-    """Check every field of `req`; raise InvalidRequest naming every bad one (at most
-    `MAX_ELEMENT_VIOLATIONS` elements of one repeated field, then the field itself)."""
+def validate_request(
+    req: pb.RetrieveRequest,
+    limits: Limits,
+    schema: TargetingSchema = DEFAULT,
+    blockable: Collection[str] = (),
+) -> ValidatedRequest:
+    """Check every field of `req` (targeting against `schema`, the served index's; the
+    block lists it can apply, `blockable`: names of `exclude_*_ids`); raise InvalidRequest
+    naming every bad one (at most `MAX_ELEMENT_VIOLATIONS` elements of one repeated field,
+    then the field itself)."""
     bad = _Violations()
     request_id = req.request_id
     length = _utf8_len(request_id)
@@ -148,7 +179,7 @@ def validate_request(req: pb.RetrieveRequest, limits: Limits) -> ValidatedReques
     elif length > MAX_REQUEST_ID_BYTES:
         bad.add("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes")
     ad_ids, types, ts = _history(bad, req.user.history, limits.max_history)
-    targeting = _targeting(bad, req.targeting)
+    targeting = _targeting(bad, req.targeting, schema, blockable)
     opts = req.options
     max_ads = _max_ads(bad, opts.max_ads, limits)
     beams = _beams(bad, list(opts.beam_widths), limits)
@@ -177,24 +208,94 @@ def _utf8_len(s: str) -> int | None:
         return None
 
 
-def _targeting(bad: _Violations, t: pb.Targeting) -> Targeting:
+def _targeting(
+    bad: _Violations, t: pb.Targeting, schema: TargetingSchema, blockable: Collection[str]
+) -> Targeting:
+    c, attributes = codec(schema), []
+    merged, where = pb.Targeting(), {}  # the named fields, those given in the map filled in
+    merged.CopyFrom(t)
+    merged.ClearField("attributes")
+    for name in sorted(t.attributes):
+        field = f"targeting.attributes[{_shown(name)}]"
+        values = tuple(t.attributes[name].values)
+        if not any(a.name == name for a in schema.attributes):
+            known = ", ".join(a.name for a in schema.attributes)
+            bad.add(field, f"the served index's schema has no such attribute (it has {known})")
+        elif name in LEGACY_FIELDS and getattr(t, name):
+            bad.add(field, f"also given as targeting.{name}: give it once")
+        elif name in LEGACY_FIELDS:  # a named field (a model feature too): filled from here
+            where[name] = field
+            _fill(bad, merged, name, values, field)
+        else:
+            _attribute(bad, c, schema.attribute(name), values, field)
+            attributes.append((name, values))
+    named = _named_fields(bad, merged, where)
+    for name in LEGACY_FIELDS:  # each fills the schema's attribute of its name
+        given, field = named.values().get(name), where.get(name, f"targeting.{name}")
+        flagged = any(v.field == field or v.field.startswith(f"{field}[") for v in bad)
+        if given and not flagged and any(a.name == name for a in schema.attributes):
+            _attribute(bad, c, schema.attribute(name), given, field)
+    blocks = {}
+    for name in ("exclude_ad_ids", "exclude_campaign_ids", "exclude_advertiser_ids"):
+        ids = tuple(getattr(t, name))
+        if ids and name not in blockable:
+            bad.add(f"targeting.{name}", "the served index cannot apply it (docs/FORMAT.md §1)")
+        elif len(ids) > MAX_EXCLUDE_IDS:
+            bad.add(f"targeting.{name}", f"at most {MAX_EXCLUDE_IDS} ids, got {len(ids)}")
+        blocks[name] = ids
+    return dataclasses.replace(named, attributes=tuple(attributes), **blocks)
+
+
+def _fill(bad: _Violations, t: pb.Targeting, name: str, values: Sequence[str], field: str) -> None:
+    """Set the named field `name` of `t` from the map's `values`."""
+    if name == "locations":
+        t.locations.extend(values)
+    elif len(values) > 1:
+        bad.add(field, f"takes one value, got {len(values)}")
+    elif values and name == "age":
+        try:
+            t.age = int(values[0])
+        except ValueError:
+            bad.add(field, f"expected an integer, got {_shown(values[0])}")
+        except OverflowError:  # past int32: out of range like any age above MAX_AGE
+            t.age = MAX_AGE + 1
+    elif values:
+        setattr(t, name, values[0])
+
+
+def _most_values(attr: Attribute) -> int:
+    return attr.max_request_values if attr.kind == "set" else 1
+
+
+def _attribute(
+    bad: _Violations, c: Codec, attr: Attribute, values: Sequence[str], field: str
+) -> None:
+    """One attribute's request values as the codec reads them."""
+    try:
+        if attr.kind == "set":
+            c.check_set(attr, values, field)
+        else:
+            c.request_bit(attr, values, field)
+    except TargetingError as exc:
+        bad.add(exc.field, str(exc).removeprefix(f"{exc.field}: "))
+
+
+def _named_fields(bad: _Violations, t: pb.Targeting, where: dict[str, str]) -> Targeting:
+    """Fields 1-4, checked as the model's user features (and the default schema) read
+    them; `where`: the map entry a field was given in, named in its violations."""
+    f = {n: where.get(n, f"targeting.{n}") for n in LEGACY_FIELDS}
     country = t.country
     if country and not (len(country) == 2 and country.isascii() and country.isalpha()):
-        bad.add(
-            "targeting.country", f"expected an ISO 3166-1 alpha-2 code or '', got {_shown(country)}"
-        )
+        bad.add(f["country"], f"expected an ISO 3166-1 alpha-2 code or '', got {_shown(country)}")
     country = country.upper()  # a code outside COUNTRIES is kept: it encodes as unknown
     if not 0 <= t.age <= MAX_AGE:
-        bad.add("targeting.age", f"must be in 0..{MAX_AGE} (0 = unknown), got {t.age}")
+        bad.add(f["age"], f"must be in 0..{MAX_AGE} (0 = unknown), got {t.age}")
     if t.gender not in ("", *GENDERS):
-        bad.add("targeting.gender", f"expected one of {['', *GENDERS]}, got {_shown(t.gender)}")
+        bad.add(f["gender"], f"expected one of {['', *GENDERS]}, got {_shown(t.gender)}")
     if len(t.locations) > MAX_REQUEST_LOCATIONS:
-        bad.add(
-            "targeting.locations",
-            f"at most {MAX_REQUEST_LOCATIONS} allowed, got {len(t.locations)}",
-        )
+        bad.add(f["locations"], f"at most {MAX_REQUEST_LOCATIONS} allowed, got {len(t.locations)}")
     else:
-        elements = _Elements(bad, "targeting.locations", "locations")
+        elements = _Elements(bad, f["locations"], "locations")
         for i, loc in enumerate(t.locations):
             length = _utf8_len(loc)
             if not loc:

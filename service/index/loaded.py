@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 from contracts.index_format import IndexArrays
 from contracts.index_validation import validate_index
+from contracts.targeting_schema import DEFAULT, TargetingSchema
 from contracts.tensors import GtmTables
 from service.model.features import SidLookup
 from service.post import LocationVocabulary, PostStage
@@ -31,6 +33,13 @@ class LoadedIndex:
     lookup: SidLookup  # ad id -> SID (stage 1: a user's history as SID tokens)
     post: PostStage  # the C++ post stage over this version's ad arrays
     loaded_at: float = field(default_factory=time.time)
+
+    @cached_property
+    def schema(self) -> TargetingSchema:
+        """The targeting schema the index was built with (the default for an index built
+        in memory without a manifest)."""
+        stored = self.manifest.get("targeting")
+        return DEFAULT if stored is None else TargetingSchema.from_manifest(stored)
 
     @property
     def sid_space(self) -> str:

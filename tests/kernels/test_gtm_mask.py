@@ -4,7 +4,8 @@ eligible prefix.
 Kernel tests run the Triton kernel itself: under TRITON_INTERPRET=1 on CPU (set in
 tests/conftest.py), compiled on a GPU. The launcher's outputs are poisoned (NaN / a
 sentinel child) as they are allocated, so that an element the kernel forgot to write
-fails the comparison.
+fails the comparison. These tests hold the default layout, one Bloom family (the
+locations); K families of other widths: test_gtm_mask_families.py.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import service.app
 from cli.query import request_for_user
+from contracts.targeting_schema import DEFAULT
 from index_builder.build import build_index
 from index_builder.publish import current_path
 from index_builder.synth import load_world
@@ -442,7 +443,10 @@ def test_an_overloaded_server_sheds_before_parsing_the_request() -> None:
 
     batcher = SimpleNamespace(admit=admit, admission=Admission(), depth=0, inflight_requests=0)
     limits = Limits(1000, 10_000, (1, 4, 8, 8), (1, 8, 16, 16))
-    servicer = RetrievalServicer(batcher, limits, SimpleNamespace(ready=True), Metrics())  # type: ignore[arg-type]
+    serving = SimpleNamespace(
+        ready=True, current=SimpleNamespace(index=SimpleNamespace(schema=DEFAULT))
+    )
+    servicer = RetrievalServicer(batcher, limits, serving, Metrics())  # type: ignore[arg-type]
     bad = retrieval_pb2.RetrieveRequest(targeting=retrieval_pb2.Targeting(gender="robot"))
     for raw in (bad.SerializeToString(), b"\xff\xff\xff garbage"):
         overloaded[0] = True

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from contracts.request import FilterMode
 from contracts.targeting import Targeting, request_bitmask, request_blooms
+from contracts.targeting_schema import DEFAULT
 from service.rpc.grace.v1 import retrieval_pb2 as pb
 from service.validation import InvalidRequest, Limits, ValidatedRequest, validate_request
 
@@ -378,3 +379,84 @@ def test_fuzzed_wire_bytes_raise_only_invalid_request(data: bytes) -> None:
     except Exception:  # the gRPC layer rejects undecodable bytes before the handler
         return
     _check(req)
+
+
+# --- the targeting schema (docs/FORMAT.md §1): attributes, blocks ----------------------------
+
+
+def _rich():
+    from contracts.targeting_schema import parse
+
+    return parse({"attributes": [
+        {"name": "platform", "kind": "enum", "catalog_field": "platforms",
+         "values": ["ios", "android", "web"]},
+        {"name": "age", "kind": "bucket", "catalog_field": "age_buckets",
+         "buckets": {"18-34": [18, 34], "35+": [35, None]}},
+        {"name": "audiences", "kind": "set", "catalog_field": "audiences",
+         "max_request_values": 3},
+    ]}, "rich")  # fmt: skip
+
+
+def _fields(req: pb.RetrieveRequest, schema=None, blockable=()) -> dict[str, str]:
+    with pytest.raises(InvalidRequest) as caught:
+        validate_request(req, LIMITS, schema or DEFAULT, blockable)
+    return {v.field: v.description for v in caught.value.violations}
+
+
+def test_attributes_of_a_schema_are_checked_as_it_declares_them() -> None:
+    schema = _rich()
+    req = _good()
+    req.targeting.Clear()
+    req.targeting.attributes["platform"].values.append("ios")
+    req.targeting.attributes["audiences"].values.extend(["a1", "a2"])
+    req.targeting.age = 40  # a named field fills the schema's attribute of its name
+    req.targeting.exclude_campaign_ids.extend([5, 6])
+    ok = validate_request(req, LIMITS, schema, ("exclude_campaign_ids",))
+    assert ok.targeting.values() == {"platform": ("ios",), "audiences": ("a1", "a2"),
+                                     "age": ("40",)}  # fmt: skip
+    assert ok.targeting.exclude_campaign_ids == (5, 6)
+    bad = _good()
+    bad.targeting.Clear()
+    bad.targeting.attributes["platform"].values.extend(["ios", "web"])
+    bad.targeting.attributes["audiences"].values.extend(["a", "b", "c", "d"])
+    bad.targeting.attributes["colour"].values.append("red")
+    bad.targeting.attributes["age"].values.append("forty")
+    got = _fields(bad, schema)
+    assert got["targeting.attributes['platform']"] == "takes one value, got 2"
+    assert got["targeting.attributes['audiences']"] == "at most 3 allowed, got 4"
+    assert "no such attribute (it has platform, age, audiences)" in got[
+        "targeting.attributes['colour']"]  # fmt: skip
+    assert "expected an integer" in got["targeting.attributes['age']"]
+    bad = _good()
+    bad.targeting.attributes["platform"].values.append("blackberry")
+    assert "unknown value 'blackberry'" in _fields(bad, schema)["targeting.attributes['platform']"]
+
+
+def test_an_attribute_given_twice_or_a_block_the_index_cannot_apply_is_refused() -> None:
+    req = _good()
+    req.targeting.attributes["gender"].values.append("male")  # also targeting.gender
+    req.targeting.exclude_ad_ids.extend(range(4097))
+    req.targeting.exclude_advertiser_ids.append(3)
+    got = _fields(req, blockable=("exclude_ad_ids",))
+    assert got["targeting.attributes['gender']"] == "also given as targeting.gender: give it once"
+    assert got["targeting.exclude_ad_ids"] == "at most 4096 ids, got 4097"
+    assert "cannot apply it" in got["targeting.exclude_advertiser_ids"]
+
+
+def test_the_named_fields_may_come_in_the_map_as_the_default_schema_names_them() -> None:
+    ok = _good()
+    ok.targeting.Clear()
+    for name, values in (("gender", ["male"]), ("age", ["70"]), ("country", ["de"]),
+                         ("locations", ["NYC", "Paris"])):  # fmt: skip
+        ok.targeting.attributes[name].values.extend(values)
+    t = validate_request(ok, LIMITS).targeting
+    assert (t.country, t.age, t.gender, t.locations) == ("DE", 70, "male", ("NYC", "Paris"))
+    assert t.attributes == ()  # filled into the named fields: the model reads those
+    bad = _good()
+    bad.targeting.Clear()
+    bad.targeting.attributes["age"].values.append("151")
+    bad.targeting.attributes["gender"].values.append("robot")
+    got = _fields(bad)
+    assert got == {"targeting.attributes['age']": "must be in 0..150 (0 = unknown), got 151",
+                   "targeting.attributes['gender']": "expected one of ['', 'female', 'male'], "
+                   "got 'robot'"}  # fmt: skip

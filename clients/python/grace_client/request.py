@@ -32,6 +32,12 @@ class RequestFields(TypedDict, total=False):
     age: int  # years; 0 = unknown
     gender: str  # "female" | "male" | "" (unknown)
     locations: Iterable[str]  # at most 64
+    # any attribute of the served index's targeting schema, by name (docs/FORMAT.md §1):
+    # {"platform": ["ios"], "audiences": ["a17", "a9"], "age": ["31"]}
+    attributes: dict[str, Iterable[str]]
+    exclude_ad_ids: Iterable[int]  # blocks: these ads never come back
+    exclude_campaign_ids: Iterable[int]  # nor ads of these campaigns
+    exclude_advertiser_ids: Iterable[int]  # nor of these advertisers
     max_ads: int  # 0 = the server's default
     beam_widths: Iterable[int]  # per-step beam widths; empty = the server's schedule
     filter_mode: FilterModeName | int  # unspecified (0) = CD_GTM
@@ -89,7 +95,12 @@ def build_request(**fields: Unpack[RequestFields]) -> retrieval_pb2.RetrieveRequ
                 value = [_event(e, f"{path}[{i}]") for i, e in enumerate(value)]
             elif name == "filter_mode":
                 value = _enum(retrieval_pb2.FilterMode, value, path)
-            if message.DESCRIPTOR.fields_by_name[name].is_repeated:
+            if name == "attributes":
+                for key, values in value.items():
+                    if isinstance(values, str):
+                        raise TypeError(f"{key!r}: expected a list, got the string {values!r}")
+                    message.attributes[key].values.extend(values)
+            elif message.DESCRIPTOR.fields_by_name[name].is_repeated:
                 if isinstance(value, str):  # would be taken letter by letter
                     raise TypeError(f"expected a list, got the string {value!r}")
                 getattr(message, name).extend(value)

@@ -67,6 +67,11 @@ def test_build_request_fields_and_defaults() -> None:
         user=retrieval_pb2.User(), targeting=retrieval_pb2.Targeting(),
         options=retrieval_pb2.Options(),
     )  # fmt: skip
+    blocked = build_request(attributes={"platform": ["ios"]}, exclude_campaign_ids=[4, 5])
+    assert list(blocked.targeting.attributes["platform"].values) == ["ios"]
+    assert list(blocked.targeting.exclude_campaign_ids) == [4, 5]
+    with pytest.raises(InvalidRequestError, match="expected a list"):
+        build_request(attributes={"platform": "ios"})
     with pytest.raises(TypeError, match="unknown request fields"):
         build_request(userid=9)  # type: ignore[call-arg]
     assert set(_OWNER) == set(RequestFields.__annotations__)  # every proto field, no other

@@ -58,16 +58,37 @@ class Event(_message.Message):
     def __init__(self, ad_id: _Optional[int] = ..., type: _Optional[_Union[EventType, str]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
 
 class Targeting(_message.Message):
-    __slots__ = ("country", "age", "gender", "locations")
+    __slots__ = ("country", "age", "gender", "locations", "attributes", "exclude_ad_ids", "exclude_campaign_ids", "exclude_advertiser_ids")
+    class AttributesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Values
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Values, _Mapping]] = ...) -> None: ...
     COUNTRY_FIELD_NUMBER: _ClassVar[int]
     AGE_FIELD_NUMBER: _ClassVar[int]
     GENDER_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_AD_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_CAMPAIGN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_ADVERTISER_IDS_FIELD_NUMBER: _ClassVar[int]
     country: str
     age: int
     gender: str
     locations: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, country: _Optional[str] = ..., age: _Optional[int] = ..., gender: _Optional[str] = ..., locations: _Optional[_Iterable[str]] = ...) -> None: ...
+    attributes: _containers.MessageMap[str, Values]
+    exclude_ad_ids: _containers.RepeatedScalarFieldContainer[int]
+    exclude_campaign_ids: _containers.RepeatedScalarFieldContainer[int]
+    exclude_advertiser_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, country: _Optional[str] = ..., age: _Optional[int] = ..., gender: _Optional[str] = ..., locations: _Optional[_Iterable[str]] = ..., attributes: _Optional[_Mapping[str, Values]] = ..., exclude_ad_ids: _Optional[_Iterable[int]] = ..., exclude_campaign_ids: _Optional[_Iterable[int]] = ..., exclude_advertiser_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Values(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Options(_message.Message):
     __slots__ = ("max_ads", "beam_widths", "filter_mode", "include_sids")
@@ -106,7 +127,7 @@ class Ad(_message.Message):
     def __init__(self, ad_id: _Optional[int] = ..., score: _Optional[float] = ..., sid: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("sids_generated", "ads_expanded", "ads_eligible", "stage_ms")
+    __slots__ = ("sids_generated", "ads_expanded", "ads_eligible", "stage_ms", "ads_removed")
     class StageMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -114,12 +135,21 @@ class Stats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class AdsRemovedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SIDS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     ADS_EXPANDED_FIELD_NUMBER: _ClassVar[int]
     ADS_ELIGIBLE_FIELD_NUMBER: _ClassVar[int]
     STAGE_MS_FIELD_NUMBER: _ClassVar[int]
+    ADS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     sids_generated: int
     ads_expanded: int
     ads_eligible: int
     stage_ms: _containers.ScalarMap[str, float]
-    def __init__(self, sids_generated: _Optional[int] = ..., ads_expanded: _Optional[int] = ..., ads_eligible: _Optional[int] = ..., stage_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    ads_removed: _containers.ScalarMap[str, int]
+    def __init__(self, sids_generated: _Optional[int] = ..., ads_expanded: _Optional[int] = ..., ads_eligible: _Optional[int] = ..., stage_ms: _Optional[_Mapping[str, float]] = ..., ads_removed: _Optional[_Mapping[str, int]] = ...) -> None: ...

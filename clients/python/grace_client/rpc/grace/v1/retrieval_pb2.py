@@ -24,37 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18grace/v1/retrieval.proto\x12\x08grace.v1\"\x8f\x01\n\x0fRetrieveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x04user\x18\x02 \x01(\x0b\x32\x0e.grace.v1.User\x12&\n\ttargeting\x18\x03 \x01(\x0b\x32\x13.grace.v1.Targeting\x12\"\n\x07options\x18\x04 \x01(\x0b\x32\x11.grace.v1.Options\"9\n\x04User\x12\x0f\n\x07user_id\x18\x01 \x01(\x03\x12 \n\x07history\x18\x02 \x03(\x0b\x32\x0f.grace.v1.Event\"O\n\x05\x45vent\x12\r\n\x05\x61\x64_id\x18\x01 \x01(\x03\x12!\n\x04type\x18\x02 \x01(\x0e\x32\x13.grace.v1.EventType\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x03\"L\n\tTargeting\x12\x0f\n\x07\x63ountry\x18\x01 \x01(\t\x12\x0b\n\x03\x61ge\x18\x02 \x01(\x05\x12\x0e\n\x06gender\x18\x03 \x01(\t\x12\x11\n\tlocations\x18\x04 \x03(\t\"p\n\x07Options\x12\x0f\n\x07max_ads\x18\x01 \x01(\x05\x12\x13\n\x0b\x62\x65\x61m_widths\x18\x02 \x03(\x05\x12)\n\x0b\x66ilter_mode\x18\x03 \x01(\x0e\x32\x14.grace.v1.FilterMode\x12\x14\n\x0cinclude_sids\x18\x04 \x01(\x08\"\x8f\x01\n\x10RetrieveResponse\x12\x19\n\x03\x61\x64s\x18\x01 \x03(\x0b\x32\x0c.grace.v1.Ad\x12\x15\n\rindex_version\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x1e\n\x05stats\x18\x04 \x01(\x0b\x32\x0f.grace.v1.Stats\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"/\n\x02\x41\x64\x12\r\n\x05\x61\x64_id\x18\x01 \x01(\x03\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x0b\n\x03sid\x18\x03 \x03(\x05\"\xab\x01\n\x05Stats\x12\x16\n\x0esids_generated\x18\x01 \x01(\x05\x12\x14\n\x0c\x61\x64s_expanded\x18\x02 \x01(\x05\x12\x14\n\x0c\x61\x64s_eligible\x18\x03 \x01(\x05\x12.\n\x08stage_ms\x18\x04 \x03(\x0b\x32\x1c.grace.v1.Stats.StageMsEntry\x1a.\n\x0cStageMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*L\n\tEventType\x12\x1a\n\x16\x45VENT_TYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04VIEW\x10\x01\x12\t\n\x05\x43LICK\x10\x02\x12\x0e\n\nCONVERSION\x10\x03*B\n\nFilterMode\x12\x1b\n\x17\x46ILTER_MODE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x43\x44_ONLY\x10\x01\x12\n\n\x06\x43\x44_GTM\x10\x02\x32P\n\x0b\x41\x64Retrieval\x12\x41\n\x08Retrieve\x12\x19.grace.v1.RetrieveRequest\x1a\x1a.grace.v1.RetrieveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18grace/v1/retrieval.proto\x12\x08grace.v1\"\x8f\x01\n\x0fRetrieveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x04user\x18\x02 \x01(\x0b\x32\x0e.grace.v1.User\x12&\n\ttargeting\x18\x03 \x01(\x0b\x32\x13.grace.v1.Targeting\x12\"\n\x07options\x18\x04 \x01(\x0b\x32\x11.grace.v1.Options\"9\n\x04User\x12\x0f\n\x07user_id\x18\x01 \x01(\x03\x12 \n\x07history\x18\x02 \x03(\x0b\x32\x0f.grace.v1.Event\"O\n\x05\x45vent\x12\r\n\x05\x61\x64_id\x18\x01 \x01(\x03\x12!\n\x04type\x18\x02 \x01(\x0e\x32\x13.grace.v1.EventType\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x03\"\xa0\x02\n\tTargeting\x12\x0f\n\x07\x63ountry\x18\x01 \x01(\t\x12\x0b\n\x03\x61ge\x18\x02 \x01(\x05\x12\x0e\n\x06gender\x18\x03 \x01(\t\x12\x11\n\tlocations\x18\x04 \x03(\t\x12\x37\n\nattributes\x18\x05 \x03(\x0b\x32#.grace.v1.Targeting.AttributesEntry\x12\x16\n\x0e\x65xclude_ad_ids\x18\x06 \x03(\x03\x12\x1c\n\x14\x65xclude_campaign_ids\x18\x07 \x03(\x03\x12\x1e\n\x16\x65xclude_advertiser_ids\x18\x08 \x03(\x03\x1a\x43\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1f\n\x05value\x18\x02 \x01(\x0b\x32\x10.grace.v1.Values:\x02\x38\x01\"\x18\n\x06Values\x12\x0e\n\x06values\x18\x01 \x03(\t\"p\n\x07Options\x12\x0f\n\x07max_ads\x18\x01 \x01(\x05\x12\x13\n\x0b\x62\x65\x61m_widths\x18\x02 \x03(\x05\x12)\n\x0b\x66ilter_mode\x18\x03 \x01(\x0e\x32\x14.grace.v1.FilterMode\x12\x14\n\x0cinclude_sids\x18\x04 \x01(\x08\"\x8f\x01\n\x10RetrieveResponse\x12\x19\n\x03\x61\x64s\x18\x01 \x03(\x0b\x32\x0c.grace.v1.Ad\x12\x15\n\rindex_version\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x1e\n\x05stats\x18\x04 \x01(\x0b\x32\x0f.grace.v1.Stats\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"/\n\x02\x41\x64\x12\r\n\x05\x61\x64_id\x18\x01 \x01(\x03\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x0b\n\x03sid\x18\x03 \x03(\x05\"\x94\x02\n\x05Stats\x12\x16\n\x0esids_generated\x18\x01 \x01(\x05\x12\x14\n\x0c\x61\x64s_expanded\x18\x02 \x01(\x05\x12\x14\n\x0c\x61\x64s_eligible\x18\x03 \x01(\x05\x12.\n\x08stage_ms\x18\x04 \x03(\x0b\x32\x1c.grace.v1.Stats.StageMsEntry\x12\x34\n\x0b\x61\x64s_removed\x18\x05 \x03(\x0b\x32\x1f.grace.v1.Stats.AdsRemovedEntry\x1a.\n\x0cStageMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x31\n\x0f\x41\x64sRemovedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01*L\n\tEventType\x12\x1a\n\x16\x45VENT_TYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04VIEW\x10\x01\x12\t\n\x05\x43LICK\x10\x02\x12\x0e\n\nCONVERSION\x10\x03*B\n\nFilterMode\x12\x1b\n\x17\x46ILTER_MODE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x43\x44_ONLY\x10\x01\x12\n\n\x06\x43\x44_GTM\x10\x02\x32P\n\x0b\x41\x64Retrieval\x12\x41\n\x08Retrieve\x12\x19.grace.v1.RetrieveRequest\x1a\x1a.grace.v1.RetrieveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'grace.v1.retrieval_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TARGETING_ATTRIBUTESENTRY']._loaded_options = None
+  _globals['_TARGETING_ATTRIBUTESENTRY']._serialized_options = b'8\001'
   _globals['_STATS_STAGEMSENTRY']._loaded_options = None
   _globals['_STATS_STAGEMSENTRY']._serialized_options = b'8\001'
-  _globals['_EVENTTYPE']._serialized_start=885
-  _globals['_EVENTTYPE']._serialized_end=961
-  _globals['_FILTERMODE']._serialized_start=963
-  _globals['_FILTERMODE']._serialized_end=1029
+  _globals['_STATS_ADSREMOVEDENTRY']._loaded_options = None
+  _globals['_STATS_ADSREMOVEDENTRY']._serialized_options = b'8\001'
+  _globals['_EVENTTYPE']._serialized_start=1229
+  _globals['_EVENTTYPE']._serialized_end=1305
+  _globals['_FILTERMODE']._serialized_start=1307
+  _globals['_FILTERMODE']._serialized_end=1373
   _globals['_RETRIEVEREQUEST']._serialized_start=39
   _globals['_RETRIEVEREQUEST']._serialized_end=182
   _globals['_USER']._serialized_start=184
   _globals['_USER']._serialized_end=241
   _globals['_EVENT']._serialized_start=243
   _globals['_EVENT']._serialized_end=322
-  _globals['_TARGETING']._serialized_start=324
-  _globals['_TARGETING']._serialized_end=400
-  _globals['_OPTIONS']._serialized_start=402
-  _globals['_OPTIONS']._serialized_end=514
-  _globals['_RETRIEVERESPONSE']._serialized_start=517
-  _globals['_RETRIEVERESPONSE']._serialized_end=660
-  _globals['_AD']._serialized_start=662
-  _globals['_AD']._serialized_end=709
-  _globals['_STATS']._serialized_start=712
-  _globals['_STATS']._serialized_end=883
-  _globals['_STATS_STAGEMSENTRY']._serialized_start=837
-  _globals['_STATS_STAGEMSENTRY']._serialized_end=883
-  _globals['_ADRETRIEVAL']._serialized_start=1031
-  _globals['_ADRETRIEVAL']._serialized_end=1111
+  _globals['_TARGETING']._serialized_start=325
+  _globals['_TARGETING']._serialized_end=613
+  _globals['_TARGETING_ATTRIBUTESENTRY']._serialized_start=546
+  _globals['_TARGETING_ATTRIBUTESENTRY']._serialized_end=613
+  _globals['_VALUES']._serialized_start=615
+  _globals['_VALUES']._serialized_end=639
+  _globals['_OPTIONS']._serialized_start=641
+  _globals['_OPTIONS']._serialized_end=753
+  _globals['_RETRIEVERESPONSE']._serialized_start=756
+  _globals['_RETRIEVERESPONSE']._serialized_end=899
+  _globals['_AD']._serialized_start=901
+  _globals['_AD']._serialized_end=948
+  _globals['_STATS']._serialized_start=951
+  _globals['_STATS']._serialized_end=1227
+  _globals['_STATS_STAGEMSENTRY']._serialized_start=1130
+  _globals['_STATS_STAGEMSENTRY']._serialized_end=1176
+  _globals['_STATS_ADSREMOVEDENTRY']._serialized_start=1178
+  _globals['_STATS_ADSREMOVEDENTRY']._serialized_end=1227
+  _globals['_ADRETRIEVAL']._serialized_start=1375
+  _globals['_ADRETRIEVAL']._serialized_end=1455
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,96 @@
+"""The targeting schema file (contracts/targeting_schema.py): the built-in default is
+today's layout bit for bit; a file is read from YAML or JSON; a bad one is refused in one
+line naming the attribute; an index's manifest gives its schema back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from contracts import targeting
+from contracts.targeting_schema import DEFAULT, SchemaError, TargetingSchema, load, parse
+
+RICH = """
+version: 1
+attributes:
+  - {name: platform, kind: enum, catalog_field: platforms, values: [ios, android, web]}
+  - name: age
+    kind: bucket
+    catalog_field: age_buckets
+    buckets: {"13-17": [13, 17], "18-24": [18, 24], "65+": [65, null]}
+  - {name: audiences, kind: set, catalog_field: audiences, max_request_values: 256,
+     bloom_bits: 512, bloom_hashes: 4}
+  - {name: interests, kind: set, catalog_field: interests, max_request_values: 32,
+     bloom_bits: 128}
+"""
+
+
+def test_the_default_is_the_layout_every_index_was_built_with() -> None:
+    assert DEFAULT.bitmask_bits == targeting.BITMASK_BITS == 261
+    assert DEFAULT.bitmask_words == targeting.BITMASK_WORDS
+    assert DEFAULT.bit_offsets == {"country": 0, "age": 250, "gender": 258}
+    assert DEFAULT.attribute("country").values == targeting.COUNTRIES
+    assert DEFAULT.attribute("age").labels == targeting.AGE_BUCKETS
+    assert DEFAULT.attribute("gender").values == targeting.GENDERS
+    assert DEFAULT.family_words == ((0, targeting.BLOOM_WORDS),)
+    # an index from before declared schemas reads as the default
+    legacy = targeting.TargetingSchema.current().to_manifest()
+    assert TargetingSchema.from_manifest(legacy) == DEFAULT
+
+
+def test_a_schema_file_is_read_and_round_trips_through_a_manifest(tmp_path: Path) -> None:
+    path = tmp_path / "rich.yaml"
+    path.write_text(RICH)
+    schema = load(path)
+    assert [a.name for a in schema.attributes] == ["platform", "age", "audiences", "interests"]
+    assert schema.bit_offsets == {"platform": 0, "age": 4}
+    assert schema.bitmask_bits == 4 + 4 and schema.bitmask_words == 1
+    assert schema.family_words == ((0, 8), (8, 2)) and schema.bloom_words == 10
+    assert schema.attribute("audiences").exclude_field == "audiences_exclude"
+    stored = json.loads(json.dumps(schema.to_manifest()))  # as a manifest holds it
+    assert TargetingSchema.from_manifest(stored) == schema
+    as_json = tmp_path / "rich.json"
+    as_json.write_text(json.dumps(schema.model_dump(mode="json")))
+    assert load(as_json) == schema
+
+
+@pytest.mark.parametrize(
+    ("attributes", "says"),
+    [
+        ([{"name": "Plat", "kind": "enum", "catalog_field": "p", "values": ["a"]}],
+         "attribute 'Plat': name 'Plat' must be lower-case"),
+        ([{"name": "p", "kind": "enum", "catalog_field": "p"}], "attribute 'p': an enum lists"),
+        ([{"name": "p", "kind": "enum", "catalog_field": "p", "values": ["a", "a"]}],
+         "values: 'a' appears twice"),
+        ([{"name": "a", "kind": "bucket", "catalog_field": "a",
+           "buckets": {"x": [0, 10], "y": [5, 20]}}], "buckets 'x' and 'y' overlap"),
+        ([{"name": "s", "kind": "set", "catalog_field": "s", "bloom_bits": 100}],
+         "attribute 's': bloom_bits 100: a power of two"),
+        ([{"name": "s", "kind": "set", "catalog_field": "s", "bloom_hashes": 9}],
+         "attribute 's', bloom_hashes"),
+        ([{"name": "s", "kind": "set", "catalog_field": "ad_id"}], "'ad_id' is the catalog's own"),
+        ([{"name": "s", "kind": "set", "catalog_field": "s", "colour": 1}],
+         "attribute 's', colour: Extra inputs"),
+        ([{"name": "s", "kind": "set", "catalog_field": "s"},
+          {"name": "t", "kind": "set", "catalog_field": "s"}], "catalog fields: 's' appears"),
+        ([{"name": "s", "kind": "set", "catalog_field": "s", "values": ["x"]}],
+         "values, case and unlisted are for enum"),
+    ],
+)  # fmt: skip
+def test_a_bad_schema_is_refused_in_one_line_naming_the_attribute(
+    attributes: list, says: str
+) -> None:
+    with pytest.raises(SchemaError, match=r"^f\.yaml: ") as caught:
+        parse({"version": 1, "attributes": attributes}, "f.yaml")
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_unreadable_files_are_named(tmp_path: Path) -> None:
+    with pytest.raises(SchemaError, match=r"missing\.yaml: No such file"):
+        load(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(SchemaError, match=r"bad\.json: not JSON"):
+        load(bad)
