@@ -218,6 +218,12 @@ class Metrics:
         self.eligible = counter(
             "grace_ads_eligible_total", "Expanded ads passing the exact filter."
         )
+        self.removed = counter(
+            "grace_ads_removed_total",
+            "Expanded ads the exact filter removed, by rule kind: block (the request's "
+            "exclude_*_ids), targeting (an include rule), exclusion (an ad's exclude list).",
+            ["rule"],
+        )
         self.empty_answers = counter(
             "grace_empty_answers_total",
             "Retrieve calls answered OK with no ads (a model that answers nothing shows "

@@ -205,7 +205,7 @@ class RetrievalServicer:
             call.request_id = own
             current_request_id.set(call.log_id)
         try:
-            req = validate_request(request, self.limits, self._schema())
+            req = validate_request(request, self.limits, self._schema(), BLOCKABLE)
         except InvalidRequest as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), (bad_request(exc),)) from None
         if self.request_log is not None:
@@ -242,6 +242,10 @@ class RetrievalServicer:
         self.metrics.sids.inc(r.sids_generated)
         self.metrics.expanded.inc(p.ads_expanded)
         self.metrics.eligible.inc(p.ads_eligible)
+        removed = p.ads_removed
+        for rule, n in removed.items():
+            if n:
+                self.metrics.removed.labels(rule).inc(n)
         # the ads as wire bytes from C++: building ~1,000 Python `Ad` messages per reply
         # would cost the event loop ~1 ms per request
         ads = encode_ads(p.ad_ids, p.scores, p.sids if include_sids else None)
@@ -253,6 +257,7 @@ class RetrievalServicer:
                 ads_expanded=p.ads_expanded,
                 ads_eligible=p.ads_eligible,
                 stage_ms=r.stage_ms,
+                ads_removed={rule: n for rule, n in removed.items() if n},
             ),
             request_id=request_id,
         )
@@ -261,6 +266,10 @@ class RetrievalServicer:
         if len(p.ad_ids) == 0:  # OK without ads: GraceEmptyAnswers watches their share
             self.metrics.empty_answers.inc()
         return reply
+
+
+# the block lists every index can apply (campaigns and advertisers need the catalog's ids)
+BLOCKABLE = ("exclude_ad_ids",)
 
 
 def _annotate(span: Span, call: _Call, code: grpc.StatusCode) -> None:

@@ -242,6 +242,8 @@ def _targeting(
             bad.add(f"targeting.{name}", "the served index cannot apply it (docs/FORMAT.md §1)")
         elif len(ids) > MAX_EXCLUDE_IDS:
             bad.add(f"targeting.{name}", f"at most {MAX_EXCLUDE_IDS} ids, got {len(ids)}")
+        elif name != "exclude_ad_ids" and 0 in ids:  # 0: an ad of no campaign or advertiser
+            bad.add(f"targeting.{name}", "0 means none and cannot be blocked")
         blocks[name] = ids
     return dataclasses.replace(named, attributes=tuple(attributes), **blocks)
 
