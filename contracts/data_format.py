@@ -14,8 +14,9 @@ CATALOG_FORMAT_VERSION = 1
 # file stamped with a newer version than this reader knows is refused
 CATALOG_VERSION_KEY = b"grace.catalog.format_version"
 CATALOG_FIELDS = ("ad_id", "sid", "embedding", "countries", "age_buckets", "genders", "locations")
-# fields of the format that serving does not read: accepted without a warning, not kept
-CATALOG_INFORMATIONAL = ("advertiser_id",)
+# an ad's owners, each an int64 or null/absent (0: none): what a request's
+# exclude_campaign_ids / exclude_advertiser_ids block (docs/FORMAT.md §1)
+CATALOG_OWNERS = ("advertiser_id", "campaign_id")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")  # each also gzip-compressed, with ".gz"
 PARQUET_SUFFIXES = (".parquet",)
 

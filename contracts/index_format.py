@@ -27,7 +27,7 @@ from contracts.npy_private import NpyError, load_npy_private
 from contracts.targeting import BITMASK_WORDS, BLOOM_WORDS, TargetingSchema
 
 FORMAT_NAME = "grace-index"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: may hold ads.ad_campaign_ids / ad_advertiser_ids; written only then
 MANIFEST = "manifest.json"
 SID_LENGTH = 4
 VOCAB_SIZE = 512
@@ -71,6 +71,10 @@ class AdArrays:
     ad_loc_ids: np.ndarray  # int32 [nnz]: the exact location rules, vocabulary ids
     loc_vocab_offsets: np.ndarray  # int64 [V + 1]
     loc_vocab_bytes: np.ndarray  # uint8 [total bytes]: sorted UTF-8 strings
+    # each ad's campaign and advertiser, 0 = none (format version 2; None: the catalog
+    # named none, and a request's block on them cannot be applied)
+    ad_campaign_ids: np.ndarray | None = None  # int64 [N]
+    ad_advertiser_ids: np.ndarray | None = None  # int64 [N]
 
     @property
     def num_ads(self) -> int:
@@ -119,6 +123,8 @@ _SPECS: dict[str, tuple[str, int, int | None]] = {
     "ads.ad_loc_ids": ("int32", 1, None),
     "ads.loc_vocab_offsets": ("int64", 1, None),
     "ads.loc_vocab_bytes": ("uint8", 1, None),
+    "ads.ad_campaign_ids": ("int64", 1, None),
+    "ads.ad_advertiser_ids": ("int64", 1, None),
     "kway.offsets": ("int64", 1, None),
     "kway.bitmask_index": ("int32", 1, None),
     "kway.bloom_index": ("int32", 1, None),
@@ -134,7 +140,8 @@ def _flatten(arrays: IndexArrays) -> dict[str, np.ndarray]:
         part = getattr(arrays, group)
         if part is not None:
             for f in fields(part):
-                out[f"{group}.{f.name}"] = getattr(part, f.name)
+                if getattr(part, f.name) is not None:  # an optional array it lacks
+                    out[f"{group}.{f.name}"] = getattr(part, f.name)
     return out
 
 
@@ -192,9 +199,10 @@ def write_index_dir(directory: Path, arrays: IndexArrays, manifest: dict[str, An
             "shape": list(arr.shape),
             "sha256": file_sha256(path),
         }
+    owners = arrays.ads.ad_campaign_ids is not None or arrays.ads.ad_advertiser_ids is not None
     full = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if owners else 1,  # what older readers can take
         **manifest,
         "targeting": TargetingSchema.current().to_manifest(),
         "sid_length": SID_LENGTH,
@@ -335,10 +343,11 @@ def read_index_dir(
         if not present and group == "kway":
             groups[group] = None
             continue
-        missing = sorted(set(names) - set(present))
+        optional = {f"{group}.{f.name}" for f in fields(cls) if f.default is None}
+        missing = sorted(set(names) - set(present) - optional)
         if missing:
             raise IndexFormatError(f"{directory}: manifest lacks arrays {missing}")
-        groups[group] = cls(**{n.split(".", 1)[1]: loaded[n] for n in names})
+        groups[group] = cls(**{n.split(".", 1)[1]: loaded[n] for n in present})
     return manifest, IndexArrays(**groups)
 
 

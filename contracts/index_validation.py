@@ -166,6 +166,10 @@ def check_ads(t: TrieArrays, a: AdArrays) -> list[str]:
         faults.append("ad_ids are not unique")
     if a.ad_bitmask.shape[0] != n:
         faults.append("ad_bitmask rows differ from the number of ads")
+    for name in ("ad_campaign_ids", "ad_advertiser_ids"):
+        owners = getattr(a, name)
+        if owners is not None and owners.shape != (n,):
+            faults.append(f"{name} has {len(owners)} entries for {n} ads")
     faults += _monotone_offsets("ad_loc_offsets", a.ad_loc_offsets, len(a.ad_loc_ids))
     if len(a.ad_loc_offsets) != n + 1:
         faults.append("ad_loc_offsets length differs from ads + 1")

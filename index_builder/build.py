@@ -94,6 +94,10 @@ def _sorted_catalog(catalog: Catalog, order: np.ndarray, workers: int) -> Catalo
     """The catalog's rows in the order of the permutation `order`, gathered by `workers`
     threads, without the embeddings (the build needs none once SIDs exist)."""
     offsets, flat = parallel.take_segments(catalog.loc_offsets, order)
+
+    def take(owners: np.ndarray | None) -> np.ndarray | None:
+        return None if owners is None else parallel.take(owners, order, workers)
+
     return Catalog(
         ad_id=parallel.take(catalog.ad_id, order, workers),
         sid=parallel.take(catalog.sid, order, workers),
@@ -103,6 +107,8 @@ def _sorted_catalog(catalog: Catalog, order: np.ndarray, workers: int) -> Catalo
         loc_ids=parallel.take(catalog.loc_ids, flat, workers),
         locations=catalog.locations,
         source=catalog.source,
+        campaign=take(catalog.campaign),
+        advertiser=take(catalog.advertiser),
     )
 
 
@@ -162,6 +168,8 @@ def build_arrays(
         ad_loc_ids=cat.loc_ids.astype(np.int32),
         loc_vocab_offsets=vocab_offsets,
         loc_vocab_bytes=np.frombuffer(b"".join(vocab), dtype=np.uint8),
+        ad_campaign_ids=cat.campaign,
+        ad_advertiser_ids=cat.advertiser,
     )
     report.levels = storage_stats(built, workers)
     trie = built.trie

@@ -26,6 +26,7 @@ from index_builder.catalog_columns import (
     first_true,
     list_column,
     locations,
+    owner_ids,
     rule_ids,
     sids,
 )
@@ -48,6 +49,8 @@ class Catalog:
     locations: np.ndarray  # object [V]: sorted unique location strings
     source: str  # path read
     ignored_fields: tuple[str, ...] = ()  # fields in the input the format does not know
+    campaign: np.ndarray | None = None  # int64 [N], 0 = none; None: no row names one
+    advertiser: np.ndarray | None = None  # int64 [N], 0 = none; None: no row names one
 
     def __post_init__(self) -> None:
         n = len(self.ad_id)
@@ -55,6 +58,7 @@ class Catalog:
         assert self.embedding is None or len(self.embedding) == n
         assert self.bitmask.shape == (n, BITMASK_WORDS), self.bitmask.shape
         assert len(self.loc_offsets) == n + 1 and self.loc_offsets[-1] == len(self.loc_ids)
+        assert all(a is None or a.shape == (n,) for a in (self.campaign, self.advertiser))
 
     @property
     def n(self) -> int:
@@ -115,4 +119,6 @@ def _build(cols: dict[str, pa.Array], src: Source) -> Catalog:
         loc_ids=loc_ids,
         locations=vocabulary,
         source=src.path,
+        campaign=owner_ids(cols.get("campaign_id"), "campaign_id", src),
+        advertiser=owner_ids(cols.get("advertiser_id"), "advertiser_id", src),
     )

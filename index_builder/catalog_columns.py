@@ -177,3 +177,17 @@ def locations(
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.bincount(keys // len(words), minlength=n), out=offsets[1:])
     return offsets, (keys % len(words)).astype(np.int32), words[order]
+
+
+def owner_ids(arr: pa.Array | None, field: str, src: Source) -> np.ndarray | None:
+    """An ad's campaign or advertiser (`CATALOG_OWNERS`): int64 [N], 0 where null; None
+    when no row carries the field (no block on it can be applied)."""
+    if arr is None or pa.types.is_null(arr.type) or arr.null_count == len(arr):
+        return None
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if pa.types.is_uint64(arr.type):
+        big = pc.fill_null(arr, 0).to_numpy() > np.uint64(I64_MAX)
+        if (row := first_true(big)) is not None:
+            raise src.error(row, field, f"{arr[row].as_py()} is not {EXPECT[field][1]}")
+    return arr.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from contracts.data_format import (
     CATALOG_FIELDS,
     CATALOG_FORMAT_VERSION,
-    CATALOG_INFORMATIONAL,
+    CATALOG_OWNERS,
     CATALOG_VERSION_KEY,
 )
 
@@ -33,7 +33,7 @@ SID_LEVELS = 4
 SID_VOCAB = 512
 STRING_FIELDS = ("countries", "age_buckets", "genders", "locations")
 LIST_FIELDS = CATALOG_FIELDS[1:]  # every field but ad_id: lists (or null)
-KNOWN_FIELDS = frozenset(CATALOG_FIELDS + CATALOG_INFORMATIONAL)
+KNOWN_FIELDS = frozenset(CATALOG_FIELDS + CATALOG_OWNERS)
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 
 
@@ -106,6 +106,7 @@ EXPECT: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
     "sid": (_list_of(pa.types.is_integer), f"a list of {SID_LEVELS} ints in [0, {SID_VOCAB})"),
     "embedding": (_list_of(_is_number), "a list of finite numbers"),
     **{f: (_list_of(_is_string), "a list of strings") for f in STRING_FIELDS},
+    **{f: (pa.types.is_integer, "an integer in int64 range, or null") for f in CATALOG_OWNERS},
 }
 
 
@@ -137,6 +138,7 @@ def read_jsonl(path: Path, progress: bool) -> tuple[Source, dict[str, pa.Array],
     lines: list[int] = []
     cols: dict[str, list[object]] = {f: [] for f in LIST_FIELDS}
     fields = tuple(cols.items())
+    owners: dict[str, list[object]] = {f: [] for f in CATALOG_OWNERS}
     with (
         _gc_paused(),
         path.open("rb") as stored,
@@ -173,6 +175,13 @@ def read_jsonl(path: Path, progress: bool) -> tuple[Source, dict[str, pa.Array],
                         msg = f"{show(value)} is not {EXPECT[field][1]}"
                         raise CatalogError(name, f"line {lineno}", field, msg)
                     col.append(value)
+                for field, col in owners.items():
+                    value = obj.get(field)
+                    if value is not None and (type(value) is not int or not
+                                              I64_MIN <= value <= I64_MAX):  # fmt: skip
+                        msg = f"{show(value)} is not {EXPECT[field][1]}"
+                        raise CatalogError(name, f"line {lineno}", field, msg)
+                    col.append(value)
         except (OSError, EOFError) as e:  # a corrupt or truncated gzip stream
             raise CatalogError(name, None, None, f"cannot decompress: {e}") from None
         bar.update(stored.tell() - bar.n)
@@ -180,6 +189,9 @@ def read_jsonl(path: Path, progress: bool) -> tuple[Source, dict[str, pa.Array],
     out = {"ad_id": pa.array(ids, type=pa.int64())}
     for field, col in cols.items():
         out[field] = _to_arrow(col, field, src)
+    for field, col in owners.items():
+        if any(v is not None for v in col):
+            out[field] = pa.array(col, type=pa.int64())
     return src, out, unknown
 
 
@@ -220,7 +232,7 @@ def read_parquet(path: Path, progress: bool) -> tuple[dict[str, pa.Array], set[s
         raise src.error(None, None, msg + f"knows versions up to {CATALOG_FORMAT_VERSION}")
     if "ad_id" not in schema.names:
         raise src.error(None, "ad_id", "missing column")
-    fields = [f for f in ("ad_id", *LIST_FIELDS) if f in schema.names]
+    fields = [f for f in ("ad_id", *LIST_FIELDS, *CATALOG_OWNERS) if f in schema.names]
     for f in fields:  # column types first: the value checks below assume them
         accept, expect = EXPECT[f]
         if not (accept(schema.field(f).type) or pa.types.is_null(schema.field(f).type)):

@@ -205,7 +205,9 @@ class RetrievalServicer:
             call.request_id = own
             current_request_id.set(call.log_id)
         try:
-            req = validate_request(request, self.limits, self._schema(), BLOCKABLE)
+            index = self.serving.current.index if self.serving.ready else None
+            req = validate_request(request, self.limits, self._schema(),
+                                   index.blockable if index is not None else ())  # fmt: skip
         except InvalidRequest as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), (bad_request(exc),)) from None
         if self.request_log is not None:
@@ -266,10 +268,6 @@ class RetrievalServicer:
         if len(p.ad_ids) == 0:  # OK without ads: GraceEmptyAnswers watches their share
             self.metrics.empty_answers.inc()
         return reply
-
-
-# the block lists every index can apply (campaigns and advertisers need the catalog's ids)
-BLOCKABLE = ("exclude_ad_ids",)
 
 
 def _annotate(span: Span, call: _Call, code: grpc.StatusCode) -> None:

@@ -42,6 +42,15 @@ class LoadedIndex:
         return DEFAULT if stored is None else TargetingSchema.from_manifest(stored)
 
     @property
+    def blockable(self) -> tuple[str, ...]:
+        """The request block lists this index can apply: ads always; campaigns and
+        advertisers when its catalog named them."""
+        ads = self.arrays.ads
+        owners = {"exclude_campaign_ids": ads.ad_campaign_ids,
+                  "exclude_advertiser_ids": ads.ad_advertiser_ids}  # fmt: skip
+        return ("exclude_ad_ids", *(name for name, ids in owners.items() if ids is not None))
+
+    @property
     def sid_space(self) -> str:
         """The SID space the index was built for (contracts/sid_space.py); "" for an
         index built in memory without one."""

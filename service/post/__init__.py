@@ -301,7 +301,11 @@ class PostStage:
                 (ads.ad_loc_offsets, ads.ad_loc_ids)
             ]
             exclude: list[tuple[np.ndarray, np.ndarray] | None] = [None]
-            bitmask, campaign, advertiser = ads.ad_bitmask, None, None
+            bitmask, campaign, advertiser = (
+                ads.ad_bitmask,
+                ads.ad_campaign_ids,
+                ads.ad_advertiser_ids,
+            )
         else:
             names = [a.name for a in schema.families]
             self.attributes = tuple(names)
@@ -314,10 +318,9 @@ class PostStage:
             include = [_csr(f"AdRules.include[{a!r}]", rules.include.get(a), n) for a in names]
             exclude = [_csr(f"AdRules.exclude[{a!r}]", rules.exclude.get(a), n) for a in names]
             campaign, advertiser = rules.campaign, rules.advertiser
-            if campaign is not None:
-                _checked("AdRules.campaign", campaign, np.int64)
-            if advertiser is not None:
-                _checked("AdRules.advertiser", advertiser, np.int64)
+        for name, owners in (("campaign", campaign), ("advertiser", advertiser)):
+            if owners is not None and _checked(name, owners, np.int64).shape != (n,):
+                raise ValueError(f"{name} ids: expected [{n}]")
         self._index = AdIndex(
             ads.leaf_sids,
             ads.leaf_ad_offsets,

@@ -369,3 +369,24 @@ def test_a_location_no_request_could_carry_is_refused(
     assert why in str(e.value) and "no request could match it" in str(e.value)
     cat = read_catalog(write(tmp_path, [rows[0], rows[2]], fmt), progress=False)
     assert list(cat.locations) == [ok]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_campaign_and_advertiser_ids_are_kept_null_as_none(tmp_path: Path, fmt: str) -> None:
+    rows = [ad(1, campaign_id=7, advertiser_id=3), ad(2, campaign_id=None), ad(3)]
+    cat = read_catalog(write(tmp_path, rows, fmt), progress=False)
+    assert cat.campaign.tolist() == [7, 0, 0] and cat.advertiser.tolist() == [3, 0, 0]
+    plain = read_catalog(write(tmp_path, [ad(1), ad(2)], fmt), progress=False)
+    assert plain.campaign is None and plain.advertiser is None  # no block can be applied
+    bad = [ad(1, campaign_id=7 if fmt == "jsonl" else "7"), ad(2, campaign_id="x")]
+    says = f"{where(fmt, 1)}: field 'campaign_id': 'x' is not an integer" if fmt == "jsonl" else (
+        "field 'campaign_id': column has type string")  # fmt: skip
+    with pytest.raises(CatalogError, match=says):
+        read_catalog(write(tmp_path, bad, fmt), progress=False)
+
+
+def test_parquet_owner_ids_beyond_int64_are_refused(tmp_path: Path) -> None:
+    path = write_parquet(tmp_path / "c.parquet", [ad(1, advertiser_id=2**63)],
+                         types={"advertiser_id": pa.uint64()})  # fmt: skip
+    with pytest.raises(CatalogError, match="row 0: field 'advertiser_id': 9223372036854775808"):
+        read_catalog(path, progress=False)

@@ -77,6 +77,7 @@ def test_private_load_equals_the_memory_map_and_is_immune_to_the_files(published
         name: np.array(getattr(getattr(mapped, group), name))
         for group in ("trie", "ads")
         for name in getattr(mapped, group).__dataclass_fields__
+        if getattr(getattr(mapped, group), name) is not None  # an optional array it lacks
     }
     for path in published.glob("*.npy"):
         os.truncate(path, 0)

@@ -444,7 +444,7 @@ def test_an_overloaded_server_sheds_before_parsing_the_request() -> None:
     batcher = SimpleNamespace(admit=admit, admission=Admission(), depth=0, inflight_requests=0)
     limits = Limits(1000, 10_000, (1, 4, 8, 8), (1, 8, 16, 16))
     serving = SimpleNamespace(
-        ready=True, current=SimpleNamespace(index=SimpleNamespace(schema=DEFAULT))
+        ready=True, current=SimpleNamespace(index=SimpleNamespace(schema=DEFAULT, blockable=()))
     )
     servicer = RetrievalServicer(batcher, limits, serving, Metrics())  # type: ignore[arg-type]
     bad = retrieval_pb2.RetrieveRequest(targeting=retrieval_pb2.Targeting(gender="robot"))
