@@ -104,6 +104,16 @@ def _query(args: argparse.Namespace) -> int:
     else:
         mode = retrieval_pb2.CD_ONLY if args.mode == "cd_only" else retrieval_pb2.CD_GTM
         request = request_for_user(world, args.user, args.max_ads, mode, user_id=args.user_id)
+    for text in args.attribute or ():
+        name, eq, values = text.partition("=")
+        if not (name and eq):
+            print(f"grace query: --attribute {text!r}: not NAME=V1,V2,...", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        request.targeting.attributes[name].values.extend(v for v in values.split(",") if v)
+    for field, ids in (("exclude_ad_ids", args.exclude_ads),
+                       ("exclude_campaign_ids", args.exclude_campaigns),
+                       ("exclude_advertiser_ids", args.exclude_advertisers)):  # fmt: skip
+        getattr(request.targeting, field).extend(ids or ())
     target = args.target or default_target()
     with channel(target, args) as ch:
         stub = retrieval_pb2_grpc.AdRetrievalStub(ch)
@@ -128,9 +138,19 @@ def _query(args: argparse.Namespace) -> int:
         print(f"{i:>4}  {ad.ad_id:>20}  {ad.score:>8.3f}  {list(ad.sid)}")
     s = response.stats
     stages = "  ".join(f"{k} {v:.1f}" for k, v in s.stage_ms.items())
+    removed = "".join(f", {k} {v}" for k, v in sorted(s.ads_removed.items()))
     print(f"SIDs generated {s.sids_generated}, ads expanded {s.ads_expanded}, "
-          f"eligible {s.ads_eligible}; stage ms: {stages}")  # fmt: skip
+          f"eligible {s.ads_eligible}{removed and '; removed' + removed[1:]}; "
+          f"stage ms: {stages}")  # fmt: skip
     return 0
+
+
+def id_list(text: str) -> list[int]:
+    """`1,2,3` as ints (argparse names the flag when this raises)."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated ids") from None
 
 
 def register(add: AddCommand) -> None:
@@ -145,4 +165,13 @@ def register(add: AddCommand) -> None:
     p.add_argument("--max-ads", type=int, default=10)
     p.add_argument("--mode", choices=["cd_gtm", "cd_only"], default="cd_gtm")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    p.add_argument("--attribute", action="append", metavar="NAME=V1,V2",
+                   help="an attribute of the served index's targeting schema, e.g. "
+                   "platform=ios or audiences=a17,a9 (repeatable; docs/FORMAT.md §1)")  # fmt: skip
+    p.add_argument("--exclude-ads", type=id_list, metavar="IDS",
+                   help="block these ads (comma-separated ids)")  # fmt: skip
+    p.add_argument("--exclude-campaigns", type=id_list, metavar="IDS",
+                   help="block the ads of these campaigns")  # fmt: skip
+    p.add_argument("--exclude-advertisers", type=id_list, metavar="IDS",
+                   help="block the ads of these advertisers")  # fmt: skip
     add_tls_flags(p)

@@ -106,3 +106,25 @@ def test_a_reader_that_goes_away_ends_query_quietly(server: ServerProcess) -> No
 def test_version_names_the_package() -> None:
     done = grace("--version")
     assert done.returncode == 0 and re.match(r"grace-serving \d+\.\d+\.\d+", done.stdout)
+
+
+def test_blocks_and_attributes_from_the_command_line(server: ServerProcess) -> None:
+    """--exclude-ads keeps those ads out and query says what the exact stage removed;
+    --attribute sends an attribute by name, and one the served schema lacks is the
+    server's one-line INVALID_ARGUMENT; a bad id list is query's own one line."""
+    world = str(server.data / "world")  # type: ignore[attr-defined]
+    base = ("query", "--target", server.target, "--world", world, "--user", "3")
+    first = grace(*base)
+    assert first.returncode == 0, first.stderr
+    ads = [line.split()[1] for line in first.stdout.splitlines() if line[:4].strip().isdigit()]
+    blocked = grace(*base, "--exclude-ads", ",".join(ads[:3]))
+    assert blocked.returncode == 0, blocked.stderr
+    shown = [line.split()[1] for line in blocked.stdout.splitlines() if line[:4].strip().isdigit()]
+    assert shown and not set(shown) & set(ads[:3])
+    assert re.search(r"removed block \d+", blocked.stdout)
+    unknown = grace(*base, "--attribute", "platform=ios")
+    assert unknown.returncode == 1
+    assert "targeting.attributes['platform']: the served index's schema has no such" in (
+        unknown.stderr)  # fmt: skip
+    bad = grace(*base, "--exclude-ads", "1,x")
+    assert bad.returncode == 2 and "expected comma-separated ids" in bad.stderr
