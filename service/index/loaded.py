@@ -66,13 +66,17 @@ class LoadedIndex:
         path: Path = Path(),
         manifest: dict[str, Any] | None = None,
     ) -> LoadedIndex:
-        """Prepare validated arrays (or arrays built in memory, as tests do)."""
+        """Prepare validated arrays (or arrays built in memory, as tests do); a manifest's
+        targeting schema that cannot be read is a SchemaError here, before it serves."""
+        stored = (manifest or {}).get("targeting")
+        schema = DEFAULT if stored is None else TargetingSchema.from_manifest(stored)
+        families = schema.family_words
         return cls(
             version=version,
             path=path,
             manifest=manifest or {},
             arrays=arrays,
-            tables=GtmTables.from_arrays(arrays.trie, arrays.kway, device),
+            tables=GtmTables.from_arrays(arrays.trie, arrays.kway, device, families=families),
             level_offsets=torch.from_numpy(arrays.trie.level_offsets.copy()),
             vocabulary=LocationVocabulary(arrays.ads),
             lookup=SidLookup.from_ads(arrays.ads),

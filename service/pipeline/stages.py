@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from contracts.request import FilterMode, Scoring
-from contracts.targeting import MAX_REQUEST_LOCATIONS, encode_requests
+from contracts.targeting import MAX_REQUEST_LOCATIONS
+from contracts.targeting_codec import codec
 from contracts.tensors import RequestTensors
 from service.capture import bucket_of
 from service.model.feature_packing import pack_features, unpack_features
@@ -135,7 +136,8 @@ class Stages:
             for g in batch.groups:
                 targeting = None
                 if g.mode != FilterMode.CD_ONLY:
-                    enc = encode_requests([reqs[i].targeting for i in g.rows])
+                    by = codec(batch.serving.index.schema)  # the served index's schema
+                    enc = by.encode_requests([reqs[i].targeting.values() for i in g.rows])
                     host = RequestTensors.from_encoded(enc)
                     targeting = RequestTensors(
                         self._to_device(host.bitmask), self._to_device(host.blooms)
