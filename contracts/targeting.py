@@ -229,7 +229,7 @@ class Targeting:
         for name in LEGACY_FIELDS:
             given = getattr(self, name)
             if given:
-                out[name] = given if isinstance(given, tuple) else (str(given),)
+                out[name] = tuple(given) if isinstance(given, tuple | list) else (str(given),)
         return out
 
 

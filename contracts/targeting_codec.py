@@ -135,12 +135,9 @@ class Codec:
             return unknown
         value = values[0]
         if attr.kind == "bucket":
-            try:
-                number = int(value)
-            except ValueError:
-                raise TargetingError(field, f"expected an integer, got {value[:64]!r}") from None
-            if number < 0:
-                raise TargetingError(field, f"must be >= 0 (0 = unknown), got {number}")
+            if not (value.isascii() and value.isdigit()):
+                raise TargetingError(field, f"expected a decimal integer >= 0, got {value[:64]!r}")
+            number = int(value)
             for i, (lo, hi) in enumerate(attr.buckets.values()):
                 if lo <= number and (hi is None or number <= hi):
                     return base + i

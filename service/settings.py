@@ -243,7 +243,10 @@ class ServerSettings(BaseSettings):
         "long is wedged: the process writes every thread's stack to stderr and exits 3, so "
         "it is restarted (service/watchdog.py). 0 turns the watchdog off.",
     )
-    worker_heartbeat_seconds: NonNegative = Field(
+    # workers beat every 0.5 s (service/board.py): a timeout of a few beats or more
+    worker_heartbeat_seconds: Annotated[
+        float, _must(lambda v: v == 0 or v >= 2, "0 (off) or at least 2 (4 beats)")
+    ] = Field(
         5.0,
         description="With workers > 1: a serving worker whose event loop has not beaten "
         "for this long (frozen, or its loop blocked) is killed and restarted by the "

@@ -7,9 +7,10 @@ them serving.
 - Serving: a worker that exits, or whose heartbeat (service/board.py) is older than
   `worker_heartbeat_seconds` (frozen, its event loop blocked; it is killed), is restarted
   while the others serve on; at once when it had served `STABLE_SECONDS`, else after a
-  backoff doubling to `MAX_BACKOFF_SECONDS`. After `MAX_FAILED_RESTARTS` restarts in a row
-  that never served that long, the supervisor stops them all and exits 1, so the pod
-  restarts.
+  backoff of 1 s doubling (to `MAX_BACKOFF_SECONDS`). A restart not serving after
+  `GATE_SECONDS` is killed, a failed restart. At the `MAX_FAILED_RESTARTS`-th exit in a
+  row without `STABLE_SECONDS` of serving (after 4 restarts), the supervisor stops them
+  all and exits 1, so the pod restarts.
 - Stop: SIGTERM/SIGINT asks the request front (if any) to drain, then every worker;
   SIGUSR1 is forwarded (each worker dumps its stacks).
 """
@@ -146,7 +147,9 @@ class Supervisor:
             for sig, handler in previous.items():  # after the front: a late signal is ours
                 signal.signal(sig, handler)
         clean = (0, -signal.SIGTERM, -signal.SIGINT)  # stopped before its own handler was in
-        codes = [w.proc.exitcode if w.proc is not None else None for w in self.workers]
+        # a worker waiting out its restart backoff exited earlier: that exit is handled
+        codes = [w.proc.exitcode if w.proc is not None and w.restart_at is None else None
+                 for w in self.workers]  # fmt: skip
         failed = self.failed or any(c not in clean for c in codes if c is not None)
         failed = failed or (self.front is not None and self.front.failed)
         log.info("workers stopped (exit codes %s, restarts %s)", codes, list(self.board.restarts))
@@ -205,7 +208,12 @@ class Supervisor:
                 self._launch(i, None)  # a restart joins the others past the gate
             return
         if w.serving_since is None:
-            if self.board.fresh(i, now):
+            if self.board.restarts[i] and now - w.started > GATE_SECONDS and not w.frozen:
+                log.error("worker %d (pid %d) restarted %.0f s ago and is not serving: "
+                          "killing it", i, p.pid, now - w.started)  # fmt: skip
+                w.frozen = True  # its exit is then a failed restart, as any other
+                p.kill()
+            elif self.board.fresh(i, now):
                 w.serving_since = now
                 if self.front is not None:
                     self.front.mark(i, up=True)

@@ -48,6 +48,7 @@ class Reloader:
             f: getattr(settings, f) for f in FLAGS if getattr(settings, f) is not None
         }
         self._lock = threading.Lock()
+        self._unread: tuple[tuple[int, int, int] | None, ...] | None = None  # warned of
         self._seen = self._stamp()
         self.config = self._load()
 
@@ -72,13 +73,20 @@ class Reloader:
         with self._lock:
             if stamp == self._seen:
                 return None
-            self._seen = stamp
             try:
                 self.config = self._load()
-            except (StartupError, OSError) as exc:
+            except _Unreadable as exc:  # (out of descriptors, say): the next handshake retries
+                if stamp != self._unread:
+                    self._unread = stamp
+                    log.warning("TLS files changed but cannot be read yet; the previous "
+                                "ones serve on: %s", exc)  # fmt: skip
+                return None
+            except StartupError as exc:  # their content: tried again once they change
+                self._seen = stamp
                 log.warning("TLS files changed but do not load; the previous ones serve on: %s",
                             exc)  # fmt: skip
                 return None
+            self._seen = stamp
         log.info("TLS: reloaded %s: new connections get it", self.paths["tls_cert"])
         return self.config
 
@@ -94,11 +102,15 @@ def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials:
     )
 
 
+class _Unreadable(StartupError):
+    """A TLS file that could not be read (as opposed to one whose content is wrong)."""
+
+
 def _read(path: Path, field: str) -> bytes:
     try:
         return path.read_bytes()
     except OSError as exc:
-        raise StartupError(f"{field} {path}: {exc.strerror or exc} "
+        raise _Unreadable(f"{field} {path}: {exc.strerror or exc} "
                            f"({FLAGS[field]}, GRACE_{field.upper()})") from None  # fmt: skip
 
 
@@ -116,8 +128,8 @@ def _check(pem: dict[str, bytes], paths: dict[str, Path]) -> None:
     if "tls_client_ca" in pem:
         try:
             context.load_verify_locations(cadata=pem["tls_client_ca"].decode("ascii", "replace"))
-        except ssl.SSLError as exc:
-            why = exc.reason or exc
+        except (ssl.SSLError, ValueError) as exc:  # ValueError: an empty file
+            why = getattr(exc, "reason", None) or exc
             raise StartupError(f"tls_client_ca {paths['tls_client_ca']}: no PEM CA certificate: "
                                f"{why} (--tls-client-ca)") from None  # fmt: skip
 
@@ -146,6 +158,8 @@ def channel(
     `key` the client's own, for mutual TLS; `server_name` the name the server's certificate
     must carry when not the target's host), else plain text."""
     if ca is None and cert is None and key is None:
+        if server_name:
+            raise ValueError("a TLS server name needs TLS: give the CA (--tls-ca) too")
         return grpc.insecure_channel(target, options=options)
     if (cert is None) != (key is None):
         raise ValueError("a client certificate and its key go together: give both or neither")

@@ -255,12 +255,10 @@ def _fill(bad: _Violations, t: pb.Targeting, name: str, values: Sequence[str], f
     elif len(values) > 1:
         bad.add(field, f"takes one value, got {len(values)}")
     elif values and name == "age":
-        try:
-            t.age = int(values[0])
-        except ValueError:
-            bad.add(field, f"expected an integer, got {_shown(values[0])}")
-        except OverflowError:  # past int32: out of range like any age above MAX_AGE
-            t.age = MAX_AGE + 1
+        if not (values[0].isascii() and values[0].isdigit()):
+            bad.add(field, f"expected a decimal integer >= 0, got {_shown(values[0])}")
+        else:  # past MAX_AGE (int32 or not): out of range, named as such below
+            t.age = min(int(values[0]), MAX_AGE + 1)
     elif values:
         setattr(t, name, values[0])
 

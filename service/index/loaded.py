@@ -15,7 +15,7 @@ import torch
 
 from contracts.index_format import IndexArrays
 from contracts.index_validation import validate_index
-from contracts.targeting_schema import DEFAULT, TargetingSchema
+from contracts.targeting_schema import DEFAULT, SchemaError, TargetingSchema
 from contracts.tensors import GtmTables
 from service.model.features import SidLookup
 from service.post import LocationVocabulary, PostStage
@@ -70,6 +70,9 @@ class LoadedIndex:
         targeting schema that cannot be read is a SchemaError here, before it serves."""
         stored = (manifest or {}).get("targeting")
         schema = DEFAULT if stored is None else TargetingSchema.from_manifest(stored)
+        if schema != DEFAULT:  # the exact stage and the user features read the default's
+            raise SchemaError("an index of a targeting schema of its own cannot serve yet: "
+                              "this server serves the default one (docs/FORMAT.md §1)")  # fmt: skip
         families = schema.family_words
         return cls(
             version=version,

@@ -210,6 +210,13 @@ class Stages:
                 keep = leaves[j] >= 0
                 generated[i] = (leaves[j][keep], scores[j][keep])
         index, reqs = batch.serving.index, batch.requests
+        can = set(index.blockable)
+        for i in rows:  # checked against the index served then; this one may apply less
+            t = reqs[i].targeting
+            if (t.exclude_campaign_ids and "exclude_campaign_ids" not in can) or (
+                t.exclude_advertiser_ids and "exclude_advertiser_ids" not in can
+            ):  # a block that cannot be applied: no ad rather than one it may bar
+                generated[i] = (generated[i][0][:0], generated[i][1][:0])
         posts = index.post.run([
             PostRequest.from_targeting(*generated[i], reqs[i].targeting, index.vocabulary,
                                        reqs[i].max_ads)

@@ -250,12 +250,14 @@ def test_settings_and_files_that_cannot_serve_tls_are_refused_in_one_line(
     with pytest.raises(ValidationError, match=r"tls_client_ca .* needs the server's tls_cert"):
         load_settings({"tls_client_ca": pki.ca.cert_path})
     assert load_settings({"host": "0.0.0.0"}).metrics_host == "0.0.0.0"  # default: host
-    missing = tmp_path / "missing.crt"
+    missing, empty = tmp_path / "missing.crt", tmp_path / "empty.crt"
+    empty.write_text("")
     cases = [
         ([missing, server.key_path, None],
          f"tls_cert {missing}: No such file or directory (--tls-cert, GRACE_TLS_CERT)"),
         ([server.cert_path, client.key_path, None], "(--tls-cert, --tls-key)"),  # not its key
         ([server.cert_path, server.key_path, server.key_path], "no PEM CA certificate"),
+        ([server.cert_path, server.key_path, empty], "no PEM CA certificate"),  # half written
     ]  # fmt: skip
     for (cert, key, client_ca), says in cases:
         args = ["serve", "--data-dir", str(tmp_path / "nothing"), "--port", "0",

@@ -426,7 +426,7 @@ def test_attributes_of_a_schema_are_checked_as_it_declares_them() -> None:
     assert got["targeting.attributes['audiences']"] == "at most 3 allowed, got 4"
     assert "no such attribute (it has platform, age, audiences)" in got[
         "targeting.attributes['colour']"]  # fmt: skip
-    assert "expected an integer" in got["targeting.attributes['age']"]
+    assert "expected a decimal integer" in got["targeting.attributes['age']"]
     bad = _good()
     bad.targeting.attributes["platform"].values.append("blackberry")
     assert "unknown value 'blackberry'" in _fields(bad, schema)["targeting.attributes['platform']"]
