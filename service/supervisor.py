@@ -11,8 +11,9 @@ them serving.
   `GATE_SECONDS` is killed, a failed restart. At the `MAX_FAILED_RESTARTS`-th exit in a
   row without `STABLE_SECONDS` of serving (after 4 restarts), the supervisor stops them
   all and exits 1, so the pod restarts.
-- Stop: SIGTERM/SIGINT asks the request front (if any) to drain, then every worker;
-  SIGUSR1 is forwarded (each worker dumps its stacks).
+- Stop: SIGTERM/SIGINT asks the request front (if any) to drain, then every worker; one
+  still there `STOP_SLACK_SECONDS` past its drain (frozen) is killed. SIGUSR1 is
+  forwarded (each worker dumps its stacks).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ STABLE_SECONDS = 60.0  # a worker that served this long restarts at once when it
 MAX_BACKOFF_SECONDS = 30.0
 MAX_FAILED_RESTARTS = 5
 POLL_SECONDS = 0.05
+# past drain_seconds, beyond a worker's own limit (the drain notice, drain_seconds, then
+# service/app.py's DRAIN_SLACK_SECONDS), after which a worker that has not exited is killed
+STOP_SLACK_SECONDS = 10.0
 
 
 @dataclass
@@ -111,6 +115,7 @@ class Supervisor:
         self.stopping = threading.Event()
         self.asked = False  # set by the signal handler, turned into a stop by the loop
         self.signalled: set[int] = set()
+        self.signalled_at = 0.0  # when the workers were first told to drain
         self.front_deadline = 0.0
         self.all_served = False  # every worker served once: the start is over
         self.failed = False
@@ -185,8 +190,15 @@ class Supervisor:
         if self.stopping.is_set():
             if self._front_done():
                 self._signal_workers()
+            late = self.signalled_at and time.monotonic() > (
+                self.signalled_at + self.settings.drain_seconds + STOP_SLACK_SECONDS
+            )
             for i, w in enumerate(self.workers):
                 if w.proc is not None:
+                    if late and w.proc.is_alive():  # frozen: its own drain limit cannot act
+                        log.error("worker %d (pid %d) did not stop after its drain: killing it",
+                                  i, w.proc.pid)  # fmt: skip
+                        w.proc.kill()
                     w.proc.join(POLL_SECONDS)
                     if w.proc.exitcode is not None and self.front is not None:
                         self.front.mark(i, up=False)
@@ -269,6 +281,7 @@ class Supervisor:
             self.front.stop()
 
     def _signal_workers(self) -> None:
+        self.signalled_at = self.signalled_at or time.monotonic()
         for w in self.workers:
             p = w.proc
             if p is not None and p.pid is not None and p.pid not in self.signalled and p.is_alive():

@@ -39,11 +39,11 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Server:
     """`grace serve --workers 2` in a process of its own, its log in a file."""
 
-    def __init__(self, data: Path, tmp_path: Path, balance: str) -> None:
+    def __init__(self, data: Path, tmp_path: Path, balance: str, **env_extra: str) -> None:
         self.port, self.metrics = free_ports(1), free_ports(2)
         self.log_path = tmp_path / "serve.log"
         self._err = self.log_path.open("a")
-        env = os.environ | {"GRACE_WORKER_HEARTBEAT_SECONDS": str(HEARTBEAT)}
+        env = os.environ | {"GRACE_WORKER_HEARTBEAT_SECONDS": str(HEARTBEAT)} | env_extra
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cli", "serve", "--data-dir", str(data), "--port",
              str(self.port), "--metrics-port", str(self.metrics), "--device", "cpu",
@@ -190,6 +190,31 @@ def test_restarts_that_keep_failing_stop_the_server(data: Path, tmp_path: Path) 
     assert code == 1, log[-3000:]
     assert "restarts in a row failed to serve" in log
     assert log.count("restarting it in") == 4, log[-3000:]  # backoffs 1, 2, 4, 8 s
+
+
+def test_a_worker_frozen_when_the_server_stops_is_killed_after_its_drain(
+    data: Path, tmp_path: Path
+) -> None:
+    """SIGTERM while a worker is stopped: its own drain limit cannot act, so the supervisor
+    kills it once drain_seconds + STOP_SLACK_SECONDS have passed, and exits (1: a worker
+    did not stop cleanly) instead of waiting for the orchestrator's SIGKILL."""
+    from service.supervisor import STOP_SLACK_SECONDS
+
+    server = Server(data, tmp_path, "connection", GRACE_DRAIN_SECONDS="1")
+    try:
+        server.wait_for(server.both_serving, "two workers serving")
+        pids = server.pids()
+        os.kill(pids[0], signal.SIGSTOP)
+        t = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)  # before the heartbeat could see the freeze
+        code = server.proc.wait(timeout=120)
+        took = time.monotonic() - t
+    finally:
+        server.close()
+    log = server.log()
+    assert code == 1 and "worker 0" in log and "did not stop after its drain" in log, log[-3000:]
+    assert took >= 1 + STOP_SLACK_SECONDS - 1  # the drain's own limits came first
+    assert not _alive(pids[0]) and not _alive(pids[1])
 
 
 def _alive(pid: int) -> bool:
