@@ -6,7 +6,9 @@ results are checked identical before timing. Results: bench/results/post_stage.j
 The index comes from a generated `demo` world's catalog (realistic targeting: Zipf
 advertisers, national/regional/local rules, users with up to 64 locations) with random
 SIDs, ~10 ads per SID; each request is a world user with 1,024 generated leaves (the
-paper's M_4) and descending beam scores, cut to max_ads = 1,000.
+paper's M_4) and descending beam scores, cut to max_ads = 1,000. A second timing runs the
+same batch with per-request blocks (`exclude_ad_ids`: 2,000 ads of the index;
+`exclude_advertiser_ids`: 20 of its advertisers), checked to let none of them through.
 Two catalog sizes by default: 50 k ads (the index fits in the L2/L3 caches) and 200 k
 (a batch touches more than the caches hold, as a real index does).
 
@@ -17,6 +19,7 @@ Two catalog sizes by default: 50 k ads (the index fits in the L2/L3 caches) and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -39,6 +42,7 @@ from tests.helpers.reference_post import expand_and_filter
 BATCH = 16
 BEAMS = 1024  # leaves per request (M_4)
 MAX_ADS = 1000
+BLOCKED_ADS, BLOCKED_ADVERTISERS = 2000, 20  # per request, in the timing with blocks
 
 
 def make_index(n_ads: int, seed: int) -> tuple[AdArrays, list[Targeting]]:
@@ -97,6 +101,19 @@ def measure(n_ads: int, repeat: int, seed: int) -> dict[str, object]:
             assert np.array_equal(g.sids, w.sids)
             assert (g.ads_expanded, g.ads_eligible) == (w.ads_expanded, w.ads_eligible)
 
+    rng = np.random.default_rng(seed + 2)
+    owners = np.unique(ads.ad_advertiser_ids)
+    blocked = [
+        dataclasses.replace(r, exclude_ad_ids=rng.choice(ads.ad_ids, BLOCKED_ADS, replace=False),
+                            exclude_advertiser_ids=rng.choice(owners, BLOCKED_ADVERTISERS))
+        for r in requests
+    ]  # fmt: skip
+    for g, r in zip(stages[2].run(blocked), blocked, strict=True):
+        at = np.searchsorted(ads.ad_ids, g.ad_ids, sorter=np.argsort(ads.ad_ids))
+        owner = ads.ad_advertiser_ids[np.argsort(ads.ad_ids)[at]]
+        assert not np.isin(g.ad_ids, r.exclude_ad_ids).any()
+        assert not np.isin(owner, r.exclude_advertiser_ids).any()
+    blocks_ms = statistics.median(timed(lambda: stages[2].run(blocked), repeat))
     ref_ms = statistics.median(timed(python_ref, repeat))
     encode_ms = statistics.median(timed(encode, repeat))
     rows = []
@@ -122,6 +139,7 @@ def measure(n_ads: int, repeat: int, seed: int) -> dict[str, object]:
         "expanded_per_request_mean": round(float(np.mean(expanded)), 1),
         "eligible_share": round(sum(w.ads_eligible for w in want) / sum(expanded), 4),
         "python_reference_ms": round(ref_ms, 3),
+        "cpp_2_threads_with_blocks_ms": round(blocks_ms, 3),
         "encode_requests_ms": round(encode_ms, 3),
         "cpp": rows,
     }
@@ -132,6 +150,7 @@ def measure(n_ads: int, repeat: int, seed: int) -> dict[str, object]:
     )
     print(f"  python reference          {ref_ms:9.3f} ms")
     print(f"  request encoding (Python) {encode_ms:9.3f} ms")
+    print(f"  C++ 2 threads, with blocks {blocks_ms:8.3f} ms")
     for r in rows:
         print(
             f"  C++ {r['threads']} thread(s)            {r['run_ms']:9.3f} ms  "
