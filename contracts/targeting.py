@@ -1,10 +1,10 @@
-"""Targeting encoding: the one home of the eligibility contract (docs/ARCHITECTURE.md §3;
-docs/FORMAT.md §1 documents it for upstream encoders). Everything that turns targeting rules
-and request attributes into bits lives here: the schema (which values exist), the bitmask
-bit layout, the Bloom hashing, ad and request encoding and the exact per-ad eligibility
-test, which the builder, the server, the C++ post stage and the GPU kernel use. Every index
-stores `TargetingSchema.to_manifest()` so a reader can refuse a mismatch. Bit layout (schema
-version 1), LSB-first inside little-endian uint64 words — bit `b` lives in word `b // 64` at
+"""The default targeting schema's fixed encoding (docs/FORMAT.md §1), and the request's
+`Targeting`: what the catalog reader, the builder, the synthetic world, the study and the
+C++ post stage's default path call by name. `contracts/targeting_schema.py` declares any
+schema and `contracts/targeting_codec.py` encodes by it (the Bloom hashing and `Ragged`
+are its; tests hold this module bit for bit equal to the codec's default). Every index
+stores `TargetingSchema.to_manifest()` so a reader can refuse a mismatch. Bit layout
+(schema version 1), LSB-first inside little-endian uint64 words — bit `b` lives in word `b // 64` at
 position `b % 64`:
 
     [0, 249)    countries, in `COUNTRIES` order (ISO 3166-1 alpha-2)
@@ -21,20 +21,20 @@ request` is exact for one ad and conservative for an OR of ads (paper eq. 4–5)
 (locations): 256 bits; a location string sets the 3 bits given by the first 3 bytes of
 `blake2b(utf8(string), digest_size=8)`. An ad's Bloom is the OR over its location strings
 (all ones without a location rule); a request carries one row per location, or one
-all-ones sentinel row without locations, which only an all-ones matcher contains. The
-contract's one home is why this module runs past the house's ~300 lines; issue #47 turns
-its attributes into a declared schema.
+all-ones sentinel row without locations, which only an all-ones matcher contains. It runs
+past the house's ~300 lines while its callers move to the codec (issue #47: the catalog
+reader and builder first); it shrinks to `Targeting` as they do.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from contracts.targeting_schema import LEGACY_FIELDS
+from contracts.targeting_codec import Ragged, TargetingError, value_bits, value_blooms
+from contracts.targeting_schema import COUNTRIES, LEGACY_FIELDS
 
 SCHEMA_VERSION = 1
 MAX_REQUEST_LOCATIONS = 64
@@ -42,20 +42,6 @@ MAX_REQUEST_LOCATIONS = 64
 # (service/validation.py); the catalog refuses a location rule no request could match.
 MAX_LOCATION_BYTES = 256
 
-# ISO 3166-1 alpha-2, officially assigned codes (249).
-COUNTRIES: tuple[str, ...] = tuple(
-    """
-    AD AE AF AG AI AL AM AO AQ AR AS AT AU AW AX AZ BA BB BD BE BF BG BH BI BJ BL BM BN BO
-    BQ BR BS BT BV BW BY BZ CA CC CD CF CG CH CI CK CL CM CN CO CR CU CV CW CX CY CZ DE DJ
-    DK DM DO DZ EC EE EG EH ER ES ET FI FJ FK FM FO FR GA GB GD GE GF GG GH GI GL GM GN GP
-    GQ GR GS GT GU GW GY HK HM HN HR HT HU ID IE IL IM IN IO IQ IR IS IT JE JM JO JP KE KG
-    KH KI KM KN KP KR KW KY KZ LA LB LC LI LK LR LS LT LU LV LY MA MC MD ME MF MG MH MK ML
-    MM MN MO MP MQ MR MS MT MU MV MW MX MY MZ NA NC NE NF NG NI NL NO NP NR NU NZ OM PA PE
-    PF PG PH PK PL PM PN PR PS PT PW PY QA RE RO RS RU RW SA SB SC SD SE SG SH SI SJ SK SL
-    SM SN SO SR SS ST SV SX SY SZ TC TD TF TG TH TJ TK TL TM TN TO TR TT TV TW TZ UA UG UM
-    US UY UZ VA VC VE VG VI VN VU WF WS YE YT ZA ZM ZW
-    """.split()
-)
 AGE_BUCKETS: tuple[str, ...] = ("13-17", "18-24", "25-34", "35-44", "45-54", "55-64", "65+")
 _AGE_LOWER = np.array([13, 18, 25, 35, 45, 55, 65])
 GENDERS: tuple[str, ...] = ("female", "male")
@@ -88,14 +74,6 @@ BITMASK_WORDS = (BITMASK_BITS + 63) // 64
 _COUNTRY_INDEX = {c: i for i, c in enumerate(COUNTRIES)}
 _AGE_INDEX = {a: i for i, a in enumerate(AGE_BUCKETS)}
 _GENDER_INDEX = {g: i for i, g in enumerate(GENDERS)}
-
-
-class TargetingError(ValueError):
-    """A targeting value outside the schema; `field` names the offending field."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 @dataclass(frozen=True)
@@ -183,20 +161,12 @@ def ad_bitmask(
 
 def location_bloom_bits(location: str) -> tuple[int, ...]:
     """The Bloom bit positions of one location string."""
-    digest = hashlib.blake2b(location.encode("utf-8"), digest_size=8).digest()
-    return tuple(digest[:BLOOM_HASHES])
+    return value_bits(location, BLOOM_BITS, BLOOM_HASHES)
 
 
 def location_blooms(locations: Sequence[str]) -> np.ndarray:
     """One Bloom row per location string: uint64 [len(locations), BLOOM_WORDS]."""
-    bits = np.array([location_bloom_bits(s) for s in locations], dtype=np.int64)
-    rows = np.zeros((len(locations), BLOOM_WORDS), dtype=np.uint64)
-    if len(locations):
-        row = np.repeat(np.arange(len(locations)), BLOOM_HASHES)
-        flat = bits.reshape(-1)
-        one = np.left_shift(np.uint64(1), (flat % 64).astype(np.uint64))
-        np.bitwise_or.at(rows, (row, flat // 64), one)
-    return rows
+    return value_blooms(locations, BLOOM_BITS, BLOOM_HASHES)
 
 
 def ad_bloom(locations: Sequence[str]) -> np.ndarray:
@@ -317,26 +287,6 @@ def exact_eligible(
         any_hit[ruled] = np.logical_or.reduceat(hit, starts) if len(hit) else False
         ok &= ~ruled | any_hit
     return ok
-
-
-@dataclass(frozen=True)
-class Ragged:
-    """Per-ad value lists in CSR form: ad i has values[offsets[i]:offsets[i+1]]."""
-
-    offsets: np.ndarray  # int64 [N + 1]
-    values: np.ndarray  # int32 [nnz]: value indices into the attribute's value list
-
-    @property
-    def n(self) -> int:
-        return len(self.offsets) - 1
-
-    @classmethod
-    def from_lists(cls, lists: Sequence[Sequence[int]]) -> Ragged:
-        lengths = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
-        offsets = np.zeros(len(lists) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        values = np.fromiter((v for x in lists for v in x), dtype=np.int32, count=int(offsets[-1]))
-        return cls(offsets, values)
 
 
 def country_index(code: str) -> int | None:

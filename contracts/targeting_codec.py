@@ -16,7 +16,9 @@ the OR of its include values (all ones without an include rule); exclusions on s
 not in the Bloom (an OR of ads cannot prove that every ad excludes a value), the post
 stage applies them exactly. A request has, per family, one row per value, or one all-ones
 sentinel row without values (only an all-ones matcher, no include rule, contains it);
-the rule is ANY row of each family, ALL families.
+the rule is ANY row of each family, ALL families. The encoding and the exact test are one
+contract read by the builder, the server, the kernel and the C++ stage, so they stay in
+one module, a little past the house's ~300 lines.
 """
 
 from __future__ import annotations
@@ -247,14 +249,22 @@ def _or_bits(out: np.ndarray, rule: Ragged, base: int) -> None:
 
 
 _CODECS: dict[str, Codec] = {}
+_SEEN: dict[int, tuple[TargetingSchema, Codec]] = {}  # by object: the request path's lookup
 
 
 def codec(schema: TargetingSchema) -> Codec:
-    """The codec of `schema`, made once per distinct schema."""
+    """The codec of `schema`, made once per distinct schema (looked up by the object
+    itself first: a served index's schema is asked for on every request)."""
+    seen = _SEEN.get(id(schema))
+    if seen is not None and seen[0] is schema:
+        return seen[1]
     key = schema.model_dump_json()
     found = _CODECS.get(key)
     if found is None:
         found = _CODECS[key] = Codec(schema)
+    if len(_SEEN) >= 64:  # one schema object per loaded index: bounded over many swaps
+        _SEEN.clear()
+    _SEEN[id(schema)] = (schema, found)  # holds `schema`: its id is not reused meanwhile
     return found
 
 

@@ -43,12 +43,8 @@ class LoadedIndex:
 
     @property
     def blockable(self) -> tuple[str, ...]:
-        """The request block lists this index can apply: ads always; campaigns and
-        advertisers when its catalog named them."""
-        ads = self.arrays.ads
-        owners = {"exclude_campaign_ids": ads.ad_campaign_ids,
-                  "exclude_advertiser_ids": ads.ad_advertiser_ids}  # fmt: skip
-        return ("exclude_ad_ids", *(name for name, ids in owners.items() if ids is not None))
+        """The request block lists this index can apply (`PostStage.blockable`)."""
+        return self.post.blockable
 
     @property
     def sid_space(self) -> str:

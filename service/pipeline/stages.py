@@ -7,6 +7,7 @@ own record. 1 input: features and targeting tensors, host -> device without bloc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -210,18 +211,13 @@ class Stages:
                 keep = leaves[j] >= 0
                 generated[i] = (leaves[j][keep], scores[j][keep])
         index, reqs = batch.serving.index, batch.requests
-        can = set(index.blockable)
-        for i in rows:  # checked against the index served then; this one may apply less
-            t = reqs[i].targeting
-            if (t.exclude_campaign_ids and "exclude_campaign_ids" not in can) or (
-                t.exclude_advertiser_ids and "exclude_advertiser_ids" not in can
-            ):  # a block that cannot be applied: no ad rather than one it may bar
-                generated[i] = (generated[i][0][:0], generated[i][1][:0])
-        posts = index.post.run([
-            PostRequest.from_targeting(*generated[i], reqs[i].targeting, index.vocabulary,
-                                       reqs[i].max_ads)
-            for i in rows
-        ])  # fmt: skip
+        requests = [PostRequest.from_targeting(*generated[i], reqs[i].targeting,
+                                               index.vocabulary, reqs[i].max_ads)
+                    for i in rows]  # fmt: skip
+        # blocks checked against the index served then: one swapped in since may apply
+        # fewer, and then the request gets no ads rather than one its block may bar
+        posts = index.post.run([r if index.post.applies(r) else dataclasses.replace(
+            r, leaves=r.leaves[:0], scores=r.scores[:0]) for r in requests])  # fmt: skip
         return [
             RetrievalResult(
                 post=p,

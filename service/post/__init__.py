@@ -11,7 +11,8 @@ private C++ extension `_post` (built by `pip install -e .`) with the GIL release
 batch's requests spread over a few threads, with results identical to
 `tests/helpers/reference_post.py`. This module owns the types and checks the arrays it
 hands over; `encode_ads` writes a result's ads as the reply's wire bytes (parsed in one C
-call instead of a Python message per ad).
+call instead of a Python message per ad). Its requests, results and vocabularies are
+`service/post/records.py`'s.
 
 Without `rules` a stage reads the index as it was before declared schemas: the default
 schema's bitmask and one set attribute, locations, with include lists only.
@@ -21,15 +22,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from contracts.index_format import SID_LENGTH, AdArrays
-from contracts.targeting import BITMASK_WORDS, Targeting, request_bitmask
-from contracts.targeting_codec import AdRules, Ragged, RequestRules
+from contracts.targeting import BITMASK_WORDS
+from contracts.targeting_codec import AdRules, Ragged
 from contracts.targeting_schema import TargetingSchema
 from service.post._post import AdIndex, encode_ads
+from service.post.records import (
+    BLOCKS,
+    LocationVocabulary,
+    PostRequest,
+    PostResult,
+    Vocabulary,
+)
 
 # fmt: off
 __all__ = ["LocationVocabulary", "PostRequest", "PostResult", "PostStage", "Vocabulary",
@@ -37,191 +44,6 @@ __all__ = ["LocationVocabulary", "PostRequest", "PostResult", "PostStage", "Voca
 # fmt: on
 
 DEFAULT_THREADS = 4  # the post stage shares the host with stages 1-3
-
-
-class Vocabulary:
-    """Value string -> id of one set attribute's sorted vocabulary (built once per index
-    load)."""
-
-    def __init__(self, strings: Sequence[str]) -> None:
-        self._ids = {s: i for i, s in enumerate(strings)}
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def ids(self, values: Sequence[str]) -> np.ndarray:
-        """Sorted ids of the known strings; unknown strings match no rule and are dropped."""
-        found = {self._ids[s] for s in values if s in self._ids}
-        return np.array(sorted(found), dtype=np.int32)
-
-
-class LocationVocabulary(Vocabulary):
-    """The location vocabulary of an index's ad arrays."""
-
-    def __init__(self, ads: AdArrays) -> None:
-        super().__init__(ads.location_strings())
-
-
-@dataclass(frozen=True)
-class PostResult:
-    """One request's answer from the post stage. Every expanded ad is counted once:
-    ads_expanded = ads_eligible + ads_blocked + ads_targeting + ads_excluded."""
-
-    ad_ids: np.ndarray  # int64 [K]: eligible ads, best first
-    scores: np.ndarray  # float32 [K]: the beam score of each ad's SID
-    sids: np.ndarray  # int16 [K, SID_LENGTH]
-    ads_expanded: int  # ads behind the generated SIDs, before the filter
-    ads_eligible: int  # of those, exactly eligible (before the max_ads cut)
-    ads_blocked: int = 0  # removed first: its ad, campaign or advertiser id is blocked
-    ads_targeting: int = 0  # then: an include rule failed (bitmask or a set's list)
-    ads_excluded: int = 0  # then: an exclusion (an enum/bucket value or a set's list)
-
-    @property
-    def ads_removed(self) -> dict[str, int]:
-        """The reply's `Stats.ads_removed`, by its keys."""
-        return {
-            "block": self.ads_blocked,
-            "targeting": self.ads_targeting,
-            "exclusion": self.ads_excluded,
-        }
-
-
-def _request_array(name: str, value: object, dtype: type[np.generic]) -> np.ndarray:
-    if (
-        type(value) is np.ndarray
-        and value.dtype == dtype
-        and value.ndim == 1
-        and value.flags.c_contiguous
-    ):
-        return value  # already what the C++ side reads (the common case: no copy, no checks)
-    arr = np.asarray(value)
-    if arr.ndim != 1:
-        raise ValueError(f"PostRequest.{name}: expected a 1-D array, got shape {arr.shape}")
-    if arr.size and not np.can_cast(arr.dtype, dtype, casting="same_kind"):
-        raise TypeError(f"PostRequest.{name}: expected {np.dtype(dtype)}, got {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=dtype)
-
-
-_NO_IDS = np.zeros(0, dtype=np.int64)
-_NO_IDS.flags.writeable = False
-_BLOCKS = ("exclude_ad_ids", "exclude_campaign_ids", "exclude_advertiser_ids")
-
-
-@dataclass(frozen=True)
-class PostRequest:
-    """One request of a batch as the post stage reads it (arrays coerced on creation).
-
-    Set attributes: `set_ids` holds each set attribute's ids, in the stage's order
-    (`PostStage.attributes`); without it the request has one, `req_loc_ids` (locations)."""
-
-    leaves: np.ndarray  # int64 [S]: generated leaf positions (DecodeResult.valid)
-    scores: np.ndarray  # float32 [S]: beam score of each leaf, in any order
-    req_bitmask: np.ndarray  # uint64 [words]: one bit per enum/bucket attribute
-    req_loc_ids: np.ndarray  # int32 [n]: sorted location ids (LocationVocabulary.ids)
-    max_ads: int  # keep at most this many eligible ads, best first
-    # per set attribute int32 [n_k], sorted vocabulary ids; None: (req_loc_ids,)
-    set_ids: tuple[np.ndarray, ...] | None = None
-    exclude_ad_ids: np.ndarray = field(default_factory=lambda: _NO_IDS)  # int64 [a], any order
-    exclude_campaign_ids: np.ndarray = field(default_factory=lambda: _NO_IDS)  # int64 [c]
-    exclude_advertiser_ids: np.ndarray = field(default_factory=lambda: _NO_IDS)  # int64 [d]
-
-    def __post_init__(self) -> None:
-        fixed = {
-            "leaves": _request_array("leaves", self.leaves, np.int64),
-            "scores": _request_array("scores", self.scores, np.float32),
-            "req_bitmask": _request_array("req_bitmask", self.req_bitmask, np.uint64),
-            "req_loc_ids": _request_array("req_loc_ids", self.req_loc_ids, np.int32),
-        }
-        for name in _BLOCKS:
-            fixed[name] = _request_array(name, getattr(self, name), np.int64)
-        if self.set_ids is not None:
-            fixed["set_ids"] = tuple(
-                _request_array(f"set_ids[{k}]", ids, np.int32) for k, ids in enumerate(self.set_ids)
-            )
-        for name, arr in fixed.items():
-            object.__setattr__(self, name, arr)
-        if len(self.scores) != len(self.leaves):
-            raise ValueError(
-                f"PostRequest: {len(self.leaves)} leaves but {len(self.scores)} scores"
-            )
-        if self.set_ids is None:
-            # the form before declared schemas: the default schema's bitmask words
-            if len(self.req_bitmask) != BITMASK_WORDS:
-                raise ValueError(
-                    f"PostRequest.req_bitmask: expected {BITMASK_WORDS} words, "
-                    f"got {len(self.req_bitmask)}"
-                )
-        elif len(self.req_loc_ids):
-            raise ValueError("PostRequest: give set_ids or req_loc_ids, not both")
-        named = enumerate(self.set_ids or ())
-        for name, ids in [
-            ("req_loc_ids", self.req_loc_ids),
-            *((f"set_ids[{k}]", x) for k, x in named),
-        ]:
-            if np.any(np.diff(ids) < 0):
-                raise ValueError(f"PostRequest.{name}: must be sorted ascending")
-        if int(self.max_ads) < 0:
-            raise ValueError(f"PostRequest.max_ads: must be >= 0, got {self.max_ads}")
-
-    @property
-    def sets(self) -> tuple[np.ndarray, ...]:
-        """Each set attribute's ids, as the stage reads them."""
-        return self.set_ids if self.set_ids is not None else (self.req_loc_ids,)
-
-    @property
-    def has_blocks(self) -> bool:
-        return any(len(getattr(self, name)) for name in _BLOCKS)
-
-    @classmethod
-    def from_targeting(
-        cls,
-        leaves: np.ndarray,  # int64 [S]
-        scores: np.ndarray,  # float [S]
-        targeting: Targeting,
-        vocabulary: LocationVocabulary,
-        max_ads: int,
-    ) -> PostRequest:
-        """Encode a request's targeting, its blocks included, against one index's location
-        vocabulary."""
-        return cls(
-            leaves=leaves,
-            scores=scores,
-            req_bitmask=request_bitmask(targeting),
-            req_loc_ids=vocabulary.ids(targeting.locations),
-            max_ads=max_ads,
-            exclude_ad_ids=np.array(targeting.exclude_ad_ids, dtype=np.int64),
-            exclude_campaign_ids=np.array(targeting.exclude_campaign_ids, dtype=np.int64),
-            exclude_advertiser_ids=np.array(targeting.exclude_advertiser_ids, dtype=np.int64),
-        )
-
-    @classmethod
-    def from_rules(
-        cls,
-        leaves: np.ndarray,  # int64 [S]
-        scores: np.ndarray,  # float [S]
-        rules: RequestRules,
-        schema: TargetingSchema,
-        max_ads: int,
-    ) -> PostRequest:
-        """A request encoded by a schema (`targeting_codec`): its set attributes' ids in
-        the schema's order (an attribute missing from `rules.ids` has none), its blocks."""
-        unknown = set(rules.ids) - {a.name for a in schema.families}
-        if unknown:
-            raise ValueError(f"RequestRules.ids: {sorted(unknown)[0]!r} is no set attribute")
-        return cls(
-            leaves=leaves,
-            scores=scores,
-            req_bitmask=rules.bitmask,
-            req_loc_ids=np.zeros(0, dtype=np.int32),
-            max_ads=max_ads,
-            set_ids=tuple(
-                np.unique(np.asarray(rules.ids.get(a.name, ()), dtype=np.int32))
-                for a in schema.families
-            ),
-            exclude_ad_ids=rules.exclude_ads,
-            exclude_campaign_ids=rules.exclude_campaigns,
-            exclude_advertiser_ids=rules.exclude_advertisers,
-        )
 
 
 def _checked(where: str, arr: object, dtype: type[np.generic]) -> np.ndarray:
@@ -321,6 +143,10 @@ class PostStage:
         for name, owners in (("campaign", campaign), ("advertiser", advertiser)):
             if owners is not None and _checked(name, owners, np.int64).shape != (n,):
                 raise ValueError(f"{name} ids: expected [{n}]")
+        owned = {"exclude_campaign_ids": campaign, "exclude_advertiser_ids": advertiser}
+        # the block lists this stage can apply: ads always, campaigns and advertisers
+        # when the index holds their ids
+        self.blockable = ("exclude_ad_ids", *(k for k, ids in owned.items() if ids is not None))
         self._index = AdIndex(
             ads.leaf_sids,
             ads.leaf_ad_offsets,
@@ -333,6 +159,11 @@ class PostStage:
             campaign_ids=campaign,
             advertiser_ids=advertiser,
         )
+
+    def applies(self, r: PostRequest) -> bool:
+        """Whether every block list of `r` is one this index can apply (an ad of no known
+        campaign is in no blocked campaign: the exact test cannot bar it)."""
+        return all(name in self.blockable or not len(getattr(r, name)) for name in BLOCKS)
 
     @property
     def threads(self) -> int:
@@ -350,7 +181,7 @@ class PostStage:
             set_ids.extend(r.sets)
         # no request with blocks (the common case): the C++ side skips the test
         blocked = any(r.has_blocks for r in batch)
-        blocks = {name: [getattr(r, name) for r in batch] if blocked else None for name in _BLOCKS}
+        blocks = {name: [getattr(r, name) for r in batch] if blocked else None for name in BLOCKS}
         raw = self._index.run(
             [r.leaves for r in batch],
             [r.scores for r in batch],

@@ -112,3 +112,31 @@ def test_bad_rules_and_requests_raise_clear_errors() -> None:
         PostRequest([0], [0.0], bitmask, [], 5, set_ids=(np.array([2, 1]),))
     with pytest.raises(ValueError, match="no set attribute"):
         PostRequest.from_rules([0], [0.0], RequestRules(bitmask, {"x": [1]}), w.schema, 5)
+
+
+def test_a_stage_says_which_blocks_its_index_can_apply() -> None:
+    """`blockable` / `applies`: what the pipeline asks before it runs a request checked
+    against another index (stages.py answers it no ads when this index cannot apply its
+    blocks); an index with campaign ids applies a campaign block exactly."""
+    import dataclasses
+
+    ads = build(random_ads(2000, seed=3)).ads
+    owned = dataclasses.replace(ads, ad_campaign_ids=np.ones(ads.num_ads, dtype=np.int64))
+    vocab = LocationVocabulary(ads)
+    rng = np.random.default_rng(4)
+    leaves = rng.choice(len(ads.leaf_sids), size=300, replace=False)
+    scores = np.round(rng.normal(size=300), 1)
+    plain = PostRequest.from_targeting(leaves, scores, Targeting(), vocab, 100)
+    blocking = {c: PostRequest.from_targeting(leaves, scores, Targeting(exclude_campaign_ids=(c,)),
+                                              vocab, 100) for c in (1, 2)}  # fmt: skip
+    without, with_ids = PostStage(ads, threads=1), PostStage(owned, threads=1)
+    assert without.blockable == ("exclude_ad_ids",)
+    assert with_ids.blockable == ("exclude_ad_ids", "exclude_campaign_ids")
+    assert without.applies(plain) and not without.applies(blocking[2])
+    assert with_ids.applies(blocking[2])
+    answered = with_ids.run([plain])[0]
+    assert len(answered.ad_ids) > 0
+    # campaign 2 owns no ad: as without the block; campaign 1 owns every ad: none left
+    np.testing.assert_array_equal(with_ids.run([blocking[2]])[0].ad_ids, answered.ad_ids)
+    gone = with_ids.run([blocking[1]])[0]
+    assert len(gone.ad_ids) == 0 and gone.ads_blocked == gone.ads_expanded > 0
