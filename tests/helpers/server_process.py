@@ -25,9 +25,42 @@ START_TIMEOUT = 300.0  # a cold start on a busy box: torch import, model, index
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """One free localhost port."""
+    return free_ports(1)[0]
+
+
+def free_ports(*runs: int) -> list[int]:
+    """The first port of each of `runs` runs of free localhost ports (run i spans
+    `runs[i]` ports: workers take metrics_port + i), no two overlapping. Every port stays
+    bound until all are chosen, so the kernel cannot hand the same one out twice (two
+    `free_port()` calls in a row once gave a server the same port for gRPC and metrics)."""
+    held: list[socket.socket] = []
+
+    def bind(port: int) -> bool:
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            return False
+        held.append(s)
+        return True
+
+    try:
+        bases: list[int] = []
+        for n in runs:
+            for _ in range(100):
+                bind(0)
+                base = int(held[-1].getsockname()[1])
+                if base + n <= 65536 and all(bind(base + i) for i in range(1, n)):
+                    bases.append(base)
+                    break
+            else:
+                raise RuntimeError(f"no run of {n} free ports")
+        return bases
+    finally:
+        for s in held:
+            s.close()
 
 
 def metric_value(text: str, name: str, labels: Mapping[str, str] | None = None) -> float | None:
@@ -73,7 +106,7 @@ class ServerProcess:
         """Serve `data` (world, model, index as `make_serving_data` lays them out);
         `env`: extra GRACE_* settings; `args`: extra `grace serve` flags; `preexec_fn`:
         run in the child before it starts (e.g. its resource limits)."""
-        port, metrics_port = free_port(), free_port()
+        port, metrics_port = free_ports(1, 1)
         cmd = [sys.executable, "-m", "cli", "serve", "--data-dir", str(data),
                "--port", str(port), "--metrics-port", str(metrics_port), "--device", device,
                "--no-progress", *args]  # fmt: skip

@@ -23,8 +23,9 @@ import pytest
 
 from cli.query import request_for_user
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
+from tests.helpers.server_process import free_ports
 from tests.helpers.serving import make_serving_data
-from tests.service.test_workers import counter, free_ports, scrape, serving
+from tests.service.test_workers import counter, scrape, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT = 2.0  # worker_heartbeat_seconds here: the default 5 s only makes the test longer
@@ -40,7 +41,7 @@ class Server:
     """`grace serve --workers 2` in a process of its own, its log in a file."""
 
     def __init__(self, data: Path, tmp_path: Path, balance: str, **env_extra: str) -> None:
-        self.port, self.metrics = free_ports(1), free_ports(2)
+        self.port, self.metrics = free_ports(1, 2)
         self.log_path = tmp_path / "serve.log"
         self._err = self.log_path.open("a")
         env = os.environ | {"GRACE_WORKER_HEARTBEAT_SECONDS": str(HEARTBEAT)} | env_extra

@@ -26,6 +26,7 @@ from service.placement import Slot
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from service.settings import load_settings
 from service.workers import worker_settings
+from tests.helpers.server_process import free_port, free_ports
 from tests.helpers.serving import make_serving_data
 from tests.helpers.signals import signal_state
 
@@ -35,26 +36,6 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_serving_data(tmp_path_factory.mktemp("workers"))
-
-
-def free_ports(n: int) -> int:
-    """A port p with p .. p + n - 1 all free (workers take metrics_port + i)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65536 and all(_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no run of free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def scrape(port: int) -> str | None:
@@ -118,7 +99,7 @@ def test_two_workers_share_the_port_and_drain_on_sigterm(
     (service/balancer.py: least in flight, then in turn; concurrent calls would split by
     which worker answers first, a busy machine's doing). On a GPU with `--mps` the
     workers run through a private MPS daemon, quit at the end."""
-    port, metrics = free_ports(1), free_ports(2)
+    port, metrics = free_ports(1, 2)
     # stderr to a file (appended to: the processes share it), read while it runs: the
     # stack dumps are waited for, and a pipe nobody drains could fill
     log_path = tmp_path / "serve.log"
@@ -226,7 +207,7 @@ def test_a_worker_that_exits_stops_the_others_and_the_supervisor_fails(tmp_path:
     from service.workers import supervise
 
     s = load_settings(
-        {"workers": 2, "port": free_ports(1), "metrics_port": 0, "data_dir": tmp_path,
+        {"workers": 2, "port": free_port(), "metrics_port": 0, "data_dir": tmp_path,
          "device": "cpu"}
     )  # fmt: skip
     t = time.monotonic()
@@ -269,7 +250,7 @@ def test_a_warm_worker_opens_the_port_only_past_the_gate(data: Path) -> None:
         entered.set()
         assert release.wait(120)
 
-    port = free_ports(1)
+    port = free_port()
 
     async def run() -> None:
         starting = asyncio.ensure_future(
