@@ -37,7 +37,6 @@ from service.index.loaded import LoadedIndex
 from service.model.config import PROFILES
 from service.model.flops import decoder_flops
 from service.model.retriever import GenerativeRetriever
-from service.post import PostRequest
 from training.data import Examples
 
 
@@ -75,9 +74,8 @@ def tiny_latency(batches: int) -> dict[str, object]:
         reqs = RequestTensors.from_encoded(encode_requests(targeting))
         res = engine.run(plans, ctx, reqs, config.beams)
         t3 = time.perf_counter()
-        vocab = index.vocabulary
         index.post.run([
-            PostRequest.from_targeting(*(x.numpy() for x in res.valid(b)), t, vocab, 1000)
+            index.post_request(*(x.numpy() for x in res.valid(b)), t, 1000)
             for b, t in enumerate(targeting)
         ])  # fmt: skip
         t4 = time.perf_counter()

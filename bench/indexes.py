@@ -26,7 +26,7 @@ from contracts.targeting import (
     country_index,
 )
 from index_builder.build import build_arrays
-from index_builder.catalog import Catalog
+from index_builder.catalog import Catalog, SetRules
 from index_builder.publish import resolve
 
 HOME_COUNTRIES = ("US", "GB", "DE", "FR", "BR", "IN", "JP", "CA", "MX", "AU", "ES", "IT")
@@ -103,9 +103,7 @@ def synthetic_catalog(
         sid=sids.astype(np.int32),
         embedding=None,
         bitmask=bitmask,
-        loc_offsets=locs.offsets,
-        loc_ids=locs.values,
-        locations=vocab,
+        sets={"locations": SetRules(locs, None, vocab)},
         source="<synthetic>",
     )
     return catalog, sids
@@ -138,7 +136,8 @@ def requests_for(index: IndexArrays, batch: int, n_loc: int, seed: int) -> list[
     the ad's own, then ones of the same country, then any."""
     rng = np.random.default_rng(seed)
     ads = index.ads
-    vocab = ads.location_strings()
+    locations = ads.sets["locations"]
+    vocab = locations.strings()
     by_country: dict[str, list[str]] = {}
     for s in vocab:
         by_country.setdefault(s.split("/")[0], []).append(s)
@@ -148,8 +147,8 @@ def requests_for(index: IndexArrays, batch: int, n_loc: int, seed: int) -> list[
         countries = _set_bits(words, COUNTRY.offset, len(COUNTRY.values))
         ages = _set_bits(words, AGE.offset, len(AGE.values))
         genders = _set_bits(words, GENDER.offset, len(GENDER.values))
-        lo, hi = ads.ad_loc_offsets[ad], ads.ad_loc_offsets[ad + 1]
-        own = [vocab[i] for i in ads.ad_loc_ids[lo:hi].tolist()]
+        lo, hi = locations.include_offsets[ad], locations.include_offsets[ad + 1]
+        own = [vocab[i] for i in locations.include_ids[lo:hi].tolist()]
         country = COUNTRY.values[rng.choice(countries) - COUNTRY.offset] if countries else ""
         if len(countries) == len(COUNTRY.values):  # no country rule: where its places are
             home = own[0].split("/")[0] if own else ""

@@ -7,10 +7,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import grpc
+
+    from contracts.targeting_schema import TargetingSchema
 
 EXIT_BAD_INPUT = 2
 
@@ -86,6 +89,20 @@ CATALOG_HELP = (
     "catalog: a .jsonl/.ndjson/.json file (also .gz), a .parquet file, or a directory of "
     "such parts (docs/DATA.md)"
 )
+SCHEMA_HELP = (
+    "targeting schema file (YAML or JSON, docs/FORMAT.md §1): the attributes the catalog "
+    "carries and requests are checked against; default: the built-in country, age, "
+    "gender, locations"
+)
+
+
+def targeting_schema(args: argparse.Namespace) -> TargetingSchema:
+    """The --targeting-schema file, or the built-in default schema."""
+    from contracts.targeting_schema import DEFAULT, load
+
+    return load(Path(args.targeting_schema)) if args.targeting_schema else DEFAULT
+
+
 SID_SPACE_HELP = (
     "no tokenizer: every catalog row carries its sid, an assignment made elsewhere that "
     "you name; the model must be trained with the same --sid-space (docs/DATA.md)"

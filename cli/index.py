@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING
 from cli.common import (
     CATALOG_HELP,
     LAST_TOKEN_HELP,
+    SCHEMA_HELP,
     SID_SPACE_HELP,
     AddCommand,
     positive_float,
     positive_int,
     show_progress,
+    targeting_schema,
 )
 from contracts.sid_space import LAST_TOKENS
 
@@ -135,6 +137,7 @@ def _build_index(args: argparse.Namespace) -> int:
         device=args.device,
         workers=args.workers,
         sid_space=args.sid_space,
+        schema=targeting_schema(args),
     )
     if args.json:
         print(json.dumps({"version": version, **vars(report)}, indent=1))
@@ -216,6 +219,7 @@ def _builder(args: argparse.Namespace) -> int:
             kway=KwaySpec.parse(args.kway) if args.kway else None,
             keep=args.keep,
             max_builds=1 if args.once else None,
+            schema=targeting_schema(args),
         ),
         stop,
     )
@@ -265,6 +269,7 @@ def register(add: AddCommand) -> None:
     p.add_argument("--out", required=True, help="index root (holds versions and CURRENT)")
     p.add_argument("--keep", type=int, default=3, help="versions to keep (default 3)")
     p.add_argument("--kway", metavar="SPEC", help=_KWAY_HELP)
+    p.add_argument("--targeting-schema", metavar="FILE", help=SCHEMA_HELP)
     _add_workers(p, "CPU threads for SIDs and the build")
     p.add_argument("--device", default="cpu", help=_DEVICE_HELP)
     p.add_argument("--json", action="store_true", help="print the build report as JSON")
@@ -290,3 +295,4 @@ def register(add: AddCommand) -> None:
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--once", action="store_true", help="exit after one successful build")
     p.add_argument("--kway", metavar="SPEC", help=_KWAY_HELP)
+    p.add_argument("--targeting-schema", metavar="FILE", help=SCHEMA_HELP)

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.common import CATALOG_HELP, AddCommand, show_progress
+from cli.common import CATALOG_HELP, SCHEMA_HELP, AddCommand, show_progress, targeting_schema
 
 if TYPE_CHECKING:
     from service.settings import ServerSettings
@@ -53,8 +53,9 @@ def _serve(args: argparse.Namespace) -> int:
 
         if not has_model(Path(settings.model_dir)):
             ensure_default(settings, progress=progress)  # the default model
+        sids = sid_source(Path(settings.model_dir))
         build_index(args.catalog, settings.index_root, progress=progress,
-                    **sid_source(Path(settings.model_dir)))  # fmt: skip
+                    schema=targeting_schema(args), **sids)  # fmt: skip
     else:
         ensure_default(settings, progress=progress)
     if len(placed) > 1:  # a supervisor of that many single-process servers
@@ -116,6 +117,7 @@ def register(add: AddCommand) -> None:
     p.add_argument("--model", help="checkpoint directory, or model repository to follow and "
                    "hot-swap (grace publish-model) (DATA_DIR/model)")  # fmt: skip
     p.add_argument("--catalog", help="build and serve an index for this " + CATALOG_HELP)
+    p.add_argument("--targeting-schema", metavar="FILE", help="with --catalog: " + SCHEMA_HELP)
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--workers", type=int,
                    help="serving processes per GPU (on a CPU: in all) sharing the port, each "

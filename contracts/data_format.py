@@ -13,7 +13,9 @@ CATALOG_FORMAT_VERSION = 1
 # Parquet schema metadata key holding the catalog format version a writer followed; a
 # file stamped with a newer version than this reader knows is refused
 CATALOG_VERSION_KEY = b"grace.catalog.format_version"
-CATALOG_FIELDS = ("ad_id", "sid", "embedding", "countries", "age_buckets", "genders", "locations")
+# beside these, each targeting attribute's include list (its `catalog_field`) and exclude
+# list (`<catalog_field>_exclude`), as the targeting schema declares them
+CATALOG_FIELDS = ("ad_id", "sid", "embedding")
 # an ad's owners, each an int64 or null/absent (0: none): what a request's
 # exclude_campaign_ids / exclude_advertiser_ids block (docs/FORMAT.md §1)
 CATALOG_OWNERS = ("advertiser_id", "campaign_id")

@@ -23,16 +23,13 @@ from contracts.index_format import (
     IndexArrays,
     IndexFormatError,
     PartitionArrays,
+    SetArrays,
     TrieArrays,
+    manifest_schema,
     read_index_dir,
 )
-from contracts.targeting import (
-    BITMASK_BITS,
-    FULL_BITMASK,
-    Ragged,
-    ad_blooms,
-    location_blooms,
-)
+from contracts.targeting_codec import codec, value_blooms
+from contracts.targeting_schema import TargetingSchema
 
 
 class IndexValidationError(ValueError):
@@ -81,11 +78,12 @@ def validate_index(
             f"built for SID space {manifest['tokenizer_fingerprint']}, "
             f"the model's is {expect_tokenizer} (contracts/sid_space.py)"
         )
-    faults += check_trie(arrays.trie)
+    schema = manifest_schema(manifest, path)  # read_index_dir has parsed it once already
+    faults += check_trie(arrays.trie, schema)
     if not faults:  # the rest indexes through the trie
         faults += check_ads(arrays.trie, arrays.ads)
     if not faults:
-        faults += check_soundness(arrays.trie, arrays.ads)
+        faults += check_soundness(arrays.trie, arrays.ads, schema)
     if not faults and arrays.kway is not None:
         faults += check_partitions(arrays.trie, arrays.kway)
     counts = manifest.get("counts", {})
@@ -111,7 +109,7 @@ def _in_range(name: str, a: np.ndarray, hi: int, lo: int = 0) -> list[str]:
     return []
 
 
-def check_trie(t: TrieArrays) -> list[str]:
+def check_trie(t: TrieArrays, schema: TargetingSchema) -> list[str]:
     faults: list[str] = []
     n, e = t.num_nodes, t.num_entries
     lo = t.level_offsets
@@ -145,8 +143,8 @@ def check_trie(t: TrieArrays) -> list[str]:
     same_parent = parent[1:] == parent[:-1]
     if np.any(same_parent & (t.csr_tokens[1:] <= t.csr_tokens[:-1])):
         faults.append("tokens within a node are not strictly increasing")
-    if np.any(t.bitmask_table & ~FULL_BITMASK):
-        faults.append(f"bitmask rows set padding bits beyond bit {BITMASK_BITS}")
+    if np.any(t.bitmask_table & ~codec(schema).full_bitmask):
+        faults.append(f"bitmask rows set padding bits beyond bit {schema.bitmask_bits}")
     return faults
 
 
@@ -166,24 +164,16 @@ def check_ads(t: TrieArrays, a: AdArrays) -> list[str]:
         faults.append("ad_ids are not unique")
     if a.ad_bitmask.shape[0] != n:
         faults.append("ad_bitmask rows differ from the number of ads")
+    if a.ad_exclude_bitmask is not None and a.ad_exclude_bitmask.shape != a.ad_bitmask.shape:
+        faults.append("ad_exclude_bitmask differs in shape from ad_bitmask")
     for name in ("ad_campaign_ids", "ad_advertiser_ids"):
         owners = getattr(a, name)
         if owners is not None and owners.shape != (n,):
             faults.append(f"{name} has {len(owners)} entries for {n} ads")
-    faults += _monotone_offsets("ad_loc_offsets", a.ad_loc_offsets, len(a.ad_loc_ids))
-    if len(a.ad_loc_offsets) != n + 1:
-        faults.append("ad_loc_offsets length differs from ads + 1")
-    vocab = len(a.loc_vocab_offsets) - 1
-    faults += _monotone_offsets("loc_vocab_offsets", a.loc_vocab_offsets, len(a.loc_vocab_bytes))
-    faults += _in_range("ad_loc_ids", a.ad_loc_ids, vocab)
+    for attr, sets in a.sets.items():
+        faults += _check_set(f"sets.{attr}", sets, n)
     if faults:
         return faults
-    try:
-        strings = a.location_strings()
-    except UnicodeDecodeError:
-        return ["location vocabulary is not valid UTF-8"]
-    if any(x >= y for x, y in itertools.pairwise(strings)):
-        faults.append("location vocabulary is not sorted and unique")
     # the SID on every leaf equals the token path from the root
     tokens = np.concatenate([[0], t.csr_tokens.astype(np.int64)])
     parent = np.concatenate([[0], np.repeat(np.arange(t.num_nodes), np.diff(t.node_offsets))])
@@ -196,16 +186,42 @@ def check_ads(t: TrieArrays, a: AdArrays) -> list[str]:
     return faults
 
 
-def check_soundness(t: TrieArrays, a: AdArrays) -> list[str]:
+def _check_set(name: str, s: SetArrays, n: int) -> list[str]:
+    """One set attribute's lists and vocabulary."""
+    vocab = len(s.vocab_offsets) - 1
+    faults = _monotone_offsets(f"{name}.vocab_offsets", s.vocab_offsets, len(s.vocab_bytes))
+    lists = [("include", s.include_offsets, s.include_ids)]
+    if s.exclude_offsets is not None and s.exclude_ids is not None:
+        lists.append(("exclude", s.exclude_offsets, s.exclude_ids))
+    for kind, offsets, ids in lists:
+        faults += _monotone_offsets(f"{name}.{kind}_offsets", offsets, len(ids))
+        if len(offsets) != n + 1:
+            faults.append(f"{name}.{kind}_offsets length differs from ads + 1")
+        faults += _in_range(f"{name}.{kind}_ids", ids, vocab)
+    if faults:
+        return faults
+    try:
+        strings = s.strings()
+    except UnicodeDecodeError:
+        return [f"{name}: the vocabulary is not valid UTF-8"]
+    if any(x >= y for x, y in itertools.pairwise(strings)):
+        faults.append(f"{name}: the vocabulary is not sorted and unique")
+    return faults
+
+
+def check_soundness(t: TrieArrays, a: AdArrays, schema: TargetingSchema) -> list[str]:
     """Every matcher contains the OR of its subtree's ads (so no false negatives): leaf
-    matchers against the exact ad targeting (Bloom rows rehashed from the location
-    strings), inner ones against their children where parent and child point at different
-    table rows (most entries share their parent's row: a fraction of the rows is read)."""
+    matchers against the exact ad targeting (Bloom rows rehashed from each set attribute's
+    value strings), inner ones against their children where parent and child point at
+    different table rows (most entries share their parent's row: a fraction of the rows is
+    read)."""
     faults: list[str] = []
     starts = a.leaf_ad_offsets[:-1]
     leaf_bm = np.bitwise_or.reduceat(a.ad_bitmask, starts, axis=0)
-    vocab_bl = location_blooms(a.location_strings())
-    ads_bl = ad_blooms(Ragged(a.ad_loc_offsets, a.ad_loc_ids), vocab_bl)
+    vocab = {f.name: value_blooms(a.sets[f.name].strings(), f.bloom_bits, f.bloom_hashes)
+             for f in schema.families}  # fmt: skip
+    include = {name: s.include for name, s in a.sets.items()}
+    ads_bl = codec(schema).ad_blooms(include, vocab, a.num_ads)
     leaf_bl = np.bitwise_or.reduceat(ads_bl, starts, axis=0)
     first_leaf_entry = int(t.level_offsets[-2]) - 1
     bm_index, bl_index = np.asarray(t.bitmask_index), np.asarray(t.bloom_index)

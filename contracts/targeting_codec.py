@@ -140,7 +140,7 @@ class Codec:
             if not (value.isascii() and value.isdigit()):
                 raise TargetingError(field, f"expected a decimal integer >= 0, got {value[:64]!r}")
             number = int(value)
-            for i, (lo, hi) in enumerate(attr.buckets.values()):
+            for i, (_, lo, hi) in enumerate(attr.spans):
                 if lo <= number and (hi is None or number <= hi):
                     return base + i
             return unknown

@@ -115,10 +115,18 @@ class Attribute(BaseModel):
     def exclude_field(self) -> str:
         return f"{self.catalog_field}_exclude"
 
+    @cached_property
+    def spans(self) -> tuple[tuple[str, int, int | None], ...]:
+        """A bucket attribute's (name, low, high) in ascending order of their ranges: its
+        bit order, whatever order a file (or a manifest's JSON object) lists them in."""
+        return tuple(sorted(((n, lo, hi) for n, (lo, hi) in self.buckets.items()),
+                            key=lambda span: span[1]))  # fmt: skip
+
     @property
     def labels(self) -> tuple[str, ...]:
-        """The named values in bit order (enum: values; bucket: buckets in file order)."""
-        return self.values if self.kind == "enum" else tuple(self.buckets)
+        """The named values in bit order (enum: values in file order; bucket: buckets in
+        ascending order of their ranges)."""
+        return self.values if self.kind == "enum" else tuple(n for n, _, _ in self.spans)
 
 
 class TargetingSchema(BaseModel):
@@ -195,13 +203,10 @@ class TargetingSchema(BaseModel):
 
     @classmethod
     def from_manifest(cls, stored: dict[str, Any]) -> TargetingSchema:
-        """The schema an index was built with; an index from before declared schemas
-        (its manifest holds the fixed layout of version 1) was built with `DEFAULT`."""
+        """The schema a manifest's `targeting` key declares (`to_manifest`); one from
+        before declared schemas is `contracts.index_format.manifest_schema`'s to read."""
         if "schema" not in stored:
-            legacy = (stored.get("bitmask_bits"), stored.get("bloom_bits"))
-            if legacy == (DEFAULT.bitmask_bits, DEFAULT.families[0].bloom_bits):
-                return DEFAULT
-            raise SchemaError("the index's targeting layout is not one this server knows")
+            raise SchemaError("the index stores no declared targeting schema")
         schema = parse(stored["schema"], "the index manifest")
         if stored.get("bloom_hash") != BLOOM_HASH:
             raise SchemaError(f"the index hashes Bloom values as {stored.get('bloom_hash')!r}")

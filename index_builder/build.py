@@ -5,6 +5,8 @@ published version (docs/ARCHITECTURE.md §3-4). `grace build-index` and the side
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -16,11 +18,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from contracts import sid_space as sid_spaces
-from contracts.index_format import SID_LENGTH, VOCAB_SIZE, AdArrays, IndexArrays, write_index_dir
+from contracts.index_format import (
+    SID_LENGTH,
+    VOCAB_SIZE,
+    AdArrays,
+    IndexArrays,
+    SetArrays,
+    write_index_dir,
+)
 from contracts.index_validation import validate_index
-from contracts.targeting import BLOOM_WORDS, Ragged, ad_blooms, location_blooms
+from contracts.targeting_codec import Ragged, codec, value_blooms
+from contracts.targeting_schema import DEFAULT, TargetingSchema
 from index_builder import parallel
-from index_builder.catalog import Catalog, catalog_fingerprint, read_catalog
+from index_builder.catalog import Catalog, SetRules, catalog_fingerprint, read_catalog
 from index_builder.kway import KwaySpec, build_partitions
 from index_builder.publish import publish
 from index_builder.trie import build_trie, storage_stats
@@ -93,36 +103,52 @@ def assign_sids(
 def _sorted_catalog(catalog: Catalog, order: np.ndarray, workers: int) -> Catalog:
     """The catalog's rows in the order of the permutation `order`, gathered by `workers`
     threads, without the embeddings (the build needs none once SIDs exist)."""
-    offsets, flat = parallel.take_segments(catalog.loc_offsets, order)
 
-    def take(owners: np.ndarray | None) -> np.ndarray | None:
-        return None if owners is None else parallel.take(owners, order, workers)
+    def take(rows: np.ndarray | None) -> np.ndarray | None:
+        return None if rows is None else parallel.take(rows, order, workers)
 
-    return Catalog(
+    def take_lists(lists: Ragged) -> Ragged:
+        offsets, flat = parallel.take_segments(lists.offsets, order)
+        return Ragged(offsets, parallel.take(lists.values, flat, workers))
+
+    sets = {name: SetRules(take_lists(s.include), None if s.exclude is None else
+                           take_lists(s.exclude), s.vocabulary)
+            for name, s in catalog.sets.items()}  # fmt: skip
+    return dataclasses.replace(
+        catalog,
         ad_id=parallel.take(catalog.ad_id, order, workers),
         sid=parallel.take(catalog.sid, order, workers),
         embedding=None,
         bitmask=parallel.take(catalog.bitmask, order, workers),
-        loc_offsets=offsets,
-        loc_ids=parallel.take(catalog.loc_ids, flat, workers),
-        locations=catalog.locations,
-        source=catalog.source,
+        sets=sets,
         campaign=take(catalog.campaign),
         advertiser=take(catalog.advertiser),
+        exclude_bitmask=take(catalog.exclude_bitmask),
     )
 
 
-def _ad_blooms(cat: Catalog, workers: int) -> np.ndarray:
-    """`targeting.ad_blooms` of every ad: uint64 [N, BLOOM_WORDS], rows split over threads."""
-    vocab = location_blooms(list(cat.locations))
-    out = np.empty((cat.n, BLOOM_WORDS), dtype=np.uint64)
+def ad_blooms(
+    schema: TargetingSchema, include: dict[str, Ragged], vocabularies: dict[str, list[str]],
+    workers: int = 1,
+) -> np.ndarray:  # fmt: skip
+    """`Codec.ad_blooms` of N ads (each set attribute's include lists as ids into its
+    vocabulary of strings): uint64 [N, bloom_words], rows split over `workers` threads."""
+    n = next(iter(include.values())).n if include else 0
+    by = codec(schema)
+    vocab = {a.name: value_blooms(vocabularies[a.name], a.bloom_bits, a.bloom_hashes)
+             for a in schema.families}  # fmt: skip
+    if not schema.families:  # no set attribute: rows of no words (one per ad)
+        return np.zeros((n, 0), dtype=np.uint64)
+    out = np.empty((n, schema.bloom_words), dtype=np.uint64)
 
     def part(lo: int, hi: int) -> None:
-        off = cat.loc_offsets[lo : hi + 1]
-        rows = Ragged(off - off[0], cat.loc_ids[off[0] : off[-1]])
-        out[lo:hi] = ad_blooms(rows, vocab)
+        mine = {}
+        for name, lists in include.items():
+            off = lists.offsets[lo : hi + 1]
+            mine[name] = Ragged(off - off[0], lists.values[off[0] : off[-1]])
+        out[lo:hi] = by.ad_blooms(mine, vocab, hi - lo)
 
-    parallel.run(part, parallel.ranges(cat.n, workers), workers)
+    parallel.run(part, parallel.ranges(n, workers), workers)
     return out
 
 
@@ -145,7 +171,8 @@ def build_arrays(
     order = parallel.stable_argsort(keys, SID_LENGTH * (VOCAB_SIZE - 1).bit_length())
     cat, sids = _sorted_catalog(catalog, order, workers), parallel.take(sids, order, workers)
     del order
-    ad_bloom = _ad_blooms(cat, workers)
+    ad_bloom = ad_blooms(cat.schema, {k: s.include for k, s in cat.sets.items()},
+                         {k: list(s.vocabulary) for k, s in cat.sets.items()}, workers)  # fmt: skip
     t = report.phase("encode", t)
     built = build_trie(sids, cat.bitmask, ad_bloom, workers)
     del sids, ad_bloom
@@ -154,24 +181,20 @@ def build_arrays(
         raise BuildCancelled("stopped before k-way partitioning")
     partitions = None
     if kway is not None:
-        partitions, report.kway_levels = build_partitions(built, kway)
+        partitions, report.kway_levels = build_partitions(built, kway, cat.schema)
         t = report.phase("kway", t)
-    vocab = [s.encode("utf-8") for s in cat.locations]
-    vocab_offsets = np.zeros(len(vocab) + 1, dtype=np.int64)
-    np.cumsum([len(b) for b in vocab], out=vocab_offsets[1:])
     ads = AdArrays(
         leaf_sids=built.leaf_sids,
         leaf_ad_offsets=built.leaf_ad_offsets,
         ad_ids=cat.ad_id.astype(np.int64),
         ad_bitmask=cat.bitmask,
-        ad_loc_offsets=cat.loc_offsets.astype(np.int64),
-        ad_loc_ids=cat.loc_ids.astype(np.int32),
-        loc_vocab_offsets=vocab_offsets,
-        loc_vocab_bytes=np.frombuffer(b"".join(vocab), dtype=np.uint8),
+        sets={k: SetArrays.from_strings(s.include, s.exclude, list(s.vocabulary))
+              for k, s in cat.sets.items()},
         ad_campaign_ids=cat.campaign,
         ad_advertiser_ids=cat.advertiser,
-    )
-    report.levels = storage_stats(built, workers)
+        ad_exclude_bitmask=cat.exclude_bitmask,
+    )  # fmt: skip
+    report.levels = storage_stats(built, cat.schema, workers)
     trie = built.trie
     report.counts.update(
         ads=cat.n,
@@ -180,24 +203,36 @@ def build_arrays(
         child_entries=trie.num_entries,
         bitmask_rows=len(trie.bitmask_table),
         bloom_rows=len(trie.bloom_table),
-        locations=len(vocab),
+        **{f"{k}_values": len(s.vocabulary) for k, s in cat.sets.items()},
         matcher_table_bytes=trie.bitmask_table.nbytes + trie.bloom_table.nbytes,
     )
     report.phase("stats", t)
     return IndexArrays(trie=built.trie, ads=ads, kway=partitions)
 
 
-def with_partitions(arrays: IndexArrays, spec: KwaySpec) -> IndexArrays:
+def with_partitions(
+    arrays: IndexArrays, spec: KwaySpec, schema: TargetingSchema = DEFAULT
+) -> IndexArrays:
     """The same index with k-way partitions added, rebuilt from its own ad arrays (for
     studies comparing partitionings of one published index without its catalog)."""
     ads = arrays.ads
     sids = np.repeat(ads.leaf_sids.astype(np.int64), np.diff(ads.leaf_ad_offsets), axis=0)
-    vocab = location_blooms(ads.location_strings())
-    built = build_trie(
-        sids, ads.ad_bitmask, ad_blooms(Ragged(ads.ad_loc_offsets, ads.ad_loc_ids), vocab)
-    )
-    partitions, _ = build_partitions(built, spec)
+    blooms = ad_blooms(schema, {k: s.include for k, s in ads.sets.items()},
+                       {k: s.strings() for k, s in ads.sets.items()})  # fmt: skip
+    built = build_trie(sids, ads.ad_bitmask, blooms)
+    partitions, _ = build_partitions(built, spec, schema)
     return IndexArrays(trie=built.trie, ads=ads, kway=partitions)
+
+
+def source_fingerprint(catalog_path: Path | str, schema: TargetingSchema = DEFAULT) -> str:
+    """What an index is built from, as its manifest's `catalog.fingerprint` records it
+    (the sidecar rebuilds when it changes): the catalog's files and, for a targeting
+    schema of one's own, the schema."""
+    fingerprint = catalog_fingerprint(catalog_path)
+    if schema == DEFAULT:
+        return fingerprint
+    digest = hashlib.sha256(schema.model_dump_json().encode()).hexdigest()
+    return f"{fingerprint};schema:sha256:{digest}"
 
 
 def build_index(
@@ -212,18 +247,20 @@ def build_index(
     device: str = "cpu",
     workers: int | None = None,
     sid_space: str | None = None,
+    schema: TargetingSchema = DEFAULT,
 ) -> tuple[str, BuildReport]:
     """Read, build, validate in full (`validate_index`: raises IndexValidationError and
     publishes nothing) and atomically publish one index version; returns (version, report).
     `device`: the torch device computing SIDs from embeddings ("cuda" at paper scale);
-    `workers`: CPU threads for SIDs and the build (None: every CPU)."""
+    `workers`: CPU threads for SIDs and the build (None: every CPU); `schema`: the
+    targeting schema the catalog is read and the index encoded by (stored in it)."""
     if tokenizer_path and sid_space:
         raise BuildError("give a SID tokenizer or a SID space name, not both")
     named_space = sid_spaces.named(sid_space) if sid_space else None
     report = BuildReport()
     t0 = t = time.perf_counter()
-    fingerprint = catalog_fingerprint(catalog_path)
-    catalog = read_catalog(catalog_path, progress=progress)
+    fingerprint = source_fingerprint(catalog_path, schema)
+    catalog = read_catalog(catalog_path, progress=progress, schema=schema)
     t = report.phase("read", t)
     tokenizer = None
     if tokenizer_path:
@@ -260,6 +297,7 @@ def build_index(
                     "collisions": report.collisions,
                 },
             },
+            schema,
         )
 
     def check(directory: Path, version: str) -> None:

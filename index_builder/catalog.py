@@ -1,9 +1,11 @@
 """Catalog input: read and validate an ad catalog into columns (docs/ARCHITECTURE.md §4).
 
 Flow: catalog file(s) → Arrow columns (`catalog_parts.py`, `catalog_files.py`) → the
-field checks of `catalog_columns.py`, run in order here → `Catalog` → `build.py`. Both
-formats go through the same vectorised checks, so they accept and reject the same
-catalogs and give identical arrays; bad input raises `CatalogError` (docs/DATA.md).
+field checks of `catalog_columns.py`, run in order here → `Catalog` → `build.py`. The
+targeting fields are the ones the targeting schema declares (`contracts/
+targeting_schema.py`; the default's without one). Both formats go through the same
+vectorised checks, so they accept and reject the same catalogs and give identical arrays;
+bad input raises `CatalogError` (docs/DATA.md).
 """
 
 from __future__ import annotations
@@ -18,22 +20,32 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from contracts.targeting import BITMASK_WORDS, ad_bitmasks
+from contracts.data_format import CATALOG_FIELDS
+from contracts.targeting_codec import Ragged, codec
+from contracts.targeting_schema import DEFAULT, TargetingSchema
 from index_builder.catalog_columns import (
-    RULES,
     ad_ids,
     embeddings,
     first_true,
     list_column,
-    locations,
     owner_ids,
     rule_ids,
+    set_rules,
     sids,
 )
-from index_builder.catalog_files import LIST_FIELDS, SID_LEVELS, CatalogError, Source
+from index_builder.catalog_files import SID_LEVELS, CatalogError, Source, targeting_fields
 from index_builder.catalog_parts import catalog_files, read_parts
 
 log = logging.getLogger("grace.catalog")
+
+
+@dataclass(frozen=True)
+class SetRules:
+    """One set attribute's rules over the catalog's ads, as ids into `vocabulary`."""
+
+    include: Ragged  # each ad's include list, sorted and deduplicated (empty = no rule)
+    exclude: Ragged | None  # each ad's exclude list; None: no ad excludes
+    vocabulary: np.ndarray  # object [V]: every value either names, sorted, unique
 
 
 @dataclass(frozen=True)
@@ -43,21 +55,24 @@ class Catalog:
     ad_id: np.ndarray  # int64 [N], unique, in input order
     sid: np.ndarray  # int32 [N, 4]; -1 rows where the ad carries no sid
     embedding: np.ndarray | None  # float32 [N, D]; None if no row has one; NaN rows where absent
-    bitmask: np.ndarray  # uint64 [N, BITMASK_WORDS], exact low-cardinality rules
-    loc_offsets: np.ndarray  # int64 [N + 1] into loc_ids
-    loc_ids: np.ndarray  # int32 [nnz]: ids into `locations`, sorted and deduplicated per ad
-    locations: np.ndarray  # object [V]: sorted unique location strings
+    bitmask: np.ndarray  # uint64 [N, bitmask_words]: enum/bucket rules, exclusions folded in
+    sets: dict[str, SetRules]  # per set attribute of `schema`
     source: str  # path read
+    schema: TargetingSchema = DEFAULT  # the targeting schema it was read by
     ignored_fields: tuple[str, ...] = ()  # fields in the input the format does not know
     campaign: np.ndarray | None = None  # int64 [N], 0 = none; None: no row names one
     advertiser: np.ndarray | None = None  # int64 [N], 0 = none; None: no row names one
+    # uint64 [N, bitmask_words]: the bits enum/bucket exclusions cleared; None: none did
+    exclude_bitmask: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.ad_id)
         assert self.sid.shape == (n, SID_LEVELS), self.sid.shape
         assert self.embedding is None or len(self.embedding) == n
-        assert self.bitmask.shape == (n, BITMASK_WORDS), self.bitmask.shape
-        assert len(self.loc_offsets) == n + 1 and self.loc_offsets[-1] == len(self.loc_ids)
+        assert self.bitmask.shape == (n, self.schema.bitmask_words), self.bitmask.shape
+        assert list(self.sets) == [a.name for a in self.schema.families], list(self.sets)
+        for s in self.sets.values():
+            assert s.include.n == n and (s.exclude is None or s.exclude.n == n)
         assert all(a is None or a.shape == (n,) for a in (self.campaign, self.advertiser))
 
     @property
@@ -69,11 +84,14 @@ class Catalog:
         return self.sid[:, 0] >= 0
 
 
-def read_catalog(path: Path | str, *, progress: bool = True) -> Catalog:
+def read_catalog(
+    path: Path | str, *, progress: bool = True, schema: TargetingSchema = DEFAULT
+) -> Catalog:
     """Read and validate a catalog — a JSON Lines (plain or gzip) or Parquet file, or a
-    directory of such parts; raise CatalogError on bad input."""
-    src, cols, ignored = read_parts(Path(path), progress)
-    catalog = _build(cols, src)
+    directory of such parts — with the targeting fields `schema` declares; raise
+    CatalogError on bad input."""
+    src, cols, ignored = read_parts(Path(path), progress, targeting_fields(schema))
+    catalog = _build(cols, src, schema)
     if ignored:
         log.warning("catalog %s: fields not in the catalog format ignored: %s (docs/DATA.md)",
                     path, ", ".join(sorted(ignored)))  # fmt: skip
@@ -97,28 +115,39 @@ def catalog_fingerprint(path: Path | str) -> str:
     return f"sha256:{h.hexdigest()}"
 
 
-def _build(cols: dict[str, pa.Array], src: Source) -> Catalog:
+def _build(cols: dict[str, pa.Array], src: Source, schema: TargetingSchema) -> Catalog:
     n = len(cols["ad_id"])
     if n == 0:
         raise src.error(None, None, "empty catalog")
-    lists = {f: list_column(cols.get(f), n, f, src) for f in LIST_FIELDS}
+    lists = {f: list_column(cols.get(f), n, f, src)
+             for f in (*CATALOG_FIELDS[1:], *targeting_fields(schema))}  # fmt: skip
     ad_id = ad_ids(cols["ad_id"], src)
     sid = sids(lists["sid"], n, src)
     embedding = embeddings(lists["embedding"], n, src)
     has_emb = np.zeros(n, bool) if embedding is None else ~np.isnan(embedding[:, 0])
     if (row := first_true((sid[:, 0] < 0) & ~has_emb)) is not None:
         raise src.error(row, "sid", "absent and no embedding to compute it from")
-    rules = [rule_ids(lists[f], n, f, src) for f in RULES]
-    loc_offsets, loc_ids, vocabulary = locations(lists["locations"], n, src)
+    by = codec(schema)
+    include, exclude = {}, {}
+    for a in by.masked:
+        include[a.name] = rule_ids(lists[a.catalog_field], n, a.catalog_field, src, a, by)
+        gone = rule_ids(lists[a.exclude_field], n, a.exclude_field, src, a, by)
+        if len(gone.values):
+            exclude[a.name] = gone
+    sets = {}
+    for a in schema.families:
+        inc, exc, vocabulary = set_rules(lists[a.catalog_field], lists[a.exclude_field], n, src, a)
+        sets[a.name] = SetRules(inc, exc, vocabulary)
+    bitmask = by.ad_bitmasks(include, exclude, n)
     return Catalog(
         ad_id=ad_id,
         sid=sid,
         embedding=embedding,
-        bitmask=ad_bitmasks(*rules),
-        loc_offsets=loc_offsets,
-        loc_ids=loc_ids,
-        locations=vocabulary,
+        bitmask=bitmask,
+        sets=sets,
         source=src.path,
+        schema=schema,
         campaign=owner_ids(cols.get("campaign_id"), "campaign_id", src),
         advertiser=owner_ids(cols.get("advertiser_id"), "advertiser_id", src),
+        exclude_bitmask=by.ad_bitmasks(include, {}, n) & ~bitmask if exclude else None,
     )

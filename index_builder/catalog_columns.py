@@ -5,23 +5,15 @@ raises `CatalogError` (via `Source.error`) naming the first offending line or ro
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from contracts.targeting import (
-    AGE_BUCKETS,
-    GENDERS,
-    MAX_LOCATION_BYTES,
-    Ragged,
-    age_bucket_value_index,
-    country_index,
-    gender_value_index,
-)
-from index_builder.catalog_files import EXPECT, I64_MAX, SID_LEVELS, SID_VOCAB, Source
+from contracts.targeting_codec import Codec, Ragged
+from contracts.targeting_schema import MAX_VALUE_BYTES, Attribute
+from index_builder.catalog_files import I64_MAX, SID_LEVELS, SID_VOCAB, Source, expect
 
 
 @dataclass(frozen=True)
@@ -51,7 +43,7 @@ def list_column(arr: pa.Array | None, n: int, field: str, src: Source) -> ListCo
     out = ListColumn(arr.is_valid().to_numpy(zero_copy_only=False), offsets, arr.flatten())
     if out.values.null_count:
         flat = int(np.flatnonzero(out.values.is_null().to_numpy(zero_copy_only=False))[0])
-        raise src.error(out.row_of(flat), field, f"null element; expected {EXPECT[field][1]}")
+        raise src.error(out.row_of(flat), field, f"null element; expected {expect(field)[1]}")
     return out
 
 
@@ -68,7 +60,7 @@ def ad_ids(arr: pa.Array | None, src: Source) -> np.ndarray:
             "missing",
         )
     if pa.types.is_uint64(arr.type) and (row := first_true(arr.to_numpy() > I64_MAX)) is not None:
-        raise src.error(row, "ad_id", f"{arr[row].as_py()} is not {EXPECT['ad_id'][1]}")
+        raise src.error(row, "ad_id", f"{arr[row].as_py()} is not {expect('ad_id')[1]}")
     ids = arr.cast(pa.int64()).to_numpy()
     order = np.argsort(ids, kind="stable")
     dup = np.flatnonzero(ids[order[1:]] == ids[order[:-1]])
@@ -85,9 +77,9 @@ def sids(lists: ListColumn | None, n: int, src: Source) -> np.ndarray:
     sid = np.full((n, SID_LEVELS), -1, dtype=np.int32)
     if lists is None:
         return sid
-    expect = EXPECT["sid"][1]
+    wanted = expect("sid")[1]
     if (row := first_true(lists.valid & (lists.lengths != SID_LEVELS))) is not None:
-        raise src.error(row, "sid", f"has {lists.lengths[row]} values; expected {expect}")
+        raise src.error(row, "sid", f"has {lists.lengths[row]} values; expected {wanted}")
     values = lists.values.to_numpy()
     if (flat := first_true((values < 0) | (values >= SID_VOCAB))) is not None:
         raise src.error(lists.row_of(flat), "sid", f"value {values[flat]} is out of range [0, 512)")
@@ -117,66 +109,83 @@ def embeddings(lists: ListColumn | None, n: int, src: Source) -> np.ndarray | No
     return out
 
 
-def rule_ids(lists: ListColumn | None, n: int, field: str, src: Source) -> Ragged:
-    """A low-cardinality rule as value indices (int32 [nnz]); looked up once per distinct
-    string, so a million rows cost one dictionary encode."""
+def rule_ids(
+    lists: ListColumn | None, n: int, field: str, src: Source, attr: Attribute, codec: Codec
+) -> Ragged:
+    """An enum or bucket attribute's rule (`field`: its include or exclude list) as value
+    indices (int32 [nnz]); looked up once per distinct string, so a million rows cost one
+    dictionary encode."""
     if lists is None or len(lists.values) == 0:
         offsets = np.zeros(n + 1, dtype=np.int64) if lists is None else lists.offsets
         return Ragged(offsets, np.zeros(0, dtype=np.int32))
-    lookup, allowed = RULES[field]
     values = lists.values
     if not pa.types.is_dictionary(values.type):
         values = pc.dictionary_encode(values)
-    table = [-1 if (i := lookup(v)) is None else i for v in values.dictionary.to_pylist()]
+    table = [-1 if (i := codec.value_index(attr, v)) is None else i
+             for v in values.dictionary.to_pylist()]  # fmt: skip
     ids = np.array(table, dtype=np.int32)[values.indices.to_numpy()]
     if (flat := first_true(ids < 0)) is not None:
-        msg = f"unknown value {lists.values[flat].as_py()!r}; expected {allowed}"
+        msg = f"unknown value {lists.values[flat].as_py()!r}; expected {_allowed(attr)}"
         raise src.error(lists.row_of(flat), field, msg)
     return Ragged(lists.offsets, ids)
 
 
-# rule field -> (value index lookup, what is allowed); the order `ad_bitmasks` takes
-RULES: dict[str, tuple[Callable[[str], int | None], str]] = {
-    "countries": (country_index, "an ISO 3166-1 alpha-2 code (any case)"),
-    "age_buckets": (age_bucket_value_index, f"one of {', '.join(AGE_BUCKETS)}"),
-    "genders": (gender_value_index, f"one of {', '.join(GENDERS)}"),
-}
+def _allowed(attr: Attribute) -> str:
+    labels = attr.labels
+    if len(labels) <= 12:
+        return "one of " + ", ".join(labels)
+    case = " (any case)" if attr.case == "upper" else ""
+    return f"one of the {len(labels)} values the schema lists for {attr.name}{case}"
 
 
-def locations(
-    lists: ListColumn | None, n: int, src: Source
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(loc_offsets int64 [N+1], loc_ids int32 [nnz], vocabulary object [V]). A string no
-    request may carry (empty, or over MAX_LOCATION_BYTES) is refused: its ad could never
-    be served."""
-    if lists is None or len(lists.values) == 0:
-        return np.zeros(n + 1, dtype=np.int64), np.zeros(0, np.int32), np.array([], dtype=object)
-    enc = pc.dictionary_encode(lists.values.cast(pa.large_string()))
+def set_rules(
+    include: ListColumn | None, exclude: ListColumn | None, n: int, src: Source, attr: Attribute
+) -> tuple[Ragged, Ragged | None, np.ndarray]:
+    """A set attribute's include and exclude lists as ids into one vocabulary, each ad's
+    sorted and deduplicated: (include, exclude or None when no ad excludes, vocabulary
+    object [V] of every value either names, sorted). A value no request may carry (empty,
+    or over MAX_VALUE_BYTES) is refused: its rule could never match."""
+    parts = [(f, c) for f, c in ((attr.catalog_field, include), (attr.exclude_field, exclude))
+             if c is not None and len(c.values)]  # fmt: skip
+    if not parts:
+        return Ragged.empty(n), None, np.array([], dtype=object)
+    enc = pc.dictionary_encode(pa.concat_arrays([c.values.cast(pa.large_string())
+                                                 for _, c in parts]))  # fmt: skip
     words = np.array(enc.dictionary.to_pylist(), dtype=object)
     size = np.array([len(w.encode("utf-8")) for w in words])  # once per distinct string
-    unservable = (size == 0) | (size > MAX_LOCATION_BYTES)
-    if unservable.any():
-        flat = first_true(unservable[enc.indices.to_numpy()])
-        assert flat is not None
-        word = lists.values[flat].as_py()
-        why = "is empty" if not word else f"is {len(word.encode())} bytes long"
-        shown = word[:40] + ("…" if len(word) > 40 else "")
-        msg = (
-            f"location {shown!r} {why}: requests carry locations of 1 to "
-            f"{MAX_LOCATION_BYTES} bytes, so no request could match it"
-        )
-        raise src.error(lists.row_of(flat), "locations", msg)
+    codes = enc.indices.to_numpy()
+    unservable = ((size == 0) | (size > MAX_VALUE_BYTES))[codes]
+    at = 0
+    for field, c in parts:
+        flat = first_true(unservable[at : at + len(c.values)])
+        if flat is not None:
+            word = c.values[flat].as_py()
+            why = "is empty" if not word else f"is {len(word.encode())} bytes long"
+            shown = word[:40] + ("…" if len(word) > 40 else "")
+            msg = (f"{attr.name} value {shown!r} {why}: requests carry values of 1 to "
+                   f"{MAX_VALUE_BYTES} bytes, so no request could match it")  # fmt: skip
+            raise src.error(c.row_of(flat), field, msg)
+        at += len(c.values)
     order = np.argsort(words)
     rank = np.empty(len(words), dtype=np.int64)
     rank[order] = np.arange(len(words))
-    # one sort of (row, id) keys both sorts each ad's ids and drops its duplicates
+    ranked, at, lists = rank[codes], 0, {}
+    for field, c in parts:
+        lists[field] = _per_ad(ranked[at : at + len(c.values)], c, n, len(words))
+        at += len(c.values)
+    inc = lists.get(attr.catalog_field) or Ragged.empty(n)
+    return inc, lists.get(attr.exclude_field), words[order]
+
+
+def _per_ad(ranked: np.ndarray, lists: ListColumn, n: int, vocab: int) -> Ragged:
+    """Each ad's ids sorted and deduplicated: one sort of (row, id) keys does both."""
     rows = np.repeat(np.arange(n, dtype=np.int64), lists.lengths)
-    keys = rows * len(words) + rank[enc.indices.to_numpy()]
+    keys = rows * vocab + ranked
     keys.sort(kind="stable")  # already ordered by row: timsort only sorts within each ad
     keys = keys[np.r_[True, keys[1:] != keys[:-1]]]
     offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(keys // len(words), minlength=n), out=offsets[1:])
-    return offsets, (keys % len(words)).astype(np.int32), words[order]
+    np.cumsum(np.bincount(keys // vocab, minlength=n), out=offsets[1:])
+    return Ragged(offsets, (keys % vocab).astype(np.int32))
 
 
 def owner_ids(arr: pa.Array | None, field: str, src: Source) -> np.ndarray | None:
@@ -189,5 +198,5 @@ def owner_ids(arr: pa.Array | None, field: str, src: Source) -> np.ndarray | Non
     if pa.types.is_uint64(arr.type):
         big = pc.fill_null(arr, 0).to_numpy() > np.uint64(I64_MAX)
         if (row := first_true(big)) is not None:
-            raise src.error(row, field, f"{arr[row].as_py()} is not {EXPECT[field][1]}")
+            raise src.error(row, field, f"{arr[row].as_py()} is not {expect(field)[1]}")
     return arr.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)

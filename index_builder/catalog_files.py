@@ -3,7 +3,8 @@
 
 JSON Lines does here only what Arrow cannot say (valid JSON, an object, an int `ad_id`,
 list-or-null fields); Parquet checks its column types and format version up front. Both
-report the fields they ignore (not in `contracts.data_format`).
+read the targeting fields the schema names (`targeting_fields`) and report the fields
+they ignore (neither in `contracts.data_format` nor in the schema).
 """
 
 from __future__ import annotations
@@ -28,13 +29,17 @@ from contracts.data_format import (
     CATALOG_OWNERS,
     CATALOG_VERSION_KEY,
 )
+from contracts.targeting_schema import TargetingSchema
 
 SID_LEVELS = 4
 SID_VOCAB = 512
-STRING_FIELDS = ("countries", "age_buckets", "genders", "locations")
-LIST_FIELDS = CATALOG_FIELDS[1:]  # every field but ad_id: lists (or null)
-KNOWN_FIELDS = frozenset(CATALOG_FIELDS + CATALOG_OWNERS)
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+
+
+def targeting_fields(schema: TargetingSchema) -> tuple[str, ...]:
+    """The catalog's targeting fields under `schema`, each a list of strings (or null):
+    every attribute's include list and its exclude list."""
+    return tuple(f for a in schema.attributes for f in (a.catalog_field, a.exclude_field))
 
 
 class CatalogError(ValueError):
@@ -100,14 +105,20 @@ def _list_of(item: Callable[[pa.DataType], bool]) -> Callable[[pa.DataType], boo
     return accept
 
 
-# field -> (accepted Arrow type, what a value must be)
-EXPECT: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
+# field -> (accepted Arrow type, what a value must be); any other field is a targeting
+# field (`targeting_fields`), a list of strings
+_EXPECT: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
     "ad_id": (pa.types.is_integer, "an integer in int64 range"),
     "sid": (_list_of(pa.types.is_integer), f"a list of {SID_LEVELS} ints in [0, {SID_VOCAB})"),
     "embedding": (_list_of(_is_number), "a list of finite numbers"),
-    **{f: (_list_of(_is_string), "a list of strings") for f in STRING_FIELDS},
     **{f: (pa.types.is_integer, "an integer in int64 range, or null") for f in CATALOG_OWNERS},
 }
+_STRINGS = (_list_of(_is_string), "a list of strings")
+
+
+def expect(field: str) -> tuple[Callable[[pa.DataType], bool], str]:
+    """(accepted Arrow type, what a value must be) of a catalog field."""
+    return _EXPECT.get(field, _STRINGS)
 
 
 def show(value: object, limit: int = 60) -> str:
@@ -128,15 +139,19 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def read_jsonl(path: Path, progress: bool) -> tuple[Source, dict[str, pa.Array], set[str]]:
+def read_jsonl(
+    path: Path, progress: bool, strings: tuple[str, ...]
+) -> tuple[Source, dict[str, pa.Array], set[str]]:
     """One orjson parse per line into Python column lists, then Arrow conversion; a `.gz`
-    file is decompressed on the fly. Returns the source, the columns and the fields seen
-    that the format does not know (ignored)."""
+    file is decompressed on the fly. `strings`: the targeting fields to read. Returns the
+    source, the columns and the fields seen that neither the format nor `strings` know
+    (ignored)."""
     name = str(path)
+    known = frozenset(CATALOG_FIELDS + CATALOG_OWNERS + strings)
     unknown: set[str] = set()
     ids: list[int] = []
     lines: list[int] = []
-    cols: dict[str, list[object]] = {f: [] for f in LIST_FIELDS}
+    cols: dict[str, list[object]] = {f: [] for f in (*CATALOG_FIELDS[1:], *strings)}
     fields = tuple(cols.items())
     owners: dict[str, list[object]] = {f: [] for f in CATALOG_OWNERS}
     with (
@@ -162,24 +177,24 @@ def read_jsonl(path: Path, progress: bool) -> tuple[Source, dict[str, pa.Array],
                 ad_id = obj.get("ad_id")
                 if type(ad_id) is not int or not I64_MIN <= ad_id <= I64_MAX:  # bool is no int
                     msg = (
-                        "missing" if ad_id is None else f"{show(ad_id)} is not {EXPECT['ad_id'][1]}"
+                        "missing" if ad_id is None else f"{show(ad_id)} is not {expect('ad_id')[1]}"
                     )
                     raise CatalogError(name, f"line {lineno}", "ad_id", msg)
-                if not obj.keys() <= KNOWN_FIELDS:
-                    unknown.update(obj.keys() - KNOWN_FIELDS)
+                if not obj.keys() <= known:
+                    unknown.update(obj.keys() - known)
                 ids.append(ad_id)
                 lines.append(lineno)
                 for field, col in fields:
                     value = obj.get(field)
                     if value is not None and type(value) is not list:
-                        msg = f"{show(value)} is not {EXPECT[field][1]}"
+                        msg = f"{show(value)} is not {expect(field)[1]}"
                         raise CatalogError(name, f"line {lineno}", field, msg)
                     col.append(value)
                 for field, col in owners.items():
                     value = obj.get(field)
                     if value is not None and (type(value) is not int or not
                                               I64_MIN <= value <= I64_MAX):  # fmt: skip
-                        msg = f"{show(value)} is not {EXPECT[field][1]}"
+                        msg = f"{show(value)} is not {expect(field)[1]}"
                         raise CatalogError(name, f"line {lineno}", field, msg)
                     col.append(value)
         except (OSError, EOFError) as e:  # a corrupt or truncated gzip stream
@@ -200,8 +215,8 @@ def _to_arrow(col: list[object], field: str, src: Source) -> pa.Array:
     fast, and strict: values are lists by now, and a non-string element raises); numeric
     ones infer it, since a given int type would truncate 1.5 and a float type take `true`.
     If the column is unacceptable, find the first line whose value alone is too."""
-    accept, expect = EXPECT[field]
-    given = pa.large_list(pa.large_string()) if field in STRING_FIELDS else None
+    accept, wanted = expect(field)
+    given = None if field in CATALOG_FIELDS else pa.large_list(pa.large_string())
     try:
         arr = pa.array(col, type=given)
         if accept(arr.type):
@@ -214,12 +229,15 @@ def _to_arrow(col: list[object], field: str, src: Source) -> pa.Array:
         except (pa.ArrowException, OverflowError):
             ok = False
         if not ok:
-            raise src.error(row, field, f"{show(value)} is not {expect}")
-    raise src.error(None, field, f"values mix types; each must be {expect}")
+            raise src.error(row, field, f"{show(value)} is not {wanted}")
+    raise src.error(None, field, f"values mix types; each must be {wanted}")
 
 
-def read_parquet(path: Path, progress: bool) -> tuple[dict[str, pa.Array], set[str]]:
-    """The catalog's columns of one Parquet file, and the columns it ignores."""
+def read_parquet(
+    path: Path, progress: bool, strings: tuple[str, ...]
+) -> tuple[dict[str, pa.Array], set[str]]:
+    """The catalog's columns of one Parquet file (`strings`: the targeting fields to
+    read), and the columns it ignores."""
     src = Source(str(path), lines=None)
     try:
         pf = pq.ParquetFile(path)
@@ -232,11 +250,12 @@ def read_parquet(path: Path, progress: bool) -> tuple[dict[str, pa.Array], set[s
         raise src.error(None, None, msg + f"knows versions up to {CATALOG_FORMAT_VERSION}")
     if "ad_id" not in schema.names:
         raise src.error(None, "ad_id", "missing column")
-    fields = [f for f in ("ad_id", *LIST_FIELDS, *CATALOG_OWNERS) if f in schema.names]
+    known = (*CATALOG_FIELDS, *strings, *CATALOG_OWNERS)
+    fields = [f for f in known if f in schema.names]
     for f in fields:  # column types first: the value checks below assume them
-        accept, expect = EXPECT[f]
+        accept, wanted = expect(f)
         if not (accept(schema.field(f).type) or pa.types.is_null(schema.field(f).type)):
-            raise src.error(None, f, f"column has type {schema.field(f).type}; expected {expect}")
+            raise src.error(None, f, f"column has type {schema.field(f).type}; expected {wanted}")
     groups = []
     batch = max(1, pa.cpu_count())  # row groups decoded at once, one per Arrow thread
     with tqdm(total=pf.metadata.num_rows, unit="row", disable=not progress) as bar:
@@ -253,4 +272,4 @@ def read_parquet(path: Path, progress: bool) -> tuple[dict[str, pa.Array], set[s
     # one column per thread: combining 30 M embedding rows alone copies 3.8 GB
     with ThreadPoolExecutor(min(len(fields), batch)) as pool:
         columns = pool.map(lambda f: table.column(f).combine_chunks(), fields)
-        return dict(zip(fields, columns, strict=True)), set(schema.names) - KNOWN_FIELDS
+        return dict(zip(fields, columns, strict=True)), set(schema.names) - set(known)

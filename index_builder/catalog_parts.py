@@ -50,15 +50,18 @@ def catalog_files(path: Path) -> list[Path]:
     return [p for p in found if catalog_kind(p.name) is not None]
 
 
-def read_parts(path: Path, progress: bool) -> tuple[Source, Columns, set[str]]:
-    """The columns of every part, concatenated; the Source; the fields ignored."""
+def read_parts(
+    path: Path, progress: bool, strings: tuple[str, ...]
+) -> tuple[Source, Columns, set[str]]:
+    """The columns of every part (`strings`: the targeting fields to read), concatenated;
+    the Source; the fields ignored."""
     files = catalog_files(path)
     sources, tables, ignored = [], [], set()
     for f in files:
         if catalog_kind(f.name) == "parquet":
-            src, (cols, unknown) = Source(str(f), lines=None), read_parquet(f, progress)
+            src, (cols, unknown) = Source(str(f), lines=None), read_parquet(f, progress, strings)
         else:
-            src, cols, unknown = read_jsonl(f, progress)
+            src, cols, unknown = read_jsonl(f, progress, strings)
         sources.append(src)
         tables.append(cols)
         ignored |= unknown

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from contracts.index_format import SID_LENGTH, PartitionArrays
-from contracts.targeting import BITMASK_BITS, BLOOM_BITS
+from contracts.targeting_schema import DEFAULT, TargetingSchema
 from index_builder.trie import TrieBuild, dedup_rows, matcher_fill
 
 
@@ -89,15 +89,16 @@ def _greedy(
     return bm[inverse], bl[inverse]
 
 
-def _group_fill(bm: np.ndarray, bl: np.ndarray) -> np.ndarray:
+def _group_fill(bm: np.ndarray, bl: np.ndarray, schema: TargetingSchema) -> np.ndarray:
     """Worst group fill per entry: max over used groups of mean(bitmask fill, Bloom fill)."""
-    fill = (
-        np.bitwise_count(bm).sum(-1) / BITMASK_BITS + np.bitwise_count(bl).sum(-1) / BLOOM_BITS
-    ) / 2
+    fill = (np.bitwise_count(bm).sum(-1) / max(1, schema.bitmask_bits)
+            + np.bitwise_count(bl).sum(-1) / max(1, 64 * schema.bloom_words)) / 2  # fmt: skip
     return fill.max(axis=1)
 
 
-def _partition_depth(build: TrieBuild, depth: int, spec: KwaySpec) -> list[tuple]:
+def _partition_depth(
+    build: TrieBuild, depth: int, spec: KwaySpec, schema: TargetingSchema
+) -> list[tuple]:
     """Per entry of one depth: (bitmask rows [g, W], bloom rows [g, W]) of its used groups."""
     lo, hi = (int(x) for x in build.trie.level_offsets[depth : depth + 2])
     first, count = build.node_first_leaf[lo:hi], build.node_leaf_count[lo:hi]
@@ -110,7 +111,11 @@ def _partition_depth(build: TrieBuild, depth: int, spec: KwaySpec) -> list[tuple
     k = 1
     while len(pending):
         bm, bl = _greedy(first[pending], count[pending], k, build.leaf_bitmask, build.leaf_bloom)
-        done = (_group_fill(bm, bl) <= spec.target_fill) | (k >= spec.k_max) | (count[pending] <= k)
+        done = (
+            (_group_fill(bm, bl, schema) <= spec.target_fill)
+            | (k >= spec.k_max)
+            | (count[pending] <= k)
+        )
         for j, groups in zip(np.flatnonzero(done), _used_groups(bm[done], bl[done]), strict=True):
             result[pending[j]] = groups
         pending = pending[~done]
@@ -119,21 +124,24 @@ def _partition_depth(build: TrieBuild, depth: int, spec: KwaySpec) -> list[tuple
 
 
 def _used_groups(bm: np.ndarray, bl: np.ndarray) -> list[tuple]:
-    # a leaf's bitmask has at least one bit per attribute, so a used group is never zero
-    used = bm.any(axis=2)
+    # a group holding a leaf has a bit set: the leaf's Bloom family rows are never zero,
+    # nor its bitmask where an attribute's rules leave any value eligible
+    used = bm.any(axis=2) | bl.any(axis=2)
     return [(bm[e, used[e]], bl[e, used[e]]) for e in range(len(bm))]
 
 
-def build_partitions(build: TrieBuild, spec: KwaySpec) -> tuple[PartitionArrays, list[dict]]:
+def build_partitions(
+    build: TrieBuild, spec: KwaySpec, schema: TargetingSchema = DEFAULT
+) -> tuple[PartitionArrays, list[dict]]:
     """Partitioned matchers for every child entry, plus per-step stats (groups, fill)."""
     per_entry: list[tuple] = []
     stats = []
     for depth in range(1, SID_LENGTH + 1):
-        groups = _partition_depth(build, depth, spec)
+        groups = _partition_depth(build, depth, spec, schema)
         per_entry.extend(groups)
         bm = np.concatenate([g[0] for g in groups])
         bl = np.concatenate([g[1] for g in groups])
-        fill_bm, fill_bl = matcher_fill(bm, bl)
+        fill_bm, fill_bl = matcher_fill(bm, bl, schema)
         stats.append(
             {
                 "step": depth,

@@ -77,6 +77,8 @@ def or_reduceat(rows: np.ndarray, starts: np.ndarray, workers: int) -> np.ndarra
     starts[0] == 0: one OR per segment [starts[i], starts[i+1]) (the last runs to the end).
     Segments are split between threads, never inside one."""
     out = np.empty((len(starts), *rows.shape[1:]), dtype=rows.dtype)
+    if rows.size == 0:  # rows of no words (a schema without set attributes): nothing to OR
+        return out
 
     def part(lo: int, hi: int) -> None:
         a0 = int(starts[lo])

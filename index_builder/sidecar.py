@@ -26,8 +26,9 @@ from pathlib import Path
 
 from contracts.index_format import IndexFormatError, read_manifest
 from contracts.index_validation import IndexValidationError
-from index_builder.build import BuildCancelled, BuildError, build_index
-from index_builder.catalog import CatalogError, catalog_fingerprint
+from contracts.targeting_schema import DEFAULT, TargetingSchema
+from index_builder.build import BuildCancelled, BuildError, build_index, source_fingerprint
+from index_builder.catalog import CatalogError
 from index_builder.kway import KwaySpec
 from index_builder.publish import PublishError, current_path
 from index_builder.tokenizer import SIDTokenizer
@@ -67,6 +68,7 @@ class BuilderConfig:
     kway: KwaySpec | None = None
     keep: int = 3
     max_builds: int | None = None  # stop after this many successful builds (tests, one-shots)
+    schema: TargetingSchema = DEFAULT  # the targeting schema to read and encode by
 
     def __post_init__(self) -> None:
         if self.sids is not None and (self.tokenizer is not None or self.sid_space is not None):
@@ -159,7 +161,7 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
     while not stop.is_set():
         stats.checks += 1
         try:
-            fingerprint = catalog_fingerprint(cfg.catalog)
+            fingerprint = source_fingerprint(cfg.catalog, cfg.schema)
         except CatalogError as exc:
             log.error("%s; waiting", exc)
             fingerprint = None
@@ -183,6 +185,7 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
                         keep=cfg.keep,
                         progress=False,
                         should_stop=stop.is_set,
+                        schema=cfg.schema,
                     )
                     built, failed = want, None
                     stats.builds += 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from contracts.index_format import SID_LENGTH, VOCAB_SIZE, TrieArrays
-from contracts.targeting import BITMASK_BITS, BLOOM_BITS
+from contracts.targeting_schema import TargetingSchema
 from index_builder import parallel
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -107,12 +107,12 @@ class TrieBuild:
     trie: TrieArrays
     leaf_ad_offsets: np.ndarray  # int64 [num_leaves + 1]: ads of leaf i (ads sorted by SID)
     leaf_sids: np.ndarray  # int16 [num_leaves, SID_LENGTH]
-    leaf_bitmask: np.ndarray  # uint64 [num_leaves, BITMASK_WORDS]: OR over the leaf's ads
-    leaf_bloom: np.ndarray  # uint64 [num_leaves, BLOOM_WORDS]
+    leaf_bitmask: np.ndarray  # uint64 [num_leaves, bitmask_words]: OR over the leaf's ads
+    leaf_bloom: np.ndarray  # uint64 [num_leaves, bloom_words]
     node_first_leaf: np.ndarray  # int64 [num_nodes]: first leaf under node (root: 0)
     node_leaf_count: np.ndarray  # int64 [num_nodes]: leaves under node
-    entry_bitmask: np.ndarray  # uint64 [E, BITMASK_WORDS] before dedup
-    entry_bloom: np.ndarray  # uint64 [E, BLOOM_WORDS] before dedup
+    entry_bitmask: np.ndarray  # uint64 [E, bitmask_words] before dedup
+    entry_bloom: np.ndarray  # uint64 [E, bloom_words] before dedup
 
     def depth_entries(self, depth: int) -> slice:
         """Child entries leading to nodes of `depth` (1..SID_LENGTH): decode step `depth`."""
@@ -122,8 +122,8 @@ class TrieBuild:
 
 def build_trie(
     sids: np.ndarray,  # int [N, SID_LENGTH], sorted (several ads may share a SID)
-    ad_bitmask: np.ndarray,  # uint64 [N, BITMASK_WORDS]
-    ad_bloom: np.ndarray,  # uint64 [N, BLOOM_WORDS]
+    ad_bitmask: np.ndarray,  # uint64 [N, bitmask_words]
+    ad_bloom: np.ndarray,  # uint64 [N, bloom_words]
     workers: int = 1,  # threads for the subtree ORs, hashing and checks: same arrays for any
 ) -> TrieBuild:
     """The CSR trie of ads sorted by SID."""
@@ -200,19 +200,21 @@ def build_trie(
 
 
 def matcher_fill(
-    bitmask_rows: np.ndarray, bloom_rows: np.ndarray, workers: int = 1
+    bitmask_rows: np.ndarray, bloom_rows: np.ndarray, schema: TargetingSchema, workers: int = 1
 ) -> tuple[float, float]:
     """Mean fill rate (share of set bits) of bitmask and Bloom matcher rows (paper Table 2)."""
     if len(bitmask_rows) == 0:
         return 0.0, 0.0
     n = len(bitmask_rows)
     return (
-        popcount_total(bitmask_rows, workers) / n / BITMASK_BITS,
-        popcount_total(bloom_rows, workers) / n / BLOOM_BITS,
+        popcount_total(bitmask_rows, workers) / n / max(1, schema.bitmask_bits),
+        popcount_total(bloom_rows, workers) / n / max(1, 64 * schema.bloom_words),
     )
 
 
-def storage_stats(build: TrieBuild, workers: int = 1) -> list[dict[str, float | int]]:
+def storage_stats(
+    build: TrieBuild, schema: TargetingSchema, workers: int = 1
+) -> list[dict[str, float | int]]:
     """Per decode step: entries, matcher bytes before/after dedup, fill (paper Tables 1–2).
 
     "After dedup" counts the distinct rows the step's entries use in the shared tables.
@@ -224,7 +226,7 @@ def storage_stats(build: TrieBuild, workers: int = 1) -> list[dict[str, float | 
         bm, bl = build.entry_bitmask[sl], build.entry_bloom[sl]
         bm_unique = np.count_nonzero(np.bincount(trie.bitmask_index[sl]))
         bl_unique = np.count_nonzero(np.bincount(trie.bloom_index[sl]))
-        fill_bm, fill_bl = matcher_fill(bm, bl, workers)
+        fill_bm, fill_bl = matcher_fill(bm, bl, schema, workers)
         out.append(
             {
                 "step": depth,

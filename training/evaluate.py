@@ -52,7 +52,7 @@ def recall_at_k(
         for res, t, target in zip(results, targeting, batch.target_ad.tolist(), strict=True):
             returned += len(res.ad_ids)
             rank = np.flatnonzero(res.ad_ids == target)
-            request = (request_bitmask(t), index.vocabulary.ids(t.locations))
+            request = (request_bitmask(t), index.vocabularies["locations"].ids(t.locations))
             eligible = exact_eligible(ranked_bitmask, *ranked_locations, *request)
             pop = ads.ad_ids[ranking[eligible][: max(ks)]]
             pop_rank = np.flatnonzero(pop == target)

@@ -18,7 +18,7 @@ from service.decode.plans import DecodeResult
 from service.index.loaded import LoadedIndex
 from service.model.features import FeatureBatch
 from service.model.retriever import GenerativeRetriever
-from service.post import PostRequest, PostResult
+from service.post import PostResult
 
 
 class OfflineRetriever:
@@ -61,9 +61,8 @@ class OfflineRetriever:
         max_ads: int,
     ) -> list[PostResult]:
         """The C++ post stage: each request's eligible ads, best first, cut to max_ads."""
-        v = self.index.vocabulary
         return self.index.post.run([
-            PostRequest.from_targeting(leaves, scores, t, v, max_ads)
+            self.index.post_request(leaves, scores, t, max_ads)
             for (leaves, scores), t in zip(generated, targeting, strict=True)
         ])  # fmt: skip
 

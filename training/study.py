@@ -22,7 +22,6 @@ from contracts.index_format import IndexArrays
 from contracts.request import FilterMode
 from contracts.targeting import (
     FULL_BITMASK,
-    Ragged,
     ad_blooms,
     bitmask_match,
     bloom_match_any,
@@ -234,8 +233,8 @@ def run_study(
                                      scoring=v.scoring)  # fmt: skip
         ads = v.arrays.ads
         if id(ads) not in bloom_rows:  # k-way variants share the plain index's ad arrays
-            locations = Ragged(ads.ad_loc_offsets, ads.ad_loc_ids)
-            bloom_rows[id(ads)] = ad_blooms(locations, location_blooms(ads.location_strings()))
+            locations = ads.sets["locations"]
+            bloom_rows[id(ads)] = ad_blooms(locations.include, location_blooms(locations.strings()))
         ad_bloom = bloom_rows[id(ads)]
         per_user = _PerUser(final_first={size: [] for size in fixed})
         bar = tqdm(total=len(users), desc=f"eval {v.name}", disable=not progress)
@@ -249,7 +248,10 @@ def run_study(
                 if vi in kept:
                     per_user.sids.append(leaves[by_score])
                 rows, _ = expand_leaves(ads, leaves[by_score])
-                req_bm, req_ids = request_bitmask(t), index.vocabulary.ids(t.locations)
+                req_bm, req_ids = (
+                    request_bitmask(t),
+                    index.vocabularies["locations"].ids(t.locations),
+                )
                 locs = location_rows(ads, rows)
                 full = np.broadcast_to(FULL_BITMASK, (len(rows), len(FULL_BITMASK)))
                 checks = {

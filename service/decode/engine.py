@@ -70,13 +70,15 @@ class DecodeEngine:
         return IndexPlans(tables, level_offsets, self.device)
 
     def location_key(self, mode: FilterMode, n: int) -> int:
-        """L of the plan: 0 without GTM, else the bucket holding n locations."""
+        """L of the plan: 0 without GTM, else the bucket holding n rows of a Bloom family
+        (past the largest bucket: the power of two holding them, for a schema whose set
+        attributes take more values than the default's 64 locations)."""
         if mode == FilterMode.CD_ONLY:
             return 0
         for b in self.location_buckets:
             if b >= n:
                 return b
-        raise ValueError(f"{n} request locations exceed the largest bucket")
+        return 1 << (n - 1).bit_length()
 
     @torch.no_grad()
     def warm(

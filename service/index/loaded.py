@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from contracts.index_format import IndexArrays
+from contracts.index_format import IndexArrays, manifest_schema
 from contracts.index_validation import validate_index
-from contracts.targeting_schema import DEFAULT, SchemaError, TargetingSchema
+from contracts.targeting import Targeting
+from contracts.targeting_codec import RequestRules, codec
+from contracts.targeting_schema import DEFAULT, TargetingSchema
 from contracts.tensors import GtmTables
 from service.model.features import SidLookup
-from service.post import LocationVocabulary, PostStage
+from service.post import PostRequest, PostStage, Vocabulary
 
 
 @dataclass(frozen=True, eq=False)  # identity equality: a version is one object
@@ -29,17 +31,29 @@ class LoadedIndex:
     arrays: IndexArrays  # the version's arrays in private host memory
     tables: GtmTables  # the trie's lookup tables on the compute device
     level_offsets: torch.Tensor  # int64 [sid_length + 2]: nodes of each trie depth
-    vocabulary: LocationVocabulary  # location string -> id (the post stage's exact rules)
+    schema: TargetingSchema  # the targeting schema it was built with
+    # per set attribute: value string -> id (the post stage's exact rules)
+    vocabularies: dict[str, Vocabulary]
     lookup: SidLookup  # ad id -> SID (stage 1: a user's history as SID tokens)
     post: PostStage  # the C++ post stage over this version's ad arrays
     loaded_at: float = field(default_factory=time.time)
 
-    @cached_property
-    def schema(self) -> TargetingSchema:
-        """The targeting schema the index was built with (the default for an index built
-        in memory without a manifest)."""
-        stored = self.manifest.get("targeting")
-        return DEFAULT if stored is None else TargetingSchema.from_manifest(stored)
+    def post_request(
+        self, leaves: np.ndarray, scores: np.ndarray, targeting: Targeting, max_ads: int
+    ) -> PostRequest:
+        """A request's generated leaves and its targeting, blocks included, as this
+        index's post stage reads them (encoded by its schema and vocabularies)."""
+        values = targeting.values()
+        ids = {a.name: self.vocabularies[a.name].ids(values.get(a.name, ()))
+               for a in self.schema.families}  # fmt: skip
+        rules = RequestRules(
+            bitmask=codec(self.schema).request_bitmask(values),
+            ids=ids,
+            exclude_ads=np.array(targeting.exclude_ad_ids, dtype=np.int64),
+            exclude_campaigns=np.array(targeting.exclude_campaign_ids, dtype=np.int64),
+            exclude_advertisers=np.array(targeting.exclude_advertiser_ids, dtype=np.int64),
+        )
+        return PostRequest.from_rules(leaves, scores, rules, self.schema, max_ads)
 
     @property
     def blockable(self) -> tuple[str, ...]:
@@ -61,14 +75,13 @@ class LoadedIndex:
         version: str = "in-memory",
         path: Path = Path(),
         manifest: dict[str, Any] | None = None,
+        schema: TargetingSchema = DEFAULT,
     ) -> LoadedIndex:
-        """Prepare validated arrays (or arrays built in memory, as tests do); a manifest's
-        targeting schema that cannot be read is a SchemaError here, before it serves."""
-        stored = (manifest or {}).get("targeting")
-        schema = DEFAULT if stored is None else TargetingSchema.from_manifest(stored)
-        if schema != DEFAULT:  # the exact stage and the user features read the default's
-            raise SchemaError("an index of a targeting schema of its own cannot serve yet: "
-                              "this server serves the default one (docs/FORMAT.md §1)")  # fmt: skip
+        """Prepare validated arrays (or arrays built in memory, as tests do, by `schema`:
+        the default unless given); a manifest's targeting schema that cannot be read is an
+        IndexFormatError here, before it serves."""
+        if manifest is not None and "targeting" in manifest:
+            schema = manifest_schema(manifest, path)
         families = schema.family_words
         return cls(
             version=version,
@@ -77,9 +90,10 @@ class LoadedIndex:
             arrays=arrays,
             tables=GtmTables.from_arrays(arrays.trie, arrays.kway, device, families=families),
             level_offsets=torch.from_numpy(arrays.trie.level_offsets.copy()),
-            vocabulary=LocationVocabulary(arrays.ads),
+            schema=schema,
+            vocabularies={a: Vocabulary(s.strings()) for a, s in arrays.ads.sets.items()},
             lookup=SidLookup.from_ads(arrays.ads),
-            post=PostStage(arrays.ads),
+            post=PostStage(arrays.ads, schema=schema),
         )
 
 

@@ -13,12 +13,12 @@ import numpy as np
 import torch
 
 from contracts.request import FilterMode
-from contracts.targeting import Targeting, encode_requests
+from contracts.targeting import Targeting
+from contracts.targeting_codec import codec
 from contracts.tensors import RequestTensors
 from service.index.loaded import LoadedIndex
 from service.model.checkpoint import CheckpointError
 from service.model.features import VIEW, UserFeatures, prepare_features
-from service.post import PostRequest
 
 CHUNK = 1 << 24  # elements checked at a time: the scratch stays small, on a GPU too
 HISTORY = 8  # events per canary request made of an index's ads
@@ -66,12 +66,13 @@ def canary(runtime: Any, index: LoadedIndex, users: Sequence[UserFeatures], beam
         targeting = [u.targeting for u in chunk]
         requests = None
         if mode != FilterMode.CD_ONLY:
-            requests = RequestTensors.from_encoded(encode_requests(targeting), str(device))
+            enc = codec(index.schema).encode_requests([t.values() for t in targeting])
+            requests = RequestTensors.from_encoded(enc, str(device))
         ctx = runtime.encoder(runtime.embedder(features))
         result = runtime.engine.run(runtime.plans(index), ctx, requests, beams, mode)
         leaves, scores = result.leaves.cpu().numpy(), result.scores.cpu().numpy()
         posts = index.post.run([
-            PostRequest.from_targeting(lv[lv >= 0], sc[lv >= 0], t, index.vocabulary, max_ads)
+            index.post_request(lv[lv >= 0], sc[lv >= 0], t, max_ads)
             for lv, sc, t in zip(leaves, scores, targeting, strict=True)
         ])  # fmt: skip
         sids += int((leaves >= 0).sum())

@@ -99,7 +99,10 @@ class ModelRuntime:
                 self._warm_graphs(pace)
                 self._graphs_warm = True
             t0 = time.perf_counter()
-            n = self.engine.warm(plans, beams, pace=pace)  # both filter modes
+            # both filter modes; every Bloom row count up to the schema's most values
+            most = max((a.max_request_values for a in index.schema.families), default=1)
+            rows = tuple(sorted({*self.engine.location_buckets, most}))
+            n = self.engine.warm(plans, beams, locations=rows, pace=pace)
             log.info("model %s, index %s: %d decode plans captured as CUDA graphs in %.1f s",
                      self.model_version, index.version, n, time.perf_counter() - t0)  # fmt: skip
         if not self._gated:  # not later: those prepares run beside its graphs serving

@@ -34,7 +34,6 @@ from service.pipeline.records import (
     RetrievalResult,
 )
 from service.pipeline.runtime import ModelRuntime
-from service.post import PostRequest
 
 log = logging.getLogger("grace.pipeline")
 
@@ -211,8 +210,7 @@ class Stages:
                 keep = leaves[j] >= 0
                 generated[i] = (leaves[j][keep], scores[j][keep])
         index, reqs = batch.serving.index, batch.requests
-        requests = [PostRequest.from_targeting(*generated[i], reqs[i].targeting,
-                                               index.vocabulary, reqs[i].max_ads)
+        requests = [index.post_request(*generated[i], reqs[i].targeting, reqs[i].max_ads)
                     for i in rows]  # fmt: skip
         # blocks checked against the index served then: one swapped in since may apply
         # fewer, and then the request gets no ads rather than one its block may bar

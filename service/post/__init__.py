@@ -14,8 +14,8 @@ hands over; `encode_ads` writes a result's ads as the reply's wire bytes (parsed
 call instead of a Python message per ad). Its requests, results and vocabularies are
 `service/post/records.py`'s.
 
-Without `rules` a stage reads the index as it was before declared schemas: the default
-schema's bitmask and one set attribute, locations, with include lists only.
+A stage reads its index's rules by the schema the index was built with
+(`LoadedIndex.post`), the default one unless told.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from contracts.index_format import SID_LENGTH, AdArrays
-from contracts.targeting import BITMASK_WORDS
 from contracts.targeting_codec import AdRules, Ragged
-from contracts.targeting_schema import TargetingSchema
+from contracts.targeting_schema import DEFAULT, TargetingSchema
 from service.post._post import AdIndex, encode_ads
 from service.post.records import (
     BLOCKS,
@@ -72,24 +71,21 @@ _AD_DTYPES: dict[str, type[np.generic]] = {
     "leaf_sids": np.int16,
     "leaf_ad_offsets": np.int64,
     "ad_ids": np.int64,
-    "ad_bitmask": np.uint64,
-    "ad_loc_offsets": np.int64,
-    "ad_loc_ids": np.int32,
 }
 
 
 class PostStage:
     """The post stage over one index's ad arrays; `run` is thread-safe.
 
-    `ads` gives the SID -> ad index and, without `rules`, the targeting (the default
-    schema's bitmask and locations). With `rules` (and the `schema` they follow) the
-    targeting is theirs: the bitmask, per set attribute of the schema an include and an
-    exclude list (a missing one: no such rules), and each ad's campaign and advertiser.
-    `ad_exclude_bitmask` (uint64 [N, words]: the bits each ad's enum/bucket exclusions
-    cleared from its include bits, `tests/helpers/reference_post.py` `ad_exclude_bitmask`)
-    only tells exclusions from include failures in the counts (an ad failing the bitmask
-    is excluded iff it passes with those bits restored); without it every bitmask failure
-    counts as `ads_targeting`. Eligibility never depends on it."""
+    `ads` gives the SID -> ad index and, without `rules`, the targeting (`AdArrays.rules`,
+    read by `schema`, the default one when not given). With `rules` (and the `schema`
+    they follow) the targeting is theirs: the bitmask, per set attribute of the schema an
+    include and an exclude list (a missing one: no such rules), and each ad's campaign
+    and advertiser. `ad_exclude_bitmask` (uint64 [N, words], the ads' own when not given:
+    the bits each ad's enum/bucket exclusions cleared from its include bits) only tells
+    exclusions from include failures in the counts (an ad failing the bitmask is excluded
+    iff it passes with those bits restored); without it every bitmask failure counts as
+    `ads_targeting`. Eligibility never depends on it."""
 
     def __init__(
         self,
@@ -100,11 +96,15 @@ class PostStage:
         rules: AdRules | None = None,
         ad_exclude_bitmask: np.ndarray | None = None,
     ) -> None:
-        if (schema is None) != (rules is None):
-            raise ValueError("PostStage: schema and rules come together")
-        fields = list(_AD_DTYPES) if rules is None else ["leaf_sids", "leaf_ad_offsets", "ad_ids"]
-        for name in fields:
-            _checked(f"AdArrays.{name}", getattr(ads, name), _AD_DTYPES[name])
+        if rules is not None and schema is None:
+            raise ValueError("PostStage: rules come with the schema they follow")
+        where = "AdArrays.ad_bitmask" if rules is None else "AdRules.bitmask"
+        schema = DEFAULT if schema is None else schema
+        rules = ads.rules() if rules is None else rules
+        if ad_exclude_bitmask is None:
+            ad_exclude_bitmask = ads.ad_exclude_bitmask
+        for name, dtype in _AD_DTYPES.items():
+            _checked(f"AdArrays.{name}", getattr(ads, name), dtype)
         if ads.leaf_sids.ndim != 2 or ads.leaf_sids.shape[1] != SID_LENGTH:
             raise ValueError(f"AdArrays.leaf_sids: expected [L, {SID_LENGTH}]")
         if threads is None:
@@ -114,32 +114,18 @@ class PostStage:
         n = ads.num_ads
         if ad_exclude_bitmask is not None:
             _checked("ad_exclude_bitmask", ad_exclude_bitmask, np.uint64)
-        self.ads = ads
-        if schema is None or rules is None:
-            if ads.ad_bitmask.ndim != 2 or ads.ad_bitmask.shape[1] != BITMASK_WORDS:
-                raise ValueError(f"AdArrays.ad_bitmask: expected [N, {BITMASK_WORDS}]")
-            self.attributes: tuple[str, ...] = ("locations",)
-            include: list[tuple[np.ndarray, np.ndarray] | None] = [
-                (ads.ad_loc_offsets, ads.ad_loc_ids)
-            ]
-            exclude: list[tuple[np.ndarray, np.ndarray] | None] = [None]
-            bitmask, campaign, advertiser = (
-                ads.ad_bitmask,
-                ads.ad_campaign_ids,
-                ads.ad_advertiser_ids,
-            )
-        else:
-            names = [a.name for a in schema.families]
-            self.attributes = tuple(names)
-            for kind, lists in (("include", rules.include), ("exclude", rules.exclude)):
-                if unknown := set(lists) - set(self.attributes):
-                    raise ValueError(f"AdRules.{kind}: {sorted(unknown)[0]!r} is no set attribute")
-            bitmask = _checked("AdRules.bitmask", rules.bitmask, np.uint64)
-            if bitmask.shape != (n, schema.bitmask_words):
-                raise ValueError(f"AdRules.bitmask: expected [{n}, {schema.bitmask_words}]")
-            include = [_csr(f"AdRules.include[{a!r}]", rules.include.get(a), n) for a in names]
-            exclude = [_csr(f"AdRules.exclude[{a!r}]", rules.exclude.get(a), n) for a in names]
-            campaign, advertiser = rules.campaign, rules.advertiser
+        self.ads, self.schema = ads, schema
+        self.attributes = tuple(a.name for a in schema.families)
+        for kind, lists in (("include", rules.include), ("exclude", rules.exclude)):
+            if unknown := set(lists) - set(self.attributes):
+                raise ValueError(f"AdRules.{kind}: {sorted(unknown)[0]!r} is no set attribute")
+        bitmask = _checked(where, rules.bitmask, np.uint64)
+        if bitmask.shape != (n, schema.bitmask_words):
+            raise ValueError(f"{where}: expected [{n}, {schema.bitmask_words}]")
+        names = self.attributes
+        include = [_csr(f"AdRules.include[{a!r}]", rules.include.get(a), n) for a in names]
+        exclude = [_csr(f"AdRules.exclude[{a!r}]", rules.exclude.get(a), n) for a in names]
+        campaign, advertiser = rules.campaign, rules.advertiser
         for name, owners in (("campaign", campaign), ("advertiser", advertiser)):
             if owners is not None and _checked(name, owners, np.int64).shape != (n,):
                 raise ValueError(f"{name} ids: expected [{n}]")

@@ -22,10 +22,12 @@ def expand_leaves(ads: AdArrays, leaves: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 def location_rows(ads: AdArrays, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The location rules of ads `rows` (in that order) as their own (offsets, ids) CSR."""
-    lo, hi = ads.ad_loc_offsets[rows], ads.ad_loc_offsets[rows + 1]
+    """The location rules of ads `rows` (in that order) as their own (offsets, ids) CSR
+    (an index of the default schema)."""
+    locations = ads.sets["locations"]
+    lo, hi = locations.include_offsets[rows], locations.include_offsets[rows + 1]
     counts = hi - lo
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     idx = np.repeat(lo - offsets[:-1], counts) + np.arange(offsets[-1])
-    return offsets, ads.ad_loc_ids[idx]
+    return offsets, locations.include_ids[idx]

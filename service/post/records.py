@@ -35,10 +35,10 @@ class Vocabulary:
 
 
 class LocationVocabulary(Vocabulary):
-    """The location vocabulary of an index's ad arrays."""
+    """The location vocabulary of an index of the default schema."""
 
     def __init__(self, ads: AdArrays) -> None:
-        super().__init__(ads.location_strings())
+        super().__init__(ads.sets["locations"].strings())
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from contracts.targeting import (
     country_index,
     gender_value_index,
 )
-from index_builder.catalog import Catalog
+from index_builder.catalog import Catalog, SetRules
 from tests.helpers.oracle import Ad
 
 COUNTRY_POOL = ("US", "CA", "GB", "DE")
@@ -29,6 +29,7 @@ def catalog_from_ads(ads: Sequence[Ad]) -> Catalog:
     vocab = np.array(sorted({loc for a in ads for loc in a.locations}), dtype=object)
     ids = {s: i for i, s in enumerate(vocab)}
     locs = Ragged.from_lists([sorted({ids[s] for s in a.locations}) for a in ads])
+    sets = {"locations": SetRules(locs, None, vocab)}
     bitmask = ad_bitmasks(
         Ragged.from_lists([[country_index(c) for c in a.countries] for a in ads]),
         Ragged.from_lists([[age_bucket_value_index(b) for b in a.age_buckets] for a in ads]),
@@ -39,11 +40,28 @@ def catalog_from_ads(ads: Sequence[Ad]) -> Catalog:
         sid=np.array([a.sid for a in ads], dtype=np.int32).reshape(-1, 4),
         embedding=None,
         bitmask=bitmask,
-        loc_offsets=locs.offsets,
-        loc_ids=locs.values,
-        locations=vocab,
+        sets=sets,
         source="<test>",
     )
+
+
+def catalog_arrays(cat: Catalog) -> dict[str, np.ndarray | None]:
+    """Every array of a catalog by name, its set attributes' lists and vocabularies
+    included (to compare two reads of one catalog)."""
+    out: dict[str, np.ndarray | None] = {
+        name: getattr(cat, name)
+        for name in ("ad_id", "sid", "embedding", "bitmask", "exclude_bitmask", "campaign",
+                     "advertiser")
+    }  # fmt: skip
+    for name, s in cat.sets.items():
+        out[f"{name}.include.offsets"], out[f"{name}.include.values"] = (
+            s.include.offsets,
+            (s.include.values),
+        )
+        out[f"{name}.exclude.offsets"] = None if s.exclude is None else s.exclude.offsets
+        out[f"{name}.exclude.values"] = None if s.exclude is None else s.exclude.values
+        out[f"{name}.vocabulary"] = s.vocabulary
+    return out
 
 
 def _subset(pool: Sequence[str]) -> st.SearchStrategy[tuple[str, ...]]:

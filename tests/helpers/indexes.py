@@ -77,8 +77,8 @@ def corrupt_builds(monkeypatch: pytest.MonkeyPatch, array_file: str) -> None:
 
     real_write = build_module.write_index_dir
 
-    def corrupt_write(directory: Path, arrays: IndexArrays, manifest: dict) -> dict:
-        full = real_write(directory, arrays, manifest)
+    def corrupt_write(directory: Path, arrays: IndexArrays, manifest: dict, *rest: object) -> dict:
+        full = real_write(directory, arrays, manifest, *rest)
         flip_byte(directory / array_file)
         return full
 

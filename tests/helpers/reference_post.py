@@ -23,13 +23,13 @@ from contracts.targeting import Targeting, exact_eligible, request_bitmask
 from contracts.targeting_codec import AdRules, Ragged, RequestRules, any_in, codec, contains
 from contracts.targeting_codec import exact_eligible as exact_eligible_by_schema
 from contracts.targeting_schema import TargetingSchema
-from service.post import LocationVocabulary, PostResult
+from service.post import PostResult, Vocabulary
 from service.post.expand import expand_leaves, location_rows
 
 
 def expand_and_filter(
     ads: AdArrays,
-    vocabulary: LocationVocabulary,
+    vocabulary: Vocabulary,
     leaves: np.ndarray,  # int64 [S]: leaf positions (leaf node id - level_offsets[SID_LENGTH])
     scores: np.ndarray,  # float [S]: beam log-probability of each leaf
     targeting: Targeting,

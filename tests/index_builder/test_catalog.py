@@ -13,6 +13,7 @@ import pytest
 
 from contracts import targeting
 from index_builder.catalog import Catalog, CatalogError, catalog_fingerprint, read_catalog
+from tests.helpers.catalogs import catalog_arrays
 
 FORMATS = ("jsonl", "parquet")
 
@@ -74,8 +75,10 @@ MIXED = [
 
 
 def assert_same(a: Catalog, b: Catalog) -> None:
-    for name in ("ad_id", "sid", "embedding", "bitmask", "loc_offsets", "loc_ids", "locations"):
-        x, y = getattr(a, name), getattr(b, name)
+    left, right = catalog_arrays(a), catalog_arrays(b)
+    assert left.keys() == right.keys()
+    for name, x in left.items():
+        y = right[name]
         if x is None or y is None:
             assert x is None and y is None, name
         else:
@@ -114,12 +117,15 @@ def test_bitmask_rows_equal_targeting_ad_bitmask(tmp_path: Path) -> None:
 
 def test_locations_round_trip(tmp_path: Path) -> None:
     cat = read_catalog(write(tmp_path, MIXED, "parquet"), progress=False)
-    assert list(cat.locations) == sorted({"paris", "berlin", "zürich", "a b"})
-    assert cat.loc_ids.dtype == np.int32 and cat.loc_offsets.dtype == np.int64
+    locations = cat.sets["locations"]
+    assert list(locations.vocabulary) == sorted({"paris", "berlin", "zürich", "a b"})
+    rules = locations.include
+    assert rules.values.dtype == np.int32 and rules.offsets.dtype == np.int64
+    assert locations.exclude is None  # no ad excludes a location
     for i, r in enumerate(MIXED):
-        ids = cat.loc_ids[cat.loc_offsets[i] : cat.loc_offsets[i + 1]]
+        ids = rules.values[rules.offsets[i] : rules.offsets[i + 1]]
         assert list(ids) == sorted(set(ids)), "sorted and deduplicated per ad"
-        assert set(cat.locations[ids]) == set(r.get("locations") or ())
+        assert set(locations.vocabulary[ids]) == set(r.get("locations") or ())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -132,8 +138,8 @@ def test_missing_null_and_empty_lists_mean_no_rule(tmp_path: Path, fmt: str) -> 
     cat = read_catalog(write(tmp_path, rows, fmt), progress=False)
     for row in cat.bitmask:
         np.testing.assert_array_equal(row, targeting.FULL_BITMASK)
-    np.testing.assert_array_equal(cat.loc_offsets, [0, 0, 0, 0])
-    assert len(cat.locations) == 0 and cat.embedding is None
+    np.testing.assert_array_equal(cat.sets["locations"].include.offsets, [0, 0, 0, 0])
+    assert len(cat.sets["locations"].vocabulary) == 0 and cat.embedding is None
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -368,7 +374,7 @@ def test_a_location_no_request_could_carry_is_refused(
         read_catalog(write(tmp_path, rows, fmt), progress=False)
     assert why in str(e.value) and "no request could match it" in str(e.value)
     cat = read_catalog(write(tmp_path, [rows[0], rows[2]], fmt), progress=False)
-    assert list(cat.locations) == [ok]
+    assert list(cat.sets["locations"].vocabulary) == [ok]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

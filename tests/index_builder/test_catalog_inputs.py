@@ -18,14 +18,17 @@ import pytest
 from contracts.data_format import CATALOG_VERSION_KEY
 from index_builder.build import build_index
 from index_builder.catalog import Catalog, CatalogError, catalog_fingerprint, read_catalog
+from tests.helpers.catalogs import catalog_arrays
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "catalog.jsonl"
 ROWS = [orjson.loads(line) for line in EXAMPLE.read_bytes().splitlines() if line.strip()]
 
 
 def same(a: Catalog, b: Catalog) -> None:
-    for field in ("ad_id", "sid", "bitmask", "loc_offsets", "loc_ids", "locations"):
-        np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+    left, right = catalog_arrays(a), catalog_arrays(b)
+    for field in ("ad_id", "sid", "bitmask", "locations.include.offsets",
+                  "locations.include.values", "locations.vocabulary"):  # fmt: skip
+        np.testing.assert_array_equal(left[field], right[field], err_msg=field)
 
 
 def write_jsonl(path: Path, rows: list[dict], compress: bool = False) -> Path:

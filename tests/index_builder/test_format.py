@@ -12,7 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from contracts.index_format import IndexFormatError, file_sha256, read_index_dir, read_manifest
+from contracts.index_format import (
+    IndexFormatError,
+    array_items,
+    file_sha256,
+    read_index_dir,
+    read_manifest,
+)
 from contracts.index_validation import IndexValidationError, validate_index
 from contracts.npy_private import NpyError, load_npy_private
 
@@ -73,17 +79,13 @@ def test_private_load_equals_the_memory_map_and_is_immune_to_the_files(published
     files afterwards changes nothing the reader holds."""
     _, mapped = read_index_dir(published, mmap=True)
     _, private = read_index_dir(published, mmap=False)
-    expected = {
-        name: np.array(getattr(getattr(mapped, group), name))
-        for group in ("trie", "ads")
-        for name in getattr(mapped, group).__dataclass_fields__
-        if getattr(getattr(mapped, group), name) is not None  # an optional array it lacks
-    }
+    expected = {name: np.array(a) for name, a in array_items(mapped).items()}
     for path in published.glob("*.npy"):
         os.truncate(path, 0)
+    held = array_items(private)
+    assert held.keys() == expected.keys()
     for key, want in expected.items():
-        group = "trie" if hasattr(private.trie, key) else "ads"
-        got = getattr(getattr(private, group), key)
+        got = held[key]
         assert not isinstance(got, np.memmap) and not got.flags.writeable
         assert got.flags.c_contiguous
         np.testing.assert_array_equal(got, want)

@@ -3,16 +3,15 @@ every result must equal its serial numpy equivalent, whatever the worker count."
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
-from contracts.index_format import IndexArrays
+from contracts.index_format import IndexArrays, array_items
 from contracts.targeting import BITMASK_WORDS
+from contracts.targeting_codec import Ragged
 from index_builder import parallel, trie
 from index_builder.build import BuildReport, build_arrays
-from index_builder.catalog import Catalog
+from index_builder.catalog import Catalog, SetRules
 from index_builder.trie import dedup_rows
 
 
@@ -90,9 +89,16 @@ def _catalog(n: int, seed: int) -> tuple[Catalog, np.ndarray]:
         sid=sids.astype(np.int32),
         embedding=None,
         bitmask=bitmask,
-        loc_offsets=offsets.astype(np.int64),
-        loc_ids=rng.integers(0, len(locations), int(offsets[-1])).astype(np.int32),
-        locations=locations,
+        sets={
+            "locations": SetRules(
+                Ragged(
+                    offsets.astype(np.int64),
+                    rng.integers(0, len(locations), int(offsets[-1])).astype(np.int32),
+                ),
+                None,
+                locations,
+            )
+        },
         source="test",
         campaign=rng.integers(0, 50, n).astype(np.int64),  # the owners travel with their ads
     )
@@ -100,14 +106,11 @@ def _catalog(n: int, seed: int) -> tuple[Catalog, np.ndarray]:
 
 
 def _assert_same_arrays(a: IndexArrays, b: IndexArrays) -> None:
-    for group in ("trie", "ads"):
-        for f in dataclasses.fields(getattr(a, group)):
-            x, y = getattr(getattr(a, group), f.name), getattr(getattr(b, group), f.name)
-            if x is None or y is None:  # an optional array (advertisers here): both lack it
-                assert x is None and y is None, f"{group}.{f.name}"
-                continue
-            assert x.dtype == y.dtype, f"{group}.{f.name}"
-            np.testing.assert_array_equal(x, y, err_msg=f"{group}.{f.name}")
+    left, right = array_items(a), array_items(b)
+    assert left.keys() == right.keys()  # an optional array (advertisers here): both lack it
+    for name, x in left.items():
+        assert x.dtype == right[name].dtype, name
+        np.testing.assert_array_equal(x, right[name], err_msg=name)
 
 
 @pytest.mark.parametrize("n", [211, 3001])

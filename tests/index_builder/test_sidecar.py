@@ -47,9 +47,9 @@ def test_builder_waits_for_the_tokenizer_then_builds(
     cfg = BuilderConfig(catalog=catalog, out=tmp_path / "index", interval=0.05,
                         tokenizer=tokenizer, max_builds=1)  # fmt: skip
     checks = []  # one catalog fingerprint a check: the checks counted, not timed
-    fingerprint = sidecar.catalog_fingerprint
-    monkeypatch.setattr(sidecar, "catalog_fingerprint",
-                        lambda path: (checks.append(1), fingerprint(path))[1])  # fmt: skip
+    fingerprint = sidecar.source_fingerprint
+    monkeypatch.setattr(sidecar, "source_fingerprint",
+                        lambda *a: (checks.append(1), fingerprint(*a))[1])  # fmt: skip
     stop = threading.Event()
     result = {}
     thread = threading.Thread(target=lambda: result.update(stats=run_builder(cfg, stop)))

@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from contracts import targeting
+from contracts.index_format import IndexFormatError, manifest_schema
+from contracts.targeting_codec import codec
 from contracts.targeting_schema import DEFAULT, SchemaError, TargetingSchema, load, parse
 
 RICH = """
@@ -36,8 +39,11 @@ def test_the_default_is_the_layout_every_index_was_built_with() -> None:
     assert DEFAULT.attribute("gender").values == targeting.GENDERS
     assert DEFAULT.family_words == ((0, targeting.BLOOM_WORDS),)
     # an index from before declared schemas reads as the default
-    legacy = targeting.TargetingSchema.current().to_manifest()
-    assert TargetingSchema.from_manifest(legacy) == DEFAULT
+    legacy = {"targeting": targeting.TargetingSchema.current().to_manifest()}
+    assert manifest_schema(legacy) == DEFAULT
+    legacy["targeting"]["bloom_hashes"] = 4  # a layout this build does not know
+    with pytest.raises(IndexFormatError, match="bloom_hashes"):
+        manifest_schema(legacy)
 
 
 def test_a_schema_file_is_read_and_round_trips_through_a_manifest(tmp_path: Path) -> None:
@@ -94,3 +100,17 @@ def test_unreadable_files_are_named(tmp_path: Path) -> None:
     bad.write_text("{")
     with pytest.raises(SchemaError, match=r"bad\.json: not JSON"):
         load(bad)
+
+
+def test_bucket_bits_follow_the_ranges_not_the_order_a_file_or_manifest_lists_them() -> None:
+    """A manifest is JSON written with sorted keys: buckets listed `young`, `old` come back
+    `old`, `young`; their bits must not move (an index read with them swapped would match
+    every request's age against the other bucket)."""
+    young_first = parse({"attributes": [{"name": "age", "kind": "bucket", "catalog_field": "ages",
+                         "buckets": {"young": [13, 29], "old": [30, None]}}]}, "a")  # fmt: skip
+    stored = json.loads(json.dumps(young_first.to_manifest(), sort_keys=True))
+    back = TargetingSchema.from_manifest(stored)
+    assert list(back.attribute("age").buckets) == ["old", "young"]  # the JSON order changed
+    assert back.attribute("age").labels == young_first.attribute("age").labels == ("young", "old")
+    enc = [codec(s).request_bitmask({"age": ("30",)}) for s in (young_first, back)]
+    np.testing.assert_array_equal(enc[0], enc[1])

@@ -43,10 +43,6 @@ def _ads() -> AdArrays:
         leaf_ad_offsets=np.arange(11, dtype=np.int64),
         ad_ids=AD_IDS,
         ad_bitmask=np.zeros((10, 5), np.uint64),
-        ad_loc_offsets=np.zeros(11, np.int64),
-        ad_loc_ids=np.zeros(0, np.int32),
-        loc_vocab_offsets=np.zeros(1, np.int64),
-        loc_vocab_bytes=np.zeros(0, np.uint8),
     )
 
 
@@ -88,10 +84,6 @@ def test_lookup_expands_leaves_holding_several_ads():
         leaf_ad_offsets=np.array([0, 3, 4], np.int64),
         ad_ids=np.array([30, 10, 20, 5], np.int64),
         ad_bitmask=np.zeros((4, 5), np.uint64),
-        ad_loc_offsets=np.zeros(5, np.int64),
-        ad_loc_ids=np.zeros(0, np.int32),
-        loc_vocab_offsets=np.zeros(1, np.int64),
-        loc_vocab_bytes=np.zeros(0, np.uint8),
     )
     sids, found = SidLookup.from_ads(ads).lookup(np.array([5, 10, 20, 30]))
     assert found.all()

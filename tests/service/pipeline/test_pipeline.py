@@ -171,8 +171,8 @@ def reference(model: GenerativeRetriever, index: LoadedIndex, r: Req) -> PostRes
         requests = RequestTensors.from_encoded(encode_requests([r.targeting]))
     search = ReferenceBeamSearch(model.decoder, index.tables, index.level_offsets)
     leaves, scores = (x.numpy() for x in search.run(ctx, requests, r.beams, r.filter_mode).valid(0))
-    return expand_and_filter(index.arrays.ads, index.vocabulary, leaves, scores, r.targeting,
-                             r.max_ads)  # fmt: skip
+    vocabulary = index.vocabularies["locations"]
+    return expand_and_filter(index.arrays.ads, vocabulary, leaves, scores, r.targeting, r.max_ads)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])

@@ -88,10 +88,6 @@ def make_world(rng: np.random.Generator, k: int, n: int) -> World:
         leaf_ad_offsets=offsets,
         ad_ids=rng.choice(10**12, size=n, replace=False).astype(np.int64) - 10**11,
         ad_bitmask=np.zeros((n, 5), dtype=np.uint64),
-        ad_loc_offsets=np.zeros(n + 1, dtype=np.int64),
-        ad_loc_ids=np.zeros(0, dtype=np.int32),
-        loc_vocab_offsets=np.zeros(1, dtype=np.int64),
-        loc_vocab_bytes=np.zeros(0, dtype=np.uint8),
     )
     return World(schema, ads, rules, include, exclude)
 

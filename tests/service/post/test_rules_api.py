@@ -21,7 +21,7 @@ INT64_MIN = np.iinfo(np.int64).min
 
 def default_rules(ads) -> AdRules:
     """The targeting of an index built before declared schemas, as the default schema's."""
-    return AdRules(ads.ad_bitmask, {"locations": Ragged(ads.ad_loc_offsets, ads.ad_loc_ids)}, {})
+    return AdRules(ads.ad_bitmask, {"locations": ads.sets["locations"].include}, {})
 
 
 def test_the_form_before_schemas_is_the_default_schema() -> None:
@@ -41,8 +41,9 @@ def test_the_form_before_schemas_is_the_default_schema() -> None:
     before = PostStage(ads, threads=2)
     by_schema = PostStage(ads, threads=2, schema=DEFAULT, rules=default_rules(ads))
     assert before.attributes == by_schema.attributes == ("locations",)
+    locations = ads.sets["locations"]
     raw = AdIndex(*(getattr(ads, f) for f in ("leaf_sids", "leaf_ad_offsets", "ad_ids",
-                  "ad_bitmask", "ad_loc_offsets", "ad_loc_ids")), 2)  # fmt: skip
+                  "ad_bitmask")), locations.include_offsets, locations.include_ids, 2)  # fmt: skip
     legacy = raw.run(*zip(*((r.leaves, r.scores, r.req_bitmask, r.req_loc_ids, r.max_ads)
                             for r in batch), strict=True))  # fmt: skip
     for g, s, w, row in zip(before.run(batch), by_schema.run(batch), want, legacy, strict=True):
@@ -87,7 +88,7 @@ def test_blocks_of_thousands_of_ids_at_the_int64_edges() -> None:
 
 def test_bad_rules_and_requests_raise_clear_errors() -> None:
     w = make_world(np.random.default_rng(7), 3, 30)
-    with pytest.raises(ValueError, match="together"):
+    with pytest.raises(ValueError, match="come with the schema"):
         PostStage(w.ads, rules=w.rules)
     with pytest.raises(ValueError, match="no set attribute"):
         PostStage(w.ads, schema=w.schema, rules=AdRules(w.rules.bitmask, {"nope": None}, {}))
