@@ -165,9 +165,11 @@ class Codec:
 
     def request_bitmask(self, values: Mapping[str, Sequence[str]]) -> np.ndarray:
         """uint64 [words]: one bit per enum/bucket attribute."""
-        out = np.zeros(self.words, dtype=np.uint64)
-        _set(out, [self.request_bit(a, values.get(a.name, ()), a.name) for a in self.masked])
-        return out
+        words = [0] * self.words  # Python ints: a numpy scalar op per bit costs more
+        for a in self.masked:
+            bit = self.request_bit(a, values.get(a.name, ()), a.name)
+            words[bit >> 6] |= 1 << (bit & 63)
+        return np.array(words, dtype=np.uint64)
 
     def request_blooms(self, values: Mapping[str, Sequence[str]]) -> list[np.ndarray]:
         """Per family, its rows: uint64 [max(1, n), bloom_bits // 64] (the sentinel when n

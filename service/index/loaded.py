@@ -16,11 +16,18 @@ import torch
 from contracts.index_format import IndexArrays, manifest_schema
 from contracts.index_validation import validate_index
 from contracts.targeting import Targeting
-from contracts.targeting_codec import RequestRules, codec
+from contracts.targeting_codec import codec
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from contracts.tensors import GtmTables
 from service.model.features import SidLookup
 from service.post import PostRequest, PostStage, Vocabulary
+
+_NO_SET_IDS = np.zeros(0, dtype=np.int32)
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
+
+def _ids(ids: tuple[int, ...]) -> np.ndarray:
+    return np.array(ids, dtype=np.int64) if ids else _NO_IDS
 
 
 @dataclass(frozen=True, eq=False)  # identity equality: a version is one object
@@ -44,16 +51,19 @@ class LoadedIndex:
         """A request's generated leaves and its targeting, blocks included, as this
         index's post stage reads them (encoded by its schema and vocabularies)."""
         values = targeting.values()
-        ids = {a.name: self.vocabularies[a.name].ids(values.get(a.name, ()))
-               for a in self.schema.families}  # fmt: skip
-        rules = RequestRules(
-            bitmask=codec(self.schema).request_bitmask(values),
-            ids=ids,
-            exclude_ads=np.array(targeting.exclude_ad_ids, dtype=np.int64),
-            exclude_campaigns=np.array(targeting.exclude_campaign_ids, dtype=np.int64),
-            exclude_advertisers=np.array(targeting.exclude_advertiser_ids, dtype=np.int64),
+        vocabularies = self.vocabularies
+        sets = tuple(vocabularies[a.name].ids(values.get(a.name, ())) for a in self.schema.families)
+        return PostRequest(
+            leaves=leaves,
+            scores=scores,
+            req_bitmask=codec(self.schema).request_bitmask(values),
+            req_loc_ids=_NO_SET_IDS,
+            max_ads=max_ads,
+            set_ids=sets,
+            exclude_ad_ids=_ids(targeting.exclude_ad_ids),
+            exclude_campaign_ids=_ids(targeting.exclude_campaign_ids),
+            exclude_advertiser_ids=_ids(targeting.exclude_advertiser_ids),
         )
-        return PostRequest.from_rules(leaves, scores, rules, self.schema, max_ads)
 
     @property
     def blockable(self) -> tuple[str, ...]:
