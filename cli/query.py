@@ -17,6 +17,7 @@ from cli.common import EXIT_BAD_INPUT, AddCommand, add_tls_flags, channel
 from cli.health import default_target
 
 if TYPE_CHECKING:
+    from contracts.targeting import Targeting
     from service.rpc.grace.v1 import retrieval_pb2
 
 
@@ -51,11 +52,24 @@ def request_for_user(
                 for a, k, s in zip(ads, types, ts, strict=True)
             ],
         ),
-        targeting=retrieval_pb2.Targeting(
-            country=t.country, age=t.age, gender=t.gender, locations=list(t.locations)
-        ),
+        targeting=targeting_message(t),
         options=retrieval_pb2.Options(max_ads=max_ads, filter_mode=mode, include_sids=True),
     )
+
+
+def targeting_message(t: Targeting) -> retrieval_pb2.Targeting:
+    """A world user's targeting as the RPC carries it: the named fields, every other
+    attribute of the world's schema, and the user's blocks."""
+    from service.rpc.grace.v1 import retrieval_pb2
+
+    out = retrieval_pb2.Targeting(
+        country=t.country, age=t.age, gender=t.gender, locations=list(t.locations),
+        exclude_ad_ids=list(t.exclude_ad_ids), exclude_campaign_ids=list(t.exclude_campaign_ids),
+        exclude_advertiser_ids=list(t.exclude_advertiser_ids),
+    )  # fmt: skip
+    for name, values in t.attributes:
+        out.attributes[name].values.extend(values)
+    return out
 
 
 def _of_world(world: Path, ad_ids: list[int]) -> bool:

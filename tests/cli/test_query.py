@@ -128,3 +128,19 @@ def test_blocks_and_attributes_from_the_command_line(server: ServerProcess) -> N
         unknown.stderr)  # fmt: skip
     bad = grace(*base, "--exclude-ads", "1,x")
     assert bad.returncode == 2 and "expected comma-separated ids" in bad.stderr
+
+
+def test_a_world_users_attributes_and_blocks_reach_the_request() -> None:
+    """`grace query` and `grace record` send a world user's whole targeting: the named
+    fields, the attributes of the world's own schema and the user's block lists."""
+    from cli.query import targeting_message
+    from contracts.targeting import Targeting
+
+    t = Targeting("US", 30, "female", ("US/R1",), attributes=(("audiences", ("a", "b")),),
+                  exclude_ad_ids=(5,), exclude_campaign_ids=(3, 4))  # fmt: skip
+    msg = targeting_message(t)
+    assert (msg.country, msg.age, msg.gender, list(msg.locations)) == ("US", 30, "female",
+                                                                       ["US/R1"])  # fmt: skip
+    assert list(msg.attributes["audiences"].values) == ["a", "b"]
+    assert list(msg.exclude_ad_ids) == [5] and list(msg.exclude_campaign_ids) == [3, 4]
+    assert not msg.exclude_advertiser_ids
