@@ -27,6 +27,7 @@ def _eval(args: argparse.Namespace) -> int:
     offline_kernels(args.autotune)
     import torch
 
+    from contracts.index_format import manifest_schema
     from contracts.index_validation import validate_index
     from contracts.request import FilterMode
     from index_builder.build import with_partitions
@@ -49,7 +50,7 @@ def _eval(args: argparse.Namespace) -> int:
     loaded = load_checkpoint(resolve_checkpoint(Path(args.model)), args.device)
     loaded.model.to(getattr(torch, args.dtype))  # every variant, and the FP8 ones' twins
     index = validate_index(resolve(Path(args.index)), expect_tokenizer=loaded.sid_space)
-    arrays = index.arrays
+    arrays, schema = index.arrays, manifest_schema(index.manifest)
     world = load_world(Path(args.world))
     if args.users > world.n_users:
         print(f"grace eval: --users {args.users} exceeds the world's {world.n_users} users",
@@ -68,14 +69,15 @@ def _eval(args: argparse.Namespace) -> int:
     first = scorings[0]  # the k-way and FP8 variants' scoring
     for spec in filter(None, (args.kway or "").split("+")):
         kway = KwaySpec.parse(spec)
-        variants.append(Variant(f"{kway.mode}_kway{suffix[first]}", with_partitions(arrays, kway),
+        variants.append(Variant(f"{kway.mode}_kway{suffix[first]}",
+                                with_partitions(arrays, kway, schema),
                                 FilterMode.CD_GTM_KWAY, first))  # fmt: skip
     if args.fp8:  # the same two filters in FP8
         for mode, name in filters:
             variants.append(Variant(f"{name}{suffix[first]}_fp8", arrays, mode, first, fp8=True))
     rows = run_study(loaded.model, examples, variants, users, beams, tuple(args.k),
                      fixed=tuple(args.fixed), device=args.device, resamples=args.resamples,
-                     seed=args.seed, progress=show_progress(args))  # fmt: skip
+                     seed=args.seed, progress=show_progress(args), schema=schema)  # fmt: skip
     report = {
         "format": "grace.eval",
         "format_version": EVAL_FORMAT_VERSION,

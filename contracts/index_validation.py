@@ -200,6 +200,9 @@ def _check_set(name: str, s: SetArrays, n: int) -> list[str]:
         faults += _in_range(f"{name}.{kind}_ids", ids, vocab)
     if faults:
         return faults
+    for kind, offsets, ids in lists:  # the post stage intersects each ad's list by merge
+        if not _ascending_per_list(offsets, ids):
+            faults.append(f"{name}.{kind}_ids are not sorted ascending within each ad")
     try:
         strings = s.strings()
     except UnicodeDecodeError:
@@ -207,6 +210,16 @@ def _check_set(name: str, s: SetArrays, n: int) -> list[str]:
     if any(x >= y for x, y in itertools.pairwise(strings)):
         faults.append(f"{name}: the vocabulary is not sorted and unique")
     return faults
+
+
+def _ascending_per_list(offsets: np.ndarray, ids: np.ndarray) -> bool:
+    """Whether each CSR list (offsets monotone and complete, ids in range) is sorted."""
+    if len(ids) < 2:
+        return True
+    rises = np.diff(ids) >= 0  # pair (j, j + 1); ids are in range, so no overflow
+    starts = offsets[1:-1]
+    rises[starts[(starts > 0) & (starts < len(ids))] - 1] = True  # pairs across two lists
+    return bool(rises.all())
 
 
 def check_soundness(t: TrieArrays, a: AdArrays, schema: TargetingSchema) -> list[str]:

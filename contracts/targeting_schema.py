@@ -248,8 +248,10 @@ def load(path: Path) -> TargetingSchema:
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         raise SchemaError(f"{path}: not {'JSON' if path.suffix == '.json' else 'YAML'}: "
-                          f"{str(exc).splitlines()[0]}") from None  # fmt: skip
+                          f"{where}{str(exc).splitlines()[0]}") from None  # fmt: skip
     return parse(data, str(path))
 
 

@@ -152,6 +152,12 @@ def ad_blooms(
     return out
 
 
+def index_blooms(ads: AdArrays, schema: TargetingSchema, workers: int = 1) -> np.ndarray:
+    """`ad_blooms` of an index's ads, from its own arrays (no catalog at hand)."""
+    include = {k: s.include for k, s in ads.sets.items()}
+    return ad_blooms(schema, include, {k: s.strings() for k, s in ads.sets.items()}, workers)
+
+
 def build_arrays(
     catalog: Catalog,
     sids: np.ndarray,  # int [N, 4], one SID per catalog row
@@ -217,9 +223,7 @@ def with_partitions(
     studies comparing partitionings of one published index without its catalog)."""
     ads = arrays.ads
     sids = np.repeat(ads.leaf_sids.astype(np.int64), np.diff(ads.leaf_ad_offsets), axis=0)
-    blooms = ad_blooms(schema, {k: s.include for k, s in ads.sets.items()},
-                       {k: s.strings() for k, s in ads.sets.items()})  # fmt: skip
-    built = build_trie(sids, ads.ad_bitmask, blooms)
+    built = build_trie(sids, ads.ad_bitmask, index_blooms(ads, schema))
     partitions, _ = build_partitions(built, spec, schema)
     return IndexArrays(trie=built.trie, ads=ads, kway=partitions)
 

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from contracts.request import FilterMode
-from contracts.targeting import exact_eligible, request_bitmask
+from contracts.targeting_codec import RequestRules, codec, exact_eligible
 from index_builder.synth.world import UserHistories
 from service.index.loaded import LoadedIndex
 from service.model.retriever import GenerativeRetriever
-from service.post.expand import location_rows
+from service.post.expand import rules_of
 from training.data import Examples
 from training.offline import OfflineRetriever
 from training.user_data import positions
@@ -40,8 +40,8 @@ def recall_at_k(
     """Recall@K of the model (CD+GTM) and of eligible-popularity on held-out events."""
     ads = index.arrays.ads
     ranking = popularity_ranking(examples.world, ads.ad_ids)
-    ranked_bitmask = ads.ad_bitmask[ranking]
-    ranked_locations = location_rows(ads, ranking)
+    ranked = rules_of(ads.rules(), ranking)
+    by = codec(index.schema)
     hits_model, hits_pop = dict.fromkeys(ks, 0), dict.fromkeys(ks, 0)
     returned = 0
     retriever = OfflineRetriever(model, index, batch_size)
@@ -52,8 +52,11 @@ def recall_at_k(
         for res, t, target in zip(results, targeting, batch.target_ad.tolist(), strict=True):
             returned += len(res.ad_ids)
             rank = np.flatnonzero(res.ad_ids == target)
-            request = (request_bitmask(t), index.vocabularies["locations"].ids(t.locations))
-            eligible = exact_eligible(ranked_bitmask, *ranked_locations, *request)
+            values = t.values()
+            ids = {a.name: index.vocabularies[a.name].ids(values.get(a.name, ()))
+                   for a in index.schema.families}  # fmt: skip
+            request = RequestRules(by.request_bitmask(values), ids)
+            eligible = exact_eligible(index.schema, ads.ad_ids[ranking], ranked, request)
             pop = ads.ad_ids[ranking[eligible][: max(ks)]]
             pop_rank = np.flatnonzero(pop == target)
             for k in ks:

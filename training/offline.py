@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from contracts.request import FilterMode, Scoring
-from contracts.targeting import Targeting, encode_requests
+from contracts.targeting import Targeting
+from contracts.targeting_codec import codec
 from contracts.tensors import RequestTensors
 from service.decode.engine import DecodeEngine
 from service.decode.plans import DecodeResult
@@ -51,7 +52,8 @@ class OfflineRetriever:
         ctx = self.model.encode(features.to(device))
         requests = None
         if mode != FilterMode.CD_ONLY:
-            requests = RequestTensors.from_encoded(encode_requests(targeting), str(device))
+            enc = codec(self.index.schema).encode_requests([t.values() for t in targeting])
+            requests = RequestTensors.from_encoded(enc, str(device))
         return self.engine.run(self.plans, ctx, requests, beams, mode)
 
     def post(

@@ -2,9 +2,12 @@
 retrieval quality, a comparison at a fixed number of generated ads and the scoring question
 (docs/EVALUATION.md: the study, its variants and its report). Each `Variant` decodes every
 evaluated user's request with the same model, beams and index (`training/offline.py`); the
-generated SIDs are expanded to ads in score order and each ad is checked exactly (`CHECKS`:
-bitmask, Bloom — the paper's conservative test —, exact location, and final: bitmask and
-location). The report pools the per-user counts, with bootstrap intervals
+generated SIDs are expanded to ads in score order and each ad is checked exactly by the
+index's targeting schema (`CHECKS`: bitmask — enum and bucket rules —, Bloom — the paper's
+conservative test of the set attributes —, location — the exact test of the set
+attributes, the default schema's locations —, and final: all of them and the request's
+blocks); the post stage's removals are counted by rule kind. The report pools the per-user
+counts, with bootstrap intervals
 (`training/study_stats.py`); `training/study_plots.py` draws it.
 """
 
@@ -20,20 +23,21 @@ from tqdm import tqdm
 
 from contracts.index_format import IndexArrays
 from contracts.request import FilterMode
-from contracts.targeting import (
-    FULL_BITMASK,
-    ad_blooms,
-    bitmask_match,
-    bloom_match_any,
+from contracts.targeting import Targeting
+from contracts.targeting_codec import (
+    AdRules,
+    RequestRules,
+    blooms_pass,
+    codec,
+    contains,
     exact_eligible,
-    location_blooms,
-    request_bitmask,
-    request_blooms,
 )
+from contracts.targeting_schema import DEFAULT, TargetingSchema
+from index_builder.build import index_blooms
 from service.index.loaded import LoadedIndex
 from service.model.precision import quantize_decoder
 from service.model.retriever import GenerativeRetriever
-from service.post.expand import expand_leaves, location_rows
+from service.post.expand import expand_leaves, rules_of
 from training.data import Examples
 from training.offline import OfflineRetriever
 from training.study_stats import (
@@ -48,6 +52,7 @@ from training.study_stats import (
 PAPER_BUCKETS = (0, 5000, 10000)  # the paper's Table 3: < 5k, 5k–9.9k, 10k+ ads generated
 BUCKETS = (0, 100, 500, 1000, 2000, 5000, 10000)  # finer lower bounds, for small worlds
 CHECKS = ("bitmask", "bloom", "location", "final")
+REMOVED = ("block", "targeting", "exclusion")  # `PostResult.ads_removed`'s kinds
 CURVE_KS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
@@ -63,6 +68,30 @@ class Variant:
     fp8: bool = False
 
 
+def _checks(
+    schema: TargetingSchema,
+    index: LoadedIndex,
+    rules: AdRules,  # of the generated ads, in order
+    blooms: np.ndarray,  # uint64 [n, bloom_words]: their Bloom rows
+    ad_ids: np.ndarray,  # int64 [n]
+    t: Targeting,
+) -> dict[str, np.ndarray]:
+    """Each of `CHECKS` for the generated ads of one request: bool [n] each."""
+    by, values = codec(schema), t.values()
+    bitmask = by.request_bitmask(values)
+    ids = {a.name: index.vocabularies[a.name].ids(values.get(a.name, ())) for a in schema.families}
+    sets_only = AdRules(np.full_like(rules.bitmask, np.iinfo(np.uint64).max), rules.include,
+                        rules.exclude)  # fmt: skip
+    blocks = {f"exclude_{k}": np.array(getattr(t, f"exclude_{k[:-1]}_ids"), dtype=np.int64)
+              for k in ("ads", "campaigns", "advertisers")}  # fmt: skip
+    return {
+        "bitmask": contains(rules.bitmask, bitmask),
+        "bloom": blooms_pass(schema, blooms, by.request_blooms(values)),
+        "location": exact_eligible(schema, ad_ids, sets_only, RequestRules(bitmask, ids)),
+        "final": exact_eligible(schema, ad_ids, rules, RequestRules(bitmask, ids, **blocks)),
+    }
+
+
 def sample_users(n_users: int, count: int, seed: int) -> np.ndarray:
     """The users a study evaluates, in id order: the same for every tool given the seed."""
     return np.sort(np.random.default_rng(seed).permutation(n_users)[:count])
@@ -74,6 +103,7 @@ class _PerUser:
 
     generated: list[int] = field(default_factory=list)
     passed: dict[str, list[int]] = field(default_factory=lambda: {c: [] for c in CHECKS})
+    removed: dict[str, list[int]] = field(default_factory=lambda: {k: [] for k in REMOVED})
     eligible_returned: list[int] = field(default_factory=list)
     # returned ads outside this module's own exact check of the generated ads: must be 0
     ineligible_returned: list[int] = field(default_factory=list)
@@ -85,6 +115,7 @@ class _PerUser:
         return {
             "generated": np.asarray(self.generated, np.int64),
             **{c: np.asarray(v, np.int64) for c, v in self.passed.items()},
+            **{f"removed_{k}": np.asarray(v, np.int64) for k, v in self.removed.items()},
         }
 
 
@@ -108,13 +139,20 @@ def pooled(counts: dict[str, np.ndarray], users: np.ndarray, total_users: int) -
     """Pass rates pooled over the ads of `users` (a bool mask over all users)."""
     generated = int(counts["generated"][users].sum())
     sums = {c: int(counts[c][users].sum()) for c in CHECKS}
+    removed = {k: int(counts[f"removed_{k}"][users].sum()) for k in REMOVED}
     n = int(users.sum())
     return {
         "users": n,
         "users_share": n / max(total_users, 1),
         "ads_generated_per_user": generated / max(n, 1),
         **{f"{c}_pass": sums[c] / max(generated, 1) for c in CHECKS},
-        "counts": {"generated": generated, **sums},
+        # the share of the generated ads the post stage removed, by rule kind
+        "removed_share": {k: v / max(generated, 1) for k, v in removed.items()},
+        "counts": {
+            "generated": generated,
+            **sums,
+            **{f"removed_{k}": v for k, v in removed.items()},
+        },
     }
 
 
@@ -212,10 +250,12 @@ def run_study(
     resamples: int = 1000,
     seed: int = 0,
     progress: bool = True,
+    schema: TargetingSchema = DEFAULT,
 ) -> list[dict[str, Any]]:
     """One summary per variant (in order); every variant after the first also carries
     `vs_first`: its paired differences in recall@K and NDCG@K to the first variant.
-    `buckets`: the lower bounds of the `buckets` table (the paper's are always there)."""
+    `buckets`: the lower bounds of the `buckets` table (the paper's are always there);
+    `schema`: the targeting schema the variants' index was built with."""
     model.eval()
     draws = resample_indices(len(users), resamples, seed)
     bloom_rows: dict[int, np.ndarray] = {}  # per-ad Bloom rows, once per ad arrays
@@ -228,14 +268,13 @@ def run_study(
         quantize_decoder(fp8_model.decoder)
     kept = set(bases) | set(bases.values())  # whose SIDs the FP8 comparison reads
     for vi, v in enumerate(variants):
-        index = LoadedIndex.from_arrays(v.arrays, device)
+        index = LoadedIndex.from_arrays(v.arrays, device, schema=schema)
         retriever = OfflineRetriever(fp8_model if v.fp8 else model, index, batch_size,
                                      scoring=v.scoring)  # fmt: skip
         ads = v.arrays.ads
         if id(ads) not in bloom_rows:  # k-way variants share the plain index's ad arrays
-            locations = ads.sets["locations"]
-            bloom_rows[id(ads)] = ad_blooms(locations.include, location_blooms(locations.strings()))
-        ad_bloom = bloom_rows[id(ads)]
+            bloom_rows[id(ads)] = index_blooms(ads, schema)
+        ad_bloom, rules = bloom_rows[id(ads)], ads.rules()
         per_user = _PerUser(final_first={size: [] for size in fixed})
         bar = tqdm(total=len(users), desc=f"eval {v.name}", disable=not progress)
         for s in range(0, len(users), batch_size):
@@ -248,24 +287,16 @@ def run_study(
                 if vi in kept:
                     per_user.sids.append(leaves[by_score])
                 rows, _ = expand_leaves(ads, leaves[by_score])
-                req_bm, req_ids = (
-                    request_bitmask(t),
-                    index.vocabularies["locations"].ids(t.locations),
-                )
-                locs = location_rows(ads, rows)
-                full = np.broadcast_to(FULL_BITMASK, (len(rows), len(FULL_BITMASK)))
-                checks = {
-                    "bitmask": bitmask_match(ads.ad_bitmask[rows], req_bm),
-                    "bloom": bloom_match_any(ad_bloom[rows], request_blooms(t)),
-                    "location": exact_eligible(full, *locs, req_bm, req_ids),
-                    "final": exact_eligible(ads.ad_bitmask[rows], *locs, req_bm, req_ids),
-                }
+                checks = _checks(schema, index, rules_of(rules, rows), ad_bloom[rows],
+                                 ads.ad_ids[rows], t)  # fmt: skip
                 per_user.generated.append(len(rows))
                 for c, ok in checks.items():
                     per_user.passed[c].append(int(ok.sum()))
                 for size, finals in per_user.final_first.items():
                     finals.append(int(checks["final"][:size].sum()))
                 (post,) = retriever.post([(leaves, scores)], [t], max(ks))
+                for kind, count in post.ads_removed.items():
+                    per_user.removed[kind].append(count)
                 per_user.eligible_returned.append(post.ads_eligible)
                 passed = ads.ad_ids[rows[checks["final"]]]  # numpy's verdict, not the C++ one
                 per_user.ineligible_returned.append(int((~np.isin(post.ad_ids, passed)).sum()))

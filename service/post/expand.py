@@ -1,5 +1,5 @@
-"""CSR walks over an index's ad arrays: the ads behind generated SIDs and their location
-rules, in numpy. The offline study (`training/study.py`) counts pass rates with them, and
+"""CSR walks over an index's ad arrays: the ads behind generated SIDs and their exact
+targeting rules, in numpy. The offline study (`training/study.py`) counts pass rates with them, and
 the reference post stage (tests/helpers/reference_post.py) is built on them; the served
 post stage does the same walks in C++ (`_post.cpp`).
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from contracts.index_format import AdArrays
+from contracts.targeting_codec import AdRules, Ragged
 
 
 def expand_leaves(ads: AdArrays, leaves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -21,13 +22,26 @@ def expand_leaves(ads: AdArrays, leaves: np.ndarray) -> tuple[np.ndarray, np.nda
     return rows, owner
 
 
-def location_rows(ads: AdArrays, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The location rules of ads `rows` (in that order) as their own (offsets, ids) CSR
-    (an index of the default schema)."""
-    locations = ads.sets["locations"]
-    lo, hi = locations.include_offsets[rows], locations.include_offsets[rows + 1]
+def lists_of(lists: Ragged, rows: np.ndarray) -> Ragged:
+    """The lists of ads `rows` (in that order) as their own CSR."""
+    lo, hi = lists.offsets[rows], lists.offsets[rows + 1]
     counts = hi - lo
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     idx = np.repeat(lo - offsets[:-1], counts) + np.arange(offsets[-1])
-    return offsets, locations.include_ids[idx]
+    return Ragged(offsets, lists.values[idx])
+
+
+def rules_of(rules: AdRules, rows: np.ndarray) -> AdRules:
+    """The exact targeting of ads `rows` (in that order), as `exact_eligible` reads it."""
+
+    def owners(ids: np.ndarray | None) -> np.ndarray | None:
+        return None if ids is None else ids[rows]
+
+    return AdRules(
+        bitmask=rules.bitmask[rows],
+        include={name: lists_of(x, rows) for name, x in rules.include.items()},
+        exclude={name: lists_of(x, rows) for name, x in rules.exclude.items()},
+        campaign=owners(rules.campaign),
+        advertiser=owners(rules.advertiser),
+    )

@@ -24,7 +24,7 @@ from contracts.targeting_codec import AdRules, Ragged, RequestRules, any_in, cod
 from contracts.targeting_codec import exact_eligible as exact_eligible_by_schema
 from contracts.targeting_schema import TargetingSchema
 from service.post import PostResult, Vocabulary
-from service.post.expand import expand_leaves, location_rows
+from service.post.expand import expand_leaves, lists_of
 
 
 def expand_and_filter(
@@ -45,7 +45,7 @@ def expand_and_filter(
     if exact and len(rows):
         keep = exact_eligible(
             ads.ad_bitmask[rows],
-            *location_rows(ads, rows),
+            *_csr(lists_of(ads.sets["locations"].include, rows)),
             request_bitmask(targeting),
             vocabulary.ids(targeting.locations),
         )
@@ -53,6 +53,10 @@ def expand_and_filter(
     return _rank_and_cut(
         ads, leaves, scores, rows[keep], owner[keep], max_ads, len(rows), targeting=removed
     )
+
+
+def _csr(lists: Ragged) -> tuple[np.ndarray, np.ndarray]:
+    return lists.offsets, lists.values
 
 
 def removal_kinds(
