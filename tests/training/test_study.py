@@ -132,6 +132,10 @@ def test_the_report_has_its_documented_schema(report) -> None:
         c = r["counts"]
         assert c["final"] <= min(c["bitmask"], c["location"]) <= c["generated"]
         assert r["final_pass"] == pytest.approx(c["final"] / c["generated"])
+        # the post stage removes exactly the generated ads numpy's final check fails, once
+        removed = [c[f"removed_{k}"] for k in ("block", "targeting", "exclusion")]
+        assert sum(removed) == c["generated"] - c["final"]
+        assert sum(r["removed_share"].values()) == pytest.approx(1 - r["final_pass"])
         for table in ("buckets", "paper_buckets"):
             assert sum(b["users"] for b in r[table].values()) == 64
             assert sum(b["users_share"] for b in r[table].values()) == pytest.approx(1.0)
