@@ -143,6 +143,11 @@ class RequestTensors:
     # every request reads all L rows of every family (the same answer, more reads)
     n_blooms: torch.Tensor | None = None
 
+    def rows(self, at: slice | torch.Tensor) -> RequestTensors:
+        """The requests `at` (a slice: views; an index tensor: copies)."""
+        n = None if self.n_blooms is None else self.n_blooms[at]
+        return RequestTensors(self.bitmask[at], self.blooms[at], n)
+
     @classmethod
     def from_encoded(
         cls,

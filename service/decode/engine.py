@@ -149,6 +149,12 @@ class DecodeEngine:
         blooms[:b, :n].copy_(requests.blooms, non_blocking=True)
         # padding locations repeat location 0: ANY-of-many is unchanged
         blooms[:b, n:].copy_(requests.blooms[:, :1].expand(-1, blooms.shape[1] - n, -1))
+        counts = plan.requests.n_blooms
+        assert counts is not None  # every GTM plan has them
+        if requests.n_blooms is None:  # every row of every family
+            counts[:b].fill_(n)
+        else:
+            counts[:b].copy_(requests.n_blooms, non_blocking=True)
 
     def _plan(
         self, plans: IndexPlans, batch: int, beams: tuple[int, ...], mode: FilterMode, n_loc: int
@@ -162,9 +168,13 @@ class DecodeEngine:
         reqs = None
         if n_loc:
             bm, bl = plans.tables.bitmask_table.shape[1], plans.tables.bloom_table.shape[1]
+            k = len(plans.tables.families)
             reqs = RequestTensors(
                 plans.static(("bitmask", bucket), (bucket, bm), torch.int64),
                 plans.static(("blooms", bucket, n_loc), (bucket, n_loc, bl), torch.int64),
+                # rows of each family: the mask reads no padding row (a padding request
+                # keeps what an earlier batch left, at most L read: it is dead anyway)
+                plans.static(("n_blooms", bucket), (bucket, k), torch.int32),
             )
         ctx = plans.static(("ctx", bucket), (bucket, c.t_ctx, c.d_model), self.dtype)
         live = plans.static(("live", bucket), (bucket,), torch.bool)
@@ -173,7 +183,7 @@ class DecodeEngine:
         parts = []
         for i in range(n):
             at = slice(i * size, (i + 1) * size)
-            part_reqs = None if reqs is None else RequestTensors(reqs.bitmask[at], reqs.blooms[at])
+            part_reqs = None if reqs is None else reqs.rows(at)
             cache_key = (size, beams, i if n > 1 else -1)
             if cache_key not in plans.caches:
                 plans.caches[cache_key] = PagedKVCache(

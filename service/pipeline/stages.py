@@ -139,9 +139,11 @@ class Stages:
                     by = codec(batch.serving.index.schema)  # the served index's schema
                     enc = by.encode_requests([reqs[i].targeting.values() for i in g.rows])
                     host = RequestTensors.from_encoded(enc)
+                    assert host.n_blooms is not None  # the codec counts each family's rows
                     targeting = RequestTensors(
-                        self._to_device(host.bitmask), self._to_device(host.blooms)
-                    )
+                        self._to_device(host.bitmask), self._to_device(host.blooms),
+                        self._to_device(host.n_blooms),
+                    )  # fmt: skip
                 whole = len(g.rows) == len(reqs)
                 index = None if whole else self._to_device(torch.tensor(g.rows))
                 groups.append(DeviceGroup(g, index, targeting))
@@ -192,7 +194,7 @@ class Stages:
         at = self._to_device(torch.tensor(keep))
         reqs = dg.requests
         if reqs is not None:
-            reqs = RequestTensors(reqs.bitmask[at], reqs.blooms[at])
+            reqs = reqs.rows(at)
         kept = tuple(rows[j] for j in keep)
         group = DecodeGroup(dg.group.beams, dg.group.mode, kept)
         return DeviceGroup(group, self._to_device(torch.tensor(kept)), reqs)

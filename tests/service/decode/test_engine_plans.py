@@ -134,6 +134,10 @@ def test_padding_locations_repeat_location_zero() -> None:
     assert_same(served.run(ctx_for(2), wide, beams, mode),
                 case.reference.run(ctx_for(2), wide, beams, mode))  # fmt: skip
     assert sorted(key[3] for key in served.plans.plans) == [8, 16]
+    # each request's own row count reaches the plan: the mask reads no padding row
+    served.run(ctx_for(2), requests(few), beams, mode)
+    (plan,) = (p for k, p in served.plans.plans.items() if k[3] == 8)
+    assert plan.requests.n_blooms[:2, 0].tolist() == [1, 1]
 
 
 def test_warm_builds_every_plan_once() -> None:
