@@ -60,9 +60,10 @@ if "cpu" in sys.argv or not torch.cuda.is_available():  # before any kernel modu
 
 from bench.baselines.ladder import Rung, TextbookSearch, bitmask_only
 from bench.common import header, percentiles, write_result
-from bench.indexes import load_index, requests_for, synthetic_index
+from bench.indexes import SCHEMAS, load_index, requests_for, synthetic_index
 from contracts.request import FilterMode
-from contracts.targeting import Targeting, encode_requests
+from contracts.targeting import Targeting
+from contracts.targeting_codec import codec
 from contracts.tensors import RequestTensors
 from service.decode.engine import DecodeEngine
 from service.index.loaded import LoadedIndex
@@ -116,10 +117,11 @@ def make_batches(index: LoadedIndex, model, a: argparse.Namespace, n: int) -> li
             users = [UserFeatures(int(world.user_ids[u]), world.targeting[u], *world.history(u))
                      for u in us]  # fmt: skip
         else:
-            ts = requests_for(index.arrays, a.batch, a.locations, a.seed + i)
+            ts = requests_for(index.arrays, a.batch, a.locations, a.seed + i, index.schema)
             users = [synthetic_user(index, t, config, rng) for t in ts]
         f = prepare_features(users, index.lookup, config, width=config.max_history).to(a.device)
-        reqs = RequestTensors.from_encoded(encode_requests([u.targeting for u in users]), a.device)
+        enc = codec(index.schema).encode_requests([u.targeting.values() for u in users])
+        reqs = RequestTensors.from_encoded(enc, a.device)
         with torch.no_grad():
             out.append(Batch(f, reqs, model.encode(f)))
     return out
@@ -289,6 +291,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--beams", type=int, nargs=4, help="default: the profile's schedule")
     ap.add_argument("--locations", type=int, default=64)
+    ap.add_argument("--schema", choices=list(SCHEMAS), default="default",
+                    help="targeting schema of the synthetic index: the default's four "
+                    "attributes, or 'rich' (two more enums, 256 audiences and 32 interests "
+                    "a request)")  # fmt: skip
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: bf16 on CUDA")
     ap.add_argument("--batches", type=int, default=200, help="timed batches per row")
     ap.add_argument("--naive-batches", type=int, default=20, help="timed batches, naive row")
@@ -312,8 +318,12 @@ def main() -> None:
     beams = tuple(a.beams or config.beams)
     dtype = getattr(torch, a.dtype or ("bfloat16" if cuda else "float32"))
     t0 = time.perf_counter()
-    arrays = load_index(a.index) if a.index else synthetic_index(a.ads, seed=a.seed)
-    index = LoadedIndex.from_arrays(arrays, a.device)
+    if a.index:
+        arrays, schema = load_index(a.index)
+    else:
+        schema = SCHEMAS[a.schema]
+        arrays = synthetic_index(a.ads, seed=a.seed, schema=schema)
+    index = LoadedIndex.from_arrays(arrays, a.device, schema=schema)
     index_s = time.perf_counter() - t0
     torch.manual_seed(a.seed)
     with torch.device(a.device):  # initialise on the device: the paper tables are GBs
@@ -354,6 +364,7 @@ def main() -> None:
     figures: dict = {
         "profile": a.profile, "batch": a.batch, "beams": list(beams), "dtype": str(dtype),
         "locations": a.locations if not a.world else "world users",
+        "schema": a.schema if not a.index else "the index's",
         "index": str(a.index) if a.index else f"synthetic, {a.ads} ads (bench/indexes.py)",
         "sids": len(arrays.ads.leaf_sids), "matmul_ceiling_tflops": round(ceiling / 1e12, 3),
         "sustain_s": sustain, "rows": rows,

@@ -3,8 +3,10 @@ a published index, or a synthetic one whose trie has the paper's fan-out per lev
 requests that some ad of the index is eligible for.
 
 `synthetic_catalog`: ads with a realistic mix of targeting rules (country / age / gender
-rules, hierarchical location rules) on random SIDs; `requests_for`: each request copies
-one ad's rules and carries a given number of locations.
+rules, hierarchical location rules) on random SIDs, and under the `RICH` schema two more
+enum attributes and two set attributes (audiences with exclusions, interests);
+`requests_for`: each request copies one ad's rules and carries a given number of
+locations (and 256 audiences, 32 interests under `RICH`).
 """
 
 from __future__ import annotations
@@ -13,24 +15,32 @@ from pathlib import Path
 
 import numpy as np
 
-from contracts.index_format import VOCAB_SIZE, IndexArrays, read_index_dir
-from contracts.targeting import (
-    AGE,
-    AGE_BUCKETS,
-    COUNTRY,
-    GENDER,
-    GENDERS,
-    Ragged,
-    Targeting,
-    ad_bitmasks,
-    country_index,
-)
+from contracts.index_format import VOCAB_SIZE, IndexArrays, manifest_schema, read_index_dir
+from contracts.targeting import AGE, AGE_BUCKETS, COUNTRY, GENDER, GENDERS, Targeting, country_index
+from contracts.targeting_codec import Ragged, codec
+from contracts.targeting_schema import DEFAULT, Attribute, TargetingSchema
 from index_builder.build import build_arrays
 from index_builder.catalog import Catalog, SetRules
 from index_builder.publish import resolve
 
 HOME_COUNTRIES = ("US", "GB", "DE", "FR", "BR", "IN", "JP", "CA", "MX", "AU", "ES", "IT")
 REGIONS, CITIES = 20, 25  # per country, per region
+# issue #47's rich schema: two more enums, audiences (256 values a request), interests (32)
+RICH = TargetingSchema(attributes=(
+    *DEFAULT.attributes,
+    Attribute(name="platform", kind="enum", catalog_field="platforms",
+              values=("ios", "android", "web")),
+    Attribute(name="device", kind="enum", catalog_field="devices",
+              values=("phone", "tablet", "desktop", "tv")),
+    Attribute(name="audiences", kind="set", catalog_field="audiences", max_request_values=256,
+              bloom_bits=1024),
+    Attribute(name="interests", kind="set", catalog_field="interests", max_request_values=32),
+))  # fmt: skip
+SCHEMAS = {"default": DEFAULT, "rich": RICH}
+# (share of ads with a rule, most values, values to draw from, Zipf exponent or 0)
+RICH_RULES = {"platforms": (0.3, 2, 3, 0.0), "devices": (0.2, 3, 4, 0.0),
+              "audiences": (0.3, 10, 20_000, 1.0), "audiences_exclude": (0.1, 3, 20_000, 1.0),
+              "interests": (0.4, 5, 1_000, 0.0)}  # fmt: skip
 
 
 def _ragged(counts: np.ndarray, values: np.ndarray) -> Ragged:
@@ -39,10 +49,25 @@ def _ragged(counts: np.ndarray, values: np.ndarray) -> Ragged:
     return Ragged(offsets, values.astype(np.int32))
 
 
+def _lists(rng: np.random.Generator, n_ads: int, field: str) -> Ragged:
+    """Each ad's sorted, unique values of one `RICH_RULES` field."""
+    share, most, pool, zipf = RICH_RULES[field]
+    counts = np.where(rng.random(n_ads) < share, rng.integers(1, most + 1, n_ads), 0)
+    weight = 1.0 / np.arange(1, pool + 1) ** zipf
+    values = rng.choice(pool, counts.sum(), p=weight / weight.sum())
+    key = np.unique(np.repeat(np.arange(n_ads, dtype=np.int64), counts) * pool + values)
+    return _ragged(np.bincount(key // pool, minlength=n_ads), key % pool)
+
+
 def synthetic_catalog(
-    n_ads: int, ads_per_sid: int = 2, first_tokens: int = 32, seed: int = 0
+    n_ads: int,
+    ads_per_sid: int = 2,
+    first_tokens: int = 32,
+    seed: int = 0,
+    schema: TargetingSchema = DEFAULT,
 ) -> tuple[Catalog, np.ndarray]:
-    """Ads with a realistic mix of targeting rules on random SIDs: (catalog, sids [N, 4])."""
+    """Ads with a realistic mix of targeting rules on random SIDs: (catalog, sids [N, 4]);
+    `schema`: `DEFAULT` or `RICH`."""
     rng = np.random.default_rng(seed)
     weight = 1.0 / np.arange(1, len(HOME_COUNTRIES) + 1)  # Zipf: the US market is largest
     home = rng.choice(len(HOME_COUNTRIES), n_ads, p=weight / weight.sum())
@@ -61,7 +86,8 @@ def synthetic_catalog(
     # genders: 85 % no rule
     n_g = (rng.random(n_ads) < 0.15).astype(np.int64)
     g_vals = rng.integers(0, len(GENDERS), n_g.sum())
-    bitmask = ad_bitmasks(_ragged(n_c, c_vals), _ragged(n_a, a_vals), _ragged(n_g, g_vals))
+    include = {"country": _ragged(n_c, c_vals), "age": _ragged(n_a, a_vals),
+               "gender": _ragged(n_g, g_vals)}  # fmt: skip
     # locations "CC", "CC/Rr", "CC/Rr/Cc": 55 % none, 25 % 1-2 regions, 20 % 1-10 cities
     names = [
         s
@@ -98,27 +124,43 @@ def synthetic_catalog(
     codes = np.unique(rng.integers(0, first_tokens, n_sids) * VOCAB_SIZE**3 + rest)
     digits = (codes[:, None] // VOCAB_SIZE ** np.arange(3, -1, -1)) % VOCAB_SIZE
     sids = digits[rng.integers(0, len(digits), n_ads)]
+    sets = {"locations": SetRules(locs, None, vocab)}
+    if schema == RICH:
+        extra = np.random.default_rng(seed + 1)  # the default columns' draws stay the same
+        include |= {"platform": _lists(extra, n_ads, "platforms"),
+                    "device": _lists(extra, n_ads, "devices")}  # fmt: skip
+        for name, letter in (("audiences", "a"), ("interests", "i")):
+            pool = RICH_RULES[name][2]
+            words = np.array([f"{letter}{i:05d}" for i in range(pool)], dtype=object)
+            excluded = _lists(extra, n_ads, f"{name}_exclude") if name == "audiences" else None
+            sets[name] = SetRules(_lists(extra, n_ads, name), excluded, words)
     catalog = Catalog(
         ad_id=np.arange(n_ads, dtype=np.int64),
         sid=sids.astype(np.int32),
         embedding=None,
-        bitmask=bitmask,
-        sets={"locations": SetRules(locs, None, vocab)},
+        bitmask=codec(schema).ad_bitmasks(include, {}, n_ads),
+        sets=sets,
         source="<synthetic>",
+        schema=schema,
     )
     return catalog, sids
 
 
 def synthetic_index(
-    n_ads: int, ads_per_sid: int = 2, first_tokens: int = 32, seed: int = 0
+    n_ads: int,
+    ads_per_sid: int = 2,
+    first_tokens: int = 32,
+    seed: int = 0,
+    schema: TargetingSchema = DEFAULT,
 ) -> IndexArrays:
-    catalog, sids = synthetic_catalog(n_ads, ads_per_sid, first_tokens, seed)
+    catalog, sids = synthetic_catalog(n_ads, ads_per_sid, first_tokens, seed, schema)
     return build_arrays(catalog, sids)
 
 
-def load_index(root: Path) -> IndexArrays:
-    _, arrays = read_index_dir(resolve(root), verify_checksums=False)
-    return arrays
+def load_index(root: Path) -> tuple[IndexArrays, TargetingSchema]:
+    """A published index (a root or a version directory) and its targeting schema."""
+    manifest, arrays = read_index_dir(resolve(root), verify_checksums=False)
+    return arrays, manifest_schema(manifest)
 
 
 # --------------------------------------------------------------------------- requests
@@ -130,10 +172,13 @@ def _set_bits(words: np.ndarray, lo: int, n: int) -> list[int]:
     return bits[on].tolist()
 
 
-def requests_for(index: IndexArrays, batch: int, n_loc: int, seed: int) -> list[Targeting]:
+def requests_for(
+    index: IndexArrays, batch: int, n_loc: int, seed: int, schema: TargetingSchema = DEFAULT
+) -> list[Targeting]:
     """Requests that some ad of the index is eligible for: each copies a random ad's
     rules (one allowed country, age bucket and gender) and carries n_loc locations —
-    the ad's own, then ones of the same country, then any."""
+    the ad's own, then ones of the same country, then any; under `RICH` also an allowed
+    platform and device, and its set attributes' most values, the ad's own first."""
     rng = np.random.default_rng(seed)
     ads = index.ads
     locations = ads.sets["locations"]
@@ -163,5 +208,29 @@ def requests_for(index: IndexArrays, batch: int, n_loc: int, seed: int) -> list[
         for pool in (near, vocab):
             extra = [pool[i] for i in rng.permutation(len(pool))[: 2 * n_loc]]
             picks += [s for s in extra if s not in picks][: n_loc - len(picks)]
-        out.append(Targeting(country, age, gender, tuple(picks[:n_loc])))
+        attributes = _rich_values(index, schema, ad, rng) if schema == RICH else ()
+        out.append(Targeting(country, age, gender, tuple(picks[:n_loc]), attributes))
     return out
+
+
+def _rich_values(
+    index: IndexArrays, schema: TargetingSchema, ad: int, rng: np.random.Generator
+) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`RICH`'s attributes of a request the ad `ad` is eligible for."""
+    out = []
+    for a in schema.attributes[len(DEFAULT.attributes) :]:
+        if a.kind == "enum":
+            bits = _set_bits(index.ads.ad_bitmask[ad], schema.bit_offsets[a.name], len(a.values))
+            out.append((a.name, (a.values[rng.choice(bits) - schema.bit_offsets[a.name]],)))
+            continue
+        s = index.ads.sets[a.name]
+        own = s.include.values[s.include.offsets[ad] : s.include.offsets[ad + 1]]
+        x = s.exclude
+        gone = set() if x is None else set(x.values[x.offsets[ad] : x.offsets[ad + 1]].tolist())
+        pool = len(s.vocab_offsets) - 1
+        more = [i for i in rng.permutation(pool)[: 2 * a.max_request_values].tolist()
+                if i not in gone]  # fmt: skip
+        ids = list(dict.fromkeys([*own.tolist(), *more]))[: a.max_request_values]
+        strings = s.strings()
+        out.append((a.name, tuple(strings[i] for i in ids)))
+    return tuple(out)

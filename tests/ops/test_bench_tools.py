@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench import bench_cross_attention, bench_self_attention, bench_startup
@@ -118,6 +119,28 @@ def test_decoder_loop_smoke_run_writes_every_row_and_agrees_with_itself(tmp_path
     by = {r["row"]: r for r in f["rows"]}
     assert by["naive"]["live_sids_per_request"] == 0  # no mask: no leaves
     assert by["served"]["live_sids_per_request"] > 0
+
+
+def test_the_rich_schema_index_and_its_requests_find_eligible_ads() -> None:
+    """`--schema rich`: the synthetic index carries the rich schema's rules (audiences with
+    exclusions), and every request it is timed with has eligible ads, the rich schema's
+    most values per set attribute, and passes the served request checks' limits."""
+    from bench.indexes import RICH, requests_for, synthetic_index
+    from service.index.loaded import LoadedIndex
+
+    arrays = synthetic_index(3000, seed=2, schema=RICH)
+    index = LoadedIndex.from_arrays(arrays, "cpu", schema=RICH)
+    assert arrays.ads.sets["audiences"].exclude is not None
+    targeting = requests_for(arrays, 8, 16, seed=3, schema=RICH)
+    leaves = np.arange(len(arrays.ads.leaf_sids), dtype=np.int64)
+    posts = index.post.run([index.post_request(leaves, np.zeros(len(leaves), np.float32), t,
+                                               10**6) for t in targeting])  # fmt: skip
+    assert all(p.ads_eligible > 0 for p in posts)
+    assert sum(p.ads_removed["exclusion"] for p in posts) > 0
+    for t in targeting:
+        values = dict(t.attributes)
+        assert (len(values["audiences"]), len(values["interests"])) == (256, 32)
+        assert len(values["platform"]) == len(values["device"]) == 1
 
 
 def test_model_swap_summary_times_the_swap_and_lays_out_each_second() -> None:
