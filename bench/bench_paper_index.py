@@ -200,7 +200,7 @@ def main() -> None:
 
     import numpy as np
 
-    from contracts.index_format import read_manifest
+    from contracts.index_manifest import read_manifest
     from index_builder.build import build_index
 
     version, report = phases.run(

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import timed, write_result
-from contracts.index_format import AdArrays
+from contracts.index_arrays import AdArrays
 from contracts.targeting import Targeting
 from index_builder.build import build_arrays
 from index_builder.catalog import read_catalog

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from contracts.index_format import VOCAB_SIZE, IndexArrays, manifest_schema, read_index_dir
+from contracts.index_arrays import IndexArrays
+from contracts.index_format import VOCAB_SIZE, read_index_dir
+from contracts.index_manifest import manifest_schema
 from contracts.targeting import AGE, AGE_BUCKETS, COUNTRY, GENDER, GENDERS, Targeting, country_index
 from contracts.targeting_codec import Ragged, codec
 from contracts.targeting_schema import DEFAULT, Attribute, TargetingSchema

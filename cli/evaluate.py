@@ -27,7 +27,7 @@ def _eval(args: argparse.Namespace) -> int:
     offline_kernels(args.autotune)
     import torch
 
-    from contracts.index_format import manifest_schema
+    from contracts.index_manifest import manifest_schema
     from contracts.index_validation import validate_index
     from contracts.request import FilterMode
     from index_builder.build import with_partitions

@@ -3,11 +3,13 @@
 The index builder writes with `write_index_dir`; the server (into private memory,
 checksumming the bytes it serves: `npy_private.py`) and `grace validate-index`
 (memory-mapped) read with `read_index_dir`; nothing else touches the files. A version
-directory holds `manifest.json` (every key checked by `read_manifest`) and one `.npy` per
-array (the dataclasses below); docs/FORMAT.md §3 describes each key and array. Readers
-accept every format version up to `FORMAT_VERSION` and refuse newer ones. One
-writer/reader pair in one module, by design (FAISS's rule): it runs past the house's ~300
-lines rather than split the format across files.
+directory holds `manifest.json` (`contracts/index_manifest.py` checks it key by key) and
+one `.npy` per array of `contracts/index_arrays.py`; docs/FORMAT.md §3 describes each key
+and array. The arrays' widths and the set attributes' arrays follow the targeting schema
+the manifest stores. An index of the default schema without exclusions is written in the
+layout readers before declared schemas know (format 1 or 2, its locations under
+`ads.ad_loc_*`); any other in format 3 (each set attribute under `sets.<name>.*`).
+Readers accept every format version up to `FORMAT_VERSION` and refuse newer ones.
 """
 
 from __future__ import annotations
@@ -15,150 +17,27 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
-from datetime import datetime
+from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from contracts import targeting as legacy
+from contracts.index_arrays import AdArrays, IndexArrays, PartitionArrays, SetArrays, TrieArrays
+from contracts.index_manifest import (
+    FORMAT_NAME,
+    MANIFEST,
+    IndexFormatError,
+    legacy_schema_manifest,
+    manifest_schema,
+    read_manifest,
+)
 from contracts.npy_private import NpyError, load_npy_private
-from contracts.targeting_codec import AdRules, Ragged
-from contracts.targeting_schema import DEFAULT, SchemaError, TargetingSchema
+from contracts.targeting_schema import DEFAULT, TargetingSchema
 
-FORMAT_NAME = "grace-index"
-# 2: may hold ads.ad_campaign_ids / ad_advertiser_ids; 3: a declared targeting schema,
-# its set attributes under sets.<name>.*; each written only when needed
-FORMAT_VERSION = 3
-MANIFEST = "manifest.json"
 SID_LENGTH = 4
 VOCAB_SIZE = 512
-
-
-class IndexFormatError(ValueError):
-    """An index directory that cannot be read: missing, corrupt or incompatible."""
-
-
-@dataclass(frozen=True)
-class TrieArrays:
-    """The GTM SID trie in CSR form (paper Appendix A). Entry j leads to node j + 1."""
-
-    node_offsets: np.ndarray  # int32 [num_nodes + 1]: node i's entries [off[i], off[i+1])
-    csr_child_nodes: np.ndarray  # int32 [E]
-    csr_tokens: np.ndarray  # int16 [E]
-    bitmask_index: np.ndarray  # int32 [E]
-    bloom_index: np.ndarray  # int32 [E]
-    bitmask_table: np.ndarray  # uint64 [R_bm, bitmask_words], deduplicated
-    bloom_table: np.ndarray  # uint64 [R_bl, bloom_words], deduplicated
-    level_offsets: np.ndarray  # int64 [SID_LENGTH + 2]: depth d's nodes [lo[d], lo[d+1])
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.node_offsets) - 1
-
-    @property
-    def num_entries(self) -> int:
-        return len(self.csr_tokens)
-
-
-@dataclass(frozen=True)
-class SetArrays:
-    """One set attribute's exact rules over N ads: its include and exclude lists as sorted
-    ids into its vocabulary (empty = no rule), and the vocabulary, every value either
-    list names (sorted, unique, UTF-8)."""
-
-    include_offsets: np.ndarray  # int64 [N + 1]
-    include_ids: np.ndarray  # int32 [nnz]
-    vocab_offsets: np.ndarray  # int64 [V + 1]
-    vocab_bytes: np.ndarray  # uint8 [total bytes]
-    exclude_offsets: np.ndarray | None = None  # int64 [N + 1]; None: no ad excludes
-    exclude_ids: np.ndarray | None = None  # int32 [nnz]
-
-    @property
-    def include(self) -> Ragged:
-        return Ragged(self.include_offsets, self.include_ids)
-
-    @property
-    def exclude(self) -> Ragged | None:
-        if self.exclude_offsets is None or self.exclude_ids is None:
-            return None
-        return Ragged(self.exclude_offsets, self.exclude_ids)
-
-    def strings(self) -> list[str]:
-        """The vocabulary, decoded (sorted, unique)."""
-        raw = self.vocab_bytes.tobytes()
-        off = self.vocab_offsets
-        return [raw[off[i] : off[i + 1]].decode("utf-8") for i in range(len(off) - 1)]
-
-    @classmethod
-    def from_strings(
-        cls, include: Ragged, exclude: Ragged | None, vocabulary: list[str]
-    ) -> SetArrays:
-        """Lists of ids into `vocabulary` (sorted, unique strings)."""
-        raw = [s.encode("utf-8") for s in vocabulary]
-        offsets = np.zeros(len(raw) + 1, dtype=np.int64)
-        np.cumsum([len(b) for b in raw], out=offsets[1:])
-        return cls(
-            include_offsets=include.offsets.astype(np.int64),
-            include_ids=include.values.astype(np.int32),
-            vocab_offsets=offsets,
-            vocab_bytes=np.frombuffer(b"".join(raw), dtype=np.uint8),
-            exclude_offsets=None if exclude is None else exclude.offsets.astype(np.int64),
-            exclude_ids=None if exclude is None else exclude.values.astype(np.int32),
-        )
-
-
-@dataclass(frozen=True)
-class AdArrays:
-    """SID -> ad index and the exact ad targeting index, both in leaf (SID) order."""
-
-    leaf_sids: np.ndarray  # int16 [num_leaves, SID_LENGTH]: SID of leaf node lo[-2] + i
-    leaf_ad_offsets: np.ndarray  # int64 [num_leaves + 1]: leaf i's ads [off[i], off[i+1])
-    ad_ids: np.ndarray  # int64 [N]
-    ad_bitmask: np.ndarray  # uint64 [N, bitmask_words]: enum/bucket rules, exclusions in
-    # each set attribute of the schema, by name (the default schema's: locations)
-    sets: Mapping[str, SetArrays] = field(default_factory=dict)
-    # each ad's campaign and advertiser, 0 = none (None: the catalog named none, and a
-    # request's block on them cannot be applied)
-    ad_campaign_ids: np.ndarray | None = None  # int64 [N]
-    ad_advertiser_ids: np.ndarray | None = None  # int64 [N]
-    # uint64 [N, bitmask_words]: the bits each ad's enum/bucket exclusions cleared (what
-    # tells an exclusion from an include failure in the post stage's counts); None: none
-    ad_exclude_bitmask: np.ndarray | None = None
-
-    @property
-    def num_ads(self) -> int:
-        return len(self.ad_ids)
-
-    def rules(self) -> AdRules:
-        """The ads' exact targeting, as `targeting_codec.exact_eligible` reads it."""
-        return AdRules(
-            bitmask=self.ad_bitmask,
-            include={name: s.include for name, s in self.sets.items()},
-            exclude={name: x for name, s in self.sets.items() if (x := s.exclude) is not None},
-            campaign=self.ad_campaign_ids,
-            advertiser=self.ad_advertiser_ids,
-        )
-
-
-@dataclass(frozen=True)
-class PartitionArrays:
-    """k-way partitioned matchers, jagged: entry j has partitions [offsets[j], offsets[j+1])."""
-
-    offsets: np.ndarray  # int64 [E + 1]
-    bitmask_index: np.ndarray  # int32 [P]
-    bloom_index: np.ndarray  # int32 [P]
-    bitmask_table: np.ndarray  # uint64 [R, bitmask_words]
-    bloom_table: np.ndarray  # uint64 [R, bloom_words]
-
-
-@dataclass(frozen=True)
-class IndexArrays:
-    trie: TrieArrays
-    ads: AdArrays
-    kway: PartitionArrays | None = None
 
 
 # name -> (dtype, ndim, trailing width: a number, "bitmask" or "bloom" (the schema's
@@ -330,95 +209,6 @@ def write_index_dir(
     return full
 
 
-def manifest_sid_space(directory: Path) -> str | None:
-    """The SID space a version's manifest names, or None when it cannot be read (a cheap
-    look before a full load: `read_manifest` and validation report what is wrong)."""
-    try:
-        return str(json.loads((Path(directory) / MANIFEST).read_text())["tokenizer_fingerprint"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def read_manifest(directory: Path) -> dict[str, Any]:
-    """The manifest of a version directory, its structure checked key by key: an
-    IndexFormatError (one line, naming the key) for a missing or unreadable file, another
-    format, a newer format version, or any key of the wrong type."""
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise IndexFormatError(f"{directory}: no {MANIFEST} (not an index, or an unfinished build)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise IndexFormatError(f"{path}: unreadable manifest: {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise IndexFormatError(f"{path}: not a {FORMAT_NAME} manifest")
-    version = manifest.get("format_version")
-    if not _is_int(version) or not 1 <= version <= FORMAT_VERSION:
-        raise IndexFormatError(
-            f"{path}: format_version {version!r} is not readable by this build "
-            f"(reads 1..{FORMAT_VERSION}); upgrade grace-serving"
-        )
-    fault = _manifest_fault(manifest)
-    if fault is not None:
-        raise IndexFormatError(f"{path}: {fault}")
-    return manifest
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# key -> (required, accepted types, what the message calls them)
-_MANIFEST_KEYS: dict[str, tuple[bool, tuple[type, ...], str]] = {
-    "index_version": (True, (str,), "a string"),
-    "tokenizer_fingerprint": (True, (str,), "a string"),
-    "targeting": (True, (dict,), "an object"),
-    "arrays": (True, (dict,), "an object of array entries"),
-    "created": (False, (str,), "an ISO-8601 string"),
-    "catalog": (False, (dict,), "an object"),
-    "counts": (False, (dict,), "an object"),
-    "kway": (False, (dict, type(None)), "an object or null"),
-}
-
-
-def _manifest_fault(manifest: dict[str, Any]) -> str | None:
-    """The first structural fault of a parsed manifest, as one line; None when sound."""
-    for key, (required, types, what) in _MANIFEST_KEYS.items():
-        if key not in manifest:
-            if required:
-                return f"manifest lacks {key!r}"
-            continue
-        if not isinstance(manifest[key], types):
-            return f"manifest key {key!r} must be {what}, got {type(manifest[key]).__name__}"
-    if not manifest["index_version"] or "/" in manifest["index_version"]:
-        return f"manifest key 'index_version' {manifest['index_version']!r} is not a version name"
-    if "created" in manifest:
-        try:
-            datetime.fromisoformat(manifest["created"])
-        except ValueError:
-            return f"manifest key 'created' {manifest['created']!r} is not an ISO-8601 time"
-    for name, entry in manifest["arrays"].items():
-        fault = _array_entry_fault(entry)
-        if fault is not None:
-            return f"manifest key 'arrays.{name}' {fault}"
-    return None
-
-
-def _array_entry_fault(entry: object) -> str | None:
-    if not isinstance(entry, dict):
-        return f"must be an object, got {type(entry).__name__}"
-    for key in ("file", "dtype", "sha256"):
-        if not isinstance(entry.get(key), str):
-            return f"needs a string {key!r}, got {entry.get(key)!r}"
-    name = entry["file"]
-    if name in ("", ".", "..") or os.sep in name or "/" in name:
-        return f"'file' {name!r} is not a file name inside the version directory"
-    shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
-        return f"needs 'shape' as a list of non-negative ints, got {shape!r}"
-    return None
-
-
 def read_index_dir(
     directory: Path, *, verify_checksums: bool = True, mmap: bool = True
 ) -> tuple[dict[str, Any], IndexArrays]:
@@ -476,31 +266,6 @@ def _set_arrays(directory: Path, attr: str, loaded: dict[str, np.ndarray]) -> Se
         raise IndexFormatError(f"{directory}: sets.{attr}: exclude_offsets and exclude_ids "
                                "come together")  # fmt: skip
     return SetArrays(**mine)
-
-
-def legacy_schema_manifest() -> dict[str, Any]:
-    """The `targeting` key of an index in the layout before declared schemas (the default
-    schema's fixed layout, which those readers compare key by key)."""
-    return legacy.TargetingSchema.current().to_manifest()
-
-
-def manifest_schema(manifest: dict[str, Any], directory: Path | str = "") -> TargetingSchema:
-    """The targeting schema a manifest stores: an index from before declared schemas was
-    built with `DEFAULT` and must hold exactly its fixed layout; IndexFormatError (one
-    line) for one this build cannot read."""
-    stored = manifest.get("targeting")
-    if not isinstance(stored, dict):
-        raise IndexFormatError(f"{directory}: manifest key 'targeting' must be an object")
-    if "schema" not in stored:
-        try:
-            legacy.TargetingSchema.current().check_compatible(stored)
-        except ValueError as exc:
-            raise IndexFormatError(f"{directory}: {exc}") from exc
-        return DEFAULT
-    try:
-        return TargetingSchema.from_manifest(stored)
-    except SchemaError as exc:
-        raise IndexFormatError(f"{directory}: targeting schema: {exc}") from exc
 
 
 def _load_array(path: Path, sha256: str | None, *, mmap: bool) -> np.ndarray:

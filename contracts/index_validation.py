@@ -16,18 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from contracts.index_format import (
-    SID_LENGTH,
-    VOCAB_SIZE,
-    AdArrays,
-    IndexArrays,
-    IndexFormatError,
-    PartitionArrays,
-    SetArrays,
-    TrieArrays,
-    manifest_schema,
-    read_index_dir,
-)
+from contracts.index_arrays import AdArrays, IndexArrays, PartitionArrays, SetArrays, TrieArrays
+from contracts.index_format import SID_LENGTH, VOCAB_SIZE, read_index_dir
+from contracts.index_manifest import IndexFormatError, manifest_schema
 from contracts.targeting_codec import codec, value_blooms
 from contracts.targeting_schema import TargetingSchema
 

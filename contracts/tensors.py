@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from contracts.index_format import PartitionArrays, TrieArrays
+from contracts.index_arrays import PartitionArrays, TrieArrays
 
 if TYPE_CHECKING:  # `from_encoded` reads either encoding's three arrays
     from contracts import targeting, targeting_codec

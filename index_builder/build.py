@@ -18,14 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from contracts import sid_space as sid_spaces
-from contracts.index_format import (
-    SID_LENGTH,
-    VOCAB_SIZE,
-    AdArrays,
-    IndexArrays,
-    SetArrays,
-    write_index_dir,
-)
+from contracts.index_arrays import AdArrays, IndexArrays, SetArrays
+from contracts.index_format import SID_LENGTH, VOCAB_SIZE, write_index_dir
 from contracts.index_validation import validate_index
 from contracts.targeting_codec import Ragged, codec, value_blooms
 from contracts.targeting_schema import DEFAULT, TargetingSchema

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from contracts.index_format import SID_LENGTH, PartitionArrays
+from contracts.index_arrays import PartitionArrays
+from contracts.index_format import SID_LENGTH
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from index_builder.trie import TrieBuild, dedup_rows, matcher_fill
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from contracts import versions
-from contracts.index_format import MANIFEST
+from contracts.index_manifest import MANIFEST
 from contracts.index_validation import IndexValidationError, validate_index
 from contracts.versions import (
     CURRENT,

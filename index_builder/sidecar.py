@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts.index_format import IndexFormatError, read_manifest
+from contracts.index_manifest import IndexFormatError, read_manifest
 from contracts.index_validation import IndexValidationError
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from index_builder.build import BuildCancelled, BuildError, build_index, source_fingerprint

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from contracts.index_format import SID_LENGTH, VOCAB_SIZE, TrieArrays
+from contracts.index_arrays import TrieArrays
+from contracts.index_format import SID_LENGTH, VOCAB_SIZE
 from contracts.targeting_schema import TargetingSchema
 from index_builder import parallel
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from contracts.index_format import IndexArrays
+from contracts.index_arrays import IndexArrays
 from contracts.request import FilterMode
 from contracts.targeting import Targeting
 from contracts.targeting_codec import (

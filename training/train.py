@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from contracts import sid_space as sid_spaces
 from contracts.data_format import DEFAULT_EVENT_MAP, EventMap
-from contracts.index_format import IndexArrays
+from contracts.index_arrays import IndexArrays
 from contracts.sid_space import LAST_TOKENS, LastToken
 from index_builder.build import assign_sids, build_arrays
 from index_builder.catalog import read_catalog

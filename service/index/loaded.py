@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from contracts.index_format import IndexArrays, manifest_schema
+from contracts.index_arrays import IndexArrays
+from contracts.index_manifest import manifest_schema
 from contracts.index_validation import validate_index
 from contracts.targeting import Targeting
 from contracts.targeting_codec import codec

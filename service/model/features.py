@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from contracts.index_format import AdArrays
+from contracts.index_arrays import AdArrays
 from contracts.targeting import (
     AGE_BUCKETS,
     COUNTRIES,

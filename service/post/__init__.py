@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from contracts.index_format import SID_LENGTH, AdArrays
+from contracts.index_arrays import AdArrays
+from contracts.index_format import SID_LENGTH
 from contracts.targeting_codec import AdRules, Ragged
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from service.post._post import AdIndex, encode_ads

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from contracts.index_format import AdArrays
+from contracts.index_arrays import AdArrays
 from contracts.targeting_codec import AdRules, Ragged
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from contracts.index_format import AdArrays
+from contracts.index_arrays import AdArrays
 from contracts.targeting import BITMASK_WORDS, Targeting, request_bitmask
 from contracts.targeting_codec import RequestRules
 from contracts.targeting_schema import TargetingSchema

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from contracts.index_format import MANIFEST, manifest_sid_space
+from contracts.index_manifest import MANIFEST, manifest_sid_space
 from service.index.loaded import LoadedIndex, load_index
 from service.model.checkpoint import load_checkpoint, sid_space_of
 from service.model.precision import Precision, for_serving

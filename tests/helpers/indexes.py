@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from contracts.index_format import IndexArrays, write_index_dir
+from contracts.index_arrays import IndexArrays
+from contracts.index_format import write_index_dir
 from contracts.index_validation import validate_index
 from index_builder.build import build_arrays
 from tests.helpers.catalogs import catalog_from_ads

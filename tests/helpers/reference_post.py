@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from contracts.index_format import AdArrays
+from contracts.index_arrays import AdArrays
 from contracts.targeting import Targeting, exact_eligible, request_bitmask
 from contracts.targeting_codec import AdRules, Ragged, RequestRules, any_in, codec, contains
 from contracts.targeting_codec import exact_eligible as exact_eligible_by_schema

@@ -39,7 +39,8 @@ import pytest
 import yaml
 
 from contracts import targeting
-from contracts.index_format import file_sha256, legacy_schema_manifest, read_manifest
+from contracts.index_format import file_sha256
+from contracts.index_manifest import legacy_schema_manifest, read_manifest
 from contracts.targeting import Targeting
 from contracts.targeting_codec import Ragged
 from contracts.targeting_schema import DEFAULT, TargetingSchema, parse

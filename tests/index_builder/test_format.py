@@ -12,13 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from contracts.index_format import (
-    IndexFormatError,
-    array_items,
-    file_sha256,
-    read_index_dir,
-    read_manifest,
-)
+from contracts.index_format import array_items, file_sha256, read_index_dir
+from contracts.index_manifest import IndexFormatError, read_manifest
 from contracts.index_validation import IndexValidationError, validate_index
 from contracts.npy_private import NpyError, load_npy_private
 

@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from contracts.index_format import SID_LENGTH, IndexArrays, TrieArrays
+from contracts.index_arrays import IndexArrays, TrieArrays
+from contracts.index_format import SID_LENGTH
 from contracts.request import FilterMode
 from contracts.targeting import Targeting, encode_requests
 from contracts.tensors import GtmTables, RequestTensors

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from contracts.index_format import IndexArrays, array_items
+from contracts.index_arrays import IndexArrays
+from contracts.index_format import array_items
 from contracts.targeting import BITMASK_WORDS
 from contracts.targeting_codec import Ragged
 from index_builder import parallel, trie

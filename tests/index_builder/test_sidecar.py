@@ -24,7 +24,7 @@ import torch
 
 from cli import build_parser
 from cli.index import model_sids
-from contracts.index_format import read_manifest
+from contracts.index_manifest import read_manifest
 from index_builder import sidecar
 from index_builder.catalog import read_catalog
 from index_builder.publish import current_path, current_version

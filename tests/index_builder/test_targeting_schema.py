@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from contracts import targeting
-from contracts.index_format import IndexFormatError, manifest_schema
+from contracts.index_manifest import IndexFormatError, manifest_schema
 from contracts.targeting_codec import codec
 from contracts.targeting_schema import DEFAULT, SchemaError, TargetingSchema, load, parse
 

@@ -20,7 +20,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from contracts.index_format import SID_LENGTH, VOCAB_SIZE, IndexArrays
+from contracts.index_arrays import IndexArrays
+from contracts.index_format import SID_LENGTH, VOCAB_SIZE
 from contracts.request import SCORINGS, FilterMode
 from contracts.targeting import Targeting, encode_requests
 from contracts.tensors import GtmTables, RequestTensors

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cli import main
-from contracts.index_format import read_manifest
+from contracts.index_manifest import read_manifest
 from contracts.index_validation import validate_index
 from index_builder.publish import current_path, current_version
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from contracts.index_format import IndexArrays
+from contracts.index_arrays import IndexArrays
 from contracts.request import FilterMode
 from contracts.targeting import Targeting, encode_requests
 from contracts.tensors import GtmTables, RequestTensors

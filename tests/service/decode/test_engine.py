@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from contracts.index_format import IndexArrays
+from contracts.index_arrays import IndexArrays
 from contracts.request import SCORINGS, FilterMode, Scoring, check_schedule
 from contracts.targeting import Targeting
 from service.decode.engine import DecodeEngine

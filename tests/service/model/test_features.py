@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from contracts.index_format import AdArrays
+from contracts.index_arrays import AdArrays
 from contracts.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Targeting
 from service.model.config import PROFILES
 from service.model.feature_packing import (

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contracts.index_format import AdArrays, IndexArrays, read_index_dir, write_index_dir
+from contracts.index_arrays import AdArrays, IndexArrays
+from contracts.index_format import read_index_dir, write_index_dir
 from contracts.targeting import BITMASK_WORDS, Targeting, request_bitmask
 from index_builder.build import build_arrays
 from service.post import LocationVocabulary, PostRequest, PostResult, PostStage

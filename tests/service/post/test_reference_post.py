@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contracts.index_format import IndexArrays
+from contracts.index_arrays import IndexArrays
 from contracts.targeting import Targeting
 from index_builder.build import build_arrays
 from service.post import LocationVocabulary

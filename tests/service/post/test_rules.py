@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contracts.index_format import AdArrays
+from contracts.index_arrays import AdArrays
 from contracts.targeting_codec import AdRules, Ragged, RequestRules, codec, exact_eligible
 from contracts.targeting_schema import Attribute, TargetingSchema
 from service.post import PostRequest, PostResult, PostStage
