@@ -9,6 +9,8 @@ their ratio (the paper: 0.236 and 0.404, 1.72x), eligible ads and recall@100 of 
 Settings are `name:geo_share:demo_share:style_mix:by_creative[:fresh_share]` (style_mix as
 four comma-separated shares, by_creative 0 or 1, fresh_share the share of creatives
 launched after the log, 0 when left out); the defaults are the grid behind the docs.
+`--set KNOB=VALUE` adds a world knob to every setting (audiences, exclusions, blocks:
+docs/SYNTH.md); the index is built by the world's targeting schema.
 Worlds, models and indexes are kept under --work, so a rerun only re-evaluates.
 """
 
@@ -22,11 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import write_result
+from contracts.index_manifest import manifest_schema
 from contracts.index_validation import validate_index
 from contracts.request import FilterMode
 from index_builder.build import build_index
 from index_builder.publish import resolve
-from index_builder.synth import PROFILES, generate_world, load_world
+from index_builder.synth import PROFILES, generate_world, load_world, load_world_schema
 from service.model.checkpoint import load_checkpoint
 from service.model.features import SidLookup
 from training.data import Examples
@@ -52,6 +55,7 @@ def probe(spec: str, args: argparse.Namespace) -> dict:
         PROFILES["study"].with_knobs({
             "campaign_geo_share": geo, "campaign_demo_share": demo, "style_mix": style,
             "campaign_geo_by_creative": by_creative, "fresh_share": rest[0] if rest else "0",
+            **dict(pair.split("=", 1) for pair in args.set),
         }),
         name=f"study-{name}", n_ads=args.ads, n_users=args.users,
     )  # fmt: skip
@@ -67,16 +71,19 @@ def probe(spec: str, args: argparse.Namespace) -> dict:
         train(root / "world", root / "model", settings, progress=False)
     if not (root / "index" / "CURRENT").exists():
         build_index(root / "world" / "catalog.parquet", root / "index",
-                    tokenizer_path=root / "model" / "tokenizer", progress=False)  # fmt: skip
+                    tokenizer_path=root / "model" / "tokenizer", progress=False,
+                    schema=load_world_schema(root / "world"))  # fmt: skip
     loaded = load_checkpoint(root / "model", args.device)
-    arrays = validate_index(resolve(root / "index"), expect_tokenizer=loaded.sid_space).arrays
+    index = validate_index(resolve(root / "index"), expect_tokenizer=loaded.sid_space)
+    arrays, schema = index.arrays, manifest_schema(index.manifest)
     world = load_world(root / "world")
     examples = Examples(world, SidLookup.from_ads(arrays.ads), loaded.config)
     users = sample_users(world.n_users, args.eval_users, 0)
     variants = [Variant("cd_only", arrays, FilterMode.CD_ONLY),
                 Variant("cd_gtm", arrays, FilterMode.CD_GTM)]  # fmt: skip
     cd, gtm = run_study(loaded.model, examples, variants, users, tuple(args.beams), (10, 100),
-                        resamples=200, device=args.device, progress=False)  # fmt: skip
+                        resamples=200, device=args.device, progress=False,
+                        schema=schema)  # fmt: skip
     return {
         "name": name, "campaign_geo_share": profile.campaign_geo_share,
         "campaign_demo_share": profile.campaign_demo_share,
@@ -92,6 +99,9 @@ def probe(spec: str, args: argparse.Namespace) -> dict:
                                   round(gtm["eligible_ads_per_user"], 1)],
         "recall@100": [round(cd["recall@100"], 3), round(gtm["recall@100"], 3)],
         "recall@100_gtm_minus_cd": gtm["vs_first"]["recall@100"],
+        "removed_share": [{k: round(v, 4) for k, v in r["removed_share"].items()}
+                          for r in (cd, gtm)],
+        **({"knobs": dict(pair.split("=", 1) for pair in args.set)} if args.set else {}),
         **_by_launch(cd, gtm),
         "seconds": round(time.time() - t0),
     }  # fmt: skip
@@ -117,6 +127,9 @@ def main() -> None:
     ap.add_argument("--beams", type=int, nargs=4, default=[1, 16, 64, 64])
     ap.add_argument("--model", default="tiny", help="model profile trained on each world")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                    help="a further world knob for every setting (docs/SYNTH.md), e.g. "
+                    "--set n_audiences=20000")  # fmt: skip
     ap.add_argument("--work", type=Path, default=None,
                     help="worlds, models and indexes (/tmp/grace-calibration-MODEL)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results)")

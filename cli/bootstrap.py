@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from index_builder.build import build_index
 from index_builder.publish import current_version
-from index_builder.synth import generate_world
+from index_builder.synth import generate_world, load_world_schema
 from service.model.checkpoint import CONFIG_FILE, TOKENIZER_DIR, sid_space_of
 from service.model.repository import is_checkpoint, resolve_checkpoint
 from service.settings import ServerSettings
@@ -55,7 +55,8 @@ def ensure_default(
             torch.use_deterministic_algorithms(deterministic)
     if current_version(index) is None:
         log.info("building and publishing the index in %s", index)
-        build_index(world / "catalog.parquet", index, progress=progress, **sid_source(model))
+        build_index(world / "catalog.parquet", index, progress=progress,
+                    schema=load_world_schema(world), **sid_source(model))  # fmt: skip
 
 
 def has_model(model_dir: Path) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from index_builder.synth.world import UserHistories
+from index_builder.synth.reader import UserHistories
 from service.model.config import ModelConfig
 from service.model.features import FeatureBatch, SidLookup, UserFeatures, prepare_features
 

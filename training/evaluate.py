@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from contracts.request import FilterMode
-from contracts.targeting_codec import RequestRules, codec, exact_eligible
-from index_builder.synth.world import UserHistories
+from contracts.targeting_codec import exact_eligible
+from index_builder.synth.reader import UserHistories
 from service.index.loaded import LoadedIndex
 from service.model.retriever import GenerativeRetriever
 from service.post.expand import rules_of
@@ -41,7 +41,6 @@ def recall_at_k(
     ads = index.arrays.ads
     ranking = popularity_ranking(examples.world, ads.ad_ids)
     ranked = rules_of(ads.rules(), ranking)
-    by = codec(index.schema)
     hits_model, hits_pop = dict.fromkeys(ks, 0), dict.fromkeys(ks, 0)
     returned = 0
     retriever = OfflineRetriever(model, index, batch_size)
@@ -52,10 +51,7 @@ def recall_at_k(
         for res, t, target in zip(results, targeting, batch.target_ad.tolist(), strict=True):
             returned += len(res.ad_ids)
             rank = np.flatnonzero(res.ad_ids == target)
-            values = t.values()
-            ids = {a.name: index.vocabularies[a.name].ids(values.get(a.name, ()))
-                   for a in index.schema.families}  # fmt: skip
-            request = RequestRules(by.request_bitmask(values), ids)
+            request = index.request_rules(t)  # its blocks too: popularity returns none
             eligible = exact_eligible(index.schema, ads.ad_ids[ranking], ranked, request)
             pop = ads.ad_ids[ranking[eligible][: max(ks)]]
             pop_rank = np.flatnonzero(pop == target)

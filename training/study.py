@@ -77,18 +77,16 @@ def _checks(
     t: Targeting,
 ) -> dict[str, np.ndarray]:
     """Each of `CHECKS` for the generated ads of one request: bool [n] each."""
-    by, values = codec(schema), t.values()
-    bitmask = by.request_bitmask(values)
-    ids = {a.name: index.vocabularies[a.name].ids(values.get(a.name, ())) for a in schema.families}
+    request = index.request_rules(t)
     sets_only = AdRules(np.full_like(rules.bitmask, np.iinfo(np.uint64).max), rules.include,
                         rules.exclude)  # fmt: skip
-    blocks = {f"exclude_{k}": np.array(getattr(t, f"exclude_{k[:-1]}_ids"), dtype=np.int64)
-              for k in ("ads", "campaigns", "advertisers")}  # fmt: skip
     return {
-        "bitmask": contains(rules.bitmask, bitmask),
-        "bloom": blooms_pass(schema, blooms, by.request_blooms(values)),
-        "location": exact_eligible(schema, ad_ids, sets_only, RequestRules(bitmask, ids)),
-        "final": exact_eligible(schema, ad_ids, rules, RequestRules(bitmask, ids, **blocks)),
+        "bitmask": contains(rules.bitmask, request.bitmask),
+        "bloom": blooms_pass(schema, blooms, codec(schema).request_blooms(t.values())),
+        "location": exact_eligible(
+            schema, ad_ids, sets_only, RequestRules(request.bitmask, request.ids)
+        ),
+        "final": exact_eligible(schema, ad_ids, rules, request),
     }
 
 

@@ -34,7 +34,7 @@ from contracts.sid_space import LAST_TOKENS, LastToken
 from index_builder.build import assign_sids, build_arrays
 from index_builder.catalog import read_catalog
 from index_builder.synth import load_world
-from index_builder.synth.world import UserHistories
+from index_builder.synth.reader import UserHistories
 from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
 from service.index.loaded import LoadedIndex
 from service.model.checkpoint import save_checkpoint

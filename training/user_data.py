@@ -44,7 +44,7 @@ from contracts.targeting import (
     TargetingError,
     request_bitmask,
 )
-from index_builder.synth.world import UserHistories
+from index_builder.synth.reader import UserHistories
 
 log = logging.getLogger("grace.user_data")
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from contracts.targeting import exact_eligible
 from index_builder.synth.ads import AdState, EncodedAds
 from index_builder.synth.geography import Geography
-from index_builder.synth.histories import request_of
+from index_builder.synth.histories import eligible_for
 from index_builder.synth.profiles import WorldProfile
+from index_builder.synth.user_attributes import UserAttributes
 from index_builder.synth.users import Users
 
 
@@ -23,16 +23,17 @@ def estimate_eligibility(
     enc: EncodedAds,
     users: Users,
     rng: np.random.Generator,
+    extra: UserAttributes | None = None,  # a world's extra attributes
 ) -> dict[str, float | int]:
     sample = np.sort(rng.choice(ads.n, size=min(ads.n, p.eligibility_ads), replace=False))
     who = rng.choice(users.n, size=min(users.n, p.eligibility_users), replace=False)
-    bm, loc_off, loc_ids = enc.take(sample)
+    encoded, advertiser = enc.take(sample), ads.advertiser[sample]
     emb = np.asarray(ads.embedding[sample])
     logpop = np.log(ads.popularity[sample])
     k = min(p.topk_for_pass_rate, len(sample))
     shares, passes = [], []
     for u in who:
-        ok = exact_eligible(bm, loc_off, loc_ids, request_of(users, u, geo), users.locations(u))
+        ok = eligible_for(users, u, geo, encoded, advertiser, extra)
         shares.append(ok.mean())
         score = p.affinity_beta * (emb @ users.interest[u]) + logpop
         top = np.argpartition(-score, k - 1)[:k]

@@ -19,8 +19,11 @@ from multiprocessing.pool import Pool
 
 import numpy as np
 
+from contracts.targeting import Ragged
 from index_builder.synth.ads import AdRules, AdState, fill_chunk, pool_keys, rules_of
 from index_builder.synth.advertisers import Advertisers
+from index_builder.synth.attributes import ExtraRules
+from index_builder.synth.blocks import campaign_ids
 from index_builder.synth.campaigns import Creatives
 from index_builder.synth.geography import Geography
 from index_builder.synth.profiles import WorldProfile, stream
@@ -42,6 +45,7 @@ class AdJob:
     location_names: np.ndarray | None  # object [V]; None = no JSONL catalog
     creatives: Creatives | None = None  # None: every ad its own content
     markets: Geography | None = None  # None: no ad varies its advertiser's targeting
+    extra: ExtraRules | None = None  # None: the default rules only (`attributes.py`)
 
     @property
     def n_chunks(self) -> int:
@@ -56,10 +60,12 @@ class Chunk:
     hi: int
     fields: tuple[np.ndarray, ...]  # FIELDS of ads [lo, hi)
     rules: AdRules  # row_keys are dropped on the way back from a worker
-    bitmask: np.ndarray  # uint64 [hi - lo, BITMASK_WORDS]: `targeting.ad_bitmasks`
+    bitmask: np.ndarray  # uint64 [hi - lo, BITMASK_WORDS]: by the world's schema
     pool_keys: np.ndarray  # int64 [m]: see `ads.pool_keys`
     pool_positions: np.ndarray  # int64 [m]
     jsonl: bytes | None  # the chunk's catalog lines, if the world keeps a JSONL catalog
+    extra: tuple[Ragged, ...] = ()  # per `ExtraRules.columns`: the ads' extra rules
+    campaign: np.ndarray | None = None  # int64 [hi - lo]: with the richer-targeting knobs
 
 
 def draw_chunk(job: AdJob, k: int) -> Chunk:
@@ -71,21 +77,29 @@ def draw_chunk(job: AdJob, k: int) -> Chunk:
     fill_chunk(p, job.adv, job.ads, lo, hi, rng, job.creatives, job.markets)
     rules = rules_of(job.adv, job.ads, slice(lo, hi))
     keys, positions = pool_keys(rules, np.arange(lo, hi, dtype=np.int64), job.n_locations)
+    advertiser = job.ads.advertiser[lo:hi]
+    extra = job.extra.take(advertiser) if job.extra is not None else ()
+    bitmask = rules.bitmasks() if job.extra is None else job.extra.bitmasks(rules, extra)
+    campaign = None
+    if p.richer_targeting or p.blocks:
+        campaign = campaign_ids(advertiser, bitmask, rules.locations)
     jsonl = None
     if job.location_names is not None:
         emb = np.ascontiguousarray(job.ads.embedding[lo:hi], dtype=np.float32)
-        jsonl = jsonl_chunk(
-            job.location_names, job.ads.ad_id[lo:hi], job.ads.advertiser[lo:hi], emb, rules
-        )
+        columns = job.extra.columns if job.extra is not None else ()
+        jsonl = jsonl_chunk(job.location_names, job.ads.ad_id[lo:hi], advertiser, emb, rules,
+                            columns, extra, campaign)  # fmt: skip
     return Chunk(
         lo=lo,
         hi=hi,
         fields=tuple(getattr(job.ads, f)[lo:hi] for f in FIELDS),
         rules=rules,
-        bitmask=rules.bitmasks(),
+        bitmask=bitmask,
         pool_keys=keys,
         pool_positions=positions,
         jsonl=jsonl,
+        extra=extra,
+        campaign=campaign,
     )
 
 

@@ -19,6 +19,7 @@ from index_builder.parallel import stable_argsort
 from index_builder.synth.ads import GLOBAL_KEY, AdState, EncodedAds
 from index_builder.synth.geography import Geography
 from index_builder.synth.profiles import WorldProfile
+from index_builder.synth.user_attributes import UserAttributes
 from index_builder.synth.users import Users
 
 VIEW, CLICK, CONVERSION = 1, 2, 3
@@ -56,6 +57,24 @@ def request_of(users: Users, u: int, geo: Geography) -> np.ndarray:
     g = int(users.gender[u])
     t = Targeting(geo.codes[users.country[u]], int(users.age[u]), GENDERS[g] if g >= 0 else "")
     return request_bitmask(t)
+
+
+def eligible_for(
+    users: Users,
+    u: int,
+    geo: Geography,
+    encoded: tuple[np.ndarray, np.ndarray, np.ndarray],  # `EncodedAds.take` of some ads
+    advertiser: np.ndarray,  # int [n]: their advertisers
+    extra: UserAttributes | None = None,
+) -> np.ndarray:
+    """bool [n]: exactly which of these ads user u is eligible for; with richer targeting
+    (`extra`) its extra enum values and audiences too."""
+    bm, loc_off, loc_ids = encoded
+    req = request_of(users, u, geo)
+    if extra is None:
+        return exact_eligible(bm, loc_off, loc_ids, req, users.locations(u))
+    ok = exact_eligible(bm, loc_off, loc_ids, extra.request(req, u), users.locations(u))
+    return ok & extra.sets_pass(advertiser, u)
 
 
 @dataclass(frozen=True)
@@ -126,9 +145,11 @@ def sample_histories(
     rng: np.random.Generator,
     progress: bool = True,
     fresh: np.ndarray | None = None,
+    extra: UserAttributes | None = None,
 ) -> Histories:
     """The event sequences of every user; `fresh` (bool [N], `campaigns.fresh_ads`) marks
-    the ads launched after the log, which only a held-out event may show."""
+    the ads launched after the log, which only a held-out event may show; `extra`: the
+    users' values of a world's extra attributes."""
     med = np.log(p.history_len_median)
     lengths = np.clip(
         np.rint(rng.lognormal(med, 0.8, size=users.n)), p.history_len_min, p.history_len_max
@@ -140,8 +161,7 @@ def sample_histories(
     seq_ts: list[np.ndarray] = []
     for u in tqdm(range(users.n), desc="histories", unit="user", disable=not progress):
         cand = _pool_sample(index, index.user_keys(users, u, geo), p.candidates_per_user, rng)
-        bm, loc_off, loc_ids = enc.take(cand)
-        ok = exact_eligible(bm, loc_off, loc_ids, request_of(users, u, geo), users.locations(u))
+        ok = eligible_for(users, u, geo, enc.take(cand), ads.advertiser[cand], extra)
         eligible = cand[ok]
         logged = eligible if fresh is None else eligible[~fresh[eligible]]
         if not len(logged):

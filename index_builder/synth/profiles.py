@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
@@ -32,6 +32,24 @@ AGE_RULES: tuple[tuple[int, int, float], ...] = (
     (5, 6, 0.06),  # 55+
     (0, 1, 0.06),  # 13-24
 )
+
+
+# Extra enum attributes (`extra_enums` of them, in this order): name, catalog field, values
+# and how users spread over them; each user has one value.
+EXTRA_ENUMS: tuple[tuple[str, str, tuple[str, ...], tuple[float, ...]], ...] = (
+    ("platform", "platforms", ("ios", "android", "web"), (0.35, 0.45, 0.20)),
+    ("connection", "connections", ("wifi", "cellular"), (0.7, 0.3)),
+)
+MAX_USER_AUDIENCES = 300  # a user's audience segments, at most (the schema's request cap)
+TARGETING_SHARES = (
+    "audience_topic_share", "audience_rule_share", "audience_exclude_share", "enum_rule_share",
+    "enum_exclude_share", "country_exclude_share", "age_exclude_share", "block_ad_share",
+    "block_campaign_share", "block_advertiser_share",
+)  # fmt: skip
+TARGETING_KNOBS = (
+    "n_audiences", "audiences_per_user", "audience_zipf", "extra_enums", "blocks_per_request",
+    *TARGETING_SHARES,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,23 @@ class WorldProfile:
     # in the catalog and the index but in no history; a held-out next interaction may be
     # one of them, so no model trained on the log has seen where they may run
     fresh_share: float = 0.0
+    # --- richer targeting (attributes.py, audiences.py, blocks.py; docs/SYNTH.md "Richer
+    # targeting"): at the neutral values (the defaults) the world is the world without
+    n_audiences: int = 0  # audience segments, a `set` attribute (0: none)
+    audiences_per_user: float = 40.0  # mean segments per user (cut at MAX_USER_AUDIENCES)
+    audience_zipf: float = 1.0  # segment popularity ~ rank^-s
+    audience_topic_share: float = 0.6  # of a user's segments, the share of its topics'
+    audience_rule_share: float = 0.2  # advertisers including 1-4 segments of their topic
+    audience_exclude_share: float = 0.05  # advertisers excluding 1-2 ("existing customers")
+    extra_enums: int = 0  # extra enum attributes (EXTRA_ENUMS): 1 platform, 2 + connection
+    enum_rule_share: float = 0.2  # per extra enum: advertisers including some of its values
+    enum_exclude_share: float = 0.1  # per extra enum: advertisers excluding one value
+    country_exclude_share: float = 0.0  # advertisers excluding a country
+    age_exclude_share: float = 0.0  # advertisers excluding an age bucket
+    block_ad_share: float = 0.0  # requests blocking ads they were shown (frequency caps)
+    block_campaign_share: float = 0.0  # requests blocking campaigns
+    block_advertiser_share: float = 0.0  # requests blocking advertisers
+    blocks_per_request: float = 3.0  # mean ids in a request's block list (at least 1)
     # --- users
     age_bucket_weights: tuple[float, ...] = (0.06, 0.20, 0.28, 0.19, 0.13, 0.08, 0.06)
     unknown_age_share: float = 0.05
@@ -119,6 +154,44 @@ class WorldProfile:
         for lo, hi in (self.regions_per_country, self.cities_per_region):
             if not 1 <= lo <= hi:
                 raise ValueError(f"{self.name}: ranges must satisfy 1 <= min <= max")
+        self._check_targeting()
+
+    def _check_targeting(self) -> None:
+        if self.n_audiences and self.n_audiences < self.n_topics:
+            raise ValueError(f"{self.name}: n_audiences must be 0 or >= n_topics "
+                             f"({self.n_topics})")  # fmt: skip
+        if not 0.0 <= self.audiences_per_user <= MAX_USER_AUDIENCES or self.audience_zipf < 0:
+            raise ValueError(f"{self.name}: need 0 <= audiences_per_user <= "
+                             f"{MAX_USER_AUDIENCES}, audience_zipf >= 0")  # fmt: skip
+        if not 0 <= self.extra_enums <= len(EXTRA_ENUMS):
+            raise ValueError(f"{self.name}: extra_enums must lie in [0, {len(EXTRA_ENUMS)}]")
+        if not 1.0 <= self.blocks_per_request <= 1000.0:
+            raise ValueError(f"{self.name}: blocks_per_request must lie in [1, 1000]")
+        for knob in TARGETING_SHARES:
+            if not 0.0 <= getattr(self, knob) <= 1.0:
+                raise ValueError(f"{self.name}: {knob} must lie in [0, 1]")
+
+    @property
+    def richer_targeting(self) -> bool:
+        """Whether the catalog carries more than the four include lists: extra attributes
+        or exclusions (the world then writes its targeting schema file)."""
+        return bool(self.n_audiences or self.extra_enums or self.country_exclude_share
+                    or self.age_exclude_share)  # fmt: skip
+
+    @property
+    def blocks(self) -> bool:
+        """Whether some requests carry block lists."""
+        return bool(self.block_ad_share or self.block_campaign_share
+                    or self.block_advertiser_share)  # fmt: skip
+
+    def recorded_knobs(self) -> dict[str, object]:
+        """world.json["knobs"]: every knob, the richer-targeting ones only for a world that
+        uses them (so a world without them records what it recorded before they existed)."""
+        knobs = asdict(self)
+        if not (self.richer_targeting or self.blocks):
+            for knob in TARGETING_KNOBS:
+                del knobs[knob]
+        return knobs
 
     def with_counts(self, n_ads: int | None = None, n_users: int | None = None) -> WorldProfile:
         """This profile with the ad / user counts overridden (None keeps the profile's)."""

@@ -3,34 +3,36 @@
 `generate_world` runs the flow, each stage on its own random stream (profile → geography
 → topics, advertisers → ads in chunks → catalog files and pool index → users → histories
 → eligibility → users/held-out files → world.json → rename into `out`); `load_world`
-reads a world for tests, training and evaluation.
+(`reader.py`) reads a world for tests, training and evaluation.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from contracts.targeting import Targeting
 from index_builder.synth import campaigns, writer
 from index_builder.synth.ads import EncodedAds, allocate_ads
 from index_builder.synth.advertisers import build_advertisers, build_topics
+from index_builder.synth.attributes import SCHEMA_FILE, build_extra_rules, write_schema
+from index_builder.synth.audiences import build_segments
+from index_builder.synth.blocks import Blocks, draw_blocks
 from index_builder.synth.calibration import estimate_eligibility
 from index_builder.synth.chunks import AdJob, ChunkStream, store
 from index_builder.synth.geography import Geography, build_geography
 from index_builder.synth.histories import CandidateIndex, Histories, sample_histories
 from index_builder.synth.profiles import PROFILES, STYLES, WorldProfile, stream
+from index_builder.synth.reader import WORLD_FORMAT
+from index_builder.synth.user_attributes import UserAttributes, build_user_attributes
 from index_builder.synth.users import build_users
 
-WORLD_FORMAT = 1
+# training and evaluation import these from here
+__all__ = ["generate_world"]
 
 
 def generate_world(
@@ -83,22 +85,30 @@ def generate_world(
             creatives = campaigns.with_markets(p, creatives, markets, adv,
                                                stream(seed, "creative-markets"))  # fmt: skip
         fresh = campaigns.fresh_ads(p, creatives, p.n_ads, stream(seed, "fresh"))
+        segments = build_segments(p, stream(seed, "audiences")) if p.n_audiences else None
+        extra_rules = build_extra_rules(p, geo, adv, segments, seed)
         names = geo.names if jsonl else None
-        job = AdJob(p, adv, ads, seed, len(geo.names), names, creatives, markets)
+        job = AdJob(p, adv, ads, seed, len(geo.names), names, creatives, markets, extra_rules)
         index, enc, rule_counts, tkeys = _write_catalog(job, geo, tmp, progress, workers)
         per_style = np.bincount(adv.style[ads.advertiser], minlength=len(STYLES))
         style_counts = {s: int(c) for s, c in zip(STYLES, per_style, strict=True)}
         lap("ads")
 
         users = build_users(p, geo, topics, seed, stream(seed, "users"))
+        extra = build_user_attributes(p, topics, users, segments, extra_rules, seed)
         lap("users")
         hist = sample_histories(p, geo, ads, enc, users, index, stream(seed, "histories"),
-                                progress, fresh)  # fmt: skip
+                                progress, fresh, extra)  # fmt: skip
         del index
         lap("histories")
-        elig = estimate_eligibility(p, geo, ads, enc, users, stream(seed, "calibration"))
+        elig = estimate_eligibility(p, geo, ads, enc, users, stream(seed, "calibration"), extra)
         lap("eligibility")
-        writer.write_users(tmp, geo, users, ads, hist, fresh)
+        blocks = draw_blocks(p, hist, ads, enc, seed)
+        columns = {**(extra.columns(hist.user) if extra else {}),
+                   **(blocks.columns() if blocks else {})}  # fmt: skip
+        writer.write_users(tmp, geo, users, ads, hist, fresh, columns)
+        if extra_rules is not None:
+            write_schema(extra_rules.schema, tmp)
         lap("write_users")
         del emb, ads, enc
         emb_path.unlink()
@@ -109,7 +119,7 @@ def generate_world(
             "format": WORLD_FORMAT,
             "profile": p.name,
             "seed": seed,
-            "knobs": asdict(p),
+            "knobs": p.recorded_knobs(),
             "counts": {
                 "ads": p.n_ads,
                 "advertisers": adv.n,
@@ -132,9 +142,18 @@ def generate_world(
                 else {}
             ),
             **({"fresh": _fresh_summary(fresh, hist)} if fresh is not None else {}),
+            **(
+                {"targeting": _targeting_summary(extra, hist.user, blocks)}
+                if p.richer_targeting or p.blocks
+                else {}
+            ),
             "eligibility": elig,
             "timings_s": timings,
-            "files": [*([writer.CATALOG_JSONL] if jsonl else []), *writer.FILES],
+            "files": [
+                *([writer.CATALOG_JSONL] if jsonl else []),
+                *writer.FILES,
+                *([SCHEMA_FILE] if extra_rules is not None else []),
+            ],
         }
         writer.write_summary(tmp, summary)  # last: its presence marks a complete world
         writer.publish(tmp, out)
@@ -155,10 +174,14 @@ def _write_catalog(
     tkeys = np.zeros(p.n_ads if job.creatives else 0, dtype=np.uint64)
     enc = EncodedAds.allocate(p.n_ads)
     counts = dict.fromkeys(("country_rule", "age_rule", "gender_rule", "location_rule"), 0)
-    jsonl = job.location_names is not None
+    columns = job.extra.columns if job.extra is not None else ()
+    extra_counts = dict.fromkeys((f"{c.field}_rule" for c in columns), 0)
+    jsonl, campaign_ids = job.location_names is not None, p.richer_targeting or p.blocks
     with (
         ChunkStream(job, workers) as chunks,  # forks first: before the writer's threads
-        writer.CatalogWriter(directory, geo.names, p.embedding_dim, jsonl=jsonl) as cat,
+        writer.CatalogWriter(
+            directory, geo.names, p.embedding_dim, jsonl, columns, campaign_ids
+        ) as cat,
     ):
         bar = tqdm(total=p.n_ads, desc="ads", unit="ad", unit_scale=True, disable=not progress)
         for chunk in chunks:
@@ -169,16 +192,35 @@ def _write_catalog(
                 tkeys[lo:hi] = campaigns.targeting_keys(chunk.bitmask, rules.locations)
             loc_chunks.append(rules.locations.values)
             emb = ads.embedding[lo:hi]
-            cat.write(ads.ad_id[lo:hi], ads.advertiser[lo:hi], emb, rules, chunk.jsonl)
+            cat.write(ads.ad_id[lo:hi], ads.advertiser[lo:hi], emb, rules, chunk.jsonl,
+                      chunk.extra, chunk.campaign)  # fmt: skip
             keys.append(chunk.pool_keys)
             positions.append(chunk.pool_positions)
             ragged = (rules.countries, rules.age_buckets, rules.genders, rules.locations)
             for name, r in zip(counts, ragged, strict=True):
                 counts[name] += int(np.count_nonzero(np.diff(r.offsets)))
+            for name, r in zip(extra_counts, chunk.extra, strict=True):
+                extra_counts[name] += int(np.count_nonzero(np.diff(r.offsets)))
             bar.update(hi - lo)
         bar.close()
     index = CandidateIndex.build(keys, positions, len(geo.names))
-    return index, EncodedAds.finish(enc, loc_chunks), counts, tkeys
+    return index, EncodedAds.finish(enc, loc_chunks), counts | extra_counts, tkeys
+
+
+def _targeting_summary(
+    extra: UserAttributes | None, kept: np.ndarray, blocks: Blocks | None
+) -> dict[str, Any]:
+    """world.json["targeting"]: the schema's attributes, the kept users' audiences and the
+    requests' blocks."""
+    out: dict[str, Any] = {}
+    if extra is not None:
+        out["attributes"] = [a.name for a in extra.schema.attributes]
+    if extra is not None and extra.audiences is not None and len(kept):
+        n = np.diff(extra.audiences.offsets)[kept]
+        out["mean_user_audiences"] = float(n.mean())
+        out["max_user_audiences"] = int(n.max())
+        out["share_users_without_audiences"] = float((n == 0).mean())
+    return out | (blocks.summary() if blocks is not None else {})
 
 
 def _fresh_summary(fresh: np.ndarray, hist: Histories) -> dict[str, float]:
@@ -189,76 +231,3 @@ def _fresh_summary(fresh: np.ndarray, hist: Histories) -> dict[str, float]:
         "share_of_ads": float(fresh.mean()),
         "heldout_share": float(fresh[hist.ad[last]].mean()) if len(last) else 0.0,
     }
-
-
-@dataclass(frozen=True)
-class UserHistories:
-    """Users with their targeting, time-ordered histories and held-out next events, as
-    training and evaluation read them: a generated `World`, or a team's own data
-    (`training.user_data.UserData`)."""
-
-    path: Path  # where they were read from
-    summary: dict[str, Any]
-    user_ids: np.ndarray  # int64 [U]
-    targeting: tuple[Targeting, ...]  # [U]: the request attributes of each user
-    history_offsets: np.ndarray  # int64 [U+1]: user u's events are [off[u], off[u+1])
-    history_ad_ids: np.ndarray  # int64 [E], time-ordered per user
-    history_types: np.ndarray  # int8 [E]: 1 view, 2 click, 3 conversion
-    history_ts: np.ndarray  # int64 [E]: timestamp_ms
-    heldout_ad_ids: np.ndarray  # int64 [U]: the next interaction; -1: the user has none
-    heldout_types: np.ndarray  # int8 [U]
-    heldout_ts: np.ndarray  # int64 [U]
-
-    @property
-    def n_users(self) -> int:
-        return len(self.user_ids)
-
-    def history(self, u: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ad_ids, types, timestamp_ms) of user position u, oldest first."""
-        s = slice(self.history_offsets[u], self.history_offsets[u + 1])
-        return self.history_ad_ids[s], self.history_types[s], self.history_ts[s]
-
-
-@dataclass(frozen=True)
-class World(UserHistories):
-    """A generated world, read back (`path`: its directory; `summary`: its world.json)."""
-
-    # bool [U]: the held-out ad launched after the log (worlds with `fresh_share` > 0)
-    heldout_fresh: np.ndarray | None = None
-
-    @property
-    def catalog_parquet(self) -> Path:
-        return self.path / writer.CATALOG_PARQUET
-
-
-def load_world(directory: Path | str) -> World:
-    """Read a world written by `generate_world`; refuses a directory without world.json."""
-    d = Path(directory)
-    if not (d / writer.WORLD_JSON).is_file():
-        raise FileNotFoundError(f"{d} is not a complete world: {writer.WORLD_JSON} missing")
-    summary = json.loads((d / writer.WORLD_JSON).read_text())
-    if summary.get("format") != WORLD_FORMAT:
-        raise ValueError(f"{d}: world format {summary.get('format')!r}, expected {WORLD_FORMAT}")
-    users = pq.read_table(d / writer.USERS_PARQUET)
-    held = pq.read_table(d / writer.HELDOUT_PARQUET)
-    user_ids = users["user_id"].to_numpy()
-    if not np.array_equal(user_ids, held["user_id"].to_numpy()):
-        raise ValueError(f"{d}: users and held-out events are not aligned")
-    cols = [users[k].to_pylist() for k in ("country", "age", "gender", "locations")]
-    targeting = tuple(Targeting(c, a, g, tuple(loc)) for c, a, g, loc in zip(*cols, strict=True))
-    hist = users["history_ad_id"].combine_chunks()
-    lengths = hist.value_lengths().to_numpy(zero_copy_only=False)
-    return World(
-        path=d,
-        summary=summary,
-        user_ids=user_ids,
-        targeting=targeting,
-        history_offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        history_ad_ids=hist.flatten().to_numpy(),
-        history_types=users["history_type"].combine_chunks().flatten().to_numpy(),
-        history_ts=users["history_ts"].combine_chunks().flatten().to_numpy(),
-        heldout_ad_ids=held["ad_id"].to_numpy(),
-        heldout_types=held["type"].to_numpy(),
-        heldout_ts=held["timestamp_ms"].to_numpy(),
-        heldout_fresh=held["fresh"].to_numpy() if "fresh" in held.column_names else None,
-    )

@@ -22,6 +22,7 @@ from contracts.data_format import CATALOG_FORMAT_VERSION, CATALOG_VERSION_KEY
 from contracts.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Ragged
 from index_builder.parallel import take_segments
 from index_builder.synth.ads import AdRules, AdState
+from index_builder.synth.attributes import Column
 from index_builder.synth.geography import Geography
 from index_builder.synth.histories import Histories
 from index_builder.synth.users import Users
@@ -61,12 +62,27 @@ def _ragged_column(r: Ragged, names: pa.Array) -> pa.ListArray:
     return pa.ListArray.from_arrays(offsets, names.take(pa.array(r.values)))
 
 
+def _extra_fields(
+    columns: tuple[Column, ...], extra: tuple[Ragged, ...], campaign: np.ndarray
+) -> list[bytes]:
+    """Per row, the richer-targeting fields as JSON members (each after a comma)."""
+    parts = [[b',"campaign_id":%d' % c for c in campaign.tolist()]]
+    for c, r in zip(columns, extra, strict=True):
+        values, o = c.names[r.values].tolist(), (r.offsets - r.offsets[0]).tolist()
+        lists = _split_rows(orjson.dumps([values[o[i] : o[i + 1]] for i in range(r.n)]))
+        parts.append([b',"%b":[%b]' % (c.field.encode(), x) for x in lists])
+    return [b"".join(row) for row in zip(*parts, strict=True)]
+
+
 def jsonl_chunk(
     location_names: np.ndarray,  # object [V]: location vocabulary
     ad_id: np.ndarray,  # int64 [n]
     advertiser: np.ndarray,  # int [n]
     emb: np.ndarray,  # float32 [n, d], C-contiguous
     rules: AdRules,
+    extra_columns: tuple[Column, ...] = (),  # richer targeting: the extra list columns
+    extra: tuple[Ragged, ...] = (),  # their rules of these ads
+    campaign: np.ndarray | None = None,  # int64 [n]: with richer targeting or blocks
 ) -> bytes:
     """The JSON Lines of one catalog chunk (each row ends in a newline); a free function,
     so that the ad-drawing workers serialise their own chunks."""
@@ -90,16 +106,26 @@ def jsonl_chunk(
             ad_id.tolist(), advertiser.tolist(), *columns, strict=True
         )
     ]
+    if campaign is not None:  # richer targeting or blocks: their fields before the "}"
+        more = _extra_fields(extra_columns, extra, campaign)
+        rows = [r[:-1] + x + b"}" for r, x in zip(rows, more, strict=True)]
     rows.append(b"")
     return b"\n".join(rows)
 
 
 class CatalogWriter:
     """Streams catalog chunks into catalog.parquet (one row group each) and, unless
-    `jsonl=False`, catalog.jsonl."""
+    `jsonl=False`, catalog.jsonl; with richer targeting also `campaign_id` and the extra
+    list `columns`."""
 
     def __init__(
-        self, directory: Path, location_names: np.ndarray, dim: int, jsonl: bool = True
+        self,
+        directory: Path,
+        location_names: np.ndarray,
+        dim: int,
+        jsonl: bool = True,
+        columns: tuple[Column, ...] = (),
+        campaigns: bool = False,
     ) -> None:
         self._names = {
             "countries": pa.array(COUNTRIES, pa.string()),
@@ -107,6 +133,9 @@ class CatalogWriter:
             "genders": pa.array(GENDERS, pa.string()),
             "locations": pa.array(location_names.tolist(), pa.string()),
         }
+        self._columns = columns
+        self._extra_names = [pa.array(c.names.tolist(), pa.string()) for c in columns]
+        self._campaigns = campaigns
         if any("]" in n for n in location_names.tolist()):
             raise ValueError("location names must not contain ']' (see _split_rows)")
         self._loc_names = location_names
@@ -115,8 +144,10 @@ class CatalogWriter:
             [
                 ("ad_id", pa.int64()),
                 ("advertiser_id", pa.int64()),
+                *((("campaign_id", pa.int64()),) if campaigns else ()),
                 ("embedding", pa.list_(pa.float32())),
                 *((k, pa.list_(pa.string())) for k in self._names),
+                *((c.field, pa.list_(pa.string())) for c in columns),
             ],
             metadata={CATALOG_VERSION_KEY: str(CATALOG_FORMAT_VERSION).encode()},
         )
@@ -130,19 +161,24 @@ class CatalogWriter:
         embedding: np.ndarray,  # float32 [n, d]
         rules: AdRules,
         jsonl: bytes | None = None,  # this chunk's JSON Lines if already serialised
+        extra: tuple[Ragged, ...] = (),  # per extra column: these ads' rules
+        campaign: np.ndarray | None = None,  # int64 [n], when the writer has campaigns
     ) -> None:
         n = len(ad_id)
         emb = np.ascontiguousarray(embedding, dtype=np.float32)
         columns = [
             pa.array(ad_id, pa.int64()),
             pa.array(advertiser.astype(np.int64)),
+            *((pa.array(campaign, pa.int64()),) if self._campaigns else ()),
             _list_column(np.arange(0, (n + 1) * self._dim, self._dim), emb.ravel(), pa.float32()),
             *(_ragged_column(getattr(rules, k), names) for k, names in self._names.items()),
+            *(_ragged_column(r, names) for r, names in zip(extra, self._extra_names, strict=True)),
         ]
         self._parquet.write_table(pa.Table.from_arrays(columns, schema=self.schema))
         if self._jsonl is not None:
             if jsonl is None:
-                jsonl = jsonl_chunk(self._loc_names, ad_id, advertiser, emb, rules)
+                jsonl = jsonl_chunk(self._loc_names, ad_id, advertiser, emb, rules,
+                                    self._columns, extra, campaign)  # fmt: skip
             self._jsonl.write(jsonl)
 
     def close(self) -> None:
@@ -164,11 +200,12 @@ def write_users(
     ads: AdState,
     hist: Histories,
     fresh: np.ndarray | None,  # bool [N]: launched after the log (`campaigns.fresh_ads`)
+    extra: dict[str, pa.Array] | None = None,  # richer targeting: more users.parquet columns
 ) -> None:
-    """users.parquet (the kept users, each history without its held-out event),
-    heldout.parquet (a `fresh` column only with fresh ads) and interactions.parquet: every
-    event in the docs/DATA.md format, split `train` (history) / `test` (held out), so the
-    world's files train like a team's own data."""
+    """users.parquet (the kept users, each history without its held-out event, then the
+    `extra` columns), heldout.parquet (a `fresh` column only with fresh ads) and
+    interactions.parquet: every event in the docs/DATA.md format, split `train` (history) /
+    `test` (held out), so the world's files train like a team's own data."""
     kept = hist.user
     last = hist.offsets[1:] - 1  # each user's held-out event
     logged = np.ones(len(hist.ad), dtype=bool)
@@ -187,6 +224,7 @@ def write_users(
         "history_ad_id": _list_column(hist_offsets, ads.ad_id[hist.ad[logged]], pa.int64()),
         "history_type": _list_column(hist_offsets, hist.type[logged], pa.int8()),
         "history_ts": _list_column(hist_offsets, hist.ts[logged], pa.int64()),
+        **(extra or {}),
     }
     pq.write_table(pa.table(people), directory / USERS_PARQUET)
     heldout = {

@@ -17,7 +17,7 @@ from contracts.index_arrays import IndexArrays
 from contracts.index_manifest import manifest_schema
 from contracts.index_validation import validate_index
 from contracts.targeting import Targeting
-from contracts.targeting_codec import codec
+from contracts.targeting_codec import RequestRules, codec
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from contracts.tensors import GtmTables
 from service.model.features import SidLookup
@@ -46,24 +46,38 @@ class LoadedIndex:
     post: PostStage  # the C++ post stage over this version's ad arrays
     loaded_at: float = field(default_factory=time.time)
 
+    def request_rules(self, targeting: Targeting) -> RequestRules:
+        """A request's side of the exact test by this index's schema and vocabularies
+        (`targeting_codec.exact_eligible`), its blocks included."""
+        values = targeting.values()
+        vocabularies = self.vocabularies
+        return RequestRules(
+            bitmask=codec(self.schema).request_bitmask(values),
+            ids={
+                a.name: vocabularies[a.name].ids(values.get(a.name, ()))
+                for a in self.schema.families
+            },
+            exclude_ads=_ids(targeting.exclude_ad_ids),
+            exclude_campaigns=_ids(targeting.exclude_campaign_ids),
+            exclude_advertisers=_ids(targeting.exclude_advertiser_ids),
+        )
+
     def post_request(
         self, leaves: np.ndarray, scores: np.ndarray, targeting: Targeting, max_ads: int
     ) -> PostRequest:
-        """A request's generated leaves and its targeting, blocks included, as this
-        index's post stage reads them (encoded by its schema and vocabularies)."""
-        values = targeting.values()
-        vocabularies = self.vocabularies
-        sets = tuple(vocabularies[a.name].ids(values.get(a.name, ())) for a in self.schema.families)
+        """A request's generated leaves and its targeting as this index's post stage
+        reads them (`request_rules`; each set attribute's ids in the schema's order)."""
+        rules = self.request_rules(targeting)
         return PostRequest(
             leaves=leaves,
             scores=scores,
-            req_bitmask=codec(self.schema).request_bitmask(values),
+            req_bitmask=rules.bitmask,
             req_loc_ids=_NO_SET_IDS,
             max_ads=max_ads,
-            set_ids=sets,
-            exclude_ad_ids=_ids(targeting.exclude_ad_ids),
-            exclude_campaign_ids=_ids(targeting.exclude_campaign_ids),
-            exclude_advertiser_ids=_ids(targeting.exclude_advertiser_ids),
+            set_ids=tuple(rules.ids.values()),
+            exclude_ad_ids=rules.exclude_ads,
+            exclude_campaign_ids=rules.exclude_campaigns,
+            exclude_advertiser_ids=rules.exclude_advertisers,
         )
 
     @property
