@@ -5,8 +5,8 @@ library calls as `grace synth --no-jsonl`, `grace train-tokenizer` and `grace
 build-index`, and reports docs/ARCHITECTURE.md §9's index-build figure (30 M SIDs <= 5 min on 16
 cores; GPU matcher tables <= 390 MB after dedup):
 
-  1. world: `generate_world("paper", n_ads, n_users)` on `--workers` processes, Parquet
-     catalog only (users: only what the benchmark's requests need);
+  1. world: `generate_world("paper", n_ads, n_users)` (knobs: `--set`) on `--workers`
+     processes, Parquet catalog only (users: only what the benchmark's requests need);
   2. tokenizer: read the catalog's embedding column, train RQ-KMeans on its 200 k-row
      sample (CPU, `--workers` threads), save it;
   3. index: `build_index` (read + validate the catalog, SIDs on `--device`, trie, dedup,
@@ -80,10 +80,11 @@ class Phases:
 
 
 def make_world(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    from index_builder.synth import generate_world
+    from index_builder.synth import PROFILES, generate_world
 
+    knobs = dict(pair.split("=", 1) for pair in args.set)
     return generate_world(
-        "paper",
+        PROFILES["paper"].with_knobs(knobs),
         args.seed,
         out,
         n_ads=args.ads,
@@ -180,6 +181,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the result here, not bench/results/")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                    help="a world knob (docs/SYNTH.md), e.g. --set n_audiences=20000: richer "
+                    "targeting, the index built by the world's schema")  # fmt: skip
     args = ap.parse_args()
     if not sys.stdout.isatty():  # a captured log: one progress line every 10 s, not 100s
         os.environ.setdefault("TQDM_MININTERVAL", "10")
@@ -202,6 +206,7 @@ def main() -> None:
 
     from contracts.index_manifest import read_manifest
     from index_builder.build import build_index
+    from index_builder.synth import load_world_schema
 
     version, report = phases.run(
         "build index",
@@ -213,6 +218,7 @@ def main() -> None:
             progress=not args.quiet,
             device=args.device,
             workers=args.workers,
+            schema=load_world_schema(world_dir),
         ),
     )
     version_dir = index_root / version
@@ -223,6 +229,7 @@ def main() -> None:
     steps = report.levels
     figures = {
         "ads": args.ads,
+        "knobs": dict(pair.split("=", 1) for pair in args.set),
         "users": world["counts"]["users"],
         "workers": args.workers,
         "device": args.device,
