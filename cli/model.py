@@ -11,12 +11,14 @@ from pathlib import Path
 from cli.common import (
     AUTOTUNE_HELP,
     LAST_TOKEN_HELP,
+    SCHEMA_HELP,
     SID_SPACE_HELP,
     AddCommand,
     offline_kernels,
     positive_float,
     positive_int,
     show_progress,
+    targeting_schema,
 )
 from contracts.data_format import EVENT_MAP_FLAG, UNMAPPED_FLAG, UNMAPPED_POLICIES, EventMap
 from contracts.sid_space import LAST_TOKENS
@@ -47,10 +49,15 @@ def _train(args: argparse.Namespace) -> int:
             "grace train: give --world, or --catalog, --interactions and --users", file=sys.stderr
         )
         return 2
+    if args.world is not None and args.targeting_schema:
+        print("grace train: --targeting-schema is for --catalog; a world carries its own "
+              "(WORLD/targeting_schema.yaml)", file=sys.stderr)  # fmt: skip
+        return 2
     paths = {k: Path(v) for k, v in files.items() if v}
     events = (EventMap.parse(args.event_map, args.unmapped) if args.event_map
               else EventMap(unmapped=args.unmapped))  # fmt: skip
-    data = TrainingData(world=Path(args.world) if args.world else None, events=events, **paths)
+    data = TrainingData(world=Path(args.world) if args.world else None, events=events,
+                        schema=targeting_schema(args), **paths)  # fmt: skip
     try:
         metrics = train(
             data,
@@ -176,6 +183,8 @@ def register(add: AddCommand) -> None:
     p.add_argument("--catalog", help="your catalog, instead of --world (docs/DATA.md)")
     p.add_argument("--interactions", help="your interactions file: .parquet, .csv or .jsonl")
     p.add_argument("--users", help="your users file: .parquet, .csv or .jsonl")
+    p.add_argument("--targeting-schema", metavar="FILE",
+                   help="with --catalog: " + SCHEMA_HELP)  # fmt: skip
     p.add_argument(EVENT_MAP_FLAG, metavar="SOURCE=TARGET,...",
                    help="your interactions' own event types as view, click or conversion, "
                    "e.g. impression=view,purchase=conversion (docs/DATA.md)")  # fmt: skip

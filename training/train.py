@@ -31,10 +31,11 @@ from contracts import sid_space as sid_spaces
 from contracts.data_format import DEFAULT_EVENT_MAP, EventMap
 from contracts.index_arrays import IndexArrays
 from contracts.sid_space import LAST_TOKENS, LastToken
+from contracts.targeting_schema import DEFAULT, TargetingSchema
 from index_builder.build import assign_sids, build_arrays
 from index_builder.catalog import read_catalog
 from index_builder.synth import load_world
-from index_builder.synth.reader import UserHistories
+from index_builder.synth.reader import UserHistories, World
 from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
 from service.index.loaded import LoadedIndex
 from service.model.checkpoint import save_checkpoint
@@ -93,6 +94,8 @@ class TrainingData:
     interactions: Path | None = None
     users: Path | None = None
     events: EventMap = DEFAULT_EVENT_MAP  # how the interactions' event types are read
+    # the targeting schema the catalog is read by (a world's: its own file)
+    schema: TargetingSchema = DEFAULT
 
     def __post_init__(self) -> None:
         files = [f is not None for f in (self.catalog, self.interactions, self.users)]
@@ -116,7 +119,8 @@ def prepare(
     catalog_path = world.catalog_parquet if world is not None else data.catalog
     assert catalog_path is not None  # TrainingData checked it
     t = time.perf_counter()
-    catalog = read_catalog(catalog_path, progress=progress)
+    schema = world.schema if world is not None else data.schema
+    catalog = read_catalog(catalog_path, progress=progress, schema=schema)
     log.info("catalog %s: %d ads read in %.1f s", catalog_path, len(catalog.ad_id),
              time.perf_counter() - t)  # fmt: skip
     histories: UserHistories
@@ -180,7 +184,8 @@ def train(
                                        settings.last_token)  # fmt: skip
     space = tokenizer.fingerprint if tokenizer is not None else sid_spaces.named(str(sid_space))
     config: ModelConfig = profile(settings.profile)
-    index = LoadedIndex.from_arrays(arrays, settings.device)
+    schema = world.schema if isinstance(world, World) else data.schema
+    index = LoadedIndex.from_arrays(arrays, settings.device, schema=schema)
     examples = Examples(world, index.lookup, config)
     model = GenerativeRetriever(config).to(settings.device)
     on_cuda = torch.device(settings.device).type == "cuda"

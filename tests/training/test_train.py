@@ -138,3 +138,28 @@ def test_training_that_diverges_stops_and_saves_nothing(
     assert len(said) == 1 and said[0].startswith("grace train: the loss turned non-finite"), err
     assert "nothing saved" in said[0] and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_world_of_richer_targeting_trains_and_evaluates_by_its_own_schema(
+    tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A world with audiences and extra enums carries its schema file: training reads the
+    catalog by it (its held-out evaluation filters by every rule, no field ignored), and
+    `--targeting-schema` beside `--world` is refused in one line."""
+    from cli import main
+    from index_builder.synth import PROFILES, load_world_schema
+    from training.train import TrainingData, prepare
+
+    world = tmp_path / "rich"
+    rich = replace(PROFILES["tiny"], name="tiny-rich", n_audiences=400, extra_enums=1)
+    generate_world(rich, 3, world, progress=False)
+    schema = load_world_schema(world)
+    _, _, arrays = prepare(TrainingData(world=world), tmp_path / "work", None, progress=False)
+    assert set(arrays.ads.sets) == {a.name for a in schema.families} >= {"audiences"}
+    assert arrays.ads.ad_bitmask.shape[1] == schema.bitmask_words
+    assert not [r for r in caplog.records if "ignored" in r.getMessage()]  # no field unread
+    args = ["train", "--world", str(world), "--targeting-schema", "x.yaml", "--out",
+            str(tmp_path / "m")]  # fmt: skip
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--targeting-schema is for --catalog" in lines[0]
