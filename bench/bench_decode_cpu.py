@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.baselines.cross_attention import cross_attention_per_beam
 from bench.baselines.ladder import Rung, TextbookSearch
 from bench.common import percentiles, timed, write_result
-from contracts.targeting import encode_requests
+from contracts.targeting_codec import codec
 from contracts.tensors import RequestTensors
 from index_builder.build import assign_sids, build_arrays
 from index_builder.catalog import read_catalog
@@ -71,7 +71,8 @@ def tiny_latency(batches: int) -> dict[str, object]:
         with torch.no_grad():
             ctx = model.encode(batch.features)
         t2 = time.perf_counter()
-        reqs = RequestTensors.from_encoded(encode_requests(targeting))
+        enc = codec(index.schema).encode_requests([t.values() for t in targeting])
+        reqs = RequestTensors.from_encoded(enc)
         res = engine.run(plans, ctx, reqs, config.beams)
         t3 = time.perf_counter()
         index.post.run([

@@ -18,7 +18,7 @@ import numpy as np
 from contracts.index_arrays import IndexArrays
 from contracts.index_format import VOCAB_SIZE, read_index_dir
 from contracts.index_manifest import manifest_schema
-from contracts.targeting import AGE, AGE_BUCKETS, COUNTRY, GENDER, GENDERS, Targeting, country_index
+from contracts.targeting import AGE_BUCKETS, GENDERS, Targeting, country_index
 from contracts.targeting_codec import Ragged, codec
 from contracts.targeting_schema import DEFAULT, Attribute, TargetingSchema
 from index_builder.build import build_arrays
@@ -168,6 +168,13 @@ def load_index(root: Path) -> tuple[IndexArrays, TargetingSchema]:
 # --------------------------------------------------------------------------- requests
 
 
+def _allowed(words: np.ndarray, attr: Attribute) -> tuple[list[int], int]:
+    """An ad's allowed values of a default-schema attribute, as bit numbers, and the
+    attribute's first bit."""
+    at = DEFAULT.bit_offsets[attr.name]
+    return _set_bits(words, at, len(attr.labels)), at
+
+
 def _set_bits(words: np.ndarray, lo: int, n: int) -> list[int]:
     bits = np.arange(lo, lo + n)
     on = ((words[bits // 64] >> (bits % 64).astype(np.uint64)) & np.uint64(1)) == 1
@@ -188,23 +195,24 @@ def requests_for(
     by_country: dict[str, list[str]] = {}
     for s in vocab:
         by_country.setdefault(s.split("/")[0], []).append(s)
+    country_a, age_a, gender_a = (DEFAULT.attribute(n) for n in ("country", "age", "gender"))
     out = []
     for ad in rng.choice(ads.num_ads, batch, replace=False).tolist():
         words = ads.ad_bitmask[ad]
-        countries = _set_bits(words, COUNTRY.offset, len(COUNTRY.values))
-        ages = _set_bits(words, AGE.offset, len(AGE.values))
-        genders = _set_bits(words, GENDER.offset, len(GENDER.values))
+        (countries, c_at), (ages, a_at), (genders, g_at) = (
+            _allowed(words, a) for a in (country_a, age_a, gender_a)
+        )
         lo, hi = locations.include_offsets[ad], locations.include_offsets[ad + 1]
         own = [vocab[i] for i in locations.include_ids[lo:hi].tolist()]
-        country = COUNTRY.values[rng.choice(countries) - COUNTRY.offset] if countries else ""
-        if len(countries) == len(COUNTRY.values):  # no country rule: where its places are
+        country = country_a.labels[rng.choice(countries) - c_at] if countries else ""
+        if len(countries) == len(country_a.labels):  # no country rule: where its places are
             home = own[0].split("/")[0] if own else ""
             country = home if country_index(home) is not None else "US"
         age = 0
         if ages:
-            bucket = AGE.values[rng.choice(ages) - AGE.offset]
+            bucket = age_a.labels[rng.choice(ages) - a_at]
             age = int(bucket.rstrip("+").split("-")[0])
-        gender = GENDER.values[rng.choice(genders) - GENDER.offset] if genders else ""
+        gender = gender_a.labels[rng.choice(genders) - g_at] if genders else ""
         near = by_country.get(own[0].split("/")[0] if own else country, [])
         picks = list(dict.fromkeys(own))
         for pool in (near, vocab):

@@ -12,7 +12,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from contracts import targeting as legacy
 from contracts.targeting_schema import DEFAULT, SchemaError, TargetingSchema
 
 FORMAT_NAME = "grace-index"
@@ -115,10 +114,40 @@ def _array_entry_fault(entry: object) -> str | None:
     return None
 
 
+# the layout before declared schemas hashed its one Bloom family (locations) so
+LEGACY_BLOOM_HASH = "blake2b-64: bit_i = digest[i], i < bloom_hashes"
+
+
 def legacy_schema_manifest() -> dict[str, Any]:
-    """The `targeting` key of an index in the layout before declared schemas (the default
-    schema's fixed layout, which those readers compare key by key)."""
-    return legacy.TargetingSchema.current().to_manifest()
+    """The `targeting` key of an index in the layout before declared schemas: `DEFAULT`'s
+    fixed layout (schema version 1), which those readers compare key by key."""
+    locations = DEFAULT.attribute("locations")
+    masked = [(DEFAULT.attribute(name), at) for name, at in DEFAULT.bit_offsets.items()]
+    return {
+        "version": 1,
+        "bitmask_bits": DEFAULT.bitmask_bits,
+        "bitmask_words": DEFAULT.bitmask_words,
+        "bloom_bits": locations.bloom_bits,
+        "bloom_words": locations.bloom_bits // 64,
+        "bloom_hashes": locations.bloom_hashes,
+        "bloom_hash": LEGACY_BLOOM_HASH,
+        "max_request_locations": locations.max_request_values,
+        "attributes": {
+            a.name: {"offset": at, "values": list(a.labels), "unknown_bit": at + len(a.labels)}
+            for a, at in masked
+        },
+    }
+
+
+def check_legacy_schema(stored: dict[str, Any]) -> None:
+    """Raise ValueError naming the first key where a manifest's `targeting` (an index from
+    before declared schemas) differs from `legacy_schema_manifest()`."""
+    for key, value in legacy_schema_manifest().items():
+        if stored.get(key) != value:
+            raise ValueError(
+                f"targeting schema mismatch on {key!r}: index has {stored.get(key)!r}, "
+                f"this build expects {value!r}"
+            )
 
 
 def manifest_schema(manifest: dict[str, Any], directory: Path | str = "") -> TargetingSchema:
@@ -130,7 +159,7 @@ def manifest_schema(manifest: dict[str, Any], directory: Path | str = "") -> Tar
         raise IndexFormatError(f"{directory}: manifest key 'targeting' must be an object")
     if "schema" not in stored:
         try:
-            legacy.TargetingSchema.current().check_compatible(stored)
+            check_legacy_schema(stored)
         except ValueError as exc:
             raise IndexFormatError(f"{directory}: {exc}") from exc
         return DEFAULT

@@ -1,7 +1,8 @@
 """The targeting schema: which attributes an ads team targets on, declared in one file
 (docs/FORMAT.md §1 "Targeting schema"). Builder, server, clients and tests read it through
 this module; each index stores it in its manifest (`to_manifest`), and the server takes
-it from the index it serves. `contracts/targeting.py` encodes ads and requests by it.
+it from the index it serves. `contracts/targeting_codec.py` encodes ads and requests by
+it.
 
 Kinds: `enum` (named values; a request carries one; bitmask bits, exact in GTM), `bucket`
 (an integer the request carries, mapped to named ranges; bitmask bits) and `set`

@@ -19,8 +19,8 @@ import torch
 
 from contracts.index_arrays import PartitionArrays, TrieArrays
 
-if TYPE_CHECKING:  # `from_encoded` reads either encoding's three arrays
-    from contracts import targeting, targeting_codec
+if TYPE_CHECKING:  # `from_encoded` reads the codec's three arrays
+    from contracts import targeting_codec
 
 COPY_CHUNK = 64 << 20  # bytes per piece of a tensor's copy to a GPU (`to_device`)
 
@@ -151,11 +151,10 @@ class RequestTensors:
     @classmethod
     def from_encoded(
         cls,
-        enc: targeting_codec.EncodedRequests | targeting.EncodedRequests,
+        enc: targeting_codec.EncodedRequests,
         device: str = "cpu",
     ) -> RequestTensors:
-        """Either encoding: the schema codec's (n_blooms [B, K]) or the fixed layout's,
-        whose one family is the locations (n_blooms [B]: K = 1)."""
+        """The codec's encoding (n_blooms [B, K]; a [B] vector is read as one family)."""
         n = np.asarray(enc.n_blooms, dtype=np.int32)
         n = n[:, None] if n.ndim == 1 else n
         return cls(_t(enc.bitmask, device), _t(enc.blooms, device), _t(n, device))

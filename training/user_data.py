@@ -41,9 +41,10 @@ from contracts.targeting import (
     MAX_LOCATION_BYTES,
     MAX_REQUEST_LOCATIONS,
     Targeting,
-    TargetingError,
-    request_bitmask,
+    age_bucket_index,
 )
+from contracts.targeting_codec import TargetingError, codec
+from contracts.targeting_schema import DEFAULT
 from index_builder.synth.reader import UserHistories
 
 log = logging.getLogger("grace.user_data")
@@ -162,7 +163,12 @@ def _targeting(values: dict[str, list], row: int, path: Path) -> Targeting:
             raise DataError(f"{where} 'locations': {loc!r} is not 1 to {MAX_LOCATION_BYTES} bytes")
     t = Targeting(values["country"][row] or "", age or 0, values["gender"][row] or "", locations)
     try:
-        request_bitmask(t)  # checks country and gender against the targeting schema
+        # a well-formed code the schema does not list is read as unknown, as in requests
+        if t.country and (len(t.country) != 2 or not t.country.isalpha()):
+            raise TargetingError("country", f"expected an ISO 3166-1 alpha-2 code, got "
+                                 f"{t.country!r}")  # fmt: skip
+        age_bucket_index(t.age)  # refuses a negative age
+        codec(DEFAULT).request_bitmask(t.values())  # gender, as the default schema reads it
     except TargetingError as e:
         raise DataError(f"{where} {e.field!r}: {str(e).partition(': ')[2]}") from None
     return t

@@ -3,7 +3,7 @@
 Ads stage of the synth flow (… advertisers → **ads** → users → histories). An ad is its
 advertiser plus a few bytes of per-ad variation (`AdState`), so 30 M ads cost ~30 bytes
 each plus one float32 embedding row in a memory-mapped file. `rules_of` turns any subset
-of ads back into the contract's `targeting.Ragged` rule lists, for the catalog writer,
+of ads back into the contract's `targeting_codec.Ragged` rule lists, for the catalog writer,
 the history sampler and the eligibility estimate. Chunk k always draws from
 `stream(seed, "ads", k)`, so the world is identical however it is streamed.
 """
@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from contracts.targeting import AGE_BUCKETS, BITMASK_WORDS, COUNTRIES, Ragged, ad_bitmasks
+from contracts.targeting import AGE_BUCKETS
+from contracts.targeting_codec import Ragged, codec
+from contracts.targeting_schema import COUNTRIES, DEFAULT
 from index_builder.parallel import take_segments
 from index_builder.synth.advertisers import SLOTS, Advertisers
 from index_builder.synth.campaigns import Creatives, draw_variants
@@ -144,17 +146,18 @@ def _ranges(lo: np.ndarray, hi: np.ndarray) -> Ragged:
 class AdRules:
     """Targeting rules of a set of ads, as the contract's ragged value indices."""
 
-    countries: Ragged  # values index targeting.COUNTRIES
-    age_buckets: Ragged  # values index targeting.AGE_BUCKETS
-    genders: Ragged  # values index targeting.GENDERS
+    countries: Ragged  # values index COUNTRIES
+    age_buckets: Ragged  # values index AGE_BUCKETS
+    genders: Ragged  # values index GENDERS
     locations: Ragged  # values are location vocabulary ids
     # int64 [n] per attribute above: rows with equal keys hold equal lists, so a writer
     # can serialise each distinct list once
     row_keys: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
     def bitmasks(self) -> np.ndarray:
-        """Exact low-cardinality matchers: uint64 [n, BITMASK_WORDS]."""
-        return ad_bitmasks(self.countries, self.age_buckets, self.genders)
+        """Exact low-cardinality matchers by the default schema: uint64 [n, words]."""
+        rules = {"country": self.countries, "age": self.age_buckets, "gender": self.genders}
+        return codec(DEFAULT).ad_bitmasks(rules, {}, self.countries.n)
 
 
 def rules_of(adv: Advertisers, ads: AdState, idx: np.ndarray | slice) -> AdRules:
@@ -209,16 +212,16 @@ def pool_keys(rules: AdRules, positions: np.ndarray, n_locations: int) -> tuple[
 
 @dataclass(frozen=True)
 class EncodedAds:
-    """Exact matchers of every ad, in the form `targeting.exact_eligible` takes."""
+    """Exact matchers of every ad, as `histories.eligible_for` reads them."""
 
-    bitmask: np.ndarray  # uint64 [N, BITMASK_WORDS]: `targeting.ad_bitmasks`
+    bitmask: np.ndarray  # uint64 [N, words]: `AdRules.bitmasks` (or the world's schema's)
     loc_offsets: np.ndarray  # int64 [N + 1] into loc_ids
     loc_ids: np.ndarray  # int32 [nnz]: location vocabulary ids (empty = no rule)
 
     @classmethod
     def allocate(cls, n: int) -> EncodedAds:
         return cls(
-            np.empty((n, BITMASK_WORDS), dtype=np.uint64),
+            np.empty((n, DEFAULT.bitmask_words), dtype=np.uint64),
             np.zeros(n + 1, dtype=np.int64),
             np.zeros(0, dtype=np.int32),
         )

@@ -40,7 +40,7 @@ class Advertisers:
     style: np.ndarray  # int8 [A]: GLOBAL / NATIONAL / REGIONAL / LOCAL
     home_city: np.ndarray  # int32 [A]
     home_country: np.ndarray  # int32 [A]: geography country index
-    country_slots: np.ndarray  # int32 [A, SLOTS]: targeting.COUNTRIES indices, -1 = empty
+    country_slots: np.ndarray  # int32 [A, SLOTS]: targeting_schema.COUNTRIES indices, -1 = empty
     loc_slots: np.ndarray  # int32 [A, SLOTS]: location vocabulary ids, -1 = empty
     age_lo: np.ndarray  # int8 [A]: first AGE_BUCKETS index of the rule, -1 = no rule
     age_hi: np.ndarray  # int8 [A]: last bucket (inclusive)

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from contracts.targeting import AGE_BUCKETS, BITMASK_WORDS, COUNTRIES, Ragged
-from contracts.targeting_codec import codec
-from contracts.targeting_schema import DEFAULT, Attribute, TargetingSchema, load
+from contracts.targeting import AGE_BUCKETS
+from contracts.targeting_codec import Ragged, codec
+from contracts.targeting_schema import COUNTRIES, DEFAULT, Attribute, TargetingSchema, load
 from index_builder.parallel import take_segments
 from index_builder.synth.ads import AdRules
 from index_builder.synth.advertisers import Advertisers
@@ -45,7 +45,7 @@ def world_schema(p: WorldProfile) -> TargetingSchema | None:
                   for name, field, values, _ in EXTRA_ENUMS[: p.extra_enums])  # fmt: skip
     sets = (AUDIENCES,) if p.n_audiences else ()
     schema = TargetingSchema(attributes=(*DEFAULT.attributes, *enums, *sets))
-    assert schema.bitmask_words == BITMASK_WORDS, "extra enums overflow the default's words"
+    assert schema.bitmask_words == DEFAULT.bitmask_words, "extra enums overflow the default's words"
     return schema
 
 
@@ -108,7 +108,7 @@ class ExtraRules:
         return tuple(out)
 
     def bitmasks(self, rules: AdRules, extra: tuple[Ragged, ...]) -> np.ndarray:
-        """uint64 [n, BITMASK_WORDS]: the ads' enum and bucket rules, exclusions folded in,
+        """uint64 [n, words]: the ads' enum and bucket rules, exclusions folded in,
         by the world's schema (`extra`: `take` of the same ads)."""
         include = {"country": rules.countries, "age": rules.age_buckets, "gender": rules.genders}
         exclude = {}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from contracts.targeting import Ragged
+from contracts.targeting_codec import Ragged
 from index_builder.synth.geography import cumulative, sample_within, zipf_weights
 from index_builder.synth.profiles import MAX_USER_AUDIENCES, WorldProfile
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from contracts.targeting import Ragged
+from contracts.targeting_codec import Ragged
 from index_builder.synth.ads import AdState, EncodedAds
 from index_builder.synth.campaigns import targeting_keys
 from index_builder.synth.histories import Histories

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from contracts.targeting import Ragged
+from contracts.targeting_codec import Ragged
 from index_builder.synth.advertisers import Advertisers
 from index_builder.synth.geography import Geography, sample_within
 from index_builder.synth.profiles import AGE_RULES, GLOBAL, LOCAL, NATIONAL, REGIONAL, WorldProfile

@@ -19,7 +19,7 @@ from multiprocessing.pool import Pool
 
 import numpy as np
 
-from contracts.targeting import Ragged
+from contracts.targeting_codec import Ragged
 from index_builder.synth.ads import AdRules, AdState, fill_chunk, pool_keys, rules_of
 from index_builder.synth.advertisers import Advertisers
 from index_builder.synth.attributes import ExtraRules
@@ -60,7 +60,7 @@ class Chunk:
     hi: int
     fields: tuple[np.ndarray, ...]  # FIELDS of ads [lo, hi)
     rules: AdRules  # row_keys are dropped on the way back from a worker
-    bitmask: np.ndarray  # uint64 [hi - lo, BITMASK_WORDS]: by the world's schema
+    bitmask: np.ndarray  # uint64 [hi - lo, bitmask_words]: by the world's schema
     pool_keys: np.ndarray  # int64 [m]: see `ads.pool_keys`
     pool_positions: np.ndarray  # int64 [m]
     jsonl: bytes | None  # the chunk's catalog lines, if the world keeps a JSONL catalog

@@ -52,7 +52,7 @@ class Geography:
     """The places of a world; all weights are shares of the world population."""
 
     codes: tuple[str, ...]  # ISO alpha-2 per country
-    iso_index: np.ndarray  # int32 [C]: index into targeting.COUNTRIES
+    iso_index: np.ndarray  # int32 [C]: index into targeting_schema.COUNTRIES
     group: np.ndarray  # int32 [C]: world-region id (neighbours share it)
     country_weight: np.ndarray  # float64 [C]
     region_country: np.ndarray  # int32 [R]

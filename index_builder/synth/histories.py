@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from contracts.targeting import GENDERS, Targeting, exact_eligible, request_bitmask
+from contracts.targeting import GENDERS, Targeting
+from contracts.targeting_codec import AdRules, Ragged, RequestRules, codec, exact_eligible
+from contracts.targeting_schema import DEFAULT
 from index_builder.parallel import stable_argsort
 from index_builder.synth.ads import GLOBAL_KEY, AdState, EncodedAds
 from index_builder.synth.geography import Geography
@@ -56,7 +58,7 @@ def request_of(users: Users, u: int, geo: Geography) -> np.ndarray:
     """Request bitmask of user u (locations are matched separately, by id)."""
     g = int(users.gender[u])
     t = Targeting(geo.codes[users.country[u]], int(users.age[u]), GENDERS[g] if g >= 0 else "")
-    return request_bitmask(t)
+    return codec(DEFAULT).request_bitmask(t.values())
 
 
 def eligible_for(
@@ -71,10 +73,13 @@ def eligible_for(
     (`extra`) its extra enum values and audiences too."""
     bm, loc_off, loc_ids = encoded
     req = request_of(users, u, geo)
-    if extra is None:
-        return exact_eligible(bm, loc_off, loc_ids, req, users.locations(u))
-    ok = exact_eligible(bm, loc_off, loc_ids, extra.request(req, u), users.locations(u))
-    return ok & extra.sets_pass(advertiser, u)
+    if extra is not None:
+        req = extra.request(req, u)
+    # the default schema's one set attribute, locations, by id; audiences are `sets_pass`'s
+    rules = AdRules(bm, {"locations": Ragged(loc_off, loc_ids)}, {})
+    asked = RequestRules(req, {"locations": users.locations(u)})
+    ok = exact_eligible(DEFAULT, np.zeros(len(bm), dtype=np.int64), rules, asked)  # no blocks
+    return ok if extra is None else ok & extra.sets_pass(advertiser, u)
 
 
 @dataclass(frozen=True)

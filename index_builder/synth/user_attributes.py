@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from contracts.targeting import Ragged
-from contracts.targeting_codec import any_in
+from contracts.targeting_codec import Ragged, any_in
 from contracts.targeting_schema import LEGACY_FIELDS, TargetingSchema
 from index_builder.parallel import take_segments
 from index_builder.synth.advertisers import Topics

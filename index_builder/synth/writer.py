@@ -19,7 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from contracts.data_format import CATALOG_FORMAT_VERSION, CATALOG_VERSION_KEY
-from contracts.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Ragged
+from contracts.targeting import AGE_BUCKETS, GENDERS
+from contracts.targeting_codec import Ragged
+from contracts.targeting_schema import COUNTRIES
 from index_builder.parallel import take_segments
 from index_builder.synth.ads import AdRules, AdState
 from index_builder.synth.attributes import Column

@@ -28,13 +28,13 @@ import torch
 from contracts.index_arrays import AdArrays
 from contracts.targeting import (
     AGE_BUCKETS,
-    COUNTRIES,
     GENDERS,
     Targeting,
     age_bucket_index,
     country_index,
     gender_value_index,
 )
+from contracts.targeting_schema import COUNTRIES
 from service.model.config import ModelConfig
 
 # Vocabulary sizes of the non-sequence features; the last index of each is "unknown".

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from contracts.index_arrays import AdArrays
-from contracts.targeting import BITMASK_WORDS, Targeting, request_bitmask
-from contracts.targeting_codec import RequestRules
-from contracts.targeting_schema import TargetingSchema
+from contracts.targeting import Targeting
+from contracts.targeting_codec import RequestRules, codec
+from contracts.targeting_schema import DEFAULT, TargetingSchema
 
 
 class Vocabulary:
@@ -125,9 +125,9 @@ class PostRequest:
             )
         if self.set_ids is None:
             # the form before declared schemas: the default schema's bitmask words
-            if len(self.req_bitmask) != BITMASK_WORDS:
+            if len(self.req_bitmask) != DEFAULT.bitmask_words:
                 raise ValueError(
-                    f"PostRequest.req_bitmask: expected {BITMASK_WORDS} words, "
+                    f"PostRequest.req_bitmask: expected {DEFAULT.bitmask_words} words, "
                     f"got {len(self.req_bitmask)}"
                 )
         elif len(self.req_loc_ids):
@@ -160,12 +160,12 @@ class PostRequest:
         vocabulary: LocationVocabulary,
         max_ads: int,
     ) -> PostRequest:
-        """Encode a request's targeting, its blocks included, against one index's location
-        vocabulary."""
+        """Encode a request's targeting by the default schema, its blocks included, against
+        one index's location vocabulary."""
         return cls(
             leaves=leaves,
             scores=scores,
-            req_bitmask=request_bitmask(targeting),
+            req_bitmask=codec(DEFAULT).request_bitmask(targeting.values()),
             req_loc_ids=vocabulary.ids(targeting.locations),
             max_ads=max_ads,
             exclude_ad_ids=np.array(targeting.exclude_ad_ids, dtype=np.int64),

@@ -1,4 +1,5 @@
-"""Small catalogs for tests: hypothesis strategies and an in-memory `Catalog` builder."""
+"""Small catalogs for tests: hypothesis strategies, an in-memory `Catalog` builder and a
+batch of requests as the default schema encodes it."""
 
 from __future__ import annotations
 
@@ -7,16 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 from hypothesis import strategies as st
 
-from contracts.targeting import (
-    AGE_BUCKETS,
-    GENDERS,
-    Ragged,
-    Targeting,
-    ad_bitmasks,
-    age_bucket_value_index,
-    country_index,
-    gender_value_index,
-)
+from contracts.targeting import AGE_BUCKETS, GENDERS, Targeting
+from contracts.targeting_codec import EncodedRequests, Ragged, codec
+from contracts.targeting_schema import DEFAULT
 from index_builder.catalog import Catalog, SetRules
 from tests.helpers.oracle import Ad
 
@@ -30,11 +24,15 @@ def catalog_from_ads(ads: Sequence[Ad]) -> Catalog:
     ids = {s: i for i, s in enumerate(vocab)}
     locs = Ragged.from_lists([sorted({ids[s] for s in a.locations}) for a in ads])
     sets = {"locations": SetRules(locs, None, vocab)}
-    bitmask = ad_bitmasks(
-        Ragged.from_lists([[country_index(c) for c in a.countries] for a in ads]),
-        Ragged.from_lists([[age_bucket_value_index(b) for b in a.age_buckets] for a in ads]),
-        Ragged.from_lists([[gender_value_index(g) for g in a.genders] for a in ads]),
-    )
+    c = codec(DEFAULT)
+
+    def rules(name: str, field: str) -> Ragged:
+        attr = DEFAULT.attribute(name)
+        return Ragged.from_lists([[c.value_index(attr, v) for v in getattr(a, field)] for a in ads])
+
+    include = {n: rules(n, f) for n, f in (("country", "countries"), ("age", "age_buckets"),
+                                             ("gender", "genders"))}  # fmt: skip
+    bitmask = c.ad_bitmasks(include, {}, len(ads))
     return Catalog(
         ad_id=np.array([a.ad_id for a in ads], dtype=np.int64),
         sid=np.array([a.sid for a in ads], dtype=np.int32).reshape(-1, 4),
@@ -43,6 +41,11 @@ def catalog_from_ads(ads: Sequence[Ad]) -> Catalog:
         sets=sets,
         source="<test>",
     )
+
+
+def encode_default(batch: Sequence[Targeting]) -> EncodedRequests:
+    """Requests' targeting as `codec(DEFAULT)` encodes a batch (n_blooms [B, 1])."""
+    return codec(DEFAULT).encode_requests([t.values() for t in batch])
 
 
 def catalog_arrays(cat: Catalog) -> dict[str, np.ndarray | None]:

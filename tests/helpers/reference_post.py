@@ -5,10 +5,11 @@ The decode engine hands over the leaves (full SIDs) it generated with their beam
 this expands each to its ads through the SID -> ad index, keeps only ads that are exactly
 eligible for the request — never by Bloom bits — ranks by beam score and cuts to
 `max_ads`, counting the expanded ads each kind of rule removed. Two forms: by the
-targeting of the default schema (`expand_and_filter`: `targeting.exact_eligible`, the
-bitmask for low-cardinality rules, actual location ids for locations) and by a declared
-schema's rules (`expand_and_filter_rules`: `targeting_codec.exact_eligible`, each set
-attribute's include and exclude lists, the request's blocks). The C++ post stage must
+targeting of the default schema (`expand_and_filter`: the request's `Targeting`, its
+include rules only: the bitmask for low-cardinality rules, actual location ids for
+locations) and by a declared schema's rules (`expand_and_filter_rules`: each set
+attribute's include and exclude lists, the request's blocks); both through
+`targeting_codec.exact_eligible`. The C++ post stage must
 return identical results.
 """
 
@@ -19,10 +20,17 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from contracts.index_arrays import AdArrays
-from contracts.targeting import Targeting, exact_eligible, request_bitmask
-from contracts.targeting_codec import AdRules, Ragged, RequestRules, any_in, codec, contains
-from contracts.targeting_codec import exact_eligible as exact_eligible_by_schema
-from contracts.targeting_schema import TargetingSchema
+from contracts.targeting import Targeting
+from contracts.targeting_codec import (
+    AdRules,
+    Ragged,
+    RequestRules,
+    any_in,
+    codec,
+    contains,
+    exact_eligible,
+)
+from contracts.targeting_schema import DEFAULT, TargetingSchema
 from service.post import PostResult, Vocabulary
 from service.post.expand import expand_leaves, lists_of
 
@@ -43,20 +51,17 @@ def expand_and_filter(
     rows, owner = expand_leaves(ads, leaves)
     keep = np.ones(len(rows), dtype=bool)
     if exact and len(rows):
-        keep = exact_eligible(
-            ads.ad_bitmask[rows],
-            *_csr(lists_of(ads.sets["locations"].include, rows)),
-            request_bitmask(targeting),
-            vocabulary.ids(targeting.locations),
+        locations = lists_of(ads.sets["locations"].include, rows)
+        rules = AdRules(ads.ad_bitmask[rows], {"locations": locations}, {})
+        request = RequestRules(
+            codec(DEFAULT).request_bitmask(targeting.values()),
+            {"locations": vocabulary.ids(targeting.locations)},
         )
+        keep = exact_eligible(DEFAULT, ads.ad_ids[rows], rules, request)  # blocks: not here
     removed = len(rows) - int(keep.sum())
     return _rank_and_cut(
         ads, leaves, scores, rows[keep], owner[keep], max_ads, len(rows), targeting=removed
     )
-
-
-def _csr(lists: Ragged) -> tuple[np.ndarray, np.ndarray]:
-    return lists.offsets, lists.values
 
 
 def removal_kinds(
@@ -70,7 +75,7 @@ def removal_kinds(
     (`targeting_codec.exact_eligible`), else in the post stage's counting order "blocked"
     (a request block), "targeting" (an include rule: the bitmask with the ad's excluded
     enum/bucket bits restored, or a set's include list), "excluded" (the rest)."""
-    eligible = exact_eligible_by_schema(schema, ad_ids, rules, req)
+    eligible = exact_eligible(schema, ad_ids, rules, req)
     blocked = np.isin(ad_ids, req.exclude_ads)
     for owner, ids in ((rules.campaign, req.exclude_campaigns),
                        (rules.advertiser, req.exclude_advertisers)):  # fmt: skip

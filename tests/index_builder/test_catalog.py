@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from contracts import targeting
+from contracts.targeting_codec import codec
+from contracts.targeting_schema import COUNTRIES, DEFAULT
 from index_builder.catalog import Catalog, CatalogError, catalog_fingerprint, read_catalog
 from tests.helpers.catalogs import catalog_arrays
 
@@ -104,10 +107,25 @@ def test_jsonl_and_parquet_give_identical_arrays(tmp_path: Path) -> None:
     assert np.isnan(a.embedding[[0, 3, 4]]).all()
 
 
-def test_bitmask_rows_equal_targeting_ad_bitmask(tmp_path: Path) -> None:
+def layout_bitmask(
+    countries: Sequence[str] = (), age_buckets: Sequence[str] = (), genders: Sequence[str] = ()
+) -> np.ndarray:
+    """One ad's matcher by the default layout as docs/FORMAT.md §1 draws it, bit by bit: a
+    rule's values' bits, or without a rule every bit of the attribute, "unknown" included."""
+    bits: set[int] = set()
+    for values, labels, at in ((countries, COUNTRIES, 0), (age_buckets, targeting.AGE_BUCKETS, 250),
+                               (genders, targeting.GENDERS, 258)):  # fmt: skip
+        bits |= {at + labels.index(v) for v in values} or set(range(at, at + len(labels) + 1))
+    words = np.zeros(5, dtype=np.uint64)
+    for b in bits:
+        words[b // 64] |= np.uint64(1) << np.uint64(b % 64)
+    return words
+
+
+def test_bitmask_rows_equal_the_documented_layout(tmp_path: Path) -> None:
     cat = read_catalog(write(tmp_path, MIXED, "jsonl"), progress=False)
     for row, r in zip(cat.bitmask, MIXED, strict=True):
-        want = targeting.ad_bitmask(
+        want = layout_bitmask(
             [c.upper() for c in r.get("countries") or ()],
             r.get("age_buckets") or (),
             r.get("genders") or (),
@@ -137,7 +155,8 @@ def test_missing_null_and_empty_lists_mean_no_rule(tmp_path: Path, fmt: str) -> 
     ]
     cat = read_catalog(write(tmp_path, rows, fmt), progress=False)
     for row in cat.bitmask:
-        np.testing.assert_array_equal(row, targeting.FULL_BITMASK)
+        np.testing.assert_array_equal(row, codec(DEFAULT).full_bitmask)
+        np.testing.assert_array_equal(row, layout_bitmask())
     np.testing.assert_array_equal(cat.sets["locations"].include.offsets, [0, 0, 0, 0])
     assert len(cat.sets["locations"].vocabulary) == 0 and cat.embedding is None
 
@@ -147,7 +166,7 @@ def test_countries_are_case_normalised(tmp_path: Path, fmt: str) -> None:
     rows = [ad(1, countries=["us", "De"]), ad(2, countries=["US", "DE"])]
     cat = read_catalog(write(tmp_path, rows, fmt), progress=False)
     np.testing.assert_array_equal(cat.bitmask[0], cat.bitmask[1])
-    np.testing.assert_array_equal(cat.bitmask[0], targeting.ad_bitmask(["US", "DE"]))
+    np.testing.assert_array_equal(cat.bitmask[0], layout_bitmask(["US", "DE"]))
 
 
 def test_blank_lines_skipped_and_line_numbers_kept(tmp_path: Path) -> None:

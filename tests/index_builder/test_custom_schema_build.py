@@ -38,9 +38,8 @@ import numpy as np
 import pytest
 import yaml
 
-from contracts import targeting
 from contracts.index_format import file_sha256
-from contracts.index_manifest import legacy_schema_manifest, read_manifest
+from contracts.index_manifest import check_legacy_schema, legacy_schema_manifest, read_manifest
 from contracts.targeting import Targeting
 from contracts.targeting_codec import Ragged
 from contracts.targeting_schema import DEFAULT, TargetingSchema, parse
@@ -393,7 +392,7 @@ def test_the_default_schema_keeps_the_old_layout_until_an_exclusion_needs_format
         assert files >= LEGACY_FILES and not any(f.startswith("sets.") for f in files)
         assert "ads.ad_exclude_bitmask.npy" not in files
         assert manifest["targeting"] == legacy_schema_manifest()
-        targeting.TargetingSchema.current().check_compatible(manifest["targeting"])
+        check_legacy_schema(manifest["targeting"])
     else:
         assert not files & LEGACY_FILES and "sets.locations.include_ids.npy" in files
         assert TargetingSchema.from_manifest(manifest["targeting"]) == DEFAULT

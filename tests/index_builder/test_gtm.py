@@ -13,12 +13,17 @@ from hypothesis import strategies as st
 from contracts.index_arrays import IndexArrays, TrieArrays
 from contracts.index_format import SID_LENGTH
 from contracts.request import FilterMode
-from contracts.targeting import Targeting, encode_requests
+from contracts.targeting import Targeting
 from contracts.tensors import GtmTables, RequestTensors
 from index_builder.build import build_arrays
 from index_builder.kway import KwaySpec
 from kernels.gtm_mask import lookup
-from tests.helpers.catalogs import ads_strategy, catalog_from_ads, requests_strategy
+from tests.helpers.catalogs import (
+    ads_strategy,
+    catalog_from_ads,
+    encode_default,
+    requests_strategy,
+)
 from tests.helpers.oracle import Ad, eligible_prefixes
 
 SMALL_STATIC = KwaySpec("static", (3, 2, 2, 1))
@@ -62,7 +67,7 @@ def allowed_prefixes(
         tables,
         inner,
         torch.zeros_like(inner),
-        RequestTensors.from_encoded(encode_requests([req])),
+        RequestTensors.from_encoded(encode_default([req])),
         mode,
     )
     prefix = node_prefixes(index)
@@ -162,7 +167,7 @@ def test_lookup_serves_a_batch_of_requests_independently() -> None:
     ads = [Ad(1, (0, 0, 0, 0), countries=("US",)), Ad(2, (1, 0, 0, 0), countries=("CA",))]
     index = build(ads)
     tables = GtmTables.from_arrays(index.trie)
-    reqs = RequestTensors.from_encoded(encode_requests([Targeting("US"), Targeting("CA")]))
+    reqs = RequestTensors.from_encoded(encode_default([Targeting("US"), Targeting("CA")]))
     root = torch.zeros(2, dtype=torch.int64)
     allowed, child = lookup(tables, root, torch.tensor([0, 1]), reqs, FilterMode.CD_GTM)
     assert allowed[0].nonzero().flatten().tolist() == [0]

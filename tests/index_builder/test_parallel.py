@@ -8,8 +8,8 @@ import pytest
 
 from contracts.index_arrays import IndexArrays
 from contracts.index_format import array_items
-from contracts.targeting import BITMASK_WORDS
 from contracts.targeting_codec import Ragged
+from contracts.targeting_schema import DEFAULT
 from index_builder import parallel, trie
 from index_builder.build import BuildReport, build_arrays
 from index_builder.catalog import Catalog, SetRules
@@ -79,8 +79,8 @@ def _catalog(n: int, seed: int) -> tuple[Catalog, np.ndarray]:
     """A catalog with shared prefixes, shared full SIDs and ragged location rules."""
     rng = np.random.default_rng(seed)
     sids = np.stack([rng.integers(0, hi, n) for hi in (5, 9, 13, 40)], axis=1)
-    bitmask = rng.integers(0, 2**64, (n, BITMASK_WORDS), dtype=np.uint64)
-    bitmask &= rng.integers(0, 2**64, (n, BITMASK_WORDS), dtype=np.uint64)  # sparser rows
+    bitmask = rng.integers(0, 2**64, (n, DEFAULT.bitmask_words), dtype=np.uint64)
+    bitmask &= rng.integers(0, 2**64, (n, DEFAULT.bitmask_words), dtype=np.uint64)  # sparser rows
     bitmask[rng.random(n) < 0.5] = bitmask[0]  # many equal matchers: dedup has work
     counts = rng.integers(0, 4, n) * (rng.random(n) < 0.4)
     offsets = np.concatenate([[0], np.cumsum(counts)])

@@ -1,7 +1,7 @@
 """Synthetic ads world (index_builder/synth): determinism, eligibility, realism, files.
 
 Eligibility is re-checked here by brute force on the strings, written from the docs/ARCHITECTURE.md
-§3 rules directly rather than through `targeting.exact_eligible`, so a shared bug in the
+§3 rules directly rather than through `targeting_codec.exact_eligible`, so a shared bug in the
 encoding cannot hide a world that violates the contract.
 """
 
@@ -17,7 +17,8 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from contracts.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Targeting
+from contracts.targeting import AGE_BUCKETS, GENDERS, Targeting
+from contracts.targeting_schema import COUNTRIES
 from index_builder.synth import PROFILES, World, generate_world, load_world
 
 SEED = 7

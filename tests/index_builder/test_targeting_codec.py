@@ -1,7 +1,7 @@
-"""Targeting encoded by a declared schema (contracts/targeting_codec.py): the default
-schema encodes ads and requests bit for bit as the fixed layout before it; under random
+"""Targeting encoded by a declared schema (contracts/targeting_codec.py): under random
 schemas, with exclusions and blocks, the exact test agrees with the rules read literally,
-and GTM's matchers — an ad's, and the OR of any group of ads — never bar an eligible ad."""
+and GTM's matchers — an ad's, and the OR of any group of ads — never bar an eligible ad
+(the default schema's layout, bit by bit: tests/index_builder/test_targeting.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contracts import targeting as legacy
 from contracts.targeting_codec import (
     AdRules,
     Ragged,
@@ -22,54 +21,7 @@ from contracts.targeting_codec import (
     exact_eligible,
     value_blooms,
 )
-from contracts.targeting_schema import DEFAULT, Attribute, TargetingSchema
-
-LOCS = ["NYC", "10001", "Paris", "75001", "Berlin", "Ōsaka", "x"]
-
-
-def legacy_values(t: legacy.Targeting) -> dict[str, list[str]]:
-    return {"country": [t.country] if t.country else [], "age": [str(t.age)] if t.age else [],
-            "gender": [t.gender] if t.gender else [], "locations": list(t.locations)}  # fmt: skip
-
-
-requests = st.builds(
-    legacy.Targeting,
-    country=st.sampled_from(["", "US", "us", "GB", "de", "XX"]),
-    age=st.integers(0, 150),
-    gender=st.sampled_from(["", "female", "male"]),
-    locations=st.lists(st.sampled_from(LOCS), max_size=5, unique=True).map(tuple),
-)
-
-
-@settings(max_examples=200, deadline=None)
-@given(requests)
-def test_the_default_schema_encodes_requests_as_before(t: legacy.Targeting) -> None:
-    c = codec(DEFAULT)
-    assert (c.request_bitmask(legacy_values(t)) == legacy.request_bitmask(t)).all()
-    (rows,) = c.request_blooms(legacy_values(t))
-    assert (rows == legacy.request_blooms(t)).all()
-
-
-ad_rules = st.tuples(
-    st.lists(st.integers(0, len(legacy.COUNTRIES) - 1), max_size=3),
-    st.lists(st.integers(0, len(legacy.AGE_BUCKETS) - 1), max_size=3),
-    st.lists(st.integers(0, 1), max_size=2),
-    st.lists(st.integers(0, len(LOCS) - 1), max_size=3, unique=True),
-)
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.lists(ad_rules, min_size=1, max_size=8))
-def test_the_default_schema_encodes_ads_as_before(ads: list) -> None:
-    c, n = codec(DEFAULT), len(ads)
-    cols = [Ragged.from_lists([a[k] for a in ads]) for k in range(4)]
-    include = dict(zip(("country", "age", "gender", "locations"), cols, strict=True))
-    mine = c.ad_bitmasks(include, {}, n)
-    assert (mine == legacy.ad_bitmasks(*cols[:3])).all()
-    vocab = legacy.location_blooms(LOCS)
-    assert (value_blooms(LOCS, 256, 3) == vocab).all()
-    assert (c.ad_blooms(include, {"locations": vocab}, n) == legacy.ad_blooms(cols[3], vocab)).all()
-
+from contracts.targeting_schema import Attribute, TargetingSchema
 
 # --- random schemas ------------------------------------------------------------------------
 

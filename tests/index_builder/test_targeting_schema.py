@@ -11,9 +11,16 @@ import numpy as np
 import pytest
 
 from contracts import targeting
-from contracts.index_manifest import IndexFormatError, manifest_schema
+from contracts.index_manifest import IndexFormatError, legacy_schema_manifest, manifest_schema
 from contracts.targeting_codec import codec
-from contracts.targeting_schema import DEFAULT, SchemaError, TargetingSchema, load, parse
+from contracts.targeting_schema import (
+    COUNTRIES,
+    DEFAULT,
+    SchemaError,
+    TargetingSchema,
+    load,
+    parse,
+)
 
 RICH = """
 version: 1
@@ -31,15 +38,17 @@ attributes:
 
 
 def test_the_default_is_the_layout_every_index_was_built_with() -> None:
-    assert DEFAULT.bitmask_bits == targeting.BITMASK_BITS == 261
-    assert DEFAULT.bitmask_words == targeting.BITMASK_WORDS
+    assert DEFAULT.bitmask_bits == 261
+    assert DEFAULT.bitmask_words == 5
     assert DEFAULT.bit_offsets == {"country": 0, "age": 250, "gender": 258}
-    assert DEFAULT.attribute("country").values == targeting.COUNTRIES
-    assert DEFAULT.attribute("age").labels == targeting.AGE_BUCKETS
-    assert DEFAULT.attribute("gender").values == targeting.GENDERS
-    assert DEFAULT.family_words == ((0, targeting.BLOOM_WORDS),)
+    assert DEFAULT.attribute("country").values == COUNTRIES and len(COUNTRIES) == 249
+    assert COUNTRIES[:3] == ("AD", "AE", "AF") and COUNTRIES.index("US") == 232
+    ages = ("13-17", "18-24", "25-34", "35-44", "45-54", "55-64", "65+")
+    assert DEFAULT.attribute("age").labels == targeting.AGE_BUCKETS == ages
+    assert DEFAULT.attribute("gender").values == targeting.GENDERS == ("female", "male")
+    assert DEFAULT.family_words == ((0, 4),)
     # an index from before declared schemas reads as the default
-    legacy = {"targeting": targeting.TargetingSchema.current().to_manifest()}
+    legacy = {"targeting": legacy_schema_manifest()}
     assert manifest_schema(legacy) == DEFAULT
     legacy["targeting"]["bloom_hashes"] = 4  # a layout this build does not know
     with pytest.raises(IndexFormatError, match="bloom_hashes"):

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from contracts.index_arrays import IndexArrays
 from contracts.index_format import SID_LENGTH, VOCAB_SIZE
 from contracts.request import SCORINGS, FilterMode
-from contracts.targeting import Targeting, encode_requests
+from contracts.targeting import Targeting
 from contracts.tensors import GtmTables, RequestTensors
 from index_builder.build import build_arrays
 from index_builder.kway import KwaySpec
@@ -33,7 +33,12 @@ from kernels.gtm_mask import (
     masked_candidates,
     masked_logits_reference,
 )
-from tests.helpers.catalogs import ads_strategy, catalog_from_ads, requests_strategy
+from tests.helpers.catalogs import (
+    ads_strategy,
+    catalog_from_ads,
+    encode_default,
+    requests_strategy,
+)
 from tests.helpers.oracle import Ad, eligible_prefixes
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,7 +98,7 @@ def world_requests() -> list[Targeting]:
 def world() -> tuple[IndexArrays, GtmTables, RequestTensors]:
     index = build(world_ads())
     tables = GtmTables.from_arrays(index.trie, device=DEV)
-    requests = RequestTensors.from_encoded(encode_requests(world_requests()), device=DEV)
+    requests = RequestTensors.from_encoded(encode_default(world_requests()), device=DEV)
     return index, tables, requests
 
 
@@ -225,7 +230,7 @@ def test_dispatcher_matches_the_reference_in_every_mode() -> None:
     the reference). It refuses GTM without requests and an unknown scoring."""
     index = build(world_ads(), KwaySpec("static", (3, 2, 2, 1)))
     tables = GtmTables.from_arrays(index.trie, index.kway, device=DEV)
-    requests = RequestTensors.from_encoded(encode_requests(world_requests()), device=DEV)
+    requests = RequestTensors.from_encoded(encode_default(world_requests()), device=DEV)
     logits, nodes, request = rows_of(index, 12, 4, seed=4)
     score = scores_of(12, seed=4)
     for mode in FilterMode:
@@ -309,7 +314,7 @@ def test_any_of_many_finds_the_last_location(config) -> None:
     tables = GtmTables.from_arrays(build(ads).trie, device=DEV)
     many = (*(f"XX/R{k}" for k in range(39)), "CA/R1")
     reqs = [Targeting("CA", 16, "female", many), Targeting(), Targeting(locations=("US/R2",))]
-    requests = RequestTensors.from_encoded(encode_requests(reqs), device=DEV)
+    requests = RequestTensors.from_encoded(encode_default(reqs), device=DEV)
     nodes = torch.zeros(3, dtype=torch.int64, device=DEV)
     request = torch.arange(3, device=DEV)
     logits = torch.randn(3, VOCAB_SIZE, device=DEV)
@@ -372,7 +377,7 @@ def every_inner_node(ads: list[Ad], reqs: list[Targeting]):
     requests, nodes, request of each row)."""
     index = build(ads)
     tables = GtmTables.from_arrays(index.trie, device=DEV)
-    requests = RequestTensors.from_encoded(encode_requests(reqs), device=DEV)
+    requests = RequestTensors.from_encoded(encode_default(reqs), device=DEV)
     inner = torch.arange(int(index.trie.level_offsets[SID_LENGTH]), device=DEV)
     nodes = inner.repeat(len(reqs))
     request = torch.arange(len(reqs), device=DEV).repeat_interleave(len(inner))
@@ -484,7 +489,7 @@ def big_world():
     index = synthetic_index(200_000, seed=1)
     tables = GtmTables.from_arrays(index.trie, device="cuda")
     targeting = requests_for(index, 16, 64, seed=1)
-    requests = RequestTensors.from_encoded(encode_requests(targeting), device="cuda")
+    requests = RequestTensors.from_encoded(encode_default(targeting), device="cuda")
     dead = int(index.trie.level_offsets[-1]) - 1
     return tables, requests, beam_nodes(tables, requests, (1, 512, 1024, 1024), dead)
 

@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 from contracts.index_format import VOCAB_SIZE
 from contracts.request import FilterMode
-from contracts.targeting import Targeting, encode_requests
+from contracts.targeting import Targeting
 from contracts.targeting_codec import (
     AdRules,
+    EncodedRequests,
     Ragged,
     RequestRules,
     blooms_pass,
@@ -30,7 +31,7 @@ from contracts.targeting_codec import (
     exact_eligible,
     value_blooms,
 )
-from contracts.targeting_schema import Attribute, TargetingSchema
+from contracts.targeting_schema import DEFAULT, Attribute, TargetingSchema
 from contracts.tensors import GtmTables, RequestTensors
 from kernels.gtm_mask import gtm_mask_triton, lookup
 from tests.kernels.test_gtm_mask import (
@@ -276,11 +277,11 @@ def test_tables_resolve_and_check_the_family_layout() -> None:
 
 
 def test_requests_from_either_encoding() -> None:
-    """The fixed layout's requests are one family (n_blooms [B, 1]); the schema codec's
-    keep their [B, K] counts."""
-    old = RequestTensors.from_encoded(
-        encode_requests([Targeting(locations=("a", "b")), Targeting()])
-    )
+    """Requests in the fixed layout's form, one family counted per request (n_blooms [B]),
+    read as n_blooms [B, 1]; the schema codec's keep their [B, K] counts."""
+    enc = codec(DEFAULT).encode_requests([Targeting(locations=("a", "b")).values(), {}])
+    assert enc.n_blooms.tolist() == [[2], [1]]
+    old = RequestTensors.from_encoded(EncodedRequests(enc.bitmask, enc.blooms, enc.n_blooms[:, 0]))
     assert old.n_blooms is not None and old.n_blooms.tolist() == [[2], [1]]
     assert old.n_blooms.dtype == torch.int32
     new = codec(SCHEMA).encode_requests([{"interests": ["x", "y", "z"]}, {}])

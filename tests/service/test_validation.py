@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contracts.request import FilterMode
-from contracts.targeting import Targeting, request_bitmask, request_blooms
+from contracts.targeting import Targeting
+from contracts.targeting_codec import codec
 from contracts.targeting_schema import DEFAULT
 from service.rpc.grace.v1 import retrieval_pb2 as pb
 from service.validation import InvalidRequest, Limits, ValidatedRequest, validate_request
@@ -84,7 +85,10 @@ def test_filter_mode_default_is_cd_gtm(mode: int, expected: FilterMode) -> None:
 def test_unknown_but_well_formed_country_is_unknown() -> None:
     v = validate_request(pb.RetrieveRequest(targeting=pb.Targeting(country="xq")), LIMITS)
     assert v.targeting.country == "XQ"
-    assert np.array_equal(request_bitmask(v.targeting), request_bitmask(Targeting()))
+    c = codec(DEFAULT)
+    assert np.array_equal(
+        c.request_bitmask(v.targeting.values()), c.request_bitmask(Targeting().values())
+    )
 
 
 def test_limits_at_the_edges_pass() -> None:
@@ -98,8 +102,8 @@ def test_limits_at_the_edges_pass() -> None:
     assert v.max_ads == 10_000 and len(v.targeting.locations) == 64
     assert v.beams == (1, 64, 128, 128)
     # what validation admits, the targeting encoder accepts
-    request_bitmask(v.targeting)
-    request_blooms(v.targeting)
+    codec(DEFAULT).request_bitmask(v.targeting.values())
+    codec(DEFAULT).request_blooms(v.targeting.values())
 
 
 def _set(path: str, value):
@@ -361,8 +365,8 @@ def _check(req: pb.RetrieveRequest) -> None:
     # anything admitted is usable downstream
     assert 1 <= v.max_ads <= LIMITS.max_ads_limit
     assert all(1 <= m <= most for m, most in zip(v.beams, LIMITS.beam_max, strict=True))
-    request_bitmask(v.targeting)
-    request_blooms(v.targeting)
+    codec(DEFAULT).request_bitmask(v.targeting.values())
+    codec(DEFAULT).request_blooms(v.targeting.values())
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

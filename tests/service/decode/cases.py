@@ -14,7 +14,7 @@ import torch
 
 from contracts.index_arrays import IndexArrays
 from contracts.request import FilterMode
-from contracts.targeting import Targeting, encode_requests
+from contracts.targeting import Targeting
 from contracts.tensors import GtmTables, RequestTensors
 from index_builder.build import build_arrays
 from index_builder.kway import KwaySpec
@@ -24,7 +24,7 @@ from service.decode.plans import DecodeResult, IndexPlans
 from service.model.config import PROFILES, ModelConfig
 from service.model.decoder import SIDDecoder
 from service.model.precision import quantize_decoder
-from tests.helpers.catalogs import catalog_from_ads
+from tests.helpers.catalogs import catalog_from_ads, encode_default
 from tests.helpers.oracle import Ad
 from tests.helpers.reference_search import ReferenceBeamSearch
 
@@ -158,7 +158,7 @@ def ctx_for(b: int, seed: int = 1, d_model: int = CONFIG.d_model) -> torch.Tenso
 
 
 def requests(ts: list[Targeting], device: str = "cpu") -> RequestTensors:
-    return RequestTensors.from_encoded(encode_requests(ts), device)
+    return RequestTensors.from_encoded(encode_default(ts), device)
 
 
 def assert_same(got: DecodeResult, want: DecodeResult) -> None:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from contracts.index_arrays import AdArrays
-from contracts.targeting import AGE_BUCKETS, COUNTRIES, GENDERS, Targeting
+from contracts.targeting import AGE_BUCKETS, GENDERS, Targeting
+from contracts.targeting_schema import COUNTRIES
 from service.model.config import PROFILES
 from service.model.feature_packing import (
     PackedFeatureBatch,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from contracts.request import FilterMode
-from contracts.targeting import Targeting, encode_requests
+from contracts.targeting import Targeting
 from contracts.tensors import RequestTensors
 from index_builder.build import build_arrays
 from service.batcher import Batcher
@@ -33,7 +33,7 @@ from service.pipeline.runner import Pipeline
 from service.pipeline.runtime import ModelRuntime, Serving, ServingHolder
 from service.pipeline.stages import Stages, graph_buckets
 from service.post import PostResult
-from tests.helpers.catalogs import catalog_from_ads
+from tests.helpers.catalogs import catalog_from_ads, encode_default
 from tests.helpers.oracle import Ad, eligible
 from tests.helpers.reference_post import expand_and_filter
 from tests.helpers.reference_search import ReferenceBeamSearch
@@ -168,7 +168,7 @@ def reference(model: GenerativeRetriever, index: LoadedIndex, r: Req) -> PostRes
     ctx = model.encode(feats)
     requests = None
     if r.filter_mode != FilterMode.CD_ONLY:
-        requests = RequestTensors.from_encoded(encode_requests([r.targeting]))
+        requests = RequestTensors.from_encoded(encode_default([r.targeting]))
     search = ReferenceBeamSearch(model.decoder, index.tables, index.level_offsets)
     leaves, scores = (x.numpy() for x in search.run(ctx, requests, r.beams, r.filter_mode).valid(0))
     vocabulary = index.vocabularies["locations"]

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 from contracts.index_arrays import AdArrays, IndexArrays
 from contracts.index_format import read_index_dir, write_index_dir
-from contracts.targeting import BITMASK_WORDS, Targeting, request_bitmask
+from contracts.targeting import Targeting
+from contracts.targeting_codec import codec
+from contracts.targeting_schema import DEFAULT
 from index_builder.build import build_arrays
 from service.post import LocationVocabulary, PostRequest, PostResult, PostStage
 from tests.helpers.catalogs import (
@@ -166,7 +168,7 @@ def test_refuses_arrays_it_would_have_to_copy() -> None:
 def test_bad_requests_raise_clear_errors() -> None:
     ads = build(random_ads(20, seed=6)).ads
     stage = PostStage(ads)
-    bitmask = request_bitmask(Targeting())
+    bitmask = codec(DEFAULT).request_bitmask(Targeting().values())
     n_leaves = len(ads.leaf_sids)
     with pytest.raises(IndexError, match="out of range"):
         stage.run([PostRequest([0, n_leaves], [0.0, 0.0], bitmask, [], 5)])
@@ -222,4 +224,4 @@ def test_gil_is_released_during_run() -> None:
 def test_default_threads_and_bitmask_width() -> None:
     stage = PostStage(build(random_ads(5, seed=7)).ads)
     assert stage.threads >= 1
-    assert stage._index.words == BITMASK_WORDS
+    assert stage._index.words == DEFAULT.bitmask_words == 5

@@ -65,18 +65,15 @@ def test_ranked_by_beam_score_and_cut_to_max_ads(ads: list[Ad], data: st.DataObj
 
 def test_locations_are_compared_exactly_not_by_bloom_bits() -> None:
     """Two strings whose Bloom bits collide are still told apart by the exact stage."""
-    from contracts.targeting import (
-        ad_bloom,
-        bloom_match_any,
-        location_bloom_bits,
-        request_blooms,
-    )
+    from contracts.targeting_codec import Ragged, blooms_pass, codec, value_bits, value_blooms
+    from contracts.targeting_schema import DEFAULT
 
+    family = DEFAULT.attribute("locations")
     seen: dict[frozenset[int], str] = {}
     pair = None
     for i in range(200_000):  # 3 of 256 bits: a superset collision turns up quickly
         s = f"loc{i}"
-        bits = frozenset(location_bloom_bits(s))
+        bits = frozenset(value_bits(s, family.bloom_bits, family.bloom_hashes))
         for other_bits, other in seen.items():
             if bits <= other_bits:
                 pair = (other, s)
@@ -88,9 +85,10 @@ def test_locations_are_compared_exactly_not_by_bloom_bits() -> None:
             seen.pop(next(iter(seen)))
     assert pair is not None
     ad_loc, req_loc = pair
-    assert bloom_match_any(
-        ad_bloom([ad_loc])[None], request_blooms(Targeting(locations=(req_loc,)))
-    )[0]
+    c = codec(DEFAULT)  # GTM's Bloom test passes the ad's matcher for the request
+    vocab = {"locations": value_blooms([ad_loc], family.bloom_bits, family.bloom_hashes)}
+    ad_bloom = c.ad_blooms({"locations": Ragged.from_lists([[0]])}, vocab, 1)
+    assert blooms_pass(DEFAULT, ad_bloom, c.request_blooms({"locations": (req_loc,)}))[0]
     index = build([Ad(1, (0, 0, 0, 0), locations=(ad_loc,))])
     out = expand_and_filter(
         index.ads,
