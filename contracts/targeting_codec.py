@@ -184,6 +184,16 @@ class Codec:
                 rows.append(np.full((1, a.bloom_bits // 64), ONES, dtype=np.uint64))
         return rows
 
+    def fits(self, values: Mapping[str, Sequence[str]]) -> bool:
+        """Whether a request's values are ones this schema reads (`TargetingError` else)."""
+        try:
+            self.request_bitmask(values)
+            for a in self.families:
+                self.check_set(a, values.get(a.name, ()), a.name)
+        except TargetingError:
+            return False
+        return True
+
     def encode_requests(self, batch: Sequence[Mapping[str, Sequence[str]]]) -> EncodedRequests:
         """A batch of requests' values (by attribute name) as the matcher reads them."""
         per = [self.request_blooms(v) for v in batch]

@@ -17,7 +17,7 @@ from contracts.index_arrays import IndexArrays
 from contracts.index_manifest import manifest_schema
 from contracts.index_validation import validate_index
 from contracts.targeting import Targeting
-from contracts.targeting_codec import RequestRules, codec
+from contracts.targeting_codec import RequestRules, TargetingError, codec
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from contracts.tensors import GtmTables
 from service.model.features import SidLookup
@@ -67,7 +67,11 @@ class LoadedIndex:
     ) -> PostRequest:
         """A request's generated leaves and its targeting as this index's post stage
         reads them (`request_rules`; each set attribute's ids in the schema's order)."""
-        rules = self.request_rules(targeting)
+        try:
+            rules = self.request_rules(targeting)
+        except TargetingError:  # checked against the index served before a swap, whose
+            # schema read a value this one's does not (an enum value it dropped): no ads
+            rules, leaves, scores = self.request_rules(Targeting()), leaves[:0], scores[:0]
         return PostRequest(
             leaves=leaves,
             scores=scores,

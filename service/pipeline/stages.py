@@ -18,7 +18,7 @@ import torch
 
 from contracts.request import FilterMode, Scoring
 from contracts.targeting import MAX_REQUEST_LOCATIONS
-from contracts.targeting_codec import codec
+from contracts.targeting_codec import TargetingError, codec
 from contracts.tensors import RequestTensors
 from service.capture import bucket_of
 from service.model.feature_packing import pack_features, unpack_features
@@ -137,7 +137,12 @@ class Stages:
                 targeting = None
                 if g.mode != FilterMode.CD_ONLY:
                     by = codec(batch.serving.index.schema)  # the served index's schema
-                    enc = by.encode_requests([reqs[i].targeting.values() for i in g.rows])
+                    values = [reqs[i].targeting.values() for i in g.rows]
+                    try:
+                        enc = by.encode_requests(values)
+                    except TargetingError:  # checked against the index served before a
+                        # swap to a schema that reads it no more: unknown here, no ads at 4
+                        enc = by.encode_requests([v if by.fits(v) else {} for v in values])
                     host = RequestTensors.from_encoded(enc)
                     assert host.n_blooms is not None  # the codec counts each family's rows
                     targeting = RequestTensors(

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,6 +20,7 @@ from contracts.request import FilterMode
 from contracts.targeting import Targeting
 from contracts.tensors import RequestTensors
 from index_builder.build import build_arrays
+from index_builder.catalog import read_catalog
 from service.batcher import Batcher
 from service.decode.fp8_step import FP8DecoderStep
 from service.index.loaded import LoadedIndex
@@ -206,6 +209,38 @@ def test_every_batch_uses_one_index_across_a_swap(model) -> None:
     assert set(versions) == {"v0", "v1"}
     assert versions == sorted(versions)  # requests after the swap got the new index
     assert holder.current.index is index1  # the one swap
+
+
+def test_a_request_the_swapped_in_schema_cannot_read_gets_no_ads_not_an_error(
+    model, tmp_path: Path
+) -> None:
+    """A request checked against the index served before a swap to one whose schema no
+    longer lists its enum value (`platform: web` dropped) is answered with no ads — not a
+    guess, and not an error for its whole batch; the others are answered as always."""
+    from contracts.targeting_schema import parse
+
+    def index(values: list[str]) -> LoadedIndex:
+        schema = parse({"attributes": [{"name": "platform", "kind": "enum",
+                        "catalog_field": "platforms", "values": values}]}, "s")  # fmt: skip
+        rows = [{"ad_id": 1 + i, "sid": [i % 3, i % 5, i % 2, 0], "platforms": ["ios"] * (i % 2)}
+                for i in range(60)]  # fmt: skip
+        (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        catalog = read_catalog(tmp_path / "c.jsonl", progress=False, schema=schema)
+        arrays = build_arrays(catalog, catalog.sid.astype(np.int64))
+        return LoadedIndex.from_arrays(arrays, version="b", schema=schema)
+
+    served = index(["ios", "android"])  # "web" was listed by the index before
+    reqs = [Req(user_id=i, targeting=Targeting(attributes=(("platform", (p,)),)), max_ads=100)
+            for i, p in enumerate(["web", "ios", "web", "android"])]  # fmt: skip
+    results = asyncio.run(serve(ServingHolder(pair(model, served)), reqs))
+    for r, res in zip(reqs, results, strict=True):
+        assert not isinstance(res, BaseException), res
+        platform = r.targeting.attributes[0][1][0]
+        if platform == "web":
+            assert len(res.post.ad_ids) == 0
+        else:  # eligible ads only: no rule, or an ios rule for an ios request
+            assert len(res.post.ad_ids) > 0
+            assert all(platform == "ios" or (a - 1) % 2 == 0 for a in res.post.ad_ids.tolist())
 
 
 def test_every_batch_uses_one_model_across_a_model_swap(model) -> None:
