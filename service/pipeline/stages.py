@@ -73,8 +73,8 @@ class Stages:
         self.buckets = (graph_buckets(max_batch, GRAPH_BUCKETS if buckets is None else buckets)
                         if self.cuda else every_size)  # fmt: skip
         self.streams = [torch.cuda.Stream(self.device) if self.cuda else None for _ in range(4)]
-        # GPU: locations pad to 64, few plans keep start-up and swaps short (the Bloom scan
-        # stops at a hit, so padding costs only children that fail every location)
+        # GPU: Bloom rows pad to 64, few plans keep start-up and swaps short (the mask
+        # reads each request's own rows of each family, `n_blooms`, never the padding)
         every = (1, 4, 16, MAX_REQUEST_LOCATIONS)
         self.locations = (MAX_REQUEST_LOCATIONS,) if self.cuda else every
 
