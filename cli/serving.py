@@ -25,10 +25,14 @@ def _serve(args: argparse.Namespace) -> int:
     an index for any catalog with the default (or --model) model. Settings also come from
     GRACE_* variables and --config; flags win."""
     from cli.bootstrap import ensure_default, has_model, sid_source
+    from service.errors import StartupError
     from service.grpc_server import raise_fd_limit
     from service.logs import configure_logging
     from service.settings import load_settings
 
+    if args.targeting_schema and not args.catalog:  # an index carries its own schema
+        raise StartupError("--targeting-schema is for --catalog: a served index carries "
+                           "the schema it was built with")  # fmt: skip
     flags = ("config", "host", "port", "metrics_port", "data_dir", "index_root", "device")
     flags += ("workers", "gpus", "mps", "balance", "log_format", "metrics_host")
     flags += ("tls_cert", "tls_key", "tls_client_ca")

@@ -45,6 +45,18 @@ def test_a_taken_port_is_one_line_before_anything_loads(tmp_path: Path, flag: st
     assert not (tmp_path / "data").exists()  # nothing generated, trained or loaded
 
 
+def test_a_schema_without_a_catalog_to_build_is_one_line(tmp_path: Path) -> None:
+    """A served index carries its own schema: `--targeting-schema` means something only
+    with `--catalog`, and alone it is refused before anything loads."""
+    done = subprocess.run([*GRACE, "serve", "--data-dir", str(tmp_path / "data"),
+                           "--targeting-schema", str(tmp_path / "s.yaml")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "--targeting-schema is for --catalog" in lines[0]
+    assert not (tmp_path / "data").exists()
+
+
 @pytest.mark.slow
 def test_json_logs_are_one_object_a_line_bootstrap_included(tmp_path: Path) -> None:
     given = make_serving_data(tmp_path / "given")  # a model: the bootstrap trains nothing
