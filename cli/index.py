@@ -97,7 +97,7 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
     from index_builder.tokenizer import SIDTokenizer, TokenizerConfig
 
     progress = show_progress(args)
-    catalog = read_catalog(args.catalog, progress=progress)
+    catalog = read_catalog(args.catalog, progress=progress, schema=targeting_schema(args))
     if catalog.embedding is None:
         raise SystemExit(f"{args.catalog}: no embeddings to train a SID tokenizer on")
     have = ~catalog.has_sid
@@ -253,6 +253,7 @@ def register(add: AddCommand) -> None:
     p = add("train-tokenizer", _train_tokenizer)
     p.add_argument("--catalog", required=True, help=CATALOG_HELP)
     p.add_argument("--out", required=True, help="tokenizer directory to write")
+    p.add_argument("--targeting-schema", metavar="FILE", help=SCHEMA_HELP)
     p.add_argument("--codebook-size", type=int, default=512)
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--sample", type=int, default=200_000, help="embeddings to train on")
