@@ -514,3 +514,25 @@ def test_the_loaded_index_keeps_exactly_the_eligible_ads(
     assert set(result.ad_ids.tolist()) == eligible
     assert result.ads_expanded == len(ROWS) and result.ads_eligible == len(eligible)
     assert result.ads_removed == removed
+
+
+def test_the_tokenizer_reads_a_catalog_of_its_own_attributes_without_warning(
+    tmp_path: Path,
+) -> None:
+    """`grace train-tokenizer --targeting-schema`: the catalog's own fields are the
+    schema's, so none is reported ignored (without the flag, each one is)."""
+    rng = np.random.default_rng(0)
+    rows = [{**{k: v for k, v in r.items() if k != "sid"}, "embedding": rng.normal(size=4).tolist()}
+            for r in ROWS * 4]  # fmt: skip
+    for i, r in enumerate(rows):
+        r["ad_id"] = 1000 + i
+    catalog = write_jsonl(tmp_path / "c.jsonl", rows)
+    (tmp_path / "schema.yaml").write_text(SCHEMA_YAML)
+    common = ("train-tokenizer", "--catalog", str(catalog), "--codebook-size", "2",
+              "--iterations", "1", "--no-progress")  # fmt: skip
+    plain = grace(*common, "--out", str(tmp_path / "a"))
+    assert plain.returncode == 0 and "ignored: age_groups" in plain.stderr, plain.stderr
+    own = grace(*common, "--out", str(tmp_path / "b"), "--targeting-schema",
+                str(tmp_path / "schema.yaml"))  # fmt: skip
+    assert own.returncode == 0, own.stderr
+    assert "ignored" not in own.stderr and (tmp_path / "b").is_dir()
