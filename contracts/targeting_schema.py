@@ -237,6 +237,8 @@ def parse(data: Any, source: str) -> TargetingSchema:
             where = [f"attribute {named or i!r}", *where[2:]]
         place = ", ".join(str(p) for p in where)
         message = err["msg"].removeprefix("Value error, ")
+        if isinstance(err.get("input"), bool):  # YAML 1.1: bare no/yes/on/off are booleans
+            message += f', got {err["input"]} (quote a value such as "NO" in YAML)'
         raise SchemaError(f"{source}: {place + ': ' if place else ''}{message}") from None
 
 

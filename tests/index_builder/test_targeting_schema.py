@@ -123,3 +123,15 @@ def test_bucket_bits_follow_the_ranges_not_the_order_a_file_or_manifest_lists_th
     assert back.attribute("age").labels == young_first.attribute("age").labels == ("young", "old")
     enc = [codec(s).request_bitmask({"age": ("30",)}) for s in (young_first, back)]
     np.testing.assert_array_equal(enc[0], enc[1])
+
+
+def test_the_example_schema_file_is_the_built_in_default(tmp_path: Path) -> None:
+    """examples/targeting_schema.yaml writes the default out as a file to start from; a
+    bare NO (Norway) in YAML is a boolean, and the error says to quote it."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "targeting_schema.yaml"
+    assert load(example) == DEFAULT
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(example.read_text().replace('"NO"', "NO"))
+    with pytest.raises(SchemaError, match=r"attribute 'country', values, \d+: .*got False "
+                       r"\(quote a value such as \"NO\" in YAML\)"):  # fmt: skip
+        load(bare)
