@@ -5,7 +5,8 @@ them and campaign and advertiser ids; `grace build-index --targeting-schema` and
 `grace validate-index` run as commands; a real `grace serve` process. Under beams wider
 than any level of the catalog every reply is exactly the ads the contract makes eligible
 (docs/FORMAT.md §1, checked here on the raw strings), blocks included, with the removed
-ads counted by kind; requests are checked against the served schema."""
+ads counted by kind, with GTM or without; requests are checked against the served
+schema."""
 
 from __future__ import annotations
 
@@ -139,6 +140,8 @@ def random_request(rng: random.Random, user: int) -> tuple[retrieval_pb2.Retriev
     req.targeting.exclude_advertiser_ids.extend(sorted(want["advertisers"]))
     req.options.max_ads = 1000
     req.options.beam_widths.extend(WIDE)
+    if user % 3 == 0:  # without GTM the exact stage alone keeps the answer exact
+        req.options.filter_mode = retrieval_pb2.CD_ONLY
     want["age"] = age_group(want["age"])
     return req, want
 
