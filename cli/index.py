@@ -208,6 +208,13 @@ def _builder(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     install_signal_handlers(stop)
+    metrics = None
+    if args.metrics_port is not None:
+        from index_builder.builder_metrics import BuilderMetrics
+
+        metrics = BuilderMetrics()
+        port = metrics.serve(args.metrics_port, args.metrics_host)
+        print(f"builder metrics on http://{args.metrics_host}:{port}/metrics", flush=True)
     stats = run_builder(
         BuilderConfig(
             catalog=Path(args.catalog),
@@ -220,6 +227,7 @@ def _builder(args: argparse.Namespace) -> int:
             keep=args.keep,
             max_builds=1 if args.once else None,
             schema=targeting_schema(args),
+            metrics=metrics,
         ),
         stop,
     )
@@ -297,3 +305,12 @@ def register(add: AddCommand) -> None:
     p.add_argument("--once", action="store_true", help="exit after one successful build")
     p.add_argument("--kway", metavar="SPEC", help=_KWAY_HELP)
     p.add_argument("--targeting-schema", metavar="FILE", help=SCHEMA_HELP)
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve the builder's Prometheus metrics on this port (0: any free "
+                   "one; default: none): builds, failures by reason, last success "
+                   "(docs/ops/monitoring.md)")  # fmt: skip
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address of --metrics-port (127.0.0.1; 0.0.0.0 in a pod)",
+    )

@@ -28,6 +28,7 @@ from contracts.index_manifest import IndexFormatError, read_manifest
 from contracts.index_validation import IndexValidationError
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from index_builder.build import BuildCancelled, BuildError, build_index, source_fingerprint
+from index_builder.builder_metrics import BuilderMetrics
 from index_builder.catalog import CatalogError
 from index_builder.kway import KwaySpec
 from index_builder.publish import PublishError, current_path
@@ -69,6 +70,7 @@ class BuilderConfig:
     keep: int = 3
     max_builds: int | None = None  # stop after this many successful builds (tests, one-shots)
     schema: TargetingSchema = DEFAULT  # the targeting schema to read and encode by
+    metrics: BuilderMetrics | None = None  # the sidecar's Prometheus series, when served
 
     def __post_init__(self) -> None:
         if self.sids is not None and (self.tokenizer is not None or self.sid_space is not None):
@@ -156,6 +158,9 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
     built: _Built = published if cfg.sids is not None else (published[0], None)
     failed: _Built | None = None
     notes = _Notes()
+    metrics = cfg.metrics
+    if metrics is not None and published[0] is not None:  # the CURRENT index's publication
+        metrics.last_success.set(current_path(cfg.out).stat().st_mtime)
     log.info("builder watching %s -> %s: a check now, then every %.1f s", cfg.catalog, cfg.out,
              cfg.interval)  # fmt: skip
     while not stop.is_set():
@@ -165,6 +170,8 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
         except CatalogError as exc:
             log.error("%s; waiting", exc)
             fingerprint = None
+        if metrics is not None:
+            metrics.catalog_unreadable.set(fingerprint is None)
         plan = _plan(cfg, notes)
         if plan is not None and fingerprint is not None:
             notes.clear()
@@ -189,6 +196,8 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
                     )
                     built, failed = want, None
                     stats.builds += 1
+                    if metrics is not None:
+                        metrics.built()
                     seconds = report.seconds.get("total", 0.0)
                     log.info("build %d ok: version %s in %.2fs", stats.builds, version, seconds)
                 except BuildCancelled as exc:
@@ -197,6 +206,8 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
                 except _BUILD_FAULTS as exc:
                     failed = want
                     stats.failures += 1
+                    if metrics is not None:
+                        metrics.failed(exc)
                     reason = exc.summary if isinstance(exc, IndexValidationError) else exc
                     log.error("build failed, nothing published (CURRENT unchanged): %s", reason)
         if cfg.max_builds is not None and stats.builds >= cfg.max_builds:
