@@ -356,7 +356,7 @@ def test_dashboard_shows_what_the_issue_asks_for() -> None:
 def live_samples(tmp_path_factory: pytest.TempPathFactory) -> list:
     """Every sample on /metrics of the tiny demo server after a few Retrieve calls (and
     one refused), so histograms and counters carry samples; the server is worker 0 of a
-    supervisor's board, so the workers' series are there too."""
+    supervisor's board, so the workers' series are there too; and the builder sidecar's."""
     import multiprocessing
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -389,6 +389,17 @@ def live_samples(tmp_path_factory: pytest.TempPathFactory) -> list:
             await app.drain()
 
     text = asyncio.run(main())
+    # the builder sidecar's series (`grace builder --metrics-port`): its registry after a
+    # published build and a failed one
+    from prometheus_client import generate_latest
+
+    from index_builder.builder_metrics import BuilderMetrics
+    from index_builder.catalog import CatalogError
+
+    builder = BuilderMetrics()
+    builder.built()
+    builder.failed(CatalogError("c.jsonl", "line 2", "ad_id", "duplicate ad_id 1"))
+    text += generate_latest(builder.registry).decode()
     return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 
