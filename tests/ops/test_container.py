@@ -488,6 +488,12 @@ def test_prometheus_scrapes_the_servers_metrics_port(monkeypatch) -> None:
     targets = [t for job in config["scrape_configs"] for sc in job["static_configs"]
                for t in sc["targets"]]  # fmt: skip
     assert f"server:{settings.metrics_port}" in targets
+    # and the builder sidecar's own series, on the port its command serves them on
+    (script,) = services["builder"]["command"]
+    builder_args = parse_cli(shlex.split(" ".join(script.split("exec ", 1)[1].replace(
+        "\\\n", " ").split()))[1:])  # fmt: skip
+    assert f"builder:{builder_args.metrics_port}" in targets
+    assert builder_args.metrics_host == "0.0.0.0"
     for rule_file in config.get("rule_files", []):  # loaded from a mounted, existing file
         assert rule_file in mounts and mounts[rule_file].is_file(), rule_file
     assert mounts["/etc/prometheus/rules/grace.rules.yml"] == (

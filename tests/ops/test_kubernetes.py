@@ -509,16 +509,21 @@ def test_service_monitor_scrapes_the_metrics_port(rendered, overlay, monkeypatch
     ]
     assert len(services) == 1, "scrape one Service, or every pod is scraped twice"
     ports = {p["name"]: p for p in services[0]["spec"]["ports"]}
-    main = server(objects)
-    container_ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+    main, side = server(objects), builder(objects)
+    container_ports = {p["name"]: p["containerPort"]
+                       for c in (main, side) for p in c.get("ports", [])}  # fmt: skip
     scraped = []
     for endpoint in monitor["spec"]["endpoints"]:
         assert endpoint["port"] in ports, f"no port {endpoint['port']} on the Service"
         scraped.append(container_ports[ports[endpoint["port"]]["targetPort"]])
         assert endpoint.get("path", "/metrics") == "/metrics"
-    # every serving worker's /metrics (worker i: metrics_port + i), each exactly once
+    # every serving worker's /metrics (worker i: metrics_port + i) and the builder
+    # sidecar's (its --metrics-port, on every address of the pod), each exactly once
     settings = settings_for(main, monkeypatch)
-    assert sorted(scraped) == [settings.metrics_port + i for i in range(settings.workers)]
+    own = int(flag(side["args"], "--metrics-port"))
+    assert flag(side["args"], "--metrics-host") == "0.0.0.0"
+    workers = [settings.metrics_port + i for i in range(settings.workers)]
+    assert sorted(scraped) == sorted([*workers, own]) and own not in workers
     pod_labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert selects(services[0]["spec"]["selector"], pod_labels)
 
