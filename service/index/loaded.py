@@ -17,18 +17,11 @@ from contracts.index_arrays import IndexArrays
 from contracts.index_manifest import manifest_schema
 from contracts.index_validation import validate_index
 from contracts.targeting import Targeting
-from contracts.targeting_codec import RequestRules, TargetingError, codec
+from contracts.targeting_codec import RequestRules, TargetingError
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from contracts.tensors import GtmTables
 from service.model.features import SidLookup
-from service.post import PostRequest, PostStage, Vocabulary
-
-_NO_SET_IDS = np.zeros(0, dtype=np.int32)
-_NO_IDS = np.zeros(0, dtype=np.int64)
-
-
-def _ids(ids: tuple[int, ...]) -> np.ndarray:
-    return np.array(ids, dtype=np.int64) if ids else _NO_IDS
+from service.post import PostRequest, PostStage, Vocabulary, request_rules
 
 
 @dataclass(frozen=True, eq=False)  # identity equality: a version is one object
@@ -48,41 +41,20 @@ class LoadedIndex:
 
     def request_rules(self, targeting: Targeting) -> RequestRules:
         """A request's side of the exact test by this index's schema and vocabularies
-        (`targeting_codec.exact_eligible`), its blocks included."""
-        values = targeting.values()
-        vocabularies = self.vocabularies
-        return RequestRules(
-            bitmask=codec(self.schema).request_bitmask(values),
-            ids={
-                a.name: vocabularies[a.name].ids(values.get(a.name, ()))
-                for a in self.schema.families
-            },
-            exclude_ads=_ids(targeting.exclude_ad_ids),
-            exclude_campaigns=_ids(targeting.exclude_campaign_ids),
-            exclude_advertisers=_ids(targeting.exclude_advertiser_ids),
-        )
+        (`service.post.request_rules`), its blocks included."""
+        return request_rules(targeting, self.schema, self.vocabularies)
 
     def post_request(
         self, leaves: np.ndarray, scores: np.ndarray, targeting: Targeting, max_ads: int
     ) -> PostRequest:
         """A request's generated leaves and its targeting as this index's post stage
-        reads them (`request_rules`; each set attribute's ids in the schema's order)."""
+        reads them (`request_rules`, `PostRequest.from_rules`)."""
         try:
             rules = self.request_rules(targeting)
         except TargetingError:  # checked against the index served before a swap, whose
             # schema read a value this one's does not (an enum value it dropped): no ads
             rules, leaves, scores = self.request_rules(Targeting()), leaves[:0], scores[:0]
-        return PostRequest(
-            leaves=leaves,
-            scores=scores,
-            req_bitmask=rules.bitmask,
-            req_loc_ids=_NO_SET_IDS,
-            max_ads=max_ads,
-            set_ids=tuple(rules.ids.values()),
-            exclude_ad_ids=rules.exclude_ads,
-            exclude_campaign_ids=rules.exclude_campaigns,
-            exclude_advertiser_ids=rules.exclude_advertisers,
-        )
+        return PostRequest.from_rules(leaves, scores, rules, self.schema, max_ads)
 
     @property
     def blockable(self) -> tuple[str, ...]:

@@ -36,11 +36,12 @@ from service.post.records import (
     PostRequest,
     PostResult,
     Vocabulary,
+    request_rules,
 )
 
 # fmt: off
 __all__ = ["LocationVocabulary", "PostRequest", "PostResult", "PostStage", "Vocabulary",
-           "encode_ads"]
+           "encode_ads", "request_rules"]
 # fmt: on
 
 DEFAULT_THREADS = 4  # the post stage shares the host with stages 1-3

@@ -7,7 +7,7 @@ vocabularies of set attributes the requests are encoded against.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -160,18 +160,10 @@ class PostRequest:
         vocabulary: LocationVocabulary,
         max_ads: int,
     ) -> PostRequest:
-        """Encode a request's targeting by the default schema, its blocks included, against
-        one index's location vocabulary."""
-        return cls(
-            leaves=leaves,
-            scores=scores,
-            req_bitmask=codec(DEFAULT).request_bitmask(targeting.values()),
-            req_loc_ids=vocabulary.ids(targeting.locations),
-            max_ads=max_ads,
-            exclude_ad_ids=np.array(targeting.exclude_ad_ids, dtype=np.int64),
-            exclude_campaign_ids=np.array(targeting.exclude_campaign_ids, dtype=np.int64),
-            exclude_advertiser_ids=np.array(targeting.exclude_advertiser_ids, dtype=np.int64),
-        )
+        """`from_rules` of a request by the default schema, against one index's location
+        vocabulary (tests and bench/bench_post.py; the server: `LoadedIndex.post_request`)."""
+        rules = request_rules(targeting, DEFAULT, {"locations": vocabulary})
+        return cls.from_rules(leaves, scores, rules, DEFAULT, max_ads)
 
     @classmethod
     def from_rules(
@@ -182,8 +174,8 @@ class PostRequest:
         schema: TargetingSchema,
         max_ads: int,
     ) -> PostRequest:
-        """A request encoded by a schema (`targeting_codec`): its set attributes' ids in
-        the schema's order (an attribute missing from `rules.ids` has none), its blocks."""
+        """A request encoded by a schema (`request_rules`): its set attributes' ids in the
+        schema's order (an attribute missing from `rules.ids` has none), its blocks."""
         unknown = set(rules.ids) - {a.name for a in schema.families}
         if unknown:
             raise ValueError(f"RequestRules.ids: {sorted(unknown)[0]!r} is no set attribute")
@@ -191,13 +183,40 @@ class PostRequest:
             leaves=leaves,
             scores=scores,
             req_bitmask=rules.bitmask,
-            req_loc_ids=np.zeros(0, dtype=np.int32),
+            req_loc_ids=_NO_SET_IDS,
             max_ads=max_ads,
-            set_ids=tuple(
-                np.unique(np.asarray(rules.ids.get(a.name, ()), dtype=np.int32))
-                for a in schema.families
-            ),
+            set_ids=tuple(_sorted_ids(rules.ids.get(a.name, _NO_SET_IDS)) for a in schema.families),
             exclude_ad_ids=rules.exclude_ads,
             exclude_campaign_ids=rules.exclude_campaigns,
             exclude_advertiser_ids=rules.exclude_advertisers,
         )
+
+
+_NO_SET_IDS = np.zeros(0, dtype=np.int32)
+_NO_SET_IDS.flags.writeable = False
+
+
+def _sorted_ids(ids: object) -> np.ndarray:
+    """int32, sorted and unique (`Vocabulary.ids` already are: no second sort)."""
+    arr = np.asarray(ids, dtype=np.int32)
+    return arr if len(arr) < 2 or bool((arr[1:] > arr[:-1]).all()) else np.unique(arr)
+
+
+def _ids(ids: tuple[int, ...]) -> np.ndarray:
+    return np.array(ids, dtype=np.int64) if ids else _NO_IDS
+
+
+def request_rules(
+    targeting: Targeting, schema: TargetingSchema, vocabularies: Mapping[str, Vocabulary]
+) -> RequestRules:
+    """A request's side of the exact test (`targeting_codec.exact_eligible`) by `schema`
+    and one index's set-attribute vocabularies, its blocks included: the one encoding of
+    a request for the post stage (TargetingError for a value the schema does not read)."""
+    values = targeting.values()
+    return RequestRules(
+        bitmask=codec(schema).request_bitmask(values),
+        ids={a.name: vocabularies[a.name].ids(values.get(a.name, ())) for a in schema.families},
+        exclude_ads=_ids(targeting.exclude_ad_ids),
+        exclude_campaigns=_ids(targeting.exclude_campaign_ids),
+        exclude_advertisers=_ids(targeting.exclude_advertiser_ids),
+    )

@@ -44,7 +44,7 @@ def test_the_form_before_schemas_is_the_default_schema() -> None:
     locations = ads.sets["locations"]
     raw = AdIndex(*(getattr(ads, f) for f in ("leaf_sids", "leaf_ad_offsets", "ad_ids",
                   "ad_bitmask")), locations.include_offsets, locations.include_ids, 2)  # fmt: skip
-    legacy = raw.run(*zip(*((r.leaves, r.scores, r.req_bitmask, r.req_loc_ids, r.max_ads)
+    legacy = raw.run(*zip(*((r.leaves, r.scores, r.req_bitmask, r.sets[0], r.max_ads)
                             for r in batch), strict=True))  # fmt: skip
     for g, s, w, row in zip(before.run(batch), by_schema.run(batch), want, legacy, strict=True):
         for out in (g, s):
