@@ -41,9 +41,14 @@ from service.post.expand import expand_leaves, rules_of
 from training.data import Examples
 from training.offline import OfflineRetriever
 from training.study_stats import (
+    CHECKS,
+    REMOVED,
+    bucket_table,
+    by_launch,
     interval,
     metric_table,
     paired_difference,
+    pooled,
     recall,
     resample_indices,
     sids_kept,
@@ -51,8 +56,6 @@ from training.study_stats import (
 
 PAPER_BUCKETS = (0, 5000, 10000)  # the paper's Table 3: < 5k, 5k–9.9k, 10k+ ads generated
 BUCKETS = (0, 100, 500, 1000, 2000, 5000, 10000)  # finer lower bounds, for small worlds
-CHECKS = ("bitmask", "bloom", "location", "final")
-REMOVED = ("block", "targeting", "exclusion")  # `PostResult.ads_removed`'s kinds
 CURVE_KS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
@@ -115,66 +118,6 @@ class _PerUser:
             **{c: np.asarray(v, np.int64) for c, v in self.passed.items()},
             **{f"removed_{k}": np.asarray(v, np.int64) for k, v in self.removed.items()},
         }
-
-
-def bucket_label(bounds: Sequence[int], i: int) -> str:
-    """The paper's labels: '<5k' for the first bucket, '5k-9.9k' between, '10k+' last."""
-    if i == len(bounds) - 1:
-        return f"{_k(bounds[i])}+"
-    if i == 0 and bounds[0] == 0:
-        return f"<{_k(bounds[1])}"
-    return f"{_k(bounds[i])}-{_k(bounds[i + 1] - 1)}"
-
-
-def _k(n: int) -> str:
-    """1000 -> '1k', 9999 -> '9.9k' (the paper's truncation), 499 -> '499'."""
-    if n < 1000:
-        return str(n)
-    return f"{n // 100 / 10:g}k"
-
-
-def pooled(counts: dict[str, np.ndarray], users: np.ndarray, total_users: int) -> dict[str, Any]:
-    """Pass rates pooled over the ads of `users` (a bool mask over all users)."""
-    generated = int(counts["generated"][users].sum())
-    sums = {c: int(counts[c][users].sum()) for c in CHECKS}
-    removed = {k: int(counts[f"removed_{k}"][users].sum()) for k in REMOVED}
-    n = int(users.sum())
-    return {
-        "users": n,
-        "users_share": n / max(total_users, 1),
-        "ads_generated_per_user": generated / max(n, 1),
-        **{f"{c}_pass": sums[c] / max(generated, 1) for c in CHECKS},
-        # the share of the generated ads the post stage removed, by rule kind
-        "removed_share": {k: v / max(generated, 1) for k, v in removed.items()},
-        "counts": {
-            "generated": generated,
-            **sums,
-            **{f"removed_{k}": v for k, v in removed.items()},
-        },
-    }
-
-
-def bucket_table(counts: dict[str, np.ndarray], bounds: Sequence[int]) -> dict[str, Any]:
-    """`pooled` per bucket of ads generated per user (only buckets holding users)."""
-    g, total = counts["generated"], len(counts["generated"])
-    out = {}
-    for i, lo in enumerate(bounds):
-        hi = bounds[i + 1] if i + 1 < len(bounds) else np.iinfo(np.int64).max
-        users = (g >= lo) & (g < hi)
-        if users.any():
-            out[bucket_label(bounds, i)] = pooled(counts, users, total)
-    return out
-
-
-def by_launch(ranks: np.ndarray, fresh: np.ndarray, ks: Sequence[int]) -> dict[str, Any]:
-    """recall@K apart for the users whose held-out ad was logged before and for those whose
-    ad launched after the log (`fresh`, bool per user: worlds with `fresh_share` > 0)."""
-    out: dict[str, Any] = {}
-    for name, sel in (("logged", ~fresh), ("fresh", fresh)):
-        out[name] = {"users": int(sel.sum())}
-        for k in ks:
-            out[name][f"recall@{k}"] = float(recall(ranks[sel], k).mean()) if sel.any() else 0.0
-    return out
 
 
 def _summary(

@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-CHECKS = ("bitmask_pass", "bloom_pass", "location_pass", "final_pass")
+from training import study_stats
+
+CHECKS = tuple(f"{c}_pass" for c in study_stats.CHECKS)  # the report's keys
 # Okabe-Ito, as bench/svg_plot.py: distinguishable for colour-blind readers
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000")
 

@@ -3,17 +3,22 @@ and NDCG@K of each user's held-out next interaction from the rank it was returne
 0-based position in the returned list, -1 when not returned; one relevant item per user,
 so the ideal DCG is 1), and percentile-bootstrap confidence intervals over users — of one
 variant's mean, and of the paired difference between two variants decoded for the same
-users (the resampled users are the same on both sides, so the users' own spread cancels).
+users (the resampled users are the same on both sides, so the users' own spread cancels);
+and the pass-rate tables: the generated ads passing each check and removed by each rule
+kind, pooled over users and per bucket of ads generated (the paper's Table 3).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 CONFIDENCE = 0.95
 RESAMPLES = 1000
+CHECKS = ("bitmask", "bloom", "location", "final")  # what `training/study.py` checks
+REMOVED = ("block", "targeting", "exclusion")  # `PostResult.ads_removed`'s kinds
 
 
 def recall(ranks: np.ndarray, k: int) -> np.ndarray:
@@ -82,4 +87,64 @@ def sids_kept(
             if len(top):
                 share[i] = np.isin(top, a[:k]).mean()
         out[f"@{k}"] = interval(share, draws)
+    return out
+
+
+def bucket_label(bounds: Sequence[int], i: int) -> str:
+    """The paper's labels: '<5k' for the first bucket, '5k-9.9k' between, '10k+' last."""
+    if i == len(bounds) - 1:
+        return f"{_k(bounds[i])}+"
+    if i == 0 and bounds[0] == 0:
+        return f"<{_k(bounds[1])}"
+    return f"{_k(bounds[i])}-{_k(bounds[i + 1] - 1)}"
+
+
+def _k(n: int) -> str:
+    """1000 -> '1k', 9999 -> '9.9k' (the paper's truncation), 499 -> '499'."""
+    if n < 1000:
+        return str(n)
+    return f"{n // 100 / 10:g}k"
+
+
+def pooled(counts: dict[str, np.ndarray], users: np.ndarray, total_users: int) -> dict[str, Any]:
+    """Pass rates pooled over the ads of `users` (a bool mask over all users)."""
+    generated = int(counts["generated"][users].sum())
+    sums = {c: int(counts[c][users].sum()) for c in CHECKS}
+    removed = {k: int(counts[f"removed_{k}"][users].sum()) for k in REMOVED}
+    n = int(users.sum())
+    return {
+        "users": n,
+        "users_share": n / max(total_users, 1),
+        "ads_generated_per_user": generated / max(n, 1),
+        **{f"{c}_pass": sums[c] / max(generated, 1) for c in CHECKS},
+        # the share of the generated ads the post stage removed, by rule kind
+        "removed_share": {k: v / max(generated, 1) for k, v in removed.items()},
+        "counts": {
+            "generated": generated,
+            **sums,
+            **{f"removed_{k}": v for k, v in removed.items()},
+        },
+    }
+
+
+def bucket_table(counts: dict[str, np.ndarray], bounds: Sequence[int]) -> dict[str, Any]:
+    """`pooled` per bucket of ads generated per user (only buckets holding users)."""
+    g, total = counts["generated"], len(counts["generated"])
+    out = {}
+    for i, lo in enumerate(bounds):
+        hi = bounds[i + 1] if i + 1 < len(bounds) else np.iinfo(np.int64).max
+        users = (g >= lo) & (g < hi)
+        if users.any():
+            out[bucket_label(bounds, i)] = pooled(counts, users, total)
+    return out
+
+
+def by_launch(ranks: np.ndarray, fresh: np.ndarray, ks: Sequence[int]) -> dict[str, Any]:
+    """recall@K apart for the users whose held-out ad was logged before and for those whose
+    ad launched after the log (`fresh`, bool per user: worlds with `fresh_share` > 0)."""
+    out: dict[str, Any] = {}
+    for name, sel in (("logged", ~fresh), ("fresh", fresh)):
+        out[name] = {"users": int(sel.sum())}
+        for k in ks:
+            out[name][f"recall@{k}"] = float(recall(ranks[sel], k).mean()) if sel.any() else 0.0
     return out

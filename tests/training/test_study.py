@@ -32,7 +32,8 @@ from service.model.retriever import GenerativeRetriever
 from tests.helpers.oracle import Ad, eligible
 from training.data import Examples
 from training.offline import OfflineRetriever
-from training.study import Variant, bucket_label, run_study
+from training.study import Variant, run_study
+from training.study_stats import bucket_label
 
 # the `study` profile's campaign knobs on the tiny world (docs/SYNTH.md)
 STUDY = PROFILES["study"]
