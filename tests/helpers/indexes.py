@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ from contracts.index_arrays import IndexArrays
 from contracts.index_format import write_index_dir
 from contracts.index_validation import validate_index
 from index_builder.build import build_arrays
+from index_builder.sidecar import BuilderConfig, BuilderStats, run_builder
 from tests.helpers.catalogs import catalog_from_ads
 from tests.helpers.oracle import Ad
 
@@ -84,3 +87,19 @@ def corrupt_builds(monkeypatch: pytest.MonkeyPatch, array_file: str) -> None:
         return full
 
     monkeypatch.setattr(build_module, "write_index_dir", corrupt_write)
+
+
+@contextmanager
+def running_builder(cfg: BuilderConfig) -> Iterator[dict[str, BuilderStats]]:
+    """The builder sidecar (`run_builder`) in a thread; stopped on exit, its stats then
+    under "stats"."""
+    stop = threading.Event()
+    result: dict[str, BuilderStats] = {}
+    thread = threading.Thread(target=lambda: result.update(stats=run_builder(cfg, stop)))
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive()

@@ -16,3 +16,12 @@ async def until(condition: Callable[[], object], what: str, timeout: float = 120
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout: float = 120.0) -> None:
+    """`until`, for a test outside an event loop."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)

@@ -27,10 +27,7 @@ import logging
 import shutil
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +44,10 @@ from index_builder import sidecar
 from index_builder.build import source_fingerprint
 from index_builder.catalog import Catalog, CatalogError, catalog_fingerprint, read_catalog
 from index_builder.publish import current_path, current_version
-from index_builder.sidecar import BuilderConfig, BuilderStats, run_builder
+from index_builder.sidecar import BuilderConfig
 from service.index.loaded import load_index
-from tests.helpers.indexes import flip_byte
+from tests.helpers.indexes import flip_byte, running_builder
+from tests.helpers.waiting import wait_until
 from tests.index_builder.test_catalog import FORMATS, assert_same, where, write_parquet
 
 REPO = Path(__file__).resolve().parents[2]
@@ -404,28 +402,6 @@ def test_the_default_schema_keeps_the_old_layout_until_an_exclusion_needs_format
 # ------------------------------------------------------------------ the builder sidecar
 
 
-def wait_until(condition: Callable[[], object], what: str, timeout: float = 60.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
-@contextmanager
-def running(cfg: BuilderConfig) -> Iterator[dict[str, BuilderStats]]:
-    """The sidecar in a thread; stopped on exit, its stats then under "stats"."""
-    stop = threading.Event()
-    result: dict[str, BuilderStats] = {}
-    thread = threading.Thread(target=lambda: result.update(stats=run_builder(cfg, stop)))
-    thread.start()
-    try:
-        yield result
-    finally:
-        stop.set()
-        thread.join(timeout=60)
-    assert not thread.is_alive()
-
-
 def test_the_builder_builds_by_the_schema_and_rebuilds_only_for_another(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -453,7 +429,7 @@ def test_the_builder_builds_by_the_schema_and_rebuilds_only_for_another(
                         lambda *a: (checks.append(1), real(*a))[1])  # fmt: skip
     same = BuilderConfig(catalog=catalog, out=root, interval=0.01, sid_space=SID_SPACE,
                          schema=parse(yaml.safe_load(SCHEMA_YAML), str(schema_file)))  # fmt: skip
-    with running(same) as result:
+    with running_builder(same) as result:
         wait_until(lambda: len(checks) >= 3, "three checks")
     assert result["stats"].builds == 0 and result["stats"].failures == 0
     assert current_path(root) == first
@@ -461,7 +437,7 @@ def test_the_builder_builds_by_the_schema_and_rebuilds_only_for_another(
 
     wider = BuilderConfig(catalog=catalog, out=root, interval=0.01, sid_space=SID_SPACE,
                           schema=WIDER)  # fmt: skip
-    with running(wider) as result:
+    with running_builder(wider) as result:
         wait_until(lambda: current_path(root) != first, "a rebuild for the new schema")
         checks.clear()
         wait_until(lambda: len(checks) >= 3, "three more checks")  # and no further build

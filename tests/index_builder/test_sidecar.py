@@ -13,8 +13,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from service.model.checkpoint import CONFIG_FILE, TOKENIZER_DIR, save_checkpoint
 from service.model.config import PROFILES
 from service.model.repository import publish_model
 from service.model.retriever import GenerativeRetriever
-from tests.helpers.indexes import corrupt_builds
+from tests.helpers.indexes import corrupt_builds, running_builder
 
 
 def test_builder_waits_for_the_tokenizer_then_builds(
@@ -152,21 +151,6 @@ def _index(root: Path) -> dict[str, Any]:
     return {} if path is None else read_manifest(path)
 
 
-@contextmanager
-def _running(cfg: BuilderConfig) -> Iterator[dict[str, Any]]:
-    """The sidecar in a thread; on exit stopped, its stats in the yielded dict."""
-    stop = threading.Event()
-    result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(stats=run_builder(cfg, stop)))
-    thread.start()
-    try:
-        yield result
-    finally:
-        stop.set()
-        thread.join(timeout=60)
-    assert not thread.is_alive()
-
-
 def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if text in r.getMessage()]
 
@@ -180,9 +164,9 @@ def test_the_first_build_is_at_start_not_an_interval_later(
     catalog, root = tmp_path / "catalog.jsonl", tmp_path / "index"
     _write_catalog(catalog, 20)
     cfg = BuilderConfig(catalog=catalog, out=root, interval=3600.0)
-    with _running(cfg) as first:
+    with running_builder(cfg) as first:
         _wait(lambda: current_version(root) is not None)  # the first tick is an hour away
-    with _running(cfg) as second:
+    with running_builder(cfg) as second:
         _wait(lambda: bool(_messages(caplog, "is up to date")))
     assert first["stats"].builds == 1 and second["stats"].builds == 0
 
@@ -194,7 +178,9 @@ def test_builder_follows_the_model_repository_into_a_new_sid_space(
     catalog, index, models = tmp_path / "catalog.jsonl", tmp_path / "index", tmp_path / "models"
     _write_catalog(catalog, 30)  # SIDs of its own: builds for a tokenizer or a named space
     sids = Counted(models)
-    with _running(BuilderConfig(catalog=catalog, out=index, interval=0.01, sids=sids)) as result:
+    with running_builder(
+        BuilderConfig(catalog=catalog, out=index, interval=0.01, sids=sids)
+    ) as result:
         sids.checks_pass(5)  # nothing published yet: waited for, logged once
         assert current_version(index) is None
         assert len(_messages(caplog, "waiting for a model")) == 1
@@ -228,7 +214,9 @@ def test_a_failed_build_waits_for_another_sid_space(
     publish_model(_checkpoint(tmp_path / "a", 0, tokenizer), models)
     corrupt_builds(monkeypatch, "trie.node_offsets.npy")
     sids = Counted(models)
-    with _running(BuilderConfig(catalog=catalog, out=index, interval=0.01, sids=sids)) as result:
+    with running_builder(
+        BuilderConfig(catalog=catalog, out=index, interval=0.01, sids=sids)
+    ) as result:
         _wait(lambda: bool(_messages(caplog, "build failed")))
         monkeypatch.undo()  # fixed, but (catalog, SID space) is the pair that failed
         publish_model(_checkpoint(tmp_path / "b", 1, tokenizer), models)  # same space
@@ -251,7 +239,9 @@ def test_a_checkpoint_directory_is_followed_and_its_index_kept_until_the_catalog
     model.mkdir()
     (model / CONFIG_FILE).write_text("{")  # a broken checkpoint: logged once, waited for
     sids = Counted(model)
-    with _running(BuilderConfig(catalog=catalog, out=index, interval=0.01, sids=sids)) as result:
+    with running_builder(
+        BuilderConfig(catalog=catalog, out=index, interval=0.01, sids=sids)
+    ) as result:
         sids.checks_pass()
         assert len(_messages(caplog, "cannot read the model's SID space")) == 1
         _checkpoint(model, 0, tokenizer)
@@ -261,7 +251,9 @@ def test_a_checkpoint_directory_is_followed_and_its_index_kept_until_the_catalog
     # an index for this catalog and the model's space is there: a restart builds nothing
     first = current_version(index)
     sids = Counted(model)
-    with _running(BuilderConfig(catalog=catalog, out=index, interval=0.01, sids=sids)) as result:
+    with running_builder(
+        BuilderConfig(catalog=catalog, out=index, interval=0.01, sids=sids)
+    ) as result:
         sids.checks_pass()
         assert current_version(index) == first
         _write_catalog(catalog, 25)  # ... until the catalog changes
