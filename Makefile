@@ -6,6 +6,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# the floor of the gpu extra (pyproject.toml): the served kernels must compile on it
+TRITON_MIN ?= 3.6.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 .PHONY: help install test ops-tools lint format serve bench loadtest clean image image-smoke
@@ -26,10 +28,17 @@ endif
 
 install: $(VENV)/.installed  ## create .venv and install the project with dev extras
 
+# the oldest triton the gpu extra allows, beside the venv (never imported by it): the tests
+# compile the served kernels for Hopper with it as well as with the installed one
+$(VENV)/triton-min/.installed: $(VENV)/.installed
+	@echo "installing triton $(TRITON_MIN) into $(VENV)/triton-min, for tests/kernels/test_hopper_compile.py"
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/triton-min "triton==$(TRITON_MIN)"
+	touch $@
+
 # the suite on TEST_WORKERS processes (pytest-xdist): most long tests wait on a server or a
 # clock, so two processes overlap them even on two busy cores
 TEST_WORKERS ?= 2
-test: install ops-tools  ## run the test suite
+test: install $(VENV)/triton-min/.installed ops-tools  ## run the test suite
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS)
 
 # promtool (Debian's prometheus package) for tests/ops, and node and npm (Debian's nodejs

@@ -140,9 +140,13 @@ def _gtm_mask_kernel(
                     # width; re-reading a matcher word is an L1 hit, and only lanes still
                     # searching read it
                     if FAM_W[f] <= UNROLL_WORDS:
-                        for w in tl.static_range(FAM_AT[f], FAM_AT[f] + FAM_W[f]):
-                            contained = _contains_word(contained, req_blooms, matcher, ls, n,
-                                                       need, w, W_BL)  # fmt: skip
+                        # a constant range; tuple items are plain ints to Triton 3.6's
+                        # static_range, so it counts to UNROLL_WORDS and drops the rest
+                        for j in tl.static_range(UNROLL_WORDS):
+                            if j < FAM_W[f]:
+                                w = FAM_AT[f] + j
+                                contained = _contains_word(contained, req_blooms, matcher, ls,
+                                                           n, need, w, W_BL)  # fmt: skip
                     else:
                         for w in range(FAM_AT[f], FAM_AT[f] + FAM_W[f]):
                             contained = _contains_word(contained, req_blooms, matcher, ls, n,
