@@ -202,7 +202,8 @@ def _builder(args: argparse.Namespace) -> int:
     and publishing a model of another SID space builds and publishes an index for it too, so
     the server swaps both in together; until a model is there it waits. Failed builds
     publish nothing, are logged and are not retried until the catalog or the model's SID
-    space changes; SIGTERM stops cleanly."""
+    space changes; SIGTERM stops cleanly. With --changes it also publishes a change feed
+    as delta segments over the CURRENT version, a fraction of a second behind the feed."""
     from index_builder.kway import KwaySpec
     from index_builder.sidecar import BuilderConfig, install_signal_handlers, run_builder
 
@@ -228,6 +229,9 @@ def _builder(args: argparse.Namespace) -> int:
             max_builds=1 if args.once else None,
             schema=targeting_schema(args),
             metrics=metrics,
+            changes=Path(args.changes) if args.changes else None,
+            rejects=Path(args.rejects) if args.rejects else None,
+            changes_interval=args.changes_interval,
         ),
         stop,
     )
@@ -314,3 +318,13 @@ def register(add: AddCommand) -> None:
         default="127.0.0.1",
         help="address of --metrics-port (127.0.0.1; 0.0.0.0 in a pod)",
     )
+    p.add_argument("--changes", metavar="DIR",
+                   help="a change feed: a directory of append-only *.jsonl change files, "
+                   "read in name order (docs/DATA.md \"Live changes\"); its records are "
+                   "published as delta segments under OUT/deltas/<version>/ within "
+                   "--changes-interval, whatever a full build takes")  # fmt: skip
+    p.add_argument("--changes-interval", type=positive_float, default=0.2, metavar="S",
+                   help="seconds between polls of --changes (0.2)")  # fmt: skip
+    p.add_argument("--rejects", metavar="FILE",
+                   help="where rejected change records go, one JSON line each with its "
+                   "seq, field and reason (OUT/deltas/rejects.jsonl)")  # fmt: skip

@@ -1,6 +1,7 @@
 """The index builder sidecar's own Prometheus metrics (`grace builder --metrics-port`,
 docs/ops/monitoring.md "The builder"): what it built, what failed and why, when it last
-published, and whether it can read its catalog — so a build that keeps failing is a
+published, whether it can read its catalog, and with `--changes` the changes it published
+and rejected and how far behind the feed it is — so a build that keeps failing is a
 metric, not only a log line. `sidecar.run_builder` records them; the server's metrics
 (`service/metrics.py`) are another process's.
 """
@@ -8,9 +9,11 @@ metric, not only a log line. `sidecar.run_builder` records them; the server's me
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from contracts.changes import OPS, Change
 from contracts.index_validation import IndexValidationError
 from index_builder.build import BuildError
 from index_builder.catalog import CatalogError
@@ -49,6 +52,17 @@ class BuilderMetrics:
         self.catalog_unreadable = Gauge("grace_builder_catalog_unreadable",
                                         "1 while the catalog cannot be read (missing, "
                                         "unreadable): nothing is built.", registry=r)  # fmt: skip
+        self.changes = Counter("grace_builder_changes_published", "Live changes published "
+                               "in delta segments, by op.", ["op"], registry=r)  # fmt: skip
+        self.rejected = Counter("grace_builder_changes_rejected", "Change records rejected "
+                                "(written to the rejects file).", registry=r)  # fmt: skip
+        self.published_seq = Gauge("grace_builder_published_seq", "The last change seq "
+                                   "published over the CURRENT index.", registry=r)  # fmt: skip
+        self.feed_lag = Gauge("grace_builder_feed_lag_seconds", "Seconds since the change "
+                              "feed was last read to its end (grows while publishing "
+                              "fails).", registry=r)  # fmt: skip
+        for op in OPS:
+            self.changes.labels(op)
         for result in ("ok", "failed"):
             self.builds.labels(result)
         for name, _ in (*REASONS, ("other", Exception)):
@@ -67,3 +81,10 @@ class BuilderMetrics:
         self.builds.labels("failed").inc()
         self.failures.labels(reason_of(exc)).inc()
         self.last_failure.set(time.time())
+
+    def changes_published(self, changes: Sequence[Change], rejected: int) -> None:
+        for c in changes:
+            self.changes.labels(c.op).inc()
+        if changes:
+            self.published_seq.set(changes[-1].seq)
+        self.rejected.inc(rejected)

@@ -52,6 +52,7 @@ class CatalogError(ValueError):
         self.path = path
         self.location = location  # "line 17" / "row 16"; None for whole-file errors
         self.field = field
+        self.message = message  # the reason alone
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ tokenizer, a named SID space, the catalog alone, or — following the model (`gr
 a model of a new SID space then also triggers a build, and the server swaps the pair in
 together. A failed build publishes nothing and is not retried until its inputs change;
 a tokenizer or model that does not exist yet is waited for. SIGTERM/SIGINT abandon a
-build at its next phase boundary, CURRENT untouched.
+build at its next phase boundary, CURRENT untouched. With `changes` a thread of its own
+publishes the change feed as delta segments over the CURRENT version
+(`change_publisher.py`), a fraction of a second behind the feed whatever a build takes.
 
 No `service` or `cli` import (tests/test_layers.py): reading a model is the caller's
 `sids` (cli/index.py).
@@ -24,12 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.deltas import DELTAS
 from contracts.index_manifest import IndexFormatError, read_manifest
 from contracts.index_validation import IndexValidationError
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from index_builder.build import BuildCancelled, BuildError, build_index, source_fingerprint
 from index_builder.builder_metrics import BuilderMetrics
 from index_builder.catalog import CatalogError
+from index_builder.change_publisher import ChangePublisher
 from index_builder.kway import KwaySpec
 from index_builder.publish import PublishError, current_path
 from index_builder.tokenizer import SIDTokenizer
@@ -71,6 +75,9 @@ class BuilderConfig:
     max_builds: int | None = None  # stop after this many successful builds (tests, one-shots)
     schema: TargetingSchema = DEFAULT  # the targeting schema to read and encode by
     metrics: BuilderMetrics | None = None  # the sidecar's Prometheus series, when served
+    changes: Path | None = None  # a change feed directory to publish as delta segments
+    rejects: Path | None = None  # its rejected records (default <out>/deltas/rejects.jsonl)
+    changes_interval: float = 0.2  # seconds between polls of the feed
 
     def __post_init__(self) -> None:
         if self.sids is not None and (self.tokenizer is not None or self.sid_space is not None):
@@ -163,6 +170,15 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
         metrics.last_success.set(current_path(cfg.out).stat().st_mtime)
     log.info("builder watching %s -> %s: a check now, then every %.1f s", cfg.catalog, cfg.out,
              cfg.interval)  # fmt: skip
+    publishing = threading.Event()  # cleared: the change publisher stops
+    publisher = None
+    if cfg.changes is not None:
+        rejects = cfg.rejects or cfg.out / DELTAS / "rejects.jsonl"
+        publisher = threading.Thread(
+            target=ChangePublisher(cfg.changes, cfg.out, rejects, metrics).run,
+            args=(publishing, cfg.changes_interval), name="grace-changes", daemon=True,
+        )  # fmt: skip
+        publisher.start()
     while not stop.is_set():
         stats.checks += 1
         try:
@@ -213,6 +229,9 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
         if cfg.max_builds is not None and stats.builds >= cfg.max_builds:
             break
         stop.wait(cfg.interval)
+    if publisher is not None:
+        publishing.set()
+        publisher.join()
     log.info("builder stopped: %d builds, %d failures", stats.builds, stats.failures)
     return stats
 
