@@ -146,7 +146,9 @@ def _query(args: argparse.Namespace) -> int:
     print(f"user {request.user.user_id} ({t.country or '?'}, age {t.age or '?'}, "
           f"{t.gender or '?'}, {len(t.locations)} locations, "
           f"{len(request.user.history)} history events)")  # fmt: skip
-    print(f"index {response.index_version}  model {response.model_version}")
+    seq = response.stats.catalog_seq  # the live changes it was answered at (0: as built)
+    print(f"index {response.index_version}  model {response.model_version}"
+          + (f"  catalog_seq {seq}" if seq else ""))  # fmt: skip
     print(f"{'rank':>4}  {'ad_id':>20}  {'score':>8}  sid")
     for i, ad in enumerate(response.ads, 1):
         print(f"{i:>4}  {ad.ad_id:>20}  {ad.score:>8.3f}  {list(ad.sid)}")

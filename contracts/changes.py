@@ -19,6 +19,9 @@ from typing import Any
 import orjson
 
 OPS = ("upsert", "pause", "resume", "delete")
+# a delta segment's records (contracts/deltas.py) may also be `restore`: the builder's form
+# of an upsert whose row the version was built from (the ad serves as the version holds it)
+SEGMENT_OPS = (*OPS, "restore")
 HEAD = ("seq", "op", "ad_id")  # every record's own fields; an upsert's others are its row
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 
@@ -58,9 +61,12 @@ def _int64(value: object) -> bool:
     return type(value) is int and I64_MIN <= value <= I64_MAX  # bool is no int
 
 
-def parse_change(line: bytes, where: str, after: int | None = None) -> Change:
+def parse_change(
+    line: bytes, where: str, after: int | None = None, ops: tuple[str, ...] = OPS
+) -> Change:
     """One feed line as a `Change` (`after`: the feed's last seq, which this one must
-    exceed); ChangeError otherwise."""
+    exceed; `ops`: those a feed may carry, `SEGMENT_OPS` in a delta segment); ChangeError
+    otherwise."""
     try:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError as exc:
@@ -73,8 +79,8 @@ def parse_change(line: bytes, where: str, after: int | None = None) -> Change:
     if after is not None and seq <= after:
         raise ChangeError(where, seq, "seq", f"not above the feed's last seq {after}")
     op = obj.get("op")
-    if op not in OPS:
-        raise ChangeError(where, seq, "op", f"{op!r} is not one of {', '.join(OPS)}")
+    if op not in ops:
+        raise ChangeError(where, seq, "op", f"{op!r} is not one of {', '.join(ops)}")
     ad_id = obj.get("ad_id")
     if not _int64(ad_id):
         raise ChangeError(where, seq, "ad_id", f"{ad_id!r} is not an integer in int64 range")

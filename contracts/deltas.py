@@ -4,7 +4,8 @@ servers to apply without a rebuild (docs/DATA.md "Live changes").
 Flow: a change feed (`index_builder/change_feed.py`) → the builder's publisher
 (`index_builder/change_publisher.py`) → `<index root>/deltas/<base version>/
 <first seq>-<last seq>.jsonl` → the servers. A segment holds valid change records
-(`contracts/changes.py`) in seq order. It is written under a hidden temporary name,
+(`contracts/changes.py`) in seq order, an upsert the version already serves as written
+published as `restore` (`index_builder/as_built.py`). It is written under a hidden temporary name,
 fsynced and renamed into place, so a reader only ever sees whole segments; a base's
 segments never overlap and follow one another in seq order, so the last one's `last` is
 the base's published watermark.
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts.changes import Change, parse_change
+from contracts.changes import SEGMENT_OPS, Change, parse_change
 
 DELTAS = "deltas"
 _NAME = re.compile(r"^(\d{20})-(\d{20})\.jsonl$")
@@ -91,5 +92,6 @@ def read_segment(segment: Segment) -> list[Change]:
     with segment.path.open("rb") as fh:
         for lineno, line in enumerate(fh, 1):
             after = out[-1].seq if out else None
-            out.append(parse_change(line, f"{segment.path}: line {lineno}", after))
+            where = f"{segment.path}: line {lineno}"
+            out.append(parse_change(line, where, after, SEGMENT_OPS))
     return out

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from contracts.changes import OPS, Change
+from contracts.changes import SEGMENT_OPS, Change
 from contracts.index_validation import IndexValidationError
 from index_builder.build import BuildError
 from index_builder.catalog import CatalogError
@@ -61,7 +61,7 @@ class BuilderMetrics:
         self.feed_lag = Gauge("grace_builder_feed_lag_seconds", "Seconds since the change "
                               "feed was last read to its end (grows while publishing "
                               "fails).", registry=r)  # fmt: skip
-        for op in OPS:
+        for op in SEGMENT_OPS:
             self.changes.labels(op)
         for result in ("ok", "failed"):
             self.builds.labels(result)

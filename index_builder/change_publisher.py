@@ -4,7 +4,8 @@ and publishes what it reads as delta segments over the CURRENT index version
 
 Flow: `DirectoryFeed.poll` (complete records, the contract's rejects) → an upsert's row
 checked by the catalog reader itself, under the index's targeting schema, so a row the
-next full build would refuse is refused now → the rejects appended to the rejects file
+next full build would refuse is refused now, and published as `restore` when the version
+already serves it as written (`as_built.py`) → the rejects appended to the rejects file
 (fsynced) → the valid changes written as one segment (`contracts/deltas.py`). It runs on
 its own thread every `interval` (a fraction of a second), whatever a full build takes.
 
@@ -12,7 +13,8 @@ Restart and compaction: the feed is opened after the base's published watermark 
 segment's last seq), so a restarted builder publishes nothing twice and loses nothing; a
 crash between the rejects and the segment writes a reject line twice, never a change. A
 new base (a full build published) gets its own segments, from the feed's start: every
-change applies in seq order on top of the snapshot, and each ad ends at its last change.
+change applies in seq order on top of the snapshot, each ad ends at its last change, and
+an upsert the build folded in is a `restore` there.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from contracts.changes import Change, ChangeError
 from contracts.deltas import DELTAS, published_seq, write_segment
 from contracts.index_manifest import manifest_schema, read_manifest
 from contracts.targeting_schema import TargetingSchema
+from index_builder.as_built import BuiltAds
 from index_builder.builder_metrics import BuilderMetrics
-from index_builder.catalog import read_catalog
+from index_builder.catalog import Catalog, read_catalog
 from index_builder.catalog_files import CatalogError
 from index_builder.change_feed import DirectoryFeed
 from index_builder.publish import current_path
@@ -39,10 +42,14 @@ from index_builder.publish import current_path
 log = logging.getLogger("grace.builder")
 
 
-def check_upserts(changes: list[Change], schema: TargetingSchema) -> list[ChangeError]:
+Rows = dict[int, tuple[Catalog, int]]  # an upsert's seq -> its row as the reader read it
+
+
+def check_upserts(changes: list[Change], schema: TargetingSchema) -> tuple[list[ChangeError], Rows]:
     """The upserts whose rows the catalog reader refuses (removed from `changes`), as
-    rejects naming the seq, the field and the reader's reason."""
+    rejects naming the seq, the field and the reader's reason; and the rows it read."""
     rejects: list[ChangeError] = []
+    rows: Rows = {}
     pending = [c for c in changes if c.op == "upsert"]
     while pending:
         # one round per occurrence: an ad upserted twice in a poll is no duplicate row
@@ -52,15 +59,16 @@ def check_upserts(changes: list[Change], schema: TargetingSchema) -> list[Change
             path = Path(tmp) / "upserts.jsonl"
             path.write_bytes(b"".join(orjson.dumps(c.row) + b"\n" for c in batch))
             try:
-                read_catalog(path, progress=False, schema=schema)
+                catalog = read_catalog(path, progress=False, schema=schema)
             except CatalogError as exc:
                 bad = _row_of(exc, batch)
                 rejects.append(ChangeError("upsert", bad.seq, exc.field, exc.message))
                 changes.remove(bad)
                 pending.remove(bad)
                 continue
+        rows.update({c.seq: (catalog, j) for j, c in enumerate(batch)})
         pending = [c for c in pending if c not in batch]
-    return rejects
+    return rejects, rows
 
 
 def _row_of(exc: CatalogError, batch: list[Change]) -> Change:
@@ -80,6 +88,7 @@ class ChangePublisher:
         self.base: str | None = None
         self._feed: DirectoryFeed | None = None
         self._schema: TargetingSchema | None = None
+        self._built: BuiltAds | None = None
         self.caught_up = time.time()  # when a poll last read the feed to its end
         if metrics is not None:
             metrics.feed_lag.set_function(lambda: time.time() - self.caught_up)
@@ -90,6 +99,7 @@ class ChangePublisher:
             if folder.is_dir() and not (self.root / folder.name).is_dir():
                 shutil.rmtree(folder, ignore_errors=True)
         self._schema = manifest_schema(read_manifest(base))
+        self._built = BuiltAds(base)
         after = published_seq(self.root, self.base)
         self._feed = DirectoryFeed(self.feed_dir, after=after)
         log.info("publishing changes from %s over index %s after seq %s", self.feed_dir,
@@ -102,10 +112,15 @@ class ChangePublisher:
             return 0
         if base.name != self.base:
             self._open(base)
-        assert self._feed is not None and self._schema is not None
+        assert self._feed is not None and self._schema is not None and self._built is not None
         polled = self._feed.poll()
         changes = polled.changes
-        rejects = polled.rejects + check_upserts(changes, self._schema)
+        bad, rows = check_upserts(changes, self._schema)
+        rejects = polled.rejects + bad
+        built = self._built
+        changes = [Change(c.seq, "restore", c.ad_id)
+                   if c.op == "upsert" and built.same(*rows[c.seq]) else c
+                   for c in changes]  # fmt: skip
         if rejects:
             self.rejects.parent.mkdir(parents=True, exist_ok=True)
             with self.rejects.open("ab") as fh:

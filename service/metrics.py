@@ -221,8 +221,29 @@ class Metrics:
         self.removed = counter(
             "grace_ads_removed_total",
             "Expanded ads the exact filter removed, by rule kind: block (the request's "
-            "exclude_*_ids), targeting (an include rule), exclusion (an ad's exclude list).",
+            "exclude_*_ids), targeting (an include rule), exclusion (an ad's exclude list), "
+            "not_live (paused, deleted or waiting for a rebuild at the reply's catalog_seq).",
             ["rule"],
+        )
+        self.catalog_seq = gauge(
+            "grace_catalog_seq",
+            "The last live catalog change applied to the served index (the catalog_seq of "
+            "its replies; 0: the index as built).",
+        )
+        self.live_ads = gauge(
+            "grace_live_ads",
+            "Ads of the served index not served because of live changes, by state: paused, "
+            "deleted, waiting (upserted: served from the next full build).",
+            ["state"],
+        )
+        self.live_new_waiting = gauge(
+            "grace_live_new_ads_waiting",
+            "Ads upserted that the served index does not hold: served from the next full build.",
+        )
+        self.live_applied = counter(
+            "grace_live_changes_applied_total",
+            "Live catalog changes this process applied to the served index, by op.",
+            ["op"],
         )
         self.empty_answers = counter(
             "grace_empty_answers_total",

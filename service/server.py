@@ -260,6 +260,7 @@ class RetrievalServicer:
                 ads_eligible=p.ads_eligible,
                 stage_ms=r.stage_ms,
                 ads_removed={rule: n for rule, n in removed.items() if n},
+                catalog_seq=r.catalog_seq,
             ),
             request_id=request_id,
         )

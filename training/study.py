@@ -236,8 +236,8 @@ def run_study(
                 for size, finals in per_user.final_first.items():
                     finals.append(int(checks["final"][:size].sum()))
                 (post,) = retriever.post([(leaves, scores)], [t], max(ks))
-                for kind, count in post.ads_removed.items():
-                    per_user.removed[kind].append(count)
+                for kind in REMOVED:  # offline: no live changes, nothing is not_live
+                    per_user.removed[kind].append(post.ads_removed[kind])
                 per_user.eligible_returned.append(post.ads_eligible)
                 passed = ads.ad_ids[rows[checks["final"]]]  # numpy's verdict, not the C++ one
                 per_user.ineligible_returned.append(int((~np.isin(post.ad_ids, passed)).sum()))

@@ -18,7 +18,8 @@ import numpy as np
 CONFIDENCE = 0.95
 RESAMPLES = 1000
 CHECKS = ("bitmask", "bloom", "location", "final")  # what `training/study.py` checks
-REMOVED = ("block", "targeting", "exclusion")  # `PostResult.ads_removed`'s kinds
+# `PostResult.ads_removed`'s kinds but not_live (the study applies no live changes)
+REMOVED = ("block", "targeting", "exclusion")
 
 
 def recall(ranks: np.ndarray, k: int) -> np.ndarray:

@@ -20,6 +20,7 @@ from contracts.targeting import Targeting
 from contracts.targeting_codec import RequestRules, TargetingError
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from contracts.tensors import GtmTables
+from service.index.live import LiveEligibility
 from service.model.features import SidLookup
 from service.post import PostRequest, PostStage, Vocabulary, request_rules
 
@@ -37,6 +38,7 @@ class LoadedIndex:
     vocabularies: dict[str, Vocabulary]
     lookup: SidLookup  # ad id -> SID (stage 1: a user's history as SID tokens)
     post: PostStage  # the C++ post stage over this version's ad arrays
+    live: LiveEligibility  # the live changes published over it, as applied so far
     loaded_at: float = field(default_factory=time.time)
 
     def request_rules(self, targeting: Targeting) -> RequestRules:
@@ -95,6 +97,10 @@ class LoadedIndex:
             vocabularies={a: Vocabulary(s.strings()) for a, s in arrays.ads.sets.items()},
             lookup=SidLookup.from_ads(arrays.ads),
             post=PostStage(arrays.ads, schema=schema),
+            # an index root's version follows the segments published over it
+            live=LiveEligibility(
+                arrays.ads.ad_ids, version, path.parent if manifest is not None else None
+            ),
         )
 
 
@@ -108,17 +114,20 @@ def load_index(
     """Validate everything (raises IndexValidationError), then prepare the tables. The
     arrays are read into private memory, not memory-mapped, so the files on disk may be
     truncated, overwritten or removed while the version serves. `tokenizer_fingerprint`:
-    the SID space it must be built for (None: any; the rollout checks each pair)."""
+    the SID space it must be built for (None: any; the rollout checks each pair). The live
+    changes published over it so far are applied (`service/index/live.py`)."""
     index = validate_index(
         Path(path),
         expect_tokenizer=tokenizer_fingerprint,
         expect_version=expect_version,
         mmap=False,
     )
-    return LoadedIndex.from_arrays(
+    loaded = LoadedIndex.from_arrays(
         index.arrays,
         device,
         version=index.manifest["index_version"],
         path=index.path,
         manifest=index.manifest,
     )
+    loaded.live.catch_up()  # the changes published so far, before it serves
+    return loaded

@@ -133,3 +133,4 @@ class RetrievalResult:
     model_version: str
     stage_ms: dict[str, float]  # per stage, for this request's batch
     batch_size: int = 0  # requests in this request's batch as dispatched (the access log's)
+    catalog_seq: int = 0  # the live changes it was answered at (service/index/live.py)

@@ -217,18 +217,21 @@ class Stages:
                 keep = leaves[j] >= 0
                 generated[i] = (leaves[j][keep], scores[j][keep])
         index, reqs = batch.serving.index, batch.requests
+        live = index.live.state  # one catalog_seq for the whole batch
         requests = [index.post_request(*generated[i], reqs[i].targeting, reqs[i].max_ads)
                     for i in rows]  # fmt: skip
         # blocks checked against the index served then: one swapped in since may apply
         # fewer, and then the request gets no ads rather than one its block may bar
         posts = index.post.run([r if index.post.applies(r) else dataclasses.replace(
-            r, leaves=r.leaves[:0], scores=r.scores[:0]) for r in requests])  # fmt: skip
+            r, leaves=r.leaves[:0], scores=r.scores[:0]) for r in requests],
+            live.not_live)  # fmt: skip
         return [
             RetrievalResult(
                 post=p,
                 sids_generated=len(generated[i][0]),
                 index_version=index.version,
                 model_version=batch.serving.model.model_version,
+                catalog_seq=live.seq,
                 stage_ms=dict(stage_ms),
                 batch_size=len(batch.pending),
             )

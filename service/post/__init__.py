@@ -157,8 +157,12 @@ class PostStage:
     def threads(self) -> int:
         return self._index.threads
 
-    def run(self, batch: Sequence[PostRequest]) -> list[PostResult]:
-        """Expand, filter, rank and cut every request of `batch` (GIL released)."""
+    def run(
+        self, batch: Sequence[PostRequest], not_live: np.ndarray | None = None
+    ) -> list[PostResult]:
+        """Expand, filter, rank and cut every request of `batch` (GIL released).
+        `not_live` (uint8 [N], non-zero: not served; `service/index/live.py`): the batch's
+        live state, one catalog_seq for every request; None: every ad is live."""
         set_ids: list[np.ndarray] = []
         for i, r in enumerate(batch):
             if len(r.sets) != len(self.attributes):
@@ -177,5 +181,6 @@ class PostStage:
             set_ids,
             [int(r.max_ads) for r in batch],
             **blocks,
+            not_live=not_live,
         )
         return [PostResult(*row) for row in raw]

@@ -64,7 +64,7 @@ struct Result {
   std::vector<int16_t> sids;    // [K * kSidLength]
   int64_t expanded = 0;
   int64_t eligible = 0;
-  int64_t blocked = 0, targeting = 0, excluded = 0;  // expanded - eligible, by kind
+  int64_t blocked = 0, targeting = 0, excluded = 0, not_live = 0;  // expanded - eligible
   int error = 0;  // 0 ok, 1 IndexError, 2 ValueError, 3 other
   std::string message;
 };
@@ -228,8 +228,17 @@ class AdIndex {
                const std::vector<Array<int32_t>>& set_ids, const std::vector<int64_t>& max_ads,
                const std::optional<std::vector<Array<int64_t>>>& exclude_ad_ids,
                const std::optional<std::vector<Array<int64_t>>>& exclude_campaign_ids,
-               const std::optional<std::vector<Array<int64_t>>>& exclude_advertiser_ids) {
+               const std::optional<std::vector<Array<int64_t>>>& exclude_advertiser_ids,
+               const std::optional<Array<uint8_t>>& not_live) {
     const size_t n = leaves.size();
+    // the batch's live state (one catalog_seq): non-zero = the ad is not served (paused,
+    // deleted, waiting for a rebuild); an immutable snapshot the caller holds for the call
+    const uint8_t* dead = nullptr;
+    if (not_live) {
+      if (not_live->ndim() != 1 || not_live->shape(0) != num_ads_)
+        throw std::invalid_argument("not_live must have one entry per ad");
+      dead = not_live->data();
+    }
     const size_t k_sets = sets_.size();
     auto per_request = [n](const auto& lists) { return !lists || lists->size() == n; };
     if (scores.size() != n || bitmasks.size() != n || max_ads.size() != n ||
@@ -262,7 +271,7 @@ class AdIndex {
       // Only raw pointers are touched from here on; the arrays stay referenced by the
       // caller's lists and by this object for the whole call.
       py::gil_scoped_release release;
-      run_parallel(requests, results);
+      run_parallel(requests, results, dead);
     }
     py::list out;
     for (size_t b = 0; b < n; ++b) {
@@ -280,7 +289,7 @@ class AdIndex {
         std::memcpy(sids.mutable_data(), r.sids.data(), k * kSidLength * sizeof(int16_t));
       }
       out.append(py::make_tuple(ids, sc, sids, r.expanded, r.eligible, r.blocked, r.targeting,
-                                r.excluded));
+                                r.excluded, r.not_live));
     }
     return out;
   }
@@ -314,13 +323,14 @@ class AdIndex {
 
   // Requests are claimed from a shared counter by min(threads, batch) workers; the
   // calling thread is one of them, so a batch of one spawns nothing.
-  void run_parallel(const std::vector<Request>& requests, std::vector<Result>& results) const {
+  void run_parallel(const std::vector<Request>& requests, std::vector<Result>& results,
+                    const uint8_t* dead) const {
     const size_t n = requests.size();
     std::atomic<size_t> next{0};
     auto work = [&]() {
       for (size_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
         try {
-          process(requests[b], results[b]);
+          process(requests[b], results[b], dead);
         } catch (const RequestError& e) {
           results[b].error = e.kind;
           results[b].message = e.message;
@@ -379,7 +389,7 @@ class AdIndex {
   // held in registers (a few % of the default path's time, against a loop of one probe).
   enum class Mode { kFull, kIncludes, kOneInclude };
 
-  void process(const Request& q, Result& r) const {
+  void process(const Request& q, Result& r, const uint8_t* dead) const {
     for (int64_t i = 0; i < q.n_leaves; ++i) {
       const int64_t leaf = q.leaves[i];
       if (leaf < 0 || leaf >= num_leaves_)
@@ -427,24 +437,24 @@ class AdIndex {
                     plan.include.empty() ? Probe{} : plan.include[0],
                     &plan};
     if (plan.blocks || !plan.exclude.empty() || xbits_)
-      walk<Mode::kFull>(q, order, scan, r);
+      walk<Mode::kFull>(q, order, scan, dead, r);
     else if (plan.include.size() == 1)
-      walk<Mode::kOneInclude>(q, order, scan, r);
+      walk<Mode::kOneInclude>(q, order, scan, dead, r);
     else
-      walk<Mode::kIncludes>(q, order, scan, r);
+      walk<Mode::kIncludes>(q, order, scan, dead, r);
   }
 
   // The ads of the ranked leaves, in order: judged, counted, and the first max_ads
-  // eligible ones kept. One function per mode: inlined into one, the modes' loops slow
+  // eligible ones kept. An ad not live (`dead`) is counted as such before any rule. One function per mode: inlined into one, the modes' loops slow
   // each other down (~10%: registers and code layout).
   template <Mode M>
   __attribute__((noinline)) void walk(const Request& q, const std::vector<int64_t>& order,
-                                      const Scan scan, Result& r) const {
+                                      const Scan scan, const uint8_t* dead, Result& r) const {
     const size_t cap = static_cast<size_t>(q.max_ads);
     const size_t n = order.size();
     // counters in registers, not in r: its vectors grow in the loop, and a store through
     // their int64_t pointers could alias r's counters
-    int64_t expanded = 0, eligible = 0, blocked = 0, targeting = 0, excluded = 0;
+    int64_t expanded = 0, eligible = 0, blocked = 0, targeting = 0, excluded = 0, gone = 0;
     for (size_t i = 0; i < n; ++i) {
       prefetch_offsets(q.leaves, order, i + kFar);
       prefetch_ads<M>(q.leaves, order, i + kNear, scan);
@@ -455,6 +465,10 @@ class AdIndex {
         throw RequestError{2, "corrupt index: leaf_ad_offsets of leaf " + std::to_string(leaf)};
       expanded += hi - lo;
       for (int64_t row = lo; row < hi; ++row) {
+        if (dead && dead[row]) {
+          ++gone;
+          continue;
+        }
         switch (judge<M>(row, scan)) {
           case Verdict::kEligible: break;
           case Verdict::kTargeting:
@@ -474,8 +488,9 @@ class AdIndex {
     r.expanded = expanded;
     r.eligible = eligible;
     r.blocked = blocked;
-    r.targeting = M == Mode::kFull ? targeting : expanded - eligible;
+    r.targeting = M == Mode::kFull ? targeting : expanded - gone - eligible;
     r.excluded = excluded;
+    r.not_live = gone;
   }
 
   // Leaves come in random index order and a large index is far bigger than the caches,
@@ -670,7 +685,7 @@ PYBIND11_MODULE(_post, m) {
       .def("run", &AdIndex::run, py::arg("leaves"), py::arg("scores"), py::arg("bitmasks"),
            py::arg("set_ids"), py::arg("max_ads"), py::kw_only(),
            py::arg("exclude_ad_ids") = py::none(), py::arg("exclude_campaign_ids") = py::none(),
-           py::arg("exclude_advertiser_ids") = py::none());
+           py::arg("exclude_advertiser_ids") = py::none(), py::arg("not_live") = py::none());
   m.def("encode_ads", &encode_ads, py::arg("ad_ids"), py::arg("scores"),
         py::arg("sids") = py::none(),
         "The reply's `repeated Ad ads = 1` field in protobuf wire format.");

@@ -53,10 +53,11 @@ class AdIndex:
         exclude_ad_ids: list[np.ndarray] | None = None,  # per request int64 [a], any order
         exclude_campaign_ids: list[np.ndarray] | None = None,  # per request int64 [c]
         exclude_advertiser_ids: list[np.ndarray] | None = None,  # per request int64 [d]
-    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int, int, int]]:
+        not_live: np.ndarray | None = None,  # uint8 [N]: non-zero = the ad is not served
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int, int, int, int]]:
         """Per request: (ad_ids int64 [K], scores float32 [K], sids int16 [K, 4],
-        ads_expanded, ads_eligible, ads_blocked, ads_targeting, ads_excluded). Runs with the
-        GIL released."""
+        ads_expanded, ads_eligible, ads_blocked, ads_targeting, ads_excluded, ads_not_live).
+        Runs with the GIL released."""
 
 def encode_ads(
     ad_ids: np.ndarray,  # int64 [K]

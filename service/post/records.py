@@ -44,7 +44,7 @@ class LocationVocabulary(Vocabulary):
 @dataclass(frozen=True)
 class PostResult:
     """One request's answer from the post stage. Every expanded ad is counted once:
-    ads_expanded = ads_eligible + ads_blocked + ads_targeting + ads_excluded."""
+    ads_expanded = ads_eligible + ads_not_live + ads_blocked + ads_targeting + ads_excluded."""
 
     ad_ids: np.ndarray  # int64 [K]: eligible ads, best first
     scores: np.ndarray  # float32 [K]: the beam score of each ad's SID
@@ -54,6 +54,7 @@ class PostResult:
     ads_blocked: int = 0  # removed first: its ad, campaign or advertiser id is blocked
     ads_targeting: int = 0  # then: an include rule failed (bitmask or a set's list)
     ads_excluded: int = 0  # then: an exclusion (an enum/bucket value or a set's list)
+    ads_not_live: int = 0  # before any rule: paused, deleted or waiting at the catalog_seq
 
     @property
     def ads_removed(self) -> dict[str, int]:
@@ -62,6 +63,7 @@ class PostResult:
             "block": self.ads_blocked,
             "targeting": self.ads_targeting,
             "exclusion": self.ads_excluded,
+            "not_live": self.ads_not_live,
         }
 
 

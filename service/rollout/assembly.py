@@ -1,7 +1,8 @@
 """The rollout of one serving process, wired from its settings (`service/app.py` calls
 `build_rollout` at start-up): the followers of the model repository and the index root
 (`sources.py`), the metrics each swap moves, the host-wide swap lock (`host_lock.py`) and
-the pace of a swap beside serving (`service/pace.py`, `rollout_share`).
+the pace of a swap beside serving (`service/pace.py`, `rollout_share`), and the series of
+the served index's live changes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from contracts.changes import SEGMENT_OPS
+from service.index.live import STATES, LiveEligibility, LiveState
 from service.index.loaded import LoadedIndex
 from service.metrics import Metrics
 from service.pace import Pace
@@ -62,6 +65,20 @@ def build_rollout(
                      "(rollout_share %.2f)", model.version, index.version, pace.slept - slept,
                      settings.rollout_share)  # fmt: skip
 
+    def current_live() -> LiveState:
+        return serving.current.index.live.state if serving.ready else LiveState(0, None)
+
+    metrics.catalog_seq.set_function(lambda: current_live().seq)
+    for state, at in STATES.items():
+        metrics.live_ads.labels(state).set_function(lambda at=at: current_live().counts[at])
+    metrics.live_new_waiting.set_function(lambda: len(current_live().new_waiting))
+    for op in SEGMENT_OPS:
+        metrics.live_applied.labels(op)
+
+    def applied(live: LiveEligibility, ops: dict[str, int]) -> None:
+        for op, n in ops.items():
+            metrics.live_applied.labels(op).inc(n)
+
     return Rollout(
         model_follower(Path(settings.model_dir), stages, settings.dtype, served=served("model"),
                        on_failure=lambda v, e: failures["model"].labels("invalid").inc(),
@@ -76,4 +93,5 @@ def build_rollout(
         on_swap=swapped,
         on_incompatible=lambda kind, version: failures[kind].labels("incompatible").inc(),
         one_at_a_time=one_at_a_time,
+        on_live=applied,
     )  # fmt: skip

@@ -5,7 +5,10 @@ space (both targets, else the new model with the served index, else the served m
 the new index) once its decode plans are prepared; a newcomer that fits no partner waits,
 loaded, for one. The app calls `check_once` at start-up, where a `CURRENT` pair that
 cannot serve falls back to the newest pair that does (models outer, indexes inner, SID
-spaces compared before anything loads), then `start` polls on a thread of its own.
+spaces compared before anything loads), then `start` polls on a thread of its own, and
+on another applies the live changes published over the served index every `live_seconds`
+(`service/index/live.py`); a new index catches up with the served one's live changes
+before it swaps in, so no reply goes back in `catalog_seq`.
 """
 
 from __future__ import annotations
@@ -18,11 +21,16 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
+from service.index.live import LiveEligibility, follow
 from service.index.loaded import LoadedIndex
 from service.pipeline.runtime import ModelRuntime, Serving, ServingHolder
 from service.rollout.follower import Follower
 
 log = logging.getLogger("grace.rollout")
+
+# how long a new index may take to catch up with the served one's live changes (the
+# builder republishes the feed over a new version within a poll of it) before it swaps in
+LIVE_CATCH_UP_SECONDS = 10.0
 
 
 class Rollout:
@@ -40,6 +48,8 @@ class Rollout:
         on_swap: Callable[[Serving, Serving | None], None] = lambda new, old: None,
         on_incompatible: Callable[[str, str], None] = lambda kind, version: None,
         one_at_a_time: Callable[[], AbstractContextManager[object]] = nullcontext,
+        live_seconds: float = 0.1,
+        on_live: Callable[[LiveEligibility, dict[str, int]], None] = lambda live, ops: None,
     ) -> None:
         """`one_at_a_time`: held while a newcomer loads, prepares and swaps in (not at
         start-up; the app's is host-wide, `host_lock.py`)."""
@@ -47,6 +57,8 @@ class Rollout:
         self.device, self.poll_seconds = device, poll_seconds
         self._prepare, self._on_swap, self._on_incompatible = prepare, on_swap, on_incompatible
         self._one_at_a_time = one_at_a_time
+        self.live_seconds, self._on_live = live_seconds, on_live
+        self._live_thread: threading.Thread | None = None
         self._staged: dict[str, ModelRuntime | LoadedIndex] = {}  # loaded, waiting for a partner
         self._refused: set[tuple[str, str]] = set()  # (model, index) versions found unfit
         self._unfit: list[str] = []  # start-up: pairs refused for their SID spaces
@@ -127,11 +139,33 @@ class Rollout:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="grace-rollout", daemon=True)
         self._thread.start()
+        self._live_thread = threading.Thread(
+            target=follow, args=(self._served_live, self._stop, self.live_seconds, self._on_live),
+            name="grace-live", daemon=True,
+        )  # fmt: skip
+        self._live_thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
+        for thread in (self._thread, self._live_thread):
+            if thread is not None:
+                thread.join(10)
+
+    def _served_live(self) -> LiveEligibility | None:
+        return self.holder.current.index.live if self.holder.ready else None
+
+    def _catch_up(self, new: LiveEligibility, served: LiveEligibility) -> None:
+        """`new` applies the live changes at least as far as `served` has (waiting up to
+        LIVE_CATCH_UP_SECONDS for the builder to publish them over it)."""
+        deadline = time.monotonic() + LIVE_CATCH_UP_SECONDS
+        new.catch_up()
+        while new.seq < served.seq and time.monotonic() < deadline:
+            time.sleep(0.02)
+            new.catch_up()
+        if new.seq < served.seq:
+            log.warning("index %s swaps in at catalog_seq %d, behind the served %d: the "
+                        "builder has not published the changes over it yet", new.version,
+                        new.seq, served.seq)  # fmt: skip
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_seconds):
@@ -183,6 +217,8 @@ class Rollout:
                     self._follower(kind).failed(new.version, exc)
             return False
         serving = Serving(model, index)
+        if old is not None and index is not old.index:
+            self._catch_up(index.live, old.index.live)
         self.holder.swap(serving)
         for kind in ("model", "index"):
             if self._staged.get(kind) is getattr(serving, kind):

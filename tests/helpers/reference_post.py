@@ -108,13 +108,17 @@ def expand_and_filter_rules(
     max_ads: int,
     *,
     ad_exclude_bitmask: np.ndarray | None = None,  # uint64 [N, words]
+    not_live: np.ndarray | None = None,  # uint8 [N]: non-zero = not served
 ) -> PostResult:
-    """Expand generated SIDs to ads, keep the exactly eligible ones by `schema`'s rules,
-    rank and cut, counting the removed ads by kind (`removal_kinds`)."""
+    """Expand generated SIDs to ads, keep the live, exactly eligible ones by `schema`'s
+    rules, rank and cut, counting the removed ads by kind (`removal_kinds`; an ad not live
+    is counted as that alone)."""
     leaves = np.asarray(leaves, dtype=np.int64)
     rows, owner = expand_leaves(ads, leaves)
     fate = {k: v[rows] for k, v in removal_kinds(schema, ads.ad_ids, rules, req,
                                                  ad_exclude_bitmask).items()}  # fmt: skip
+    live = np.ones(len(rows), bool) if not_live is None else not_live[rows] == 0
+    fate = {k: v & live for k, v in fate.items()}
     keep = fate["eligible"]
     return _rank_and_cut(
         ads,
@@ -127,6 +131,7 @@ def expand_and_filter_rules(
         blocked=int(fate["blocked"].sum()),
         targeting=int(fate["targeting"].sum()),
         excluded=int(fate["excluded"].sum()),
+        not_live=int((~live).sum()),
     )
 
 
@@ -142,6 +147,7 @@ def _rank_and_cut(
     blocked: int = 0,
     targeting: int = 0,
     excluded: int = 0,
+    not_live: int = 0,
 ) -> PostResult:
     ad_scores = np.asarray(scores, dtype=np.float32)[owner]
     order = np.argsort(-ad_scores, kind="stable")[:max_ads]
@@ -154,6 +160,7 @@ def _rank_and_cut(
         ads_blocked=blocked,
         ads_targeting=targeting,
         ads_excluded=excluded,
+        ads_not_live=not_live,
     )
 
 

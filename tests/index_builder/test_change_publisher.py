@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 
 from contracts.changes import Change
 from contracts.deltas import Segment, published_seq, read_segment, segments, write_segment
+from index_builder.build import build_index
+from index_builder.change_publisher import ChangePublisher
 from index_builder.publish import current_path
 from tests.helpers.server_process import free_port, metric_value
 from tests.index_builder.test_builder_metrics import scrape
@@ -168,3 +170,32 @@ def test_segments_concatenate_to_the_published_changes(sizes: list[int]) -> None
             seq += n
         got = [c for s in segments(root, "v") for c in read_segment(s)]
         assert got == want and published_seq(root, "v") == seq
+
+
+def test_an_upsert_the_version_serves_as_written_is_published_as_restore(world: Path) -> None:
+    """An upsert that changes an ad is an upsert (the server holds the ad back until a
+    build serves its new row); once a full build serves that row, the feed republished
+    over it carries a `restore`, so the ad serves again — and an upsert of the row a
+    version already serves is a `restore` at once."""
+    feed, root = world / "feed", world / "index"
+    catalog = world / "catalog.jsonl"
+    build_index(catalog, root, sid_space="s", progress=False)
+    publisher = ChangePublisher(feed, root, world / "rejects.jsonl")
+    moved = {"ad_id": 5, "sid": [1, 1, 1, 1], "countries": ["US"], "campaign_id": 9}
+    append(feed, "0001.jsonl", [
+        {"seq": 1, "op": "upsert", **moved},
+        {"seq": 2, "op": "upsert", **ROWS[6]},  # ad 7 exactly as built
+        {"seq": 3, "op": "upsert", "ad_id": 8, "sid": ROWS[7]["sid"], "countries": ["FR"]},
+    ])  # fmt: skip
+    publisher.tick()
+    assert [(c.seq, c.op) for c in published(root)] == [(1, "upsert"), (2, "restore"),
+                                                         (3, "upsert")]  # fmt: skip
+    # the catalog takes ad 5's new row; the next build serves it
+    rows = [moved if r["ad_id"] == 5 else r for r in ROWS]
+    catalog.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first = current_path(root).name
+    build_index(catalog, root, sid_space="s", progress=False)
+    assert current_path(root).name != first
+    publisher.tick()
+    assert [(c.seq, c.op) for c in published(root)] == [(1, "restore"), (2, "restore"),
+                                                         (3, "upsert")]  # fmt: skip

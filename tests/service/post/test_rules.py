@@ -148,8 +148,12 @@ def naive_kind(w: World, row: int, req: RequestRules, values: dict, exclusions_t
     return "eligible"
 
 
-def check(w: World, seed: int, batch: int, threads: int, exclusions_told: bool) -> list[PostResult]:
+def check(
+    w: World, seed: int, batch: int, threads: int, exclusions_told: bool, dead: float = 0.0
+) -> list[PostResult]:
+    """`dead`: the share of ads not live (paused, deleted) in the batch's live state."""
     rng = np.random.default_rng(seed)
+    not_live = (rng.random(w.ads.num_ads) < dead).astype(np.uint8) if dead else None
     xbits = ad_exclude_bitmask(w.schema, w.include, w.exclude) if exclusions_told else None
     stage = PostStage(w.ads, threads, schema=w.schema, rules=w.rules, ad_exclude_bitmask=xbits)
     n_leaves = len(w.ads.leaf_sids)
@@ -161,17 +165,27 @@ def check(w: World, seed: int, batch: int, threads: int, exclusions_told: bool) 
         max_ads = int(rng.integers(0, w.ads.num_ads + 3))
         requests.append(PostRequest.from_rules(leaves, scores, req, w.schema, max_ads))
         cases.append((req, values, leaves, scores, max_ads))
-    got = stage.run(requests)
+    got = stage.run(requests, not_live)
     row_of = {int(i): r for r, i in enumerate(w.ads.ad_ids)}
     for out, (req, values, leaves, scores, max_ads) in zip(got, cases, strict=True):
         want = expand_and_filter_rules(
-            w.ads, w.schema, w.rules, leaves, scores, req, max_ads, ad_exclude_bitmask=xbits
+            w.ads,
+            w.schema,
+            w.rules,
+            leaves,
+            scores,
+            req,
+            max_ads,
+            ad_exclude_bitmask=xbits,
+            not_live=not_live,
         )
         for name in ("ad_ids", "scores", "sids"):
             np.testing.assert_array_equal(getattr(out, name), getattr(want, name), err_msg=name)
         assert out.ads_removed == want.ads_removed
         # the contract: no ineligible ad out, no eligible one missed (best first, to the cut)
         ok = exact_eligible(w.schema, w.ads.ad_ids, w.rules, req)
+        if not_live is not None:
+            ok &= not_live == 0  # a paused or deleted ad is never out
         assert all(ok[row_of[int(i)]] for i in out.ad_ids)
         off = w.ads.leaf_ad_offsets
         rows = [(r, s) for leaf, s in zip(leaves, scores, strict=True)
@@ -179,9 +193,12 @@ def check(w: World, seed: int, batch: int, threads: int, exclusions_told: bool) 
         best = sorted((s for r, s in rows if ok[r]), reverse=True)[:max_ads]
         np.testing.assert_array_equal(out.scores, np.array(best, dtype=np.float32))
         # every expanded ad counted once, as a naive walk over the plain lists counts it
-        kinds = [naive_kind(w, r, req, values, exclusions_told) for r, _ in rows]
-        counts = {k: kinds.count(k) for k in ("eligible", "blocked", "targeting", "excluded")}
+        kinds = ["not_live" if not_live is not None and not_live[r] else
+                 naive_kind(w, r, req, values, exclusions_told) for r, _ in rows]  # fmt: skip
+        every = ("eligible", "blocked", "targeting", "excluded", "not_live")
+        counts = {k: kinds.count(k) for k in every}
         assert out.ads_expanded == len(rows) == sum(counts.values())
+        assert out.ads_not_live == counts["not_live"]
         assert (out.ads_eligible, out.ads_blocked, out.ads_targeting, out.ads_excluded) == (
             counts["eligible"], counts["blocked"], counts["targeting"], counts["excluded"]
         )  # fmt: skip
@@ -196,17 +213,19 @@ def check(w: World, seed: int, batch: int, threads: int, exclusions_told: bool) 
     batch=st.integers(1, 5),
     threads=st.integers(1, 4),
     exclusions_told=st.booleans(),
+    dead=st.sampled_from([0.0, 0.3, 1.0]),
 )
 def test_exact_and_counted_on_random_ads(
-    k: int, n: int, seed: int, batch: int, threads: int, exclusions_told: bool
+    k: int, n: int, seed: int, batch: int, threads: int, exclusions_told: bool, dead: float
 ) -> None:
-    check(make_world(np.random.default_rng(seed), k, n), seed + 1, batch, threads, exclusions_told)
+    world = make_world(np.random.default_rng(seed), k, n)
+    check(world, seed + 1, batch, threads, exclusions_told, dead)
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_a_batch_of_sixteen_on_a_larger_index(k: int) -> None:
     world = make_world(np.random.default_rng(k), k, 3000)
-    got = check(world, 100 + k, 16, 3, exclusions_told=True)
-    assert {"block", "targeting", "exclusion"} == set(got[0].ads_removed)
+    got = check(world, 100 + k, 16, 3, exclusions_told=True, dead=0.2)
+    assert {"block", "targeting", "exclusion", "not_live"} == set(got[0].ads_removed)
     assert sum(r.ads_eligible for r in got) > 0  # the property was not checked on nothing
     assert all(sum(r.ads_removed.values()) > 0 for r in got)

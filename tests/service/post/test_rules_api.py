@@ -53,7 +53,7 @@ def test_the_form_before_schemas_is_the_default_schema() -> None:
             assert out.ads_removed == w.ads_removed
             assert out.ads_expanded == w.ads_expanded == out.ads_eligible + out.ads_targeting
         np.testing.assert_array_equal(row[0], w.ad_ids)
-        assert row[3:] == (w.ads_expanded, w.ads_eligible, 0, w.ads_targeting, 0)
+        assert row[3:] == (w.ads_expanded, w.ads_eligible, 0, w.ads_targeting, 0, 0)
     assert sum(w.ads_targeting for w in want) > 0
 
 

@@ -1,0 +1,83 @@
+"""Which upserts a published index version already serves as written, for the builder's
+change publisher (`change_publisher.py`; docs/DATA.md "Live changes").
+
+The publisher replays the feed over every new version, and a server holds an upserted ad
+back until a version serves its new row. An upsert whose row the version was built from —
+the same SID, targeting (enum/bucket bits and exclusions, each set attribute's include
+and exclude values) and owners — is therefore published as `restore` (the ad serves as
+the version holds it), so the full build that folds an upsert in serves the ad again. An
+upsert without an explicit `sid` is never taken as built: its SID comes from a tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from contracts.index_format import read_index_dir
+from index_builder.catalog import Catalog
+
+
+class BuiltAds:
+    """The ads of one version directory, memory-mapped, looked up by ad id."""
+
+    def __init__(self, version: Path) -> None:
+        _, arrays = read_index_dir(version, verify_checksums=False, mmap=True)
+        self.ads = ads = arrays.ads
+        self._order = np.argsort(ads.ad_ids, kind="stable")
+        self._sorted = ads.ad_ids[self._order]
+        self._vocab = {name: s.strings() for name, s in ads.sets.items()}
+
+    def row(self, ad_id: int) -> int:
+        """The ad's row, -1 when the version does not hold it."""
+        at = int(np.searchsorted(self._sorted, ad_id))
+        return int(self._order[at]) if at < len(self._sorted) and self._sorted[at] == ad_id else -1
+
+    def same(self, catalog: Catalog, i: int) -> bool:
+        """Whether catalog row `i` is what the version serves for its ad."""
+        ads, row = self.ads, self.row(int(catalog.ad_id[i]))
+        if row < 0 or catalog.sid[i, 0] < 0:
+            return False
+        leaf = int(np.searchsorted(ads.leaf_ad_offsets, row, side="right")) - 1
+        zero = np.zeros(ads.ad_bitmask.shape[1], np.uint64)
+        pairs = [
+            (ads.leaf_sids[leaf], catalog.sid[i]),
+            (ads.ad_bitmask[row], catalog.bitmask[i]),
+            (zero if ads.ad_exclude_bitmask is None else ads.ad_exclude_bitmask[row],
+             zero if catalog.exclude_bitmask is None else catalog.exclude_bitmask[i]),
+            (_owner(ads.ad_campaign_ids, row), _owner(catalog.campaign, i)),
+            (_owner(ads.ad_advertiser_ids, row), _owner(catalog.advertiser, i)),
+        ]  # fmt: skip
+        if not all(np.array_equal(a, b) for a, b in pairs):
+            return False
+        for name, rules in catalog.sets.items():
+            built, vocab = ads.sets.get(name), self._vocab.get(name, [])
+            for kind in ("include", "exclude"):
+                had = _values(
+                    vocab,
+                    None
+                    if built is None
+                    else (getattr(built, f"{kind}_offsets"), getattr(built, f"{kind}_ids")),
+                    row,
+                )
+                lists = getattr(rules, kind)
+                has = _values(rules.vocabulary, None if lists is None else (
+                    lists.offsets, lists.values), i)  # fmt: skip
+                if had != has:
+                    return False
+        return True
+
+
+def _owner(ids: np.ndarray | None, row: int) -> int:
+    return 0 if ids is None else int(ids[row])
+
+
+def _values(
+    vocab: list[str] | np.ndarray, csr: tuple[np.ndarray | None, np.ndarray | None] | None, row: int
+) -> frozenset[str]:
+    """The values one row's list names (empty without a list)."""
+    if csr is None or csr[0] is None or csr[1] is None:
+        return frozenset()
+    off, ids = csr
+    return frozenset(str(vocab[int(v)]) for v in ids[off[row] : off[row + 1]])
