@@ -67,6 +67,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    """A share of a whole, 0 to 1."""
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a share from 0 to 1, got {text}")
+    return value
+
+
 AUTOTUNE_HELP = (
     "autotune the Triton kernels, as the server does: each new shape first benchmarks "
     "every config, minutes in all on a GPU; by default the kernels' fixed configs run "

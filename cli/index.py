@@ -19,6 +19,7 @@ from cli.common import (
     AddCommand,
     positive_float,
     positive_int,
+    share,
     show_progress,
     targeting_schema,
 )
@@ -123,7 +124,9 @@ def _build_index(args: argparse.Namespace) -> int:
     Read and validate a catalog, assign SIDs (from the catalog or the tokenizer), build the
     GTM trie with deduplicated matchers, the SID->ad index and the exact targeting index,
     and publish them as a new version under OUT (CURRENT is repointed atomically; old
-    versions pruned). Bad input fails naming the row and field; nothing is published."""
+    versions pruned). Bad rows within --bad-row-budget are left out and listed in
+    OUT/catalog-rejects.jsonl; past it the build fails naming the first row and field and
+    how many are bad, and nothing is published."""
     from index_builder.build import build_index
     from index_builder.kway import KwaySpec
 
@@ -138,6 +141,7 @@ def _build_index(args: argparse.Namespace) -> int:
         workers=args.workers,
         sid_space=args.sid_space,
         schema=targeting_schema(args),
+        bad_row_budget=args.bad_row_budget,
     )
     if args.json:
         print(json.dumps({"version": version, **vars(report)}, indent=1))
@@ -146,6 +150,9 @@ def _build_index(args: argparse.Namespace) -> int:
         print(f"published {Path(args.out) / version}\n  {counts}\n  seconds {report.seconds}")
         if report.collisions:
             print(f"  SID collisions: {report.collisions}")
+        if report.rejected_rows:
+            print(f"  {report.rejected_rows} bad catalog rows left out: "
+                  f"{Path(args.out) / 'catalog-rejects.jsonl'}")  # fmt: skip
     return 0
 
 
@@ -229,6 +236,7 @@ def _builder(args: argparse.Namespace) -> int:
             max_builds=1 if args.once else None,
             schema=targeting_schema(args),
             metrics=metrics,
+            bad_row_budget=args.bad_row_budget,
             changes=Path(args.changes) if args.changes else None,
             rejects=Path(args.rejects) if args.rejects else None,
             changes_interval=args.changes_interval,
@@ -236,6 +244,14 @@ def _builder(args: argparse.Namespace) -> int:
         stop,
     )
     return 0 if not (args.once and stats.builds == 0) else 1
+
+
+def _add_bad_row_budget(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bad-row-budget", type=share, default=0.001, metavar="SHARE",
+                   help="bad catalog rows (a broken line, an unknown value, a duplicate id) "
+                   "are left out while they are at most this share of the rows (0.001 = "
+                   "0.1 %%), each listed in OUT/catalog-rejects.jsonl; past it the build fails "
+                   "and publishes nothing; 0: any bad row fails it")  # fmt: skip
 
 
 def register(add: AddCommand) -> None:
@@ -287,6 +303,7 @@ def register(add: AddCommand) -> None:
     p.add_argument("--device", default="cpu", help=_DEVICE_HELP)
     p.add_argument("--json", action="store_true", help="print the build report as JSON")
     p.add_argument("--no-progress", action="store_true")
+    _add_bad_row_budget(p)
 
     p = add("validate-index", _validate_index)
     p.add_argument("path", metavar="PATH")
@@ -325,6 +342,7 @@ def register(add: AddCommand) -> None:
                    "--changes-interval, whatever a full build takes")  # fmt: skip
     p.add_argument("--changes-interval", type=positive_float, default=0.2, metavar="S",
                    help="seconds between polls of --changes (0.2)")  # fmt: skip
+    _add_bad_row_budget(p)
     p.add_argument("--rejects", metavar="FILE",
                    help="where rejected change records go, one JSON line each with its "
                    "seq, field and reason (OUT/deltas/rejects.jsonl)")  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import orjson
 
 from contracts import sid_space as sid_spaces
 from contracts.index_arrays import AdArrays, IndexArrays, SetArrays
@@ -25,6 +27,7 @@ from contracts.targeting_codec import Ragged, codec, value_blooms
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from index_builder import parallel
 from index_builder.catalog import Catalog, SetRules, catalog_fingerprint, read_catalog
+from index_builder.catalog_files import CatalogError
 from index_builder.kway import KwaySpec, build_partitions
 from index_builder.publish import publish
 from index_builder.trie import build_trie, storage_stats
@@ -53,6 +56,7 @@ class BuildReport:
     levels: list[dict[str, Any]] = field(default_factory=list)
     kway_levels: list[dict[str, Any]] = field(default_factory=list)
     collisions: str = ""
+    rejected_rows: int = 0  # bad catalog rows left out (a bad-row budget)
 
     def phase(self, name: str, start: float) -> float:
         now = time.perf_counter()
@@ -233,6 +237,22 @@ def source_fingerprint(catalog_path: Path | str, schema: TargetingSchema = DEFAU
     return f"{fingerprint};schema:sha256:{digest}"
 
 
+REJECTS = "catalog-rejects.jsonl"  # the last published build's bad rows, in the index root
+
+
+def write_rejects(path: Path, rejected: tuple[CatalogError, ...]) -> None:
+    """The bad rows a build left out, one JSON object each (file, location, field, reason),
+    replacing the last build's atomically; none: the file is removed."""
+    if not rejected:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    rows = ({"file": e.path, "location": e.location, "field": e.field, "reason": e.message}
+            for e in rejected)  # fmt: skip
+    tmp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    os.replace(tmp, path)
+
+
 def build_index(
     catalog_path: Path | str,
     out_root: Path | str,
@@ -246,19 +266,27 @@ def build_index(
     workers: int | None = None,
     sid_space: str | None = None,
     schema: TargetingSchema = DEFAULT,
+    bad_row_budget: float = 0.0,
 ) -> tuple[str, BuildReport]:
     """Read, build, validate in full (`validate_index`: raises IndexValidationError and
     publishes nothing) and atomically publish one index version; returns (version, report).
     `device`: the torch device computing SIDs from embeddings ("cuda" at paper scale);
     `workers`: CPU threads for SIDs and the build (None: every CPU); `schema`: the
-    targeting schema the catalog is read and the index encoded by (stored in it)."""
+    targeting schema the catalog is read and the index encoded by (stored in it);
+    `bad_row_budget`: the share of bad rows left out rather than failing the build
+    (`read_catalog`), each written to `<out_root>/catalog-rejects.jsonl` once it publishes
+    and counted in the manifest (`catalog.rejected_rows`) and the report."""
     if tokenizer_path and sid_space:
         raise BuildError("give a SID tokenizer or a SID space name, not both")
     named_space = sid_spaces.named(sid_space) if sid_space else None
     report = BuildReport()
     t0 = t = time.perf_counter()
     fingerprint = source_fingerprint(catalog_path, schema)
-    catalog = read_catalog(catalog_path, progress=progress, schema=schema)
+    catalog = read_catalog(
+        catalog_path, progress=progress, schema=schema, bad_row_budget=bad_row_budget
+    )
+    rejected = catalog.rejected
+    report.rejected_rows = len(rejected)
     t = report.phase("read", t)
     tokenizer = None
     if tokenizer_path:
@@ -285,7 +313,11 @@ def build_index(
                 "index_version": version,
                 "created": datetime.now(UTC).isoformat(),
                 "tokenizer_fingerprint": tokenizer_fingerprint,
-                "catalog": {"source": str(catalog_path), "fingerprint": fingerprint},
+                "catalog": {
+                    "source": str(catalog_path),
+                    "fingerprint": fingerprint,
+                    "rejected_rows": len(rejected),
+                },
                 "kway": kway.to_manifest() if kway else None,
                 "counts": report.counts,
                 "build": {
@@ -304,6 +336,11 @@ def build_index(
         report.seconds["validate"] = round(time.perf_counter() - started, 3)
 
     version = publish(Path(out_root), write, keep=keep, check=check)
+    write_rejects(Path(out_root) / REJECTS, rejected)
+    if rejected:
+        log.warning("index %s left out %d bad catalog rows (within the bad-row budget of "
+                    "%.2f%%), listed in %s; the first: %s", version, len(rejected),
+                    100 * bad_row_budget, Path(out_root) / REJECTS, rejected[0])  # fmt: skip
     report.phase("write", t)
     report.seconds["total"] = round(time.perf_counter() - t0, 3)
     counts = " ".join(f"{k}={v}" for k, v in report.counts.items())

@@ -52,6 +52,10 @@ class BuilderMetrics:
         self.catalog_unreadable = Gauge("grace_builder_catalog_unreadable",
                                         "1 while the catalog cannot be read (missing, "
                                         "unreadable): nothing is built.", registry=r)  # fmt: skip
+        self.rows_rejected = Gauge("grace_builder_catalog_rows_rejected",
+                                   "Bad catalog rows the last published build left out (within "
+                                   "the bad-row budget; in catalog-rejects.jsonl).",
+                                   registry=r)  # fmt: skip
         self.changes = Counter("grace_builder_changes_published", "Live changes published "
                                "in delta segments, by op.", ["op"], registry=r)  # fmt: skip
         self.rejected = Counter("grace_builder_changes_rejected", "Change records rejected "

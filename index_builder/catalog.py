@@ -23,6 +23,7 @@ import pyarrow as pa
 from contracts.data_format import CATALOG_FIELDS
 from contracts.targeting_codec import Ragged, codec
 from contracts.targeting_schema import DEFAULT, TargetingSchema
+from index_builder.bad_rows import isolate, sub_source, take
 from index_builder.catalog_columns import (
     ad_ids,
     embeddings,
@@ -33,7 +34,13 @@ from index_builder.catalog_columns import (
     set_rules,
     sids,
 )
-from index_builder.catalog_files import SID_LEVELS, CatalogError, Source, targeting_fields
+from index_builder.catalog_files import (
+    SID_LEVELS,
+    BadLines,
+    CatalogError,
+    Source,
+    targeting_fields,
+)
 from index_builder.catalog_parts import catalog_files, read_parts
 
 log = logging.getLogger("grace.catalog")
@@ -64,6 +71,7 @@ class Catalog:
     advertiser: np.ndarray | None = None  # int64 [N], 0 = none; None: no row names one
     # uint64 [N, bitmask_words]: the bits enum/bucket exclusions cleared; None: none did
     exclude_bitmask: np.ndarray | None = None
+    rejected: tuple[CatalogError, ...] = ()  # bad rows left out (a bad-row budget), in order
 
     def __post_init__(self) -> None:
         n = len(self.ad_id)
@@ -85,13 +93,23 @@ class Catalog:
 
 
 def read_catalog(
-    path: Path | str, *, progress: bool = True, schema: TargetingSchema = DEFAULT
+    path: Path | str,
+    *,
+    progress: bool = True,
+    schema: TargetingSchema = DEFAULT,
+    bad_row_budget: float = 0.0,
 ) -> Catalog:
     """Read and validate a catalog — a JSON Lines (plain or gzip) or Parquet file, or a
     directory of such parts — with the targeting fields `schema` declares; raise
-    CatalogError on bad input."""
-    src, cols, ignored = read_parts(Path(path), progress, targeting_fields(schema))
-    catalog = _build(cols, src, schema)
+    CatalogError on bad input. With `bad_row_budget` > 0 (a share of the rows) the bad
+    rows are left out while they are at most that share (`Catalog.rejected` names each);
+    past it CatalogError says how many and names the first (`bad_rows.py`)."""
+    bad = BadLines() if bad_row_budget > 0 else None
+    src, cols, ignored = read_parts(Path(path), progress, targeting_fields(schema), bad)
+    if bad is None:
+        catalog = _build(cols, src, schema)
+    else:
+        catalog = _build_within(cols, src, schema, bad, bad_row_budget)
     if ignored:
         log.warning("catalog %s: fields not in the catalog format ignored: %s (docs/DATA.md)",
                     path, ", ".join(sorted(ignored)))  # fmt: skip
@@ -113,6 +131,44 @@ def catalog_fingerprint(path: Path | str) -> str:
         except OSError as e:
             raise CatalogError(str(f), None, None, f"cannot read: {e.strerror}") from e
     return f"sha256:{h.hexdigest()}"
+
+
+def _build_within(
+    cols: dict[str, pa.Array], src: Source, schema: TargetingSchema, bad: BadLines,
+    budget: float,
+) -> Catalog:  # fmt: skip
+    """`_build` over the rows that pass, if the rows that do not are within `budget`."""
+    n = len(cols["ad_id"])
+    dropped = np.unique(np.asarray(bad.rows, dtype=np.int64))
+    if not len(dropped) and not bad.errors:
+        try:
+            return _build(cols, src, schema)
+        except CatalogError as exc:
+            if exc.location is None:  # a whole-file fault: no row to leave out
+                raise
+    rows = np.setdiff1d(np.arange(n, dtype=np.int64), dropped, assume_unique=True)
+    unreadable = len(bad.errors) - len(bad.rows)  # lines never parsed into a row
+    total = n + unreadable
+    limit = int(budget * total) - unreadable - len(dropped)  # bad rows the budget has left
+    failing = isolate(cols, src, lambda c, s: _build(c, s, schema), rows, max(limit, 0))
+    rejected = sorted([*bad.errors, *(e for _, e in failing)], key=_order)
+    count = unreadable + len(dropped) + len(failing)  # bad rows (a row may err twice)
+    if count > budget * total:
+        first = rejected[0]
+        # the search stops once the budget is spent: there may be more
+        share = f"at least {count} bad rows of {total} ({count / total:.2%})"
+        why = f"{first.message} — {share}, over the bad-row budget of {budget:.2%}"
+        raise CatalogError(first.path, first.location, first.field, why)
+    keep = np.setdiff1d(rows, np.array([r for r, _ in failing], dtype=np.int64))
+    if not len(keep):
+        raise src.error(None, None, "empty catalog: every row is bad")
+    catalog = _build(take(cols, keep), sub_source(src, keep), schema)
+    return dataclasses.replace(catalog, rejected=tuple(rejected))
+
+
+def _order(e: CatalogError) -> tuple[str, int]:
+    loc = e.location or ""
+    return e.path, int(loc.split()[-1]) if loc[:4] in ("line", "row ") else -1
 
 
 def _build(cols: dict[str, pa.Array], src: Source, schema: TargetingSchema) -> Catalog:

@@ -14,7 +14,7 @@ import gzip
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -141,12 +141,13 @@ def _gc_paused() -> Iterator[None]:
 
 
 def read_jsonl(
-    path: Path, progress: bool, strings: tuple[str, ...]
+    path: Path, progress: bool, strings: tuple[str, ...], bad: BadLines | None = None
 ) -> tuple[Source, dict[str, pa.Array], set[str]]:
     """One orjson parse per line into Python column lists, then Arrow conversion; a `.gz`
     file is decompressed on the fly. `strings`: the targeting fields to read. Returns the
     source, the columns and the fields seen that neither the format nor `strings` know
-    (ignored)."""
+    (ignored). With `bad` a line it cannot read is recorded there and skipped, and a value
+    that cannot be converted is recorded with its row (to drop) instead of raising."""
     name = str(path)
     known = frozenset(CATALOG_FIELDS + CATALOG_OWNERS + strings)
     unknown: set[str] = set()
@@ -171,51 +172,63 @@ def read_jsonl(
                 except orjson.JSONDecodeError as e:
                     if not raw.strip():
                         continue  # blank lines are allowed
-                    raise CatalogError(name, f"line {lineno}", None, f"invalid JSON: {e}") from None
-                if type(obj) is not dict:
-                    msg = f"expected a JSON object, got {type(obj).__name__}"
-                    raise CatalogError(name, f"line {lineno}", None, msg)
-                ad_id = obj.get("ad_id")
-                if type(ad_id) is not int or not I64_MIN <= ad_id <= I64_MAX:  # bool is no int
-                    msg = (
-                        "missing" if ad_id is None else f"{show(ad_id)} is not {expect('ad_id')[1]}"
-                    )
-                    raise CatalogError(name, f"line {lineno}", "ad_id", msg)
+                    err = CatalogError(name, f"line {lineno}", None, f"invalid JSON: {e}")
+                else:
+                    err = _line_error(obj, name, lineno, fields, owners)
+                if err is not None:
+                    if bad is None:
+                        raise err
+                    bad.errors.append(err)
+                    continue
                 if not obj.keys() <= known:
                     unknown.update(obj.keys() - known)
-                ids.append(ad_id)
+                ids.append(obj["ad_id"])
                 lines.append(lineno)
                 for field, col in fields:
-                    value = obj.get(field)
-                    if value is not None and type(value) is not list:
-                        msg = f"{show(value)} is not {expect(field)[1]}"
-                        raise CatalogError(name, f"line {lineno}", field, msg)
-                    col.append(value)
+                    col.append(obj.get(field))
                 for field, col in owners.items():
-                    value = obj.get(field)
-                    if value is not None and (type(value) is not int or not
-                                              I64_MIN <= value <= I64_MAX):  # fmt: skip
-                        msg = f"{show(value)} is not {expect(field)[1]}"
-                        raise CatalogError(name, f"line {lineno}", field, msg)
-                    col.append(value)
+                    col.append(obj.get(field))
         except (OSError, EOFError) as e:  # a corrupt or truncated gzip stream
             raise CatalogError(name, None, None, f"cannot decompress: {e}") from None
         bar.update(stored.tell() - bar.n)
     src = Source(name, lines=np.array(lines, dtype=np.int64))
     out = {"ad_id": pa.array(ids, type=pa.int64())}
     for field, col in cols.items():
-        out[field] = _to_arrow(col, field, src)
+        out[field] = _to_arrow(col, field, src, bad)
     for field, col in owners.items():
         if any(v is not None for v in col):
             out[field] = pa.array(col, type=pa.int64())
     return src, out, unknown
 
 
-def _to_arrow(col: list[object], field: str, src: Source) -> pa.Array:
+def _line_error(
+    obj: object, name: str, lineno: int, fields: tuple, owners: dict[str, list[object]]
+) -> CatalogError | None:
+    """Why a parsed line is no catalog row (None: it is one, as far as a line can tell)."""
+    where = f"line {lineno}"
+    if type(obj) is not dict:
+        return CatalogError(name, where, None, f"expected a JSON object, got {type(obj).__name__}")
+    ad_id = obj.get("ad_id")
+    if type(ad_id) is not int or not I64_MIN <= ad_id <= I64_MAX:  # bool is no int
+        msg = "missing" if ad_id is None else f"{show(ad_id)} is not {expect('ad_id')[1]}"
+        return CatalogError(name, where, "ad_id", msg)
+    for key, _ in fields:
+        value = obj.get(key)
+        if value is not None and type(value) is not list:
+            return CatalogError(name, where, key, f"{show(value)} is not {expect(key)[1]}")
+    for key in owners:
+        value = obj.get(key)
+        if value is not None and (type(value) is not int or not I64_MIN <= value <= I64_MAX):
+            return CatalogError(name, where, key, f"{show(value)} is not {expect(key)[1]}")
+    return None
+
+
+def _to_arrow(col: list[object], field: str, src: Source, bad: BadLines | None = None) -> pa.Array:
     """One Arrow array per field. String lists convert with their type given (twice as
     fast, and strict: values are lists by now, and a non-string element raises); numeric
     ones infer it, since a given int type would truncate 1.5 and a float type take `true`.
-    If the column is unacceptable, find the first line whose value alone is too."""
+    If the column is unacceptable, find the first line whose value alone is too (with
+    `bad`: every such line, recorded with its row and its value left out)."""
     accept, wanted = expect(field)
     given = None if field in CATALOG_FIELDS else pa.large_list(pa.large_string())
     try:
@@ -230,8 +243,24 @@ def _to_arrow(col: list[object], field: str, src: Source) -> pa.Array:
         except (pa.ArrowException, OverflowError):
             ok = False
         if not ok:
-            raise src.error(row, field, f"{show(value)} is not {wanted}")
+            err = src.error(row, field, f"{show(value)} is not {wanted}")
+            if bad is None:
+                raise err
+            bad.errors.append(err)
+            bad.rows.append(row)
+            col[row] = None
+    if bad is not None and bad.rows:
+        return _to_arrow(col, field, src)
     raise src.error(None, field, f"values mix types; each must be {wanted}")
+
+
+@dataclass
+class BadLines:
+    """What a reader skipped (`index_builder/bad_rows.py`): the errors of the lines it could
+    not read, in order, and the rows whose values it could not convert (to drop)."""
+
+    errors: list[CatalogError] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
 
 
 def read_parquet(

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 
 from contracts.data_format import JSONL_SUFFIXES, PARQUET_SUFFIXES, catalog_kind
-from index_builder.catalog_files import CatalogError, Source, read_jsonl, read_parquet
+from index_builder.catalog_files import BadLines, CatalogError, Source, read_jsonl, read_parquet
 
 Columns = dict[str, pa.Array]
 SUFFIXES = ", ".join((*JSONL_SUFFIXES, *(s + ".gz" for s in JSONL_SUFFIXES), *PARQUET_SUFFIXES))
@@ -51,17 +51,24 @@ def catalog_files(path: Path) -> list[Path]:
 
 
 def read_parts(
-    path: Path, progress: bool, strings: tuple[str, ...]
+    path: Path, progress: bool, strings: tuple[str, ...], bad: BadLines | None = None
 ) -> tuple[Source, Columns, set[str]]:
     """The columns of every part (`strings`: the targeting fields to read), concatenated;
-    the Source; the fields ignored."""
+    the Source; the fields ignored. `bad`: what the readers skipped (`read_jsonl`), its
+    rows counted over all parts."""
     files = catalog_files(path)
     sources, tables, ignored = [], [], set()
+    before = 0
     for f in files:
         if catalog_kind(f.name) == "parquet":
             src, (cols, unknown) = Source(str(f), lines=None), read_parquet(f, progress, strings)
         else:
-            src, cols, unknown = read_jsonl(f, progress, strings)
+            part = None if bad is None else BadLines()
+            src, cols, unknown = read_jsonl(f, progress, strings, part)
+            if bad is not None and part is not None:
+                bad.errors += part.errors
+                bad.rows += [before + r for r in part.rows]
+        before += len(cols["ad_id"])
         sources.append(src)
         tables.append(cols)
         ignored |= unknown

@@ -75,6 +75,7 @@ class BuilderConfig:
     max_builds: int | None = None  # stop after this many successful builds (tests, one-shots)
     schema: TargetingSchema = DEFAULT  # the targeting schema to read and encode by
     metrics: BuilderMetrics | None = None  # the sidecar's Prometheus series, when served
+    bad_row_budget: float = 0.0  # the share of bad catalog rows a build leaves out
     changes: Path | None = None  # a change feed directory to publish as delta segments
     rejects: Path | None = None  # its rejected records (default <out>/deltas/rejects.jsonl)
     changes_interval: float = 0.2  # seconds between polls of the feed
@@ -209,11 +210,13 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
                         progress=False,
                         should_stop=stop.is_set,
                         schema=cfg.schema,
+                        bad_row_budget=cfg.bad_row_budget,
                     )
                     built, failed = want, None
                     stats.builds += 1
                     if metrics is not None:
                         metrics.built()
+                        metrics.rows_rejected.set(report.rejected_rows)
                     seconds = report.seconds.get("total", 0.0)
                     log.info("build %d ok: version %s in %.2fs", stats.builds, version, seconds)
                 except BuildCancelled as exc:
