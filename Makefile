@@ -22,8 +22,8 @@ ifeq ($(HAS_GPU),)
 	@echo "no NVIDIA GPU found: installing the CPU build of torch $(TORCH_VERSION)"
 	$(PY) -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 endif
-	@echo "installing grace-serving (editable) with its extras: dev, loadtest, gpu, otlp, eval"
-	$(PY) -m pip install -e ".[dev,loadtest,gpu,otlp,eval]"
+	@echo "installing grace-serving (editable) with its extras: dev, loadtest, gpu, otlp, eval, postgres"
+	$(PY) -m pip install -e ".[dev,loadtest,gpu,otlp,eval,postgres]"
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv and install the project with dev extras
@@ -41,8 +41,10 @@ TEST_WORKERS ?= 2
 test: install $(VENV)/triton-min/.installed ops-tools  ## run the test suite
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS)
 
-# promtool (Debian's prometheus package) for tests/ops, and node and npm (Debian's nodejs
-# and npm) for tests/clients/test_node_example.py: installed when we may (root); elsewhere
+# promtool (Debian's prometheus package) for tests/ops, node and npm (Debian's nodejs and
+# npm) for tests/clients/test_node_example.py, and PostgreSQL (Debian's postgresql: a real
+# server for the builder's database source, tests/helpers/postgres.py): installed when we
+# may (root); elsewhere
 # their tests skip and say so (CI=true makes promtool's fail instead).
 ops-tools:
 	@command -v promtool >/dev/null 2>&1 || { \
@@ -55,6 +57,11 @@ ops-tools:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	      --no-install-recommends nodejs npm >/dev/null; \
 	  else echo "node or npm not found (apt-get install nodejs npm): the Node example's test will skip"; fi; }
+	@{ command -v initdb || ls /usr/lib/postgresql/*/bin/initdb; } >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends postgresql >/dev/null; \
+	  else echo "PostgreSQL not found (apt-get install postgresql): its tests will skip"; fi; }
 
 lint: install  ## ruff lint + format check
 	$(VENV)/bin/ruff check .

@@ -212,7 +212,11 @@ def _builder(args: argparse.Namespace) -> int:
     space changes; SIGTERM stops cleanly. With --changes it also publishes a change feed
     as delta segments over the CURRENT version, a fraction of a second behind the feed."""
     from index_builder.kway import KwaySpec
+    from index_builder.postgres_source import is_postgres
     from index_builder.sidecar import BuilderConfig, install_signal_handlers, run_builder
+
+    def _feed(source: str | None) -> Path | str | None:
+        return None if source is None else source if is_postgres(source) else Path(source)
 
     stop = threading.Event()
     install_signal_handlers(stop)
@@ -225,7 +229,7 @@ def _builder(args: argparse.Namespace) -> int:
         print(f"builder metrics on http://{args.metrics_host}:{port}/metrics", flush=True)
     stats = run_builder(
         BuilderConfig(
-            catalog=Path(args.catalog),
+            catalog=args.catalog if is_postgres(args.catalog) else Path(args.catalog),
             out=Path(args.out),
             interval=args.interval,
             tokenizer=Path(args.tokenizer) if args.tokenizer else None,
@@ -237,7 +241,7 @@ def _builder(args: argparse.Namespace) -> int:
             schema=targeting_schema(args),
             metrics=metrics,
             bad_row_budget=args.bad_row_budget,
-            changes=Path(args.changes) if args.changes else None,
+            changes=_feed(args.changes),
             rejects=Path(args.rejects) if args.rejects else None,
             changes_interval=args.changes_interval,
         ),
@@ -310,7 +314,9 @@ def register(add: AddCommand) -> None:
     p.add_argument("--expect-tokenizer", metavar="FINGERPRINT", help="refuse other tokenizers")
 
     p = add("builder", _builder)
-    p.add_argument("--catalog", required=True, help=CATALOG_HELP)
+    p.add_argument("--catalog", required=True, help=CATALOG_HELP + "; or a PostgreSQL table "
+                   "of ads, postgresql://USER@HOST:PORT/DB?table=ads, snapshotted for each "
+                   "build (docs/DATA.md \"PostgreSQL\")")  # fmt: skip
     p.add_argument("--out", required=True, help="index root")
     p.add_argument("--interval", type=positive_float, default=60.0, help="seconds (60)")
     sids = p.add_mutually_exclusive_group()
@@ -335,9 +341,10 @@ def register(add: AddCommand) -> None:
         default="127.0.0.1",
         help="address of --metrics-port (127.0.0.1; 0.0.0.0 in a pod)",
     )
-    p.add_argument("--changes", metavar="DIR",
+    p.add_argument("--changes", metavar="DIR|URL",
                    help="a change feed: a directory of append-only *.jsonl change files, "
-                   "read in name order (docs/DATA.md \"Live changes\"); its records are "
+                   "read in name order, or the postgresql://…?table=ads table --catalog "
+                   "names (docs/DATA.md \"Live changes\", \"PostgreSQL\"); its records are "
                    "published as delta segments under OUT/deltas/<version>/ within "
                    "--changes-interval, whatever a full build takes")  # fmt: skip
     p.add_argument("--changes-interval", type=positive_float, default=0.2, metavar="S",

@@ -29,6 +29,7 @@ from index_builder import parallel
 from index_builder.catalog import Catalog, SetRules, catalog_fingerprint, read_catalog
 from index_builder.catalog_files import CatalogError
 from index_builder.kway import KwaySpec, build_partitions
+from index_builder.postgres_source import is_postgres, shown, table_seq
 from index_builder.publish import publish
 from index_builder.trie import build_trie, storage_stats
 
@@ -226,11 +227,18 @@ def with_partitions(
     return IndexArrays(trie=built.trie, ads=ads, kway=partitions)
 
 
-def source_fingerprint(catalog_path: Path | str, schema: TargetingSchema = DEFAULT) -> str:
+def source_fingerprint(
+    catalog_path: Path | str, schema: TargetingSchema = DEFAULT, seq: int | None = None
+) -> str:
     """What an index is built from, as its manifest's `catalog.fingerprint` records it
-    (the sidecar rebuilds when it changes): the catalog's files and, for a targeting
-    schema of one's own, the schema."""
-    fingerprint = catalog_fingerprint(catalog_path)
+    (the sidecar rebuilds when it changes): the catalog's files — or a database table's
+    last change_seq (`seq`, else read now) — and, for a targeting schema of one's own, the
+    schema."""
+    if is_postgres(catalog_path):
+        url = str(catalog_path)
+        fingerprint = f"{shown(url)}#change_seq={table_seq(url) if seq is None else seq}"
+    else:
+        fingerprint = catalog_fingerprint(catalog_path)
     if schema == DEFAULT:
         return fingerprint
     digest = hashlib.sha256(schema.model_dump_json().encode()).hexdigest()
@@ -267,6 +275,9 @@ def build_index(
     sid_space: str | None = None,
     schema: TargetingSchema = DEFAULT,
     bad_row_budget: float = 0.0,
+    catalog_seq: int | None = None,
+    source: str | None = None,
+    fingerprint: str | None = None,
 ) -> tuple[str, BuildReport]:
     """Read, build, validate in full (`validate_index`: raises IndexValidationError and
     publishes nothing) and atomically publish one index version; returns (version, report).
@@ -275,13 +286,15 @@ def build_index(
     targeting schema the catalog is read and the index encoded by (stored in it);
     `bad_row_budget`: the share of bad rows left out rather than failing the build
     (`read_catalog`), each written to `<out_root>/catalog-rejects.jsonl` once it publishes
-    and counted in the manifest (`catalog.rejected_rows`) and the report."""
+    and counted in the manifest (`catalog.rejected_rows`) and the report. A snapshot of a
+    database (`postgres_source.snapshot`) passes its `catalog_seq` (the last change it
+    holds: the change feed goes on after it), `source` and `fingerprint`."""
     if tokenizer_path and sid_space:
         raise BuildError("give a SID tokenizer or a SID space name, not both")
     named_space = sid_spaces.named(sid_space) if sid_space else None
     report = BuildReport()
     t0 = t = time.perf_counter()
-    fingerprint = source_fingerprint(catalog_path, schema)
+    fingerprint = fingerprint or source_fingerprint(catalog_path, schema)
     catalog = read_catalog(
         catalog_path, progress=progress, schema=schema, bad_row_budget=bad_row_budget
     )
@@ -314,9 +327,10 @@ def build_index(
                 "created": datetime.now(UTC).isoformat(),
                 "tokenizer_fingerprint": tokenizer_fingerprint,
                 "catalog": {
-                    "source": str(catalog_path),
+                    "source": source or str(catalog_path),
                     "fingerprint": fingerprint,
                     "rejected_rows": len(rejected),
+                    **({} if catalog_seq is None else {"seq": catalog_seq}),
                 },
                 "kway": kway.to_manifest() if kway else None,
                 "counts": report.counts,

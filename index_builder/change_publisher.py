@@ -37,6 +37,7 @@ from index_builder.builder_metrics import BuilderMetrics
 from index_builder.catalog import Catalog, read_catalog
 from index_builder.catalog_files import CatalogError
 from index_builder.change_feed import DirectoryFeed
+from index_builder.postgres_source import PostgresFeed, is_postgres, shown
 from index_builder.publish import current_path
 
 log = logging.getLogger("grace.builder")
@@ -81,12 +82,13 @@ def _row_of(exc: CatalogError, batch: list[Change]) -> Change:
 class ChangePublisher:
     """Publishes the feed at `feed` as segments over `root`'s CURRENT version."""
 
-    def __init__(self, feed: Path, root: Path, rejects: Path,
+    def __init__(self, feed: Path | str, root: Path, rejects: Path,
                  metrics: BuilderMetrics | None = None) -> None:  # fmt: skip
-        self.feed_dir, self.root, self.rejects = Path(feed), Path(root), Path(rejects)
+        self.feed_source = feed if is_postgres(feed) else Path(feed)
+        self.root, self.rejects = Path(root), Path(rejects)
         self.metrics = metrics
         self.base: str | None = None
-        self._feed: DirectoryFeed | None = None
+        self._feed: DirectoryFeed | PostgresFeed | None = None
         self._schema: TargetingSchema | None = None
         self._built: BuiltAds | None = None
         self.caught_up = time.time()  # when a poll last read the feed to its end
@@ -98,12 +100,22 @@ class ChangePublisher:
         for folder in (self.root / DELTAS).glob("*/"):  # the segments of pruned versions
             if folder.is_dir() and not (self.root / folder.name).is_dir():
                 shutil.rmtree(folder, ignore_errors=True)
-        self._schema = manifest_schema(read_manifest(base))
+        manifest = read_manifest(base)
+        self._schema = manifest_schema(manifest)
         self._built = BuiltAds(base)
         after = published_seq(self.root, self.base)
-        self._feed = DirectoryFeed(self.feed_dir, after=after)
-        log.info("publishing changes from %s over index %s after seq %s", self.feed_dir,
-                 self.base, after)  # fmt: skip
+        # a snapshot holds every change up to its seq: the feed goes on after it
+        held = manifest.get("catalog", {}).get("seq")
+        if isinstance(held, int):
+            after = held if after is None else max(after, held)
+        if self._feed is not None and isinstance(self._feed, PostgresFeed):
+            self._feed.close()
+        if isinstance(self.feed_source, str):
+            self._feed = PostgresFeed(self.feed_source, after=after)
+        else:
+            self._feed = DirectoryFeed(self.feed_source, after=after)
+        log.info("publishing changes from %s over index %s after seq %s",
+                 shown(str(self.feed_source)), self.base, after)  # fmt: skip
 
     def tick(self) -> int:
         """One poll; the number of changes published (0 while there is no index)."""

@@ -30,15 +30,23 @@ from contracts.deltas import DELTAS
 from contracts.index_manifest import IndexFormatError, read_manifest
 from contracts.index_validation import IndexValidationError
 from contracts.targeting_schema import DEFAULT, TargetingSchema
-from index_builder.build import BuildCancelled, BuildError, build_index, source_fingerprint
+from index_builder.build import (
+    BuildCancelled,
+    BuildError,
+    BuildReport,
+    build_index,
+    source_fingerprint,
+)
 from index_builder.builder_metrics import BuilderMetrics
 from index_builder.catalog import CatalogError
 from index_builder.change_publisher import ChangePublisher
 from index_builder.kway import KwaySpec
+from index_builder.postgres_source import is_postgres, shown, snapshot
 from index_builder.publish import PublishError, current_path
 from index_builder.tokenizer import SIDTokenizer
 
 log = logging.getLogger("grace.builder")
+SNAPSHOT = ".catalog-snapshot.jsonl"  # a database catalog's last snapshot, in the index root
 
 # what a build can fail with and the sidecar survives (IndexValidationError, a ValueError,
 # named for the reader: the written version failed the publisher's validation)
@@ -63,7 +71,7 @@ class SidChoice:
 
 @dataclass(frozen=True)
 class BuilderConfig:
-    catalog: Path
+    catalog: Path | str  # a file or directory, or a postgresql:// table URL
     out: Path
     interval: float = 60.0
     tokenizer: Path | None = None
@@ -76,7 +84,7 @@ class BuilderConfig:
     schema: TargetingSchema = DEFAULT  # the targeting schema to read and encode by
     metrics: BuilderMetrics | None = None  # the sidecar's Prometheus series, when served
     bad_row_budget: float = 0.0  # the share of bad catalog rows a build leaves out
-    changes: Path | None = None  # a change feed directory to publish as delta segments
+    changes: Path | str | None = None  # a change feed (directory or postgresql://) to publish
     rejects: Path | None = None  # its rejected records (default <out>/deltas/rejects.jsonl)
     changes_interval: float = 0.2  # seconds between polls of the feed
 
@@ -169,8 +177,8 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
     metrics = cfg.metrics
     if metrics is not None and published[0] is not None:  # the CURRENT index's publication
         metrics.last_success.set(current_path(cfg.out).stat().st_mtime)
-    log.info("builder watching %s -> %s: a check now, then every %.1f s", cfg.catalog, cfg.out,
-             cfg.interval)  # fmt: skip
+    log.info("builder watching %s -> %s: a check now, then every %.1f s",
+             shown(str(cfg.catalog)), cfg.out, cfg.interval)  # fmt: skip
     publishing = threading.Event()  # cleared: the change publisher stops
     publisher = None
     if cfg.changes is not None:
@@ -200,18 +208,7 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
                     log.info("the model's SID space %s differs from the index's %s: rebuilding",
                              plan.key, built[1])  # fmt: skip
                 try:
-                    version, report = build_index(
-                        cfg.catalog,
-                        cfg.out,
-                        tokenizer_path=plan.tokenizer_path,
-                        sid_space=plan.sid_space,
-                        kway=cfg.kway,
-                        keep=cfg.keep,
-                        progress=False,
-                        should_stop=stop.is_set,
-                        schema=cfg.schema,
-                        bad_row_budget=cfg.bad_row_budget,
-                    )
+                    version, report = _build(cfg, plan, stop)
                     built, failed = want, None
                     stats.builds += 1
                     if metrics is not None:
@@ -237,6 +234,31 @@ def run_builder(cfg: BuilderConfig, stop: threading.Event | None = None) -> Buil
         publisher.join()
     log.info("builder stopped: %d builds, %d failures", stats.builds, stats.failures)
     return stats
+
+
+def _build(cfg: BuilderConfig, plan: _Plan, stop: threading.Event) -> tuple[str, BuildReport]:
+    """One build of `cfg`'s catalog; a database table's from a snapshot of it
+    (`postgres_source.snapshot`), which records the last change it holds."""
+    catalog, snap = cfg.catalog, {}
+    if is_postgres(cfg.catalog):
+        url, catalog = str(cfg.catalog), Path(cfg.out) / SNAPSHOT
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        seq = snapshot(url, catalog)
+        snap = {"catalog_seq": seq, "source": shown(url),
+                "fingerprint": source_fingerprint(url, cfg.schema, seq)}  # fmt: skip
+    return build_index(
+        catalog,
+        cfg.out,
+        tokenizer_path=plan.tokenizer_path,
+        sid_space=plan.sid_space,
+        kway=cfg.kway,
+        keep=cfg.keep,
+        progress=False,
+        should_stop=stop.is_set,
+        schema=cfg.schema,
+        bad_row_budget=cfg.bad_row_budget,
+        **snap,
+    )
 
 
 def install_signal_handlers(stop: threading.Event) -> None:
