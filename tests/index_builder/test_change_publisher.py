@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from index_builder.build import build_index
 from index_builder.change_publisher import ChangePublisher
 from index_builder.publish import current_path
 from tests.helpers.server_process import free_port, metric_value
+from tests.helpers.waiting import first
 from tests.index_builder.test_builder_metrics import scrape
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,15 +36,7 @@ ROWS = [{"ad_id": i, "sid": [i % 3, i % 5, i % 7, 0]} for i in range(1, 40)]
 
 
 def until(what: Callable[[], object], proc: subprocess.Popen | None = None) -> object:
-    """The first truthy `what()` (a condition, never a fixed time)."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(proc.stdout.read() if proc.stdout else "builder exited")
-        if got := what():
-            return got
-        time.sleep(0.05)
-    raise AssertionError("condition never held")
+    return first(what, "the condition", proc)
 
 
 def start(tmp: Path, port: int | None = None) -> subprocess.Popen:

@@ -25,6 +25,7 @@ from contracts.index_manifest import read_manifest
 from index_builder.postgres_source import PostgresFeed, snapshot, table_seq
 from index_builder.publish import current_path
 from tests.helpers.postgres import postgres_server
+from tests.helpers.waiting import first
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -33,14 +34,7 @@ DDL = (REPO / "examples" / "postgres_ads.sql").read_text()
 
 
 def until(what: Callable[[], object], proc: subprocess.Popen | None = None) -> object:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(proc.stdout.read() if proc.stdout else "builder exited")
-        if got := what():
-            return got
-        time.sleep(0.05)
-    raise AssertionError("condition never held")
+    return first(what, "the condition", proc)
 
 
 @pytest.fixture
