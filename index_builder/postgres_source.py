@@ -7,10 +7,13 @@ The table (`examples/postgres_ads.sql`): the catalog's fields as columns, `statu
 and update in commit order (the trigger holds an advisory lock until its transaction
 ends), so a reader that has seen seq s has seen every change below it.
 
-Flow: `snapshot` reads the rows not deleted and the largest `change_seq`, in one
+Flow: `snapshot` reads the active rows and the largest `change_seq`, in one
 repeatable-read transaction, into a JSON Lines catalog the build reads; the version
-records that seq (`catalog.seq`). `PostgresFeed.poll` then reads the rows whose
-`change_seq` is above the last one read, in order, as change records: `paused` → pause,
+records that seq (`catalog.seq`), and a server starts it at that `catalog_seq`. A paused
+row is not in the snapshot (a version holds no paused state of its own): set back to
+`active` after it, it is a new ad to that version, served from the next build.
+`PostgresFeed.poll` then reads the rows whose `change_seq` is above the last one read, in
+order, as change records: `paused` → pause,
 `deleted` → delete, `active` → an upsert of the row (the publisher makes it a `restore`
 when the version already serves that row, so a resume is one). A row removed with DELETE
 is not seen until the next snapshot: mark it `deleted` instead.
@@ -94,15 +97,15 @@ def table_seq(url: str) -> int:
 
 
 def snapshot(url: str, out: Path) -> int:
-    """Write the rows not deleted to `out` (JSON Lines, atomically); the largest
-    change_seq the same snapshot holds (every change up to it is in the file)."""
+    """Write the active rows to `out` (JSON Lines, atomically); the largest change_seq
+    the same snapshot holds (every change up to it is in the file)."""
     _, table = split_url(url)
     tmp = out.with_name(f".{out.name}.tmp")
     with _errors(url), _connect(url) as conn, conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         seq = int(conn.execute(f"SELECT coalesce(max({SEQ}), 0) FROM {table}").fetchone()[0])
         with conn.cursor(name="grace_snapshot") as cur, tmp.open("wb") as fh:
-            cur.execute(f"SELECT * FROM {table} WHERE {STATUS} <> 'deleted' ORDER BY ad_id")
+            cur.execute(f"SELECT * FROM {table} WHERE {STATUS} = 'active' ORDER BY ad_id")
             names = [d.name for d in cur.description]
             for values in cur:
                 fh.write(orjson.dumps(_row(names, values), option=orjson.OPT_SERIALIZE_NUMPY))

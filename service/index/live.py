@@ -53,11 +53,15 @@ class LiveEligibility:
     """The live state of one version's N ads (`ad_ids`, its row order), from the segments
     under `segment_root` / deltas / `version` (None: nothing to follow)."""
 
-    def __init__(self, ad_ids: np.ndarray, version: str, segment_root: Path | None) -> None:
+    def __init__(
+        self, ad_ids: np.ndarray, version: str, segment_root: Path | None, built_at: int = 0
+    ) -> None:
+        """`built_at`: the last change the version was built with (its manifest's
+        `catalog.seq`, a database snapshot's), where its live state starts."""
         self.version, self.segment_root = version, segment_root
         self._order = np.argsort(ad_ids, kind="stable")
         self._sorted = ad_ids[self._order]
-        self.state = LiveState(0, None, counts=(len(ad_ids), 0, 0, 0))
+        self.state = LiveState(built_at, None, counts=(len(ad_ids), 0, 0, 0))
         self._lock = threading.Lock()  # one applier at a time (the follower, a swap)
 
     @property

@@ -99,9 +99,18 @@ class LoadedIndex:
             post=PostStage(arrays.ads, schema=schema),
             # an index root's version follows the segments published over it
             live=LiveEligibility(
-                arrays.ads.ad_ids, version, path.parent if manifest is not None else None
+                arrays.ads.ad_ids,
+                version,
+                path.parent if manifest is not None else None,
+                _built_at(manifest),
             ),
         )
+
+
+def _built_at(manifest: dict[str, Any] | None) -> int:
+    """The last live change a version was built with (`catalog.seq`; 0: none)."""
+    seq = ((manifest or {}).get("catalog") or {}).get("seq", 0)
+    return seq if isinstance(seq, int) and seq >= 0 else 0
 
 
 def load_index(

@@ -124,3 +124,15 @@ def test_segments_on_disk_are_caught_up_in_order_once() -> None:
         write_segment(root, "v1", [Change(10, "restore", 5), Change(11, "restore", 7)])
         live.catch_up()  # the rows these versions were built from: served again
         assert live.state.not_live.tolist() == [LIVE, LIVE, LIVE]
+
+
+def test_a_version_built_from_a_snapshot_starts_at_its_seq() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        live = LiveEligibility(np.array([7, 3], dtype=np.int64), "v1", root, built_at=40)
+        assert live.seq == 40 and live.state.not_live is None
+        write_segment(root, "v1", [Change(41, "pause", 3)])
+        live.catch_up()
+        assert live.seq == 41 and live.state.not_live.tolist() == [LIVE, PAUSED]
+        live.apply([Change(39, "delete", 7)])  # at or below where it started: held already
+        assert live.state.not_live.tolist() == [LIVE, PAUSED]
