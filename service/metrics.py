@@ -242,7 +242,9 @@ class Metrics:
         )
         self.live_applied = counter(
             "grace_live_changes_applied_total",
-            "Live catalog changes this process applied to the served index, by op.",
+            "Live catalog changes this process's live follower applied to the served "
+            "index, by op (a version's replay when it loads or catches up before its swap "
+            "is not counted: grace_catalog_seq and grace_live_ads show its state).",
             ["op"],
         )
         self.empty_answers = counter(
