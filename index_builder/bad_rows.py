@@ -2,10 +2,11 @@
 rows builds without them instead of failing whole, while they stay within a budget.
 
 Flow: the readers (`catalog_files.py`, `BadLines`) skip and record rows they cannot parse → the
-columns' checks (`catalog.py` `_build`) run on the whole catalog; when one fails, `isolate`
-finds every row that fails alone, in chunks of CHUNK rows that bisect only where they
-fail (a clean chunk costs one vectorised pass), after one global pass for duplicate ad
-ids → `read_catalog` rebuilds from the clean rows, or raises past the budget. Each bad
+columns' checks (`catalog.py` `_build`) run on the whole catalog; when one fails they run
+again recording every row they refuse (`catalog_columns.Bad`), and only a fault they
+cannot pin on a row (a null inside a list) falls back to `isolate`: every row that fails
+alone, in chunks of CHUNK rows that bisect only where they fail, after one global pass for
+duplicate ad ids → `read_catalog` rebuilds from the clean rows, or raises past the budget. Each bad
 row is a `CatalogError` naming its line or row, field and reason, as a strict read names
 the first one.
 """

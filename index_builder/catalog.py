@@ -25,6 +25,7 @@ from contracts.targeting_codec import Ragged, codec
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from index_builder.bad_rows import isolate, sub_source, take
 from index_builder.catalog_columns import (
+    Bad,
     ad_ids,
     embeddings,
     first_true,
@@ -150,7 +151,9 @@ def _build_within(
     unreadable = len(bad.errors) - len(bad.rows)  # lines never parsed into a row
     total = n + unreadable
     limit = int(budget * total) - unreadable - len(dropped)  # bad rows the budget has left
-    failing = isolate(cols, src, lambda c, s: _build(c, s, schema), rows, max(limit, 0))
+    failing = _collect(cols, src, schema, rows)
+    if failing is None:  # a fault no check can record by row: row by row, bisecting
+        failing = isolate(cols, src, lambda c, s: _build(c, s, schema), rows, max(limit, 0))
     rejected = sorted([*bad.errors, *(e for _, e in failing)], key=_order)
     count = unreadable + len(dropped) + len(failing)  # bad rows (a row may err twice)
     if count > budget * total:
@@ -166,33 +169,65 @@ def _build_within(
     return dataclasses.replace(catalog, rejected=tuple(rejected))
 
 
+def _collect(
+    cols: dict[str, pa.Array], src: Source, schema: TargetingSchema, rows: np.ndarray
+) -> list[tuple[int, CatalogError]] | None:
+    """Every bad row of `rows` in one collecting pass, and why; None when a fault cannot be
+    recorded by row (a null inside a list, say) or the rows left still fail."""
+    bad = Bad()
+    whole = len(rows) == len(cols["ad_id"])
+    sub = cols if whole else take(cols, rows)
+    try:
+        _build(sub, src if whole else sub_source(src, rows), schema, bad)
+    except CatalogError:
+        return None
+    found = [(int(rows[r]), f, m) for r, (f, m) in sorted(bad.rows.items())]
+    keep = np.setdiff1d(rows, np.array([r for r, _, _ in found], dtype=np.int64))
+    try:
+        if len(keep):
+            _build(take(cols, keep), sub_source(src, keep), schema)
+    except CatalogError:
+        return None
+    return [(r, src.error(r, f, m)) for r, f, m in found]
+
+
 def _order(e: CatalogError) -> tuple[str, int]:
     loc = e.location or ""
     return e.path, int(loc.split()[-1]) if loc[:4] in ("line", "row ") else -1
 
 
-def _build(cols: dict[str, pa.Array], src: Source, schema: TargetingSchema) -> Catalog:
+def _build(
+    cols: dict[str, pa.Array], src: Source, schema: TargetingSchema, bad: Bad | None = None
+) -> Catalog:
+    """The checks and conversions in order; with `bad` every bad row is recorded there
+    instead of raising at the first (what cannot be recorded by row still raises)."""
     n = len(cols["ad_id"])
     if n == 0:
         raise src.error(None, None, "empty catalog")
     lists = {f: list_column(cols.get(f), n, f, src)
              for f in (*CATALOG_FIELDS[1:], *targeting_fields(schema))}  # fmt: skip
-    ad_id = ad_ids(cols["ad_id"], src)
-    sid = sids(lists["sid"], n, src)
-    embedding = embeddings(lists["embedding"], n, src)
+    ad_id = ad_ids(cols["ad_id"], src, bad)
+    sid = sids(lists["sid"], n, src, bad)
+    embedding = embeddings(lists["embedding"], n, src, bad)
     has_emb = np.zeros(n, bool) if embedding is None else ~np.isnan(embedding[:, 0])
-    if (row := first_true((sid[:, 0] < 0) & ~has_emb)) is not None:
-        raise src.error(row, "sid", "absent and no embedding to compute it from")
+    absent = (sid[:, 0] < 0) & ~has_emb
+    no_sid = "absent and no embedding to compute it from"
+    if bad is not None:
+        bad.add(np.flatnonzero(absent), "sid", lambda r: no_sid)
+    elif (row := first_true(absent)) is not None:
+        raise src.error(row, "sid", no_sid)
     by = codec(schema)
     include, exclude = {}, {}
     for a in by.masked:
-        include[a.name] = rule_ids(lists[a.catalog_field], n, a.catalog_field, src, a, by)
-        gone = rule_ids(lists[a.exclude_field], n, a.exclude_field, src, a, by)
+        include[a.name] = rule_ids(lists[a.catalog_field], n, a.catalog_field, src, a, by, bad)
+        gone = rule_ids(lists[a.exclude_field], n, a.exclude_field, src, a, by, bad)
         if len(gone.values):
             exclude[a.name] = gone
     sets = {}
     for a in schema.families:
-        inc, exc, vocabulary = set_rules(lists[a.catalog_field], lists[a.exclude_field], n, src, a)
+        inc, exc, vocabulary = set_rules(
+            lists[a.catalog_field], lists[a.exclude_field], n, src, a, bad
+        )
         sets[a.name] = SetRules(inc, exc, vocabulary)
     bitmask = by.ad_bitmasks(include, exclude, n)
     return Catalog(
@@ -203,7 +238,7 @@ def _build(cols: dict[str, pa.Array], src: Source, schema: TargetingSchema) -> C
         sets=sets,
         source=src.path,
         schema=schema,
-        campaign=owner_ids(cols.get("campaign_id"), "campaign_id", src),
-        advertiser=owner_ids(cols.get("advertiser_id"), "advertiser_id", src),
+        campaign=owner_ids(cols.get("campaign_id"), "campaign_id", src, bad),
+        advertiser=owner_ids(cols.get("advertiser_id"), "advertiser_id", src, bad),
         exclude_bitmask=by.ad_bitmasks(include, {}, n) & ~bitmask if exclude else None,
     )

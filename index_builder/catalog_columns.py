@@ -1,10 +1,13 @@
 """Catalog columns → validated arrays: one check-and-convert step per catalog field, run
 in order by `catalog.read_catalog`. Each step is vectorised over the whole column and
-raises `CatalogError` (via `Source.error`) naming the first offending line or row.
+raises `CatalogError` (via `Source.error`) naming the first offending line or row — or,
+given `Bad` (a bad-row budget, `bad_rows.py`), records every offending row with the same
+message and goes on, so one pass finds them all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +55,26 @@ def first_true(mask: np.ndarray) -> int | None:
     return int(hits[0]) if len(hits) else None
 
 
-def ad_ids(arr: pa.Array | None, src: Source) -> np.ndarray:
+class Bad:
+    """The rows a collecting pass found bad: row -> (field, message), each row's first."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, tuple[str | None, str]] = {}
+
+    def add(self, rows: np.ndarray, field: str | None, message: Callable[[int], str]) -> None:
+        for row in np.unique(rows).tolist():
+            if row not in self.rows:
+                self.rows[row] = (field, message(row))
+
+
+def first_flat(lists: ListColumn, mask: np.ndarray) -> dict[int, int]:
+    """Row -> its first flat value index where `mask` (over the flat values) holds."""
+    flats = np.flatnonzero(mask)
+    rows = np.searchsorted(lists.offsets, flats, side="right") - 1
+    return dict(zip(rows.tolist()[::-1], flats.tolist()[::-1], strict=True))
+
+
+def ad_ids(arr: pa.Array | None, src: Source, bad: Bad | None = None) -> np.ndarray:
     if arr is None or arr.null_count or pa.types.is_null(arr.type):
         raise src.error(
             None if arr is None else first_true(arr.is_null().to_numpy(zero_copy_only=False)),
@@ -64,7 +86,13 @@ def ad_ids(arr: pa.Array | None, src: Source) -> np.ndarray:
     ids = arr.cast(pa.int64()).to_numpy()
     order = np.argsort(ids, kind="stable")
     dup = np.flatnonzero(ids[order[1:]] == ids[order[:-1]])
-    if len(dup):
+    if len(dup) and bad is not None:  # every later occurrence, after its group's first
+        starts = np.r_[True, ids[order[1:]] != ids[order[:-1]]]
+        first_of = order[np.maximum.accumulate(np.where(starts, np.arange(len(ids)), 0))]
+        later = {int(order[k + 1]): int(first_of[k + 1]) for k in dup.tolist()}
+        bad.add(np.fromiter(later, np.int64), "ad_id", lambda r: f"duplicate ad_id {ids[r]} "
+                f"(first seen on {src.where(later[r])})")  # fmt: skip
+    elif len(dup):
         # the earliest second occurrence; with a stable sort its predecessor is the first
         k = dup[np.argmin(order[dup + 1])]
         later, first = int(order[k + 1]), int(order[k])
@@ -73,32 +101,63 @@ def ad_ids(arr: pa.Array | None, src: Source) -> np.ndarray:
     return ids
 
 
-def sids(lists: ListColumn | None, n: int, src: Source) -> np.ndarray:
+def sids(lists: ListColumn | None, n: int, src: Source, bad: Bad | None = None) -> np.ndarray:
     sid = np.full((n, SID_LEVELS), -1, dtype=np.int32)
     if lists is None:
         return sid
     wanted = expect("sid")[1]
-    if (row := first_true(lists.valid & (lists.lengths != SID_LEVELS))) is not None:
-        raise src.error(row, "sid", f"has {lists.lengths[row]} values; expected {wanted}")
+    wrong = lists.valid & (lists.lengths != SID_LEVELS)
     values = lists.values.to_numpy()
-    if (flat := first_true((values < 0) | (values >= SID_VOCAB))) is not None:
-        raise src.error(lists.row_of(flat), "sid", f"value {values[flat]} is out of range [0, 512)")
-    sid[lists.valid] = values.reshape(-1, SID_LEVELS)
+    out = (values < 0) | (values >= SID_VOCAB)
+    if bad is None:
+        if (row := first_true(wrong)) is not None:
+            raise src.error(row, "sid", f"has {lists.lengths[row]} values; expected {wanted}")
+        if (flat := first_true(out)) is not None:
+            msg = f"value {values[flat]} is out of range [0, 512)"
+            raise src.error(lists.row_of(flat), "sid", msg)
+        sid[lists.valid] = values.reshape(-1, SID_LEVELS)
+        return sid
+    bad.add(np.flatnonzero(wrong), "sid", lambda r: f"has {lists.lengths[r]} values; "
+            f"expected {wanted}")  # fmt: skip
+    at = first_flat(lists, out)
+    bad.add(np.fromiter(at, np.int64), "sid",
+            lambda r: f"value {values[at[r]]} is out of range [0, 512)")  # fmt: skip
+    ok = np.flatnonzero(lists.valid & ~wrong)
+    sid[ok] = values[lists.offsets[ok][:, None] + np.arange(SID_LEVELS)]
     return sid
 
 
-def embeddings(lists: ListColumn | None, n: int, src: Source) -> np.ndarray | None:
+def embeddings(
+    lists: ListColumn | None, n: int, src: Source, bad: Bad | None = None
+) -> np.ndarray | None:
     if lists is None or not lists.valid.any():
         return None
     first = int(np.argmax(lists.valid))
     dim = int(lists.lengths[first])
     if dim == 0:
         raise src.error(first, "embedding", "is empty")
-    if (row := first_true(lists.valid & (lists.lengths != dim))) is not None:
+    wrong = lists.valid & (lists.lengths != dim)
+
+    def differs(row: int) -> str:
         msg = f"dimension {lists.lengths[row]} differs from {dim} of the first embedding"
-        raise src.error(row, "embedding", f"{msg} ({src.where(first)})")
+        return f"{msg} ({src.where(first)})"
+
     with np.errstate(over="ignore"):  # beyond float32 range becomes inf, rejected below
         values = lists.values.to_numpy().astype(np.float32, copy=False)
+    if bad is not None:
+        bad.add(np.flatnonzero(wrong), "embedding", differs)
+        at = first_flat(lists, ~np.isfinite(values))
+        bad.add(
+            np.fromiter(at, np.int64),
+            "embedding",
+            lambda r: f"value {lists.values[at[r]].as_py()} is not a finite float32",
+        )
+        out = np.full((n, dim), np.nan, dtype=np.float32)
+        ok = np.flatnonzero(lists.valid & ~wrong)
+        out[ok] = values[lists.offsets[ok][:, None] + np.arange(dim)]
+        return out
+    if (row := first_true(wrong)) is not None:
+        raise src.error(row, "embedding", differs(row))
     if (flat := first_true(~np.isfinite(values))) is not None:
         msg = f"value {lists.values[flat].as_py()} is not a finite float32"
         raise src.error(lists.row_of(flat), "embedding", msg)
@@ -110,8 +169,9 @@ def embeddings(lists: ListColumn | None, n: int, src: Source) -> np.ndarray | No
 
 
 def rule_ids(
-    lists: ListColumn | None, n: int, field: str, src: Source, attr: Attribute, codec: Codec
-) -> Ragged:
+    lists: ListColumn | None, n: int, field: str, src: Source, attr: Attribute, codec: Codec,
+    bad: Bad | None = None,
+) -> Ragged:  # fmt: skip
     """An enum or bucket attribute's rule (`field`: its include or exclude list) as value
     indices (int32 [nnz]); looked up once per distinct string, so a million rows cost one
     dictionary encode."""
@@ -124,6 +184,11 @@ def rule_ids(
     table = [-1 if (i := codec.value_index(attr, v)) is None else i
              for v in values.dictionary.to_pylist()]  # fmt: skip
     ids = np.array(table, dtype=np.int32)[values.indices.to_numpy()]
+    if bad is not None:
+        at = first_flat(lists, ids < 0)
+        bad.add(np.fromiter(at, np.int64), field, lambda r: f"unknown value "
+                f"{lists.values[at[r]].as_py()!r}; expected {_allowed(attr)}")  # fmt: skip
+        ids[ids < 0] = 0  # the row is left out
     if (flat := first_true(ids < 0)) is not None:
         msg = f"unknown value {lists.values[flat].as_py()!r}; expected {_allowed(attr)}"
         raise src.error(lists.row_of(flat), field, msg)
@@ -139,8 +204,9 @@ def _allowed(attr: Attribute) -> str:
 
 
 def set_rules(
-    include: ListColumn | None, exclude: ListColumn | None, n: int, src: Source, attr: Attribute
-) -> tuple[Ragged, Ragged | None, np.ndarray]:
+    include: ListColumn | None, exclude: ListColumn | None, n: int, src: Source,
+    attr: Attribute, bad: Bad | None = None,
+) -> tuple[Ragged, Ragged | None, np.ndarray]:  # fmt: skip
     """A set attribute's include and exclude lists as ids into one vocabulary, each ad's
     sorted and deduplicated: (include, exclude or None when no ad excludes, vocabulary
     object [V] of every value either names, sorted). A value no request may carry (empty,
@@ -155,16 +221,23 @@ def set_rules(
     size = np.array([len(w.encode("utf-8")) for w in words])  # once per distinct string
     codes = enc.indices.to_numpy()
     unservable = ((size == 0) | (size > MAX_VALUE_BYTES))[codes]
+
+    def unfit(c: ListColumn, flat: int) -> str:
+        word = c.values[flat].as_py()
+        why = "is empty" if not word else f"is {len(word.encode())} bytes long"
+        shown = word[:40] + ("…" if len(word) > 40 else "")
+        return (f"{attr.name} value {shown!r} {why}: requests carry values of 1 to "
+                f"{MAX_VALUE_BYTES} bytes, so no request could match it")  # fmt: skip
+
     at = 0
     for field, c in parts:
-        flat = first_true(unservable[at : at + len(c.values)])
-        if flat is not None:
-            word = c.values[flat].as_py()
-            why = "is empty" if not word else f"is {len(word.encode())} bytes long"
-            shown = word[:40] + ("…" if len(word) > 40 else "")
-            msg = (f"{attr.name} value {shown!r} {why}: requests carry values of 1 to "
-                   f"{MAX_VALUE_BYTES} bytes, so no request could match it")  # fmt: skip
-            raise src.error(c.row_of(flat), field, msg)
+        mask = unservable[at : at + len(c.values)]
+        if bad is not None:
+            hits = first_flat(c, mask)
+            bad.add(np.fromiter(hits, np.int64), field,
+                    lambda r, c=c, hits=hits: unfit(c, hits[r]))  # fmt: skip
+        elif (flat := first_true(mask)) is not None:
+            raise src.error(c.row_of(flat), field, unfit(c, flat))
         at += len(c.values)
     order = np.argsort(words)
     rank = np.empty(len(words), dtype=np.int64)
@@ -188,7 +261,9 @@ def _per_ad(ranked: np.ndarray, lists: ListColumn, n: int, vocab: int) -> Ragged
     return Ragged(offsets, (keys % vocab).astype(np.int32))
 
 
-def owner_ids(arr: pa.Array | None, field: str, src: Source) -> np.ndarray | None:
+def owner_ids(
+    arr: pa.Array | None, field: str, src: Source, bad: Bad | None = None
+) -> np.ndarray | None:
     """An ad's campaign or advertiser (`CATALOG_OWNERS`): int64 [N], 0 where null; None
     when no row carries the field (no block on it can be applied)."""
     if arr is None or pa.types.is_null(arr.type) or arr.null_count == len(arr):
@@ -197,6 +272,10 @@ def owner_ids(arr: pa.Array | None, field: str, src: Source) -> np.ndarray | Non
         arr = arr.combine_chunks()
     if pa.types.is_uint64(arr.type):
         big = pc.fill_null(arr, 0).to_numpy() > np.uint64(I64_MAX)
-        if (row := first_true(big)) is not None:
+        if bad is not None:
+            bad.add(np.flatnonzero(big), field,
+                    lambda r: f"{arr[r].as_py()} is not {expect(field)[1]}")  # fmt: skip
+            arr = pc.if_else(pa.array(big), pa.scalar(0, arr.type), arr)
+        elif (row := first_true(big)) is not None:
             raise src.error(row, field, f"{arr[row].as_py()} is not {expect(field)[1]}")
     return arr.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)

@@ -79,7 +79,7 @@ def test_bad_rows_are_left_out_within_the_budget_and_each_is_named(tmp_path: Pat
 def test_past_the_budget_nothing_is_read_and_the_error_counts(tmp_path: Path) -> None:
     path = tmp_path / "catalog.jsonl"
     write_catalog(path, 2000)
-    over = r"line 11: invalid JSON.* at least 5 bad rows of 2000 \(0.25%\), over the bad-row"
+    over = r"line 11: invalid JSON.* at least 8 bad rows of 2000 \(0.40%\), over the bad-row"
     with pytest.raises(CatalogError, match=over + " budget of 0.10%"):
         read_catalog(path, progress=False, bad_row_budget=0.001)
     with pytest.raises(CatalogError, match="line 11: invalid JSON") as strict:
@@ -191,3 +191,19 @@ def test_a_budget_outside_0_to_1_is_refused_in_one_line(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 2
     assert "--bad-row-budget: must be a share from 0 to 1, got 5" in run.stderr
+
+
+def test_a_fault_no_check_records_by_row_is_found_row_by_row(tmp_path: Path) -> None:
+    """A null inside a list is refused for the whole column at once: the rows are then
+    judged one chunk, one half at a time — the same rows rejected as a collecting pass."""
+    path = tmp_path / "catalog.jsonl"
+    bad = {7: (json.dumps({"ad_id": 7, "sid": [1, 2, 3, 4], "countries": ["US", None]}),
+               "countries", "null element"),
+           9: BAD[41]}  # fmt: skip
+    bad[9] = (bad[9][0].replace('"ad_id": 41', '"ad_id": 9'), *bad[9][1:])
+    write_catalog(path, 300, bad)
+    catalog = read_catalog(path, progress=False, bad_row_budget=0.01)
+    got = [(e.location, e.field) for e in catalog.rejected]
+    assert got == [("line 7", "countries"), ("line 9", "countries")]
+    assert "null element" in catalog.rejected[0].message
+    assert catalog.n == 298
