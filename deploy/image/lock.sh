@@ -2,7 +2,8 @@
 # Regenerates requirements/image.txt, the image's lock (docs/ops/container.md "The lock"):
 # a clean venv on the image's Python (3.11), the CPU build of torch, the project's base
 # dependencies (pyproject.toml), its `otlp` extra (so `tracing = "otlp"` works in the
-# image) and its build requirements, then `pip freeze`.
+# image), its `postgres` extra (so the builder can follow a PostgreSQL table) and its build
+# requirements, then `pip freeze`.
 # torch itself is left out: its version is the Dockerfile's TORCH_VERSION and its build
 # (CPU or CUDA) the variant's wheel index. Run from the repository root:
 #
@@ -23,7 +24,8 @@ import tomllib
 with open("pyproject.toml", "rb") as f:
     doc = tomllib.load(f)
 project = doc["project"]
-print("\n".join(project["dependencies"] + project["optional-dependencies"]["otlp"]
+extras = project["optional-dependencies"]
+print("\n".join(project["dependencies"] + extras["otlp"] + extras["postgres"]
                 + doc["build-system"]["requires"]))
 PY
 "$pip" install -q -r "$venv/requirements.txt"

@@ -58,10 +58,11 @@ def builder_runs(variant: str) -> list[str]:
 # --------------------------------------------------------------------------- the lock
 
 
-def test_lock_pins_every_base_otlp_and_build_requirement_within_range() -> None:
+def test_lock_pins_every_base_otlp_postgres_and_build_requirement_within_range() -> None:
     pins = lock_pins()
     project = PYPROJECT["project"]
-    wanted = (project["dependencies"] + project["optional-dependencies"]["otlp"]
+    extras = project["optional-dependencies"]
+    wanted = (project["dependencies"] + extras["otlp"] + extras["postgres"]
               + PYPROJECT["build-system"]["requires"])  # fmt: skip
     for text in wanted:
         req = Requirement(text)
