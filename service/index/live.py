@@ -54,14 +54,24 @@ class LiveEligibility:
     under `segment_root` / deltas / `version` (None: nothing to follow)."""
 
     def __init__(
-        self, ad_ids: np.ndarray, version: str, segment_root: Path | None, built_at: int = 0
+        self,
+        ad_ids: np.ndarray,
+        version: str,
+        segment_root: Path | None,
+        built_at: int = 0,
+        *,
+        by_id: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """`built_at`: the last change the version was built with (its manifest's
-        `catalog.seq`, a database snapshot's), where its live state starts."""
+        `catalog.seq`, a database snapshot's), where its live state starts; `by_id`: the
+        rows in ad-id order and those ids, when already made (the SID lookup's)."""
         self.version, self.segment_root = version, segment_root
-        self._order = np.argsort(ad_ids, kind="stable")
-        self._sorted = ad_ids[self._order]
+        if by_id is None:
+            order = np.argsort(ad_ids, kind="stable")
+            by_id = order, ad_ids[order]
+        self._order, self._sorted = by_id
         self.state = LiveState(built_at, None, counts=(len(ad_ids), 0, 0, 0))
+        assert len(self._order) == len(self._sorted) == len(ad_ids)
         self._lock = threading.Lock()  # one applier at a time (the follower, a swap)
 
     @property

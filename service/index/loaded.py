@@ -86,6 +86,8 @@ class LoadedIndex:
         if manifest is not None and "targeting" in manifest:
             schema = manifest_schema(manifest, path)
         families = schema.family_words
+        order = np.argsort(arrays.ads.ad_ids)  # once, for the SID lookup and the live state
+        lookup = SidLookup.from_ads(arrays.ads, order)
         return cls(
             version=version,
             path=path,
@@ -95,7 +97,7 @@ class LoadedIndex:
             level_offsets=torch.from_numpy(arrays.trie.level_offsets.copy()),
             schema=schema,
             vocabularies={a: Vocabulary(s.strings()) for a, s in arrays.ads.sets.items()},
-            lookup=SidLookup.from_ads(arrays.ads),
+            lookup=lookup,
             post=PostStage(arrays.ads, schema=schema),
             # an index root's version follows the segments published over it
             live=LiveEligibility(
@@ -103,6 +105,7 @@ class LoadedIndex:
                 version,
                 path.parent if manifest is not None else None,
                 _built_at(manifest),
+                by_id=(order, lookup.ad_ids),
             ),
         )
 

@@ -76,10 +76,12 @@ class SidLookup:
     sids: np.ndarray  # int64 [N, sid_length], row i is the SID of ad_ids[i]
 
     @classmethod
-    def from_ads(cls, ads: AdArrays) -> SidLookup:
+    def from_ads(cls, ads: AdArrays, order: np.ndarray | None = None) -> SidLookup:
+        """`order`: the rows by ad id (`np.argsort(ads.ad_ids)`), when already made."""
         per_leaf = np.diff(ads.leaf_ad_offsets)  # ads under each leaf SID
         sids = np.repeat(ads.leaf_sids.astype(np.int64), per_leaf, axis=0)  # [N, L_SID]
-        order = np.argsort(ads.ad_ids)  # unique ids (validated): no need for a stable sort
+        if order is None:  # unique ids (validated): no need for a stable sort
+            order = np.argsort(ads.ad_ids)
         return cls(np.ascontiguousarray(ads.ad_ids[order], dtype=np.int64), sids[order])
 
     def __len__(self) -> int:
