@@ -13,14 +13,31 @@ the first one.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
+import orjson
 import pyarrow as pa
 
 from index_builder.catalog_files import CatalogError, Source
 
 CHUNK = 65_536  # rows checked at once while isolating
+REJECTS = "catalog-rejects.jsonl"  # the last published build's bad rows, in the index root
+
+
+def write_rejects(path: Path, rejected: tuple[CatalogError, ...]) -> None:
+    """The bad rows a build left out, one JSON object each (file, location, field, reason),
+    replacing the last build's atomically; none: the file is removed."""
+    if not rejected:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    rows = ({"file": e.path, "location": e.location, "field": e.field, "reason": e.message}
+            for e in rejected)  # fmt: skip
+    tmp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    os.replace(tmp, path)
 
 
 def take(cols: dict[str, pa.Array], rows: np.ndarray) -> dict[str, pa.Array]:

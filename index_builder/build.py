@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import orjson
 
 from contracts import sid_space as sid_spaces
 from contracts.index_arrays import AdArrays, IndexArrays, SetArrays
@@ -26,8 +24,8 @@ from contracts.index_validation import validate_index
 from contracts.targeting_codec import Ragged, codec, value_blooms
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from index_builder import parallel
+from index_builder.bad_rows import REJECTS, write_rejects
 from index_builder.catalog import Catalog, SetRules, catalog_fingerprint, read_catalog
-from index_builder.catalog_files import CatalogError
 from index_builder.kway import KwaySpec, build_partitions
 from index_builder.postgres_source import is_postgres, shown, table_seq
 from index_builder.publish import publish
@@ -243,22 +241,6 @@ def source_fingerprint(
         return fingerprint
     digest = hashlib.sha256(schema.model_dump_json().encode()).hexdigest()
     return f"{fingerprint};schema:sha256:{digest}"
-
-
-REJECTS = "catalog-rejects.jsonl"  # the last published build's bad rows, in the index root
-
-
-def write_rejects(path: Path, rejected: tuple[CatalogError, ...]) -> None:
-    """The bad rows a build left out, one JSON object each (file, location, field, reason),
-    replacing the last build's atomically; none: the file is removed."""
-    if not rejected:
-        path.unlink(missing_ok=True)
-        return
-    tmp = path.with_name(f".{path.name}.tmp")
-    rows = ({"file": e.path, "location": e.location, "field": e.field, "reason": e.message}
-            for e in rejected)  # fmt: skip
-    tmp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    os.replace(tmp, path)
 
 
 def build_index(

@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contracts.index_manifest import read_manifest
-from index_builder.build import REJECTS, build_index
+from index_builder.bad_rows import REJECTS
+from index_builder.build import build_index
 from index_builder.catalog import read_catalog
 from index_builder.catalog_files import CatalogError
 from index_builder.publish import current_path
