@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from cli import evaluate, health, index, model, query, record, serving
+from cli import builder, evaluate, health, index, model, query, record, serving
 from cli.common import EXIT_BAD_INPUT
 
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    for area in (index, model, evaluate, serving, query, health, record):
+    for area in (index, builder, model, evaluate, serving, query, health, record):
         area.register(add)
     return parser
 

@@ -75,6 +75,20 @@ def share(text: str) -> float:
     return value
 
 
+def add_bad_row_budget(p: argparse.ArgumentParser) -> None:
+    """--bad-row-budget of build-index and builder (index_builder/bad_rows.py)."""
+    p.add_argument("--bad-row-budget", type=share, default=0.001, metavar="SHARE",
+                   help="bad catalog rows (a broken line, an unknown value, a duplicate id) "
+                   "are left out while they are at most this share of the rows (0.001 = "
+                   "0.1 %%), each listed in OUT/catalog-rejects.jsonl; past it the build fails "
+                   "and publishes nothing; 0: any bad row fails it")  # fmt: skip
+
+
+KWAY_HELP = (
+    "also build k-way partitioned matchers: 'static' (k per step 64,64,32,8), "
+    "'static:K1,K2,K3,K4', 'dynamic' (k_max 32, target fill 0.25) or "
+    "'dynamic:KMAX,FILL'. Costly at scale; the paper found no pass-rate gain."
+)
 AUTOTUNE_HELP = (
     "autotune the Triton kernels, as the server does: each new shape first benchmarks "
     "every config, minutes in all on a GPU; by default the kernels' fixed configs run "

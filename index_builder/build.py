@@ -1,12 +1,14 @@
 """Index build: catalog -> SIDs -> trie, matchers, SID -> ad and targeting indexes -> a
 published version (docs/ARCHITECTURE.md §3-4). `grace build-index` and the sidecar call
 `build_index`; training, tests and benchmarks call `build_arrays` on an in-memory catalog.
+The build's phases stay in order in this one module (SIDs, the sorted catalog, Blooms,
+arrays, publish), a little past the house's ~300 lines; the catalog, the trie, k-way, the
+bad rows and the publish protocol are modules of their own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -25,9 +27,8 @@ from contracts.targeting_codec import Ragged, codec, value_blooms
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from index_builder import parallel
 from index_builder.bad_rows import REJECTS, write_rejects
-from index_builder.catalog import Catalog, SetRules, catalog_fingerprint, read_catalog
+from index_builder.catalog import Catalog, SetRules, read_catalog, source_fingerprint
 from index_builder.kway import KwaySpec, build_partitions
-from index_builder.postgres_source import is_postgres, shown, table_seq
 from index_builder.publish import publish
 from index_builder.trie import build_trie, storage_stats
 
@@ -223,24 +224,6 @@ def with_partitions(
     built = build_trie(sids, ads.ad_bitmask, index_blooms(ads, schema))
     partitions, _ = build_partitions(built, spec, schema)
     return IndexArrays(trie=built.trie, ads=ads, kway=partitions)
-
-
-def source_fingerprint(
-    catalog_path: Path | str, schema: TargetingSchema = DEFAULT, seq: int | None = None
-) -> str:
-    """What an index is built from, as its manifest's `catalog.fingerprint` records it
-    (the sidecar rebuilds when it changes): the catalog's files — or a database table's
-    last change_seq (`seq`, else read now) — and, for a targeting schema of one's own, the
-    schema."""
-    if is_postgres(catalog_path):
-        url = str(catalog_path)
-        fingerprint = f"{shown(url)}#change_seq={table_seq(url) if seq is None else seq}"
-    else:
-        fingerprint = catalog_fingerprint(catalog_path)
-    if schema == DEFAULT:
-        return fingerprint
-    digest = hashlib.sha256(schema.model_dump_json().encode()).hexdigest()
-    return f"{fingerprint};schema:sha256:{digest}"
 
 
 def build_index(

@@ -43,6 +43,7 @@ from index_builder.catalog_files import (
     targeting_fields,
 )
 from index_builder.catalog_parts import catalog_files, read_parts
+from index_builder.postgres_source import is_postgres, shown, table_seq
 
 log = logging.getLogger("grace.catalog")
 
@@ -132,6 +133,24 @@ def catalog_fingerprint(path: Path | str) -> str:
         except OSError as e:
             raise CatalogError(str(f), None, None, f"cannot read: {e.strerror}") from e
     return f"sha256:{h.hexdigest()}"
+
+
+def source_fingerprint(
+    catalog_path: Path | str, schema: TargetingSchema = DEFAULT, seq: int | None = None
+) -> str:
+    """What an index is built from, as its manifest's `catalog.fingerprint` records it
+    (the sidecar rebuilds when it changes): the catalog's files — or a database table's
+    last change_seq (`seq`, else read now) — and, for a targeting schema of one's own, the
+    schema."""
+    if is_postgres(catalog_path):
+        url = str(catalog_path)
+        fingerprint = f"{shown(url)}#change_seq={table_seq(url) if seq is None else seq}"
+    else:
+        fingerprint = catalog_fingerprint(catalog_path)
+    if schema == DEFAULT:
+        return fingerprint
+    digest = hashlib.sha256(schema.model_dump_json().encode()).hexdigest()
+    return f"{fingerprint};schema:sha256:{digest}"
 
 
 def _build_within(

@@ -14,7 +14,7 @@ publishes the change feed as delta segments over the CURRENT version
 (`change_publisher.py`), a fraction of a second behind the feed whatever a build takes.
 
 No `service` or `cli` import (tests/test_layers.py): reading a model is the caller's
-`sids` (cli/index.py).
+`sids` (cli/builder.py).
 """
 
 from __future__ import annotations
@@ -30,15 +30,9 @@ from contracts.deltas import DELTAS
 from contracts.index_manifest import IndexFormatError, read_manifest
 from contracts.index_validation import IndexValidationError
 from contracts.targeting_schema import DEFAULT, TargetingSchema
-from index_builder.build import (
-    BuildCancelled,
-    BuildError,
-    BuildReport,
-    build_index,
-    source_fingerprint,
-)
+from index_builder.build import BuildCancelled, BuildError, BuildReport, build_index
 from index_builder.builder_metrics import BuilderMetrics
-from index_builder.catalog import CatalogError
+from index_builder.catalog import CatalogError, source_fingerprint
 from index_builder.change_publisher import ChangePublisher
 from index_builder.kway import KwaySpec
 from index_builder.postgres_source import is_postgres, shown, snapshot

@@ -27,7 +27,7 @@ from index_builder.catalog import read_catalog
 from index_builder.catalog_files import CatalogError
 from index_builder.publish import current_path
 from tests.helpers.server_process import free_port
-from tests.index_builder.test_builder_metrics import value, wait_for
+from tests.index_builder.test_builder_metrics import metered_builder, value, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -167,12 +167,7 @@ def test_the_builder_publishes_within_the_budget_and_says_how_many_it_left_out(
     catalog = tmp_path / "catalog.jsonl"
     write_catalog(catalog, 2000, {100: BAD[41]})  # 0.05 %: within the default 0.1 %
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "builder", "--catalog", str(catalog), "--out",
-         str(tmp_path / "index"), "--sid-space", "s", "--interval", "0.2",
-         "--metrics-port", str(port)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = metered_builder(catalog, tmp_path / "index", port)
     try:
         text = wait_for(port, proc, lambda t: value(t, "grace_builder_builds_total",
                                                      result="ok") == 1)  # fmt: skip

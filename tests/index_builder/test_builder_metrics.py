@@ -44,16 +44,21 @@ def value(text: str, name: str, **labels: str) -> float:
     return metric_value(text, name, labels) or 0.0
 
 
+def metered_builder(catalog: Path, out: Path, port: int) -> subprocess.Popen:
+    """`grace builder` on `catalog` into `out` (SID space "s", a check every 0.1 s), its
+    metrics on `port`; output to a pipe."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli", "builder", "--catalog", str(catalog), "--out", str(out),
+         "--sid-space", "s", "--interval", "0.1", "--metrics-port", str(port)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
 def test_builds_failures_and_an_unreadable_catalog_are_metrics(tmp_path: Path) -> None:
     catalog = tmp_path / "catalog.jsonl"
     catalog.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "builder", "--catalog", str(catalog), "--out",
-         str(tmp_path / "index"), "--sid-space", "s", "--interval", "0.1",
-         "--metrics-port", str(port)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = metered_builder(catalog, tmp_path / "index", port)
     try:
         before = time.time()
         text = wait_for(port, proc, lambda t: value(t, "grace_builder_builds_total",

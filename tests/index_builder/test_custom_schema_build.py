@@ -41,8 +41,13 @@ from contracts.targeting import Targeting
 from contracts.targeting_codec import Ragged
 from contracts.targeting_schema import DEFAULT, TargetingSchema, parse
 from index_builder import sidecar
-from index_builder.build import source_fingerprint
-from index_builder.catalog import Catalog, CatalogError, catalog_fingerprint, read_catalog
+from index_builder.catalog import (
+    Catalog,
+    CatalogError,
+    catalog_fingerprint,
+    read_catalog,
+    source_fingerprint,
+)
 from index_builder.publish import current_path, current_version
 from index_builder.sidecar import BuilderConfig
 from service.index.loaded import load_index

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from cli import build_parser
-from cli.index import model_sids
+from cli.builder import model_sids
 from contracts.index_manifest import read_manifest
 from index_builder import sidecar
 from index_builder.catalog import read_catalog

@@ -16,6 +16,7 @@ deadlines, never fixed times.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import random
 import signal
@@ -209,16 +210,17 @@ class _Seen:
 # ---- the world: a catalog, a model, a builder and a server ----------------------------
 
 
-@pytest.fixture
-def builder(tmp_path: Path) -> Iterator[tuple[Path, Feed, subprocess.Popen]]:
-    """`grace builder --changes` on a catalog, its first version published."""
-    rows = catalog_rows()
-    (tmp_path / "catalog.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    feed = Feed(tmp_path / "feed")
+@contextlib.contextmanager
+def builder_process(
+    tmp_path: Path, catalog: str, changes: str, interval: float = 1
+) -> Iterator[subprocess.Popen]:
+    """`grace builder` on `catalog` publishing `changes` into tmp_path/index, its first
+    version published, and the tiny model of SID_SPACE beside it; stopped after."""
     log = (tmp_path / "builder.log").open("wb")
-    cmd = [sys.executable, "-m", "cli", "builder", "--catalog", str(tmp_path / "catalog.jsonl"),
-           "--out", str(tmp_path / "index"), "--sid-space", SID_SPACE, "--interval", "1",
-           "--changes", str(feed.path), "--changes-interval", "0.05"]  # fmt: skip
+    cmd = [sys.executable, "-m", "cli", "builder", "--catalog", catalog,
+           "--out", str(tmp_path / "index"), "--sid-space", SID_SPACE,
+           "--interval", str(interval), "--changes", changes,
+           "--changes-interval", "0.05"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         end = time.monotonic() + DEADLINE
@@ -230,7 +232,7 @@ def builder(tmp_path: Path) -> Iterator[tuple[Path, Feed, subprocess.Popen]]:
         save_checkpoint(
             GenerativeRetriever(PROFILES["tiny"]), None, tmp_path / "model", sid_space=SID_SPACE
         )
-        yield tmp_path, feed, proc
+        yield proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -239,6 +241,16 @@ def builder(tmp_path: Path) -> Iterator[tuple[Path, Feed, subprocess.Popen]]:
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture
+def builder(tmp_path: Path) -> Iterator[tuple[Path, Feed, subprocess.Popen]]:
+    """`grace builder --changes` on a catalog, its first version published."""
+    rows = catalog_rows()
+    (tmp_path / "catalog.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    feed = Feed(tmp_path / "feed")
+    with builder_process(tmp_path, str(tmp_path / "catalog.jsonl"), str(feed.path)) as proc:
+        yield tmp_path, feed, proc
 
 
 def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Popen]) -> None:

@@ -29,7 +29,6 @@ import itertools
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,14 +36,10 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-import torch
 
 from contracts.deltas import published_seq, read_segment, segments
 from contracts.index_manifest import read_manifest
 from index_builder.publish import current_path
-from service.model.checkpoint import save_checkpoint
-from service.model.config import PROFILES
-from service.model.retriever import GenerativeRetriever
 from tests.helpers.postgres import postgres_server
 from tests.helpers.server_process import ServerProcess, serving
 from tests.service import test_live_changes as live
@@ -220,30 +215,8 @@ def postgres_world(tmp_path: Path, interval: float) -> Iterator[tuple[Path, str,
                      for r in live.catalog_rows()],
                 )  # fmt: skip
         source = f"{url}?table=ads"
-        log = (tmp_path / "builder.log").open("wb")
-        cmd = [sys.executable, "-m", "cli", "builder", "--catalog", source,
-               "--out", str(tmp_path / "index"), "--sid-space", live.SID_SPACE,
-               "--interval", str(interval), "--changes", source,
-               "--changes-interval", "0.05"]  # fmt: skip
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            end = time.monotonic() + live.DEADLINE
-            while current_path(tmp_path / "index") is None:
-                assert proc.poll() is None, (tmp_path / "builder.log").read_text()
-                assert time.monotonic() < end, "the builder published no index"
-                time.sleep(0.05)
-            torch.manual_seed(0)
-            save_checkpoint(GenerativeRetriever(PROFILES["tiny"]), None, tmp_path / "model",
-                            sid_space=live.SID_SPACE)  # fmt: skip
+        with live.builder_process(tmp_path, source, source, interval) as proc:
             yield tmp_path, url, proc
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
 
 
 def test_pauses_through_postgresql_reach_the_replies(tmp_path: Path) -> None:
