@@ -11,6 +11,12 @@ reply at `catalog_seq` >= its seq less its write time. Also: bytes of published 
 per million changes.
 
     .venv/bin/python bench/bench_freshness.py        # ~2 minutes
+
+`--data DIR` runs it on a world that bench/gpu_loadtest.sh laid out (DIR/world,
+DIR/tokenizer, DIR/model, DIR/index; the paper's 30 M ads on a GPU):
+
+    python3 bench/bench_freshness.py --data /tmp/paper --device cuda --profile paper \
+        --callers 64 --out /tmp/freshness_gpu.json
 """
 
 from __future__ import annotations
@@ -28,12 +34,12 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import percentiles, write_result
 from contracts.deltas import DELTAS
-from index_builder.catalog import read_catalog
 from loadtest.overload import world_requests
 from service.rpc.grace.v1 import retrieval_pb2, retrieval_pb2_grpc
 from tests.helpers.server_process import ServerProcess
@@ -111,19 +117,25 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=20)
     p.add_argument("--callers", type=int, default=8)
     p.add_argument("--out", type=Path, help="result JSON (default bench/results/)")
+    p.add_argument("--data", type=Path, help="serve this laid-out world (default: a tiny one)")
+    p.add_argument("--device", default="cpu", help="the server's --device (%(default)s)")
+    p.add_argument("--profile", default="tiny", help="the server's model profile (%(default)s)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-fresh-") as tmp:
-        root, feed = make_serving_data(Path(tmp) / "data"), Path(tmp) / "feed"
+        root, feed = a.data or make_serving_data(Path(tmp) / "data"), Path(tmp) / "feed"
         feed.mkdir()
         catalog = root / "world" / "catalog.parquet"
-        ads = read_catalog(catalog, progress=False).ad_id.tolist()
+        tokenizer = root / "tokenizer" if a.data else root / "model" / "tokenizer"
+        ads = pq.read_table(catalog, columns=["ad_id"]).column("ad_id").to_pylist()
         builder = subprocess.Popen(
             [sys.executable, "-m", "cli", "builder", "--catalog", str(catalog), "--out",
-             str(root / "index"), "--tokenizer", str(root / "model" / "tokenizer"),
-             "--changes", str(feed)],
+             str(root / "index"), "--tokenizer", str(tokenizer), "--changes", str(feed)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        server = ServerProcess.start(root, Path(tmp) / "server.log")
+        server = ServerProcess.start(
+            root, Path(tmp) / "server.log", device=a.device, index_root=root / "index",
+            env={"GRACE_PROFILE": a.profile}, args=["--model", str(root / "model")],
+        )  # fmt: skip
         try:
             server.wait_serving()
             requests = world_requests(root / "world", 64)
@@ -139,10 +151,11 @@ def main() -> int:
             server.stop()
             builder.terminate()
             builder.wait(30)
-    figures = {"setup": {"world": "tiny", "callers": a.callers, "seconds": a.seconds,
+    world = f"{len(ads):,} ads, {a.profile} model on {a.device}"
+    figures = {"setup": {"world": world, "callers": a.callers, "seconds": a.seconds,
                          "builder_changes_interval_s": 0.2, "server_live_poll_s": 0.1},
                "phases": rows, "segment_bytes_per_million_changes": round(per_m)}  # fmt: skip
-    print("written", write_result("freshness_cpu", figures, a.out))
+    print("written", write_result(f"freshness_{a.device}", figures, a.out))
     return 0
 
 
