@@ -24,6 +24,7 @@ one module, a little past the house's ~300 lines.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ import numpy as np
 from contracts.targeting_schema import MAX_VALUE_BYTES, Attribute, TargetingSchema
 
 ONES = np.iinfo(np.uint64).max
+VALUE_CACHE = 1 << 16  # set values per family whose Bloom bits a codec keeps (~10 MB)
 _NO_IDS = np.zeros(0, dtype=np.int64)
 
 
@@ -88,17 +90,26 @@ def value_bits(value: str, bits: int, hashes: int) -> tuple[int, ...]:
     return tuple(digest[i] % bits for i in range(hashes))
 
 
-def value_blooms(values: Sequence[str], bits: int, hashes: int) -> np.ndarray:
-    """One Bloom row per value: uint64 [len(values), bits // 64]."""
-    rows = np.zeros((len(values), bits // 64), dtype=np.uint64)
-    if len(values):
-        at = np.array([value_bits(v, bits, hashes) for v in values], dtype=np.int64)
-        row = np.repeat(np.arange(len(values)), hashes)
-        flat = at.reshape(-1)
-        np.bitwise_or.at(
-            rows, (row, flat // 64), np.left_shift(np.uint64(1), (flat % 64).astype(np.uint64))
+def _pack(at: tuple[int, ...]) -> bytes:
+    """A value's bit positions (each < 65,536) as uint16 bytes."""
+    return struct.pack(f"<{len(at)}H", *at)
+
+
+def _rows(packed: bytes, n: int, bits: int, hashes: int) -> np.ndarray:
+    """Bloom rows uint64 [n, bits // 64] from n values' packed bit positions (`_pack`)."""
+    at = np.frombuffer(packed, dtype="<u2").reshape(n, hashes).astype(np.int64)
+    rows = np.zeros((n, bits // 64), dtype=np.uint64)
+    for i in range(hashes):  # one hash at a time: no (row, word) twice in one assignment
+        rows[np.arange(n), at[:, i] >> 6] |= np.left_shift(
+            np.uint64(1), (at[:, i] & 63).astype(np.uint64)
         )
     return rows
+
+
+def value_blooms(values: Sequence[str], bits: int, hashes: int) -> np.ndarray:
+    """One Bloom row per value: uint64 [len(values), bits // 64]."""
+    packed = b"".join(_pack(value_bits(v, bits, hashes)) for v in values)
+    return _rows(packed, len(values), bits, hashes)
 
 
 def _set(words: np.ndarray, bits: Sequence[int] | np.ndarray) -> None:
@@ -113,6 +124,10 @@ class Codec:
         self.schema = schema
         self.words, self.bloom_words = schema.bitmask_words, schema.bloom_words
         self.families = schema.families
+        # per family: value -> its packed Bloom bits, for values a request passed before (a
+        # server sees the same audiences and locations request after request; hashing a
+        # 256-value request was most of its encoding)
+        self._bits: dict[str, dict[str, bytes]] = {a.name: {} for a in self.families}
         self.masked = tuple(a for a in schema.attributes if a.kind != "set")
         self._index = {a.name: {v: i for i, v in enumerate(a.labels)} for a in self.masked}
         self.full_bitmask = np.zeros(self.words, dtype=np.uint64)
@@ -177,12 +192,28 @@ class Codec:
         rows = []
         for a in self.families:
             mine = values.get(a.name, ())
-            self.check_set(a, mine, a.name)
-            if mine:
-                rows.append(value_blooms(mine, a.bloom_bits, a.bloom_hashes))
-            else:
+            if not mine:
                 rows.append(np.full((1, a.bloom_bits // 64), ONES, dtype=np.uint64))
+                continue
+            rows.append(_rows(self._packed(a, mine), len(mine), a.bloom_bits, a.bloom_hashes))
         return rows
+
+    def _packed(self, a: Attribute, values: Sequence[str]) -> bytes:
+        """The values' packed Bloom bits (`_pack`), checked (`check_set`) unless all were
+        seen before (a value that passed once passes again)."""
+        seen = self._bits[a.name]
+        if len(values) <= a.max_request_values:
+            try:
+                return b"".join(map(seen.__getitem__, values))
+            except KeyError:
+                pass
+        self.check_set(a, values, a.name)
+        if len(seen) + len(values) > VALUE_CACHE:
+            seen.clear()
+        for v in values:
+            if v not in seen:
+                seen[v] = _pack(value_bits(v, a.bloom_bits, a.bloom_hashes))
+        return b"".join(map(seen.__getitem__, values))
 
     def fits(self, values: Mapping[str, Sequence[str]]) -> bool:
         """Whether a request's values are ones this schema reads (`TargetingError` else)."""
