@@ -240,6 +240,11 @@ class Metrics:
             "grace_live_new_ads_waiting",
             "Ads upserted that the served index does not hold: served from the next full build.",
         )
+        self.live_bytes = gauge(
+            "grace_live_state_bytes",
+            "Memory the served index's live changes take: one byte per ad once any changed, "
+            "plus the upserted ids it does not hold.",
+        )
         self.live_applied = counter(
             "grace_live_changes_applied_total",
             "Live catalog changes this process's live follower applied to the served "

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -317,8 +318,8 @@ def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Po
         # the new state a moment later)
         want = {"grace_catalog_seq": s_last, "deleted": len(gone), "paused": 2, "waiting": 1,
                 "grace_live_new_ads_waiting": 1, "pause": 3, "resume": 1,
-                "delete": len(gone), "upsert": 2}  # fmt: skip
-        seen: dict[str, float] = {}
+                "delete": len(gone), "upsert": 2, "state bytes cover every ad": True}  # fmt: skip
+        seen: dict[str, Any] = {}
 
         def metrics_settled() -> bool:
             text = server.metrics_text()
@@ -329,6 +330,9 @@ def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Po
                 seen[state] = metric_value(text, "grace_live_ads", {"state": state})
             for op in ("pause", "resume", "delete", "upsert"):
                 seen[op] = metric_value(text, "grace_live_changes_applied_total", {"op": op})
+            # one byte per ad of the version (its catalog rows) once anything changed
+            held = metric_value(text, "grace_live_state_bytes") or 0
+            seen["state bytes cover every ad"] = held >= N_ADS
             return seen == want
 
         wait(_Seen("the live metrics", want, seen), metrics_settled, check)
