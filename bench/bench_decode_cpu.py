@@ -106,15 +106,8 @@ def cross_attention_ablation(repeat: int) -> list[dict[str, object]]:
         naive = statistics.median(timed(lambda a=args: cross_attention_per_beam(*a), repeat))
         baq = statistics.median(timed(lambda a=args: cross_attention(*a), repeat))
         shape = {"B": b, "M": m, "H": c.n_heads, "d_h": c.d_head, "T_ctx": c.t_ctx}
-        rows.append(
-            {
-                "profile": name,
-                **shape,
-                "per_beam_ms": round(naive, 3),
-                "beam_as_query_ms": round(baq, 3),
-                "speedup": round(naive / baq, 1),
-            }
-        )
+        ms = {"per_beam_ms": round(naive, 3), "beam_as_query_ms": round(baq, 3)}
+        rows.append({"profile": name, **shape, **ms, "speedup": round(naive / baq, 1)})
     return rows
 
 

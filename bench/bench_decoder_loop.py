@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -59,7 +58,7 @@ if "cpu" in sys.argv or not torch.cuda.is_available():  # before any kernel modu
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench.baselines.ladder import Rung, TextbookSearch, bitmask_only
-from bench.common import header, percentiles, write_result
+from bench.common import percentiles, timed, write_result
 from bench.indexes import SCHEMAS, load_index, requests_for, synthetic_index
 from contracts.request import FilterMode
 from contracts.targeting import Targeting
@@ -142,12 +141,8 @@ def times_ms(fn: Callable[[int], object], n: int, cuda: bool, back_to_back: bool
     for i in range(2):
         fn(i)
     if not cuda:
-        out = []
-        for i in range(n):
-            t = time.perf_counter()
-            fn(i)
-            out.append((time.perf_counter() - t) * 1e3)
-        return out
+        calls = iter(range(n))
+        return timed(lambda: fn(next(calls)), n, warmup=0)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(n)]  # fmt: skip
     torch.cuda.synchronize()
@@ -387,13 +382,8 @@ def main() -> None:
             figures["trace_fp8"] = kernel_profile(fp8_decoder, index, batches, beams)
     figures["targets"] = {"served_p50_ms": 12, "served_p99_ms": 13, "gtm_cost_ms": 0.3}
     print({k: v for k, v in figures.items() if k not in ("rows", "trace", "trace_fp8")})
-    if a.out or a.small or not cuda:
-        out = a.out or Path(f"/tmp/decoder_loop_{a.profile}_smoke.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({**header(), "figures": figures}, indent=1) + "\n")
-    else:
-        out = write_result("decoder_loop", figures)
-    print(out)
+    smoke = Path(f"/tmp/decoder_loop_{a.profile}_smoke.json") if a.small or not cuda else None
+    print(write_result("decoder_loop", figures, a.out or smoke))
 
 
 if __name__ == "__main__":

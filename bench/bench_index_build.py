@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ROOT, write_result
 
+MATCHERS, DEDUP = ("bitmask", "bloom"), ("", "_dedup")
+
 CHILD = """
 import json, resource, sys
 from index_builder.build import build_index
@@ -66,36 +68,23 @@ def build(catalog: Path, out: Path, tok: Path, kway: str = "") -> dict[str, Any]
 
 
 def table1(levels: list[dict]) -> list[dict]:
-    kb = 1e3  # demo-scale tables are small: kB keeps the dedup column readable
-    return [
-        {
-            "step": lv["step"],
-            "entries": lv["entries"],
-            "bitmask_kB": round(lv["bitmask_bytes"] / kb, 1),
-            "bitmask_kB_dedup": round(lv["bitmask_bytes_dedup"] / kb, 1),
-            "bloom_kB": round(lv["bloom_bytes"] / kb, 1),
-            "bloom_kB_dedup": round(lv["bloom_bytes_dedup"] / kb, 1),
-        }
-        for lv in levels
-    ]
+    """Matcher storage per step in kB (demo-scale tables are small: kB keeps the dedup
+    column readable): bitmask_kB, bitmask_kB_dedup, bloom_kB, bloom_kB_dedup."""
+    rows = []
+    for lv in levels:
+        kb = {f"{m}_kB{d}": round(lv[f"{m}_bytes{d}"] / 1e3, 1) for m in MATCHERS for d in DEDUP}
+        rows.append({"step": lv["step"], "entries": lv["entries"], **kb})
+    return rows
 
 
 def table2(plain: dict, static: dict, dynamic: dict) -> list[dict]:
+    """Matcher fill per step, plain vs static vs dynamic k-way, and the mean k of each k-way."""
     rows = []
     for p, s, d in zip(plain["levels"], static["kway_levels"], dynamic["kway_levels"], strict=True):
-        rows.append(
-            {
-                "step": p["step"],
-                "bitmask_fill_plain": round(p["bitmask_fill"], 4),
-                "bitmask_fill_static": round(s["bitmask_fill"], 4),
-                "bitmask_fill_dynamic": round(d["bitmask_fill"], 4),
-                "bloom_fill_plain": round(p["bloom_fill"], 4),
-                "bloom_fill_static": round(s["bloom_fill"], 4),
-                "bloom_fill_dynamic": round(d["bloom_fill"], 4),
-                "mean_k_static": round(s["mean_k"], 2),
-                "mean_k_dynamic": round(d["mean_k"], 2),
-            }
-        )
+        by = {"plain": p, "static": s, "dynamic": d}
+        row = {f"{m}_fill_{b}": round(lv[f"{m}_fill"], 4) for m in MATCHERS for b, lv in by.items()}
+        mean_k = {f"mean_k_{b}": round(by[b]["mean_k"], 2) for b in ("static", "dynamic")}
+        rows.append({"step": p["step"], **row, **mean_k})
     return rows
 
 
@@ -138,9 +127,9 @@ def main() -> None:
 
     catalog, tok, _ = prepare(args.work, args.table_ads, args.seed)
     plain = build(catalog, args.work / "index_tables", tok)
-    static = build(catalog, args.work / "index_static", tok, "static")
-    dynamic = build(catalog, args.work / "index_dynamic", tok, "dynamic")
-    t1, t2 = table1(plain["levels"]), table2(plain, static, dynamic)
+    builds = {"plain": plain} | {k: build(catalog, args.work / f"index_{k}", tok, k)
+                                 for k in ("static", "dynamic")}  # fmt: skip
+    t1, t2 = table1(plain["levels"]), table2(*builds.values())
     show(f"Table 1 analogue ({args.table_ads} ads): matcher storage per step", t1)
     show(f"Table 2 analogue ({args.table_ads} ads): mean matcher fill per step", t2)
     path = write_result(
@@ -149,11 +138,7 @@ def main() -> None:
             "scale": scale,
             "table1": {"ads": args.table_ads, "counts": plain["counts"], "rows": t1},
             "table2": {"ads": args.table_ads, "rows": t2},
-            "kway_build_seconds": {
-                "plain": plain["seconds"]["total"],
-                "static": static["seconds"]["total"],
-                "dynamic": dynamic["seconds"]["total"],
-            },
+            "kway_build_seconds": {k: r["seconds"]["total"] for k, r in builds.items()},
         },
     )
     print(f"\nwrote {path}")

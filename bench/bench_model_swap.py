@@ -27,11 +27,8 @@ import asyncio
 import json
 import multiprocessing
 import random
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from bench.common import header  # noqa: E402
 from loadtest.overload import world_requests  # noqa: E402
 from loadtest.overload_sender import CHANNEL_OPTIONS, METHOD, arrival_offsets  # noqa: E402
 
@@ -85,13 +83,6 @@ def _child(target: str, requests: list[bytes], rate: float, start: float, second
     out.put(asyncio.run(_send(target, requests, rate, start, seconds, seed)))
 
 
-@dataclass(frozen=True)
-class Window:
-    name: str
-    start: float
-    end: float
-
-
 def timeline(records: list[Record], published: float, swap_end: float,
              margin: float = 5.0) -> list[dict]:  # fmt: skip
     """Per second of send time, from `margin` s before CURRENT moved to `margin` s after
@@ -123,9 +114,8 @@ def summarise(records: list[Record], published: float, old: str, new: str,
     old_sent = [s for s, _, status, v in records if status == "OK" and v == old and s >= published]
     last_old = max(old_sent) if old_sent else published  # calls sent later: the new model's
     swap_end = max(last_old, first_new if first_new is not None else published) + 1.0
-    windows = [Window("before", start + warmup, published),
-               Window("during_swap", published, swap_end),
-               Window("after", swap_end, float("inf"))]  # fmt: skip
+    windows = {"before": (start + warmup, published), "during_swap": (published, swap_end),
+               "after": (swap_end, float("inf"))}  # fmt: skip
     out: dict = {
         "calls": len(records),
         "published_unix": round(published, 3),
@@ -141,11 +131,11 @@ def summarise(records: list[Record], published: float, old: str, new: str,
         "windows": {},
     }
     out["timeline"] = timeline(records, published, swap_end)
-    for w in windows:
-        lat = np.array([lat for s, lat, _, _ in records if w.start <= s < w.end]) * 1e3
-        statuses = [status for s, _, status, _ in records if w.start <= s < w.end]
-        span = (max(s for s, *_ in records) if w.end == float("inf") else w.end) - w.start
-        out["windows"][w.name] = {
+    for name, (lo, hi) in windows.items():
+        lat = np.array([lat for s, lat, _, _ in records if lo <= s < hi]) * 1e3
+        statuses = [status for s, _, status, _ in records if lo <= s < hi]
+        span = (max(s for s, *_ in records) if hi == float("inf") else hi) - lo
+        out["windows"][name] = {
             "seconds": round(span, 2),
             "calls": len(statuses),
             "failed": sum(s != "OK" for s in statuses),
@@ -198,13 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     figures = summarise(records, published, old["model_version"], new["model_version"],
                         args.warmup, start)  # fmt: skip
     figures["publish_seconds"] = round(published - t0, 2)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT, check=False).stdout.strip()  # fmt: skip
     result = {
+        **header(),
         "command": " ".join(["python3", "bench/bench_model_swap.py", *(argv or sys.argv[1:])]),
-        "git_commit": commit,
         "device": args.device,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "rate": args.rate,
         "seconds": args.seconds,
         "published_version": version,

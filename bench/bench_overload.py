@@ -34,9 +34,9 @@ import contextlib
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +48,13 @@ from bench.svg_plot import Series, write_line_chart
 from contracts.index_format import read_index_dir, write_index_dir
 from index_builder.publish import current_path, publish
 from loadtest.overload import probe_capacity, run_open_loop, world_requests
-from loadtest.overload_results import OK, CapacityResult, OverloadResult
+from loadtest.overload_results import OK, OverloadResult
 from tests.helpers.server_process import ServerProcess, metric_value
 
 FIGURES = ROOT / "docs" / "figures"
 # manifest keys write_index_dir fills in itself
 _FORMAT_KEYS = {"format", "format_version", "targeting", "sid_length", "vocab_size", "arrays"}
+STEADY_WARMUP = 0.2  # the share of each point's run left out of its steady-state figures
 _start = time.perf_counter()
 
 
@@ -83,76 +84,18 @@ def republisher(index_root: Path) -> Callable[[Path, str], None]:
     return write
 
 
-@dataclass
-class Generator:
-    """How load is offered at every point."""
-
-    processes: int
-    channels: int
-    poisson: bool
-    warmup: float
-
-    def run(
-        self,
-        server: ServerProcess,
-        requests: list[bytes],
-        rate: float,
-        seconds: float,
-        deadline_s: float,
-    ) -> OverloadResult:
-        return asyncio.run(self.offer(server, requests, rate, seconds, deadline_s))
-
-    async def offer(
-        self,
-        server: ServerProcess,
-        requests: list[bytes],
-        rate: float,
-        seconds: float,
-        deadline_s: float,
-        stop: asyncio.Event | None = None,
-    ) -> OverloadResult:
-        return await run_open_loop(
-            server.target,
-            requests,
-            rate,
-            seconds,
-            deadline_s,
-            channels=self.channels,
-            warmup=self.warmup,
-            stop=stop,
-            processes=1 if stop is not None else self.processes,
-            poisson=self.poisson,
-        )
+# how load is offered at every point: run_open_loop with the target, requests, channels,
+# steady-state warm-up and arrival process fixed, called as gen(rate, seconds, deadline_s)
+Offer = Callable[..., Awaitable[OverloadResult]]
 
 
-def measure_capacity(
-    server: ServerProcess, requests: list[bytes], a: argparse.Namespace
-) -> CapacityResult:
-    return asyncio.run(
-        probe_capacity(
-            server.target,
-            requests,
-            concurrency=a.concurrency,
-            seconds=a.capacity_seconds,
-            warmup_s=a.warmup_seconds,
-            channels=a.channels,
-        )
-    )
-
-
-def sweep(
-    server: ServerProcess,
-    requests: list[bytes],
-    capacity: float,
-    gen: Generator,
-    a: argparse.Namespace,
-) -> list[dict[str, Any]]:
+def sweep(server: ServerProcess, gen: Offer, capacity: float, a: argparse.Namespace) -> list[dict]:
     rows = []
     for deadline_ms in a.deadlines_ms:
         for multiple in a.multiples:
             settle(server)
             rate = multiple * capacity
-            r = gen.run(server, requests, rate, a.point_seconds, deadline_ms / 1e3)
+            r = asyncio.run(gen(rate, a.point_seconds, deadline_ms / 1e3, processes=a.processes))
             row = {
                 "multiple": multiple,
                 "deadline_ms": deadline_ms,
@@ -174,12 +117,11 @@ def sweep(
 async def swaps_under_load(
     server: ServerProcess,
     index_root: Path,
-    requests: list[bytes],
+    gen: Offer,
     *,
     swaps: int,
     rate: float,
     deadline_s: float,
-    gen: Generator,
     rss_every: int = 0,
     swap_timeout_s: float = 60.0,
 ) -> dict[str, Any]:
@@ -199,9 +141,7 @@ async def swaps_under_load(
     stop = asyncio.Event()
     load = None
     if rate > 0:
-        load = asyncio.create_task(
-            gen.offer(server, requests, rate, 24 * 3600.0, deadline_s, stop=stop)
-        )
+        load = asyncio.create_task(gen(rate, 24 * 3600.0, deadline_s, stop=stop, processes=1))
         await asyncio.sleep(0.5)  # the load is running before the first swap
     t0 = time.perf_counter()
     try:
@@ -251,6 +191,10 @@ async def swaps_under_load(
     return out
 
 
+def deadline_label(ms: float) -> str:
+    return f"{ms / 1e3:g} s" if ms >= 1000 else f"{ms:g} ms"
+
+
 def markdown_table(rows: list[dict[str, Any]], capacity: float) -> str:
     def v(x: float | None, fmt: str = ".1f") -> str:
         return "—" if x is None else format(x, fmt)
@@ -268,11 +212,9 @@ def markdown_table(rows: list[dict[str, Any]], capacity: float) -> str:
         re = counts.pop("RESOURCE_EXHAUSTED", 0)
         de = counts.pop("DEADLINE_EXCEEDED", 0)
         other = sum(counts.values())
-        d = r["deadline_ms"]
-        deadline = f"{d / 1e3:g} s" if d >= 1000 else f"{d:g} ms"
         lag = v(r["lag_p99_ms"]) + (" (behind)" if r["generator_behind"] else "")
         lines.append(
-            f"| {r['multiple']:g} | {deadline} | {r['offered_rps']:.1f} "
+            f"| {r['multiple']:g} | {deadline_label(r['deadline_ms'])} | {r['offered_rps']:.1f} "
             f"| {r['steady_goodput_rps']:.1f} | {r['goodput_fraction']:.2f} | {ok} | {re} "
             f"| {de} | {other} | {v(r['ok_p50_ms'])} | {v(r['ok_p99_ms'])} "
             f"| {v(r['refusal_p99_ms'], '.2f')} | {lag} |"
@@ -294,8 +236,7 @@ def plot(path: Path, rows: list[dict[str, Any]], capacity: float, device: str) -
     ]
     for d in sorted({r["deadline_ms"] for r in rows}):
         pts = sorted((r["multiple"], r["goodput_fraction"]) for r in rows if r["deadline_ms"] == d)
-        name = f"deadline {d / 1e3:g} s" if d >= 1000 else f"deadline {d:g} ms"
-        series.append(Series(name, pts))
+        series.append(Series(f"deadline {deadline_label(d)}", pts))
     best = max([1.0, *(r["goodput_fraction"] for r in rows)])
     return write_line_chart(
         path,
@@ -323,50 +264,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog=__doc__.split("\n\n", 1)[1],
     )
     add = p.add_argument
-    add(
-        "--data",
-        type=Path,
-        help="served world to use (world/, model/, index/); built here "
-        "when missing (default: a temporary directory). Its index gets new versions",
-    )
-    add(
-        "--out",
-        type=Path,
-        help="write overload_DEVICE.json and goodput_DEVICE.svg here "
-        "(default bench/results/ and docs/figures/)",
-    )
+    add("--data", type=Path, help="served world (world/, model/, index/; built when missing)")
+    add("--out", type=Path, help="dir for overload_DEVICE.json, goodput_DEVICE.svg")
     add("--device", default="cpu", help="server device (%(default)s)")
-    add(
-        "--quick",
-        action="store_true",
-        help="short smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()),
-    )
+    add("--quick", action="store_true", help=f"short smoke run: {QUICK}")
     add("--concurrency", type=int, default=16, help="closed-loop callers for capacity (16)")
     add("--capacity-seconds", type=float, default=10.0, help="capacity measurement (10)")
     add("--warmup-seconds", type=float, default=3.0, help="closed-loop warm-up before it (3)")
-    add(
-        "--multiples",
-        type=_floats,
-        default=[0.5, 1, 1.5, 2, 3, 4],
-        help="offered loads as multiples of capacity (0.5,1,1.5,2,3,4)",
-    )
-    add(
-        "--deadlines-ms",
-        type=_floats,
-        default=[250, 1000, 10000],
-        help="client deadlines, ms (250,1000,10000)",
-    )
+    add("--multiples", type=_floats, default=[0.5, 1, 1.5, 2, 3, 4], help="%(default)s x capacity")
+    add("--deadlines-ms", type=_floats, default=[250, 1000, 10000], help="%(default)s ms")
     add("--point-seconds", type=float, default=12.0, help="offered time per sweep point (12)")
     add("--swaps", type=int, default=95, help="versions published under load (95)")
     add("--swap-load", type=float, default=0.5, help="load during them, x capacity (0.5)")
     add("--memory-swaps", type=int, default=250, help="swaps of the memory check (250)")
     add("--rss-every", type=int, default=50, help="RSS sampled every N of them (50)")
-    add(
-        "--memory-load",
-        type=float,
-        default=0.25,
-        help="load during the memory check, x capacity; 0 = none (0.25)",
-    )
+    add("--memory-load", type=float, default=0.25, help="load then, x capacity; 0: none (0.25)")
     add("--processes", type=int, default=1, help="generator processes (1)")
     add("--channels", type=int, default=8, help="gRPC channels per generator process (8)")
     add("--poisson", action="store_true", help="Poisson arrivals instead of even spacing")
@@ -398,7 +310,6 @@ def served_data(data: Path | None) -> Iterator[tuple[Path, Path]]:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     dev = a.device.split(":")[0]
-    gen = Generator(a.processes, a.channels, a.poisson, warmup=0.2)
     with served_data(a.data) as (data, scratch):
         requests = world_requests(data / "world", a.users)
         server = ServerProcess.start(
@@ -408,46 +319,28 @@ def main(argv: list[str] | None = None) -> int:
             server.wait_serving()
             rss_serving = server.rss_mb()
             progress(f"server SERVING on {server.target} (RSS {rss_serving} MiB)")
-            cap = measure_capacity(server, requests, a)
+            gen = partial(run_open_loop, server.target, requests, channels=a.channels,
+                          warmup=STEADY_WARMUP, poisson=a.poisson)  # fmt: skip
+            probe = probe_capacity(server.target, requests, concurrency=a.concurrency,
+                                   seconds=a.capacity_seconds, warmup_s=a.warmup_seconds,
+                                   channels=a.channels)  # fmt: skip
+            cap = asyncio.run(probe)
             if cap.ok_rps <= 0:
                 raise RuntimeError(f"no capacity measured: {cap}\n{server.log_tail()}")
             progress(
                 f"capacity {cap.ok_rps:.1f} req/s at concurrency {cap.concurrency} "
                 f"(P50 {cap.p50_ms} ms, P99 {cap.p99_ms} ms, errors {cap.errors})"
             )
-            rows = sweep(server, requests, cap.ok_rps, gen, a)
+            rows = sweep(server, gen, cap.ok_rps, a)
             settle(server)
             progress(f"publishing {a.swaps} versions under {a.swap_load:g}x capacity")
-            hot = asyncio.run(
-                swaps_under_load(
-                    server,
-                    data / "index",
-                    requests,
-                    swaps=a.swaps,
-                    rate=a.swap_load * cap.ok_rps,
-                    deadline_s=1.0,
-                    gen=gen,
-                )
-            )
-            progress(
-                f"hot swaps: {hot['swaps_counted']} counted by the server in "
-                f"{hot['seconds']} s; RPCs sent {hot.get('rpcs_sent')}, failed "
-                f"{hot.get('rpcs_failed')}"
-            )
+            swaps = partial(swaps_under_load, server, data / "index", gen, deadline_s=1.0)
+            hot = asyncio.run(swaps(swaps=a.swaps, rate=a.swap_load * cap.ok_rps))
+            progress(f"hot swaps: {hot['swaps_counted']} counted in {hot['seconds']} s")
             settle(server)
             progress(f"memory: {a.memory_swaps} more swaps, RSS every {a.rss_every}")
-            mem = asyncio.run(
-                swaps_under_load(
-                    server,
-                    data / "index",
-                    requests,
-                    swaps=a.memory_swaps,
-                    rate=a.memory_load * cap.ok_rps,
-                    deadline_s=1.0,
-                    gen=gen,
-                    rss_every=a.rss_every,
-                )
-            )
+            mem = asyncio.run(swaps(swaps=a.memory_swaps, rate=a.memory_load * cap.ok_rps,
+                                    rss_every=a.rss_every))  # fmt: skip
         finally:
             server.stop()
     figures = {
@@ -465,15 +358,14 @@ def main(argv: list[str] | None = None) -> int:
             "users": a.users,
             "max_ads": 100,
             "filter_mode": "CD_GTM",
-            "steady_state_warmup": gen.warmup,
+            "steady_state_warmup": STEADY_WARMUP,
         },
         "capacity": cap.to_dict(),
         "sweep": rows,
         "hot_swaps": hot,
         "memory": mem,
     }
-    json_path = a.out / f"overload_{dev}.json" if a.out else None
-    path = write_result(f"overload_{dev}", figures, json_path)
+    path = write_result(f"overload_{dev}", figures, a.out and a.out / f"overload_{dev}.json")
     svg = plot((a.out or FIGURES) / f"goodput_{dev}.svg", rows, cap.ok_rps, a.device)
     print()
     print(markdown_table(rows, cap.ok_rps))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import resource
 import shutil
@@ -43,8 +42,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import header, write_result  # noqa: E402
+from bench.common import write_result  # noqa: E402
 from index_builder.parallel import default_workers  # noqa: E402
+
+# the trie's arrays GtmTables holds; the last four are the matcher's
+TRIE_ARRAYS = ("node_offsets", "csr_child_nodes", "csr_tokens", "bitmask_index", "bloom_index",
+               "bitmask_table", "bloom_table")  # fmt: skip
 
 
 def _peak_rss_gib() -> dict[str, float]:
@@ -134,19 +137,8 @@ def gpu_tables(version_dir: Path, device: str) -> dict[str, Any]:
         for name, v in vars(tables).items()
         if isinstance(v, torch.Tensor)
     }
-    on_disk = {
-        name: int(getattr(trie, name).nbytes)
-        for name in (
-            "node_offsets",
-            "csr_child_nodes",
-            "csr_tokens",
-            "bitmask_index",
-            "bloom_index",
-            "bitmask_table",
-            "bloom_table",
-        )
-    }
-    matcher = ("bitmask_index", "bloom_index", "bitmask_table", "bloom_table")
+    on_disk = {name: int(getattr(trie, name).nbytes) for name in TRIE_ARRAYS}
+    matcher = TRIE_ARRAYS[3:]
     out = {
         "device": device,
         "load_seconds": round(load_s, 2),
@@ -264,13 +256,7 @@ def main() -> None:
         },
     }
     _print_table(figures)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**header(), "figures": figures}, indent=1) + "\n")
-        path = args.json
-    else:
-        path = write_result("paper_index", figures)
-    print(f"\nwrote {path}")
+    print(f"\nwrote {write_result('paper_index', figures, args.json)}")
 
 
 def _print_table(f: dict[str, Any]) -> None:

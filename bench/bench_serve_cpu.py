@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import grpc
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import write_result
+from bench.common import percentiles, write_result
 from cli.query import request_for_user
 from index_builder.build import build_index
 from index_builder.synth import generate_world
@@ -85,8 +83,7 @@ async def load(root: Path, concurrency: int, per_client: int, device: str) -> di
     return {
         "concurrency": concurrency,
         "requests": len(latencies),
-        "p50_ms": round(statistics.median(latencies), 1),
-        "p99_ms": round(float(np.percentile(latencies, 99)), 1),
+        **percentiles(latencies, 1),
         "throughput_rps": round(rate, 1),
     }
 

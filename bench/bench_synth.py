@@ -66,6 +66,11 @@ def _run(args: argparse.Namespace, n_ads: int, scratch: Path) -> dict[str, Any]:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def phase_s(run: dict[str, Any], phases: tuple[str, ...]) -> float:
+    """Seconds a run's world generation spent in `phases`."""
+    return sum(run["timings_s"][k] for k in phases)
+
+
 def _linear(x0: float, y0: float, x1: float, y1: float, x: float) -> float:
     return y1 + (y1 - y0) / (x1 - x0) * (x - x1) if x1 != x0 else y1
 
@@ -88,17 +93,11 @@ def main() -> None:
         base = _run(args, max(1, args.ads // 2), Path(scratch))
         main_run = _run(args, args.ads, Path(scratch))
 
-    def ad_time(r: dict[str, Any]) -> float:
-        return sum(r["timings_s"][k] for k in AD_PHASES)
-
-    def user_time(r: dict[str, Any]) -> float:
-        return sum(r["timings_s"][k] for k in USER_PHASES)
-
     n0, n1, n = base["ads"], main_run["ads"], target.n_ads
     # time: proportional to the larger run (conservative: its fixed costs scale too);
     # memory: linear through both runs, since chunk buffers are a fixed cost
-    proj_ad_s = ad_time(main_run) * n / n1
-    proj_user_s = user_time(main_run) * target.n_users / args.users
+    proj_ad_s = phase_s(main_run, AD_PHASES) * n / n1
+    proj_user_s = phase_s(main_run, USER_PHASES) * target.n_users / args.users
     proj_total = proj_ad_s + proj_user_s + main_run["timings_s"]["eligibility"]
     proj_rss = _linear(n0, base["peak_rss_bytes"], n1, main_run["peak_rss_bytes"], n)
     disk_per_ad = sum(
@@ -106,8 +105,8 @@ def main() -> None:
     )
     figures = {
         "runs": [base, main_run],
-        "ads_per_s": n1 / ad_time(main_run),
-        "users_per_s": args.users / user_time(main_run),
+        "ads_per_s": n1 / phase_s(main_run, AD_PHASES),
+        "users_per_s": args.users / phase_s(main_run, USER_PHASES),
         "peak_rss_gib": main_run["peak_rss_bytes"] / 2**30,
         "projection_paper": {
             "n_ads": n,
@@ -125,7 +124,7 @@ def main() -> None:
     for r in (base, main_run):
         print(
             f"{r['ads']:>12,} {r['users']:>8,} {r['wall_s']:>8.1f} "
-            f"{r['ads'] / ad_time(r):>10,.0f} {r['peak_rss_bytes'] / 2**30:>13.2f}"
+            f"{r['ads'] / phase_s(r, AD_PHASES):>10,.0f} {r['peak_rss_bytes'] / 2**30:>13.2f}"
         )
     pj = figures["projection_paper"]
     print(

@@ -17,23 +17,22 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
+from unittest import mock
 
 import grpc
-import numpy as np
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_serve_cpu import closed_loop, prepare
+from bench.common import percentiles, write_result
 from service import tracing as tracing_module
 from service.tracing import Tracing
 
@@ -104,8 +103,7 @@ def grpc_figures(rounds: int, requests: int, concurrency: int = 16) -> dict:
     finally:
         server.stop(0)
     out = {
-        mode: {"calls": len(v), "p50_ms": round(statistics.median(v), 1),
-               "p99_ms": round(float(np.percentile(v, 99)), 1),
+        mode: {"calls": len(v), **percentiles(v, 1),
                "throughput_rps_median": round(statistics.median(rps[mode]), 1)}
         for mode, v in lat.items()
     }  # fmt: skip
@@ -120,32 +118,24 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="hook benchmark: runs per mode")
     ap.add_argument("--rounds", type=int, default=5, help="gRPC benchmark: rounds per mode")
     ap.add_argument("--requests", type=int, default=480, help="gRPC benchmark: calls per round")
-    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
-    real_exporter_for = tracing_module.exporter_for
-    tracing_module.exporter_for = lambda kind: Dropped()  # type: ignore[assignment]
-    off, on = Tracing(), Tracing.from_settings("console")
+    with mock.patch.object(tracing_module, "exporter_for", lambda kind: Dropped()):
+        off, on = Tracing(), Tracing.from_settings("console")  # "on": its spans dropped
     runs: dict[str, list[float]] = {"off": [], "on": []}
     for _ in range(args.repeats):  # interleaved: a busy machine slows both alike
         runs["off"].append(per_call_us(off, args.calls))
         runs["on"].append(per_call_us(on, args.calls))
     on.shutdown()
-    tracing_module.exporter_for = real_exporter_for
     hooks = {k: round(statistics.median(v), 2) for k, v in runs.items()}
     print(f"tracing hooks per call (median of {args.repeats}): off {hooks['off']} us, "
           f"on {hooks['on']} us", flush=True)  # fmt: skip
     served = grpc_figures(args.rounds, args.requests)
     print(json.dumps(served, indent=1))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
-    out = {"command": "python bench/bench_tracing.py", "git_commit": commit,
-           "device": f"{platform.machine()} CPU, {os.cpu_count()} cores (shared)",
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "figures": {"hooks_us_per_call_median": hooks, "hook_runs_us": runs,
-                       "grpc_tiny_cpu_concurrency_16": served}}  # fmt: skip
+    figures = {"hooks_us_per_call_median": hooks, "hook_runs_us": runs,
+               "grpc_tiny_cpu_concurrency_16": served}  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_result("tracing_cpu", figures, args.json)
 
 
 if __name__ == "__main__":

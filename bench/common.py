@@ -91,9 +91,10 @@ def header() -> dict[str, Any]:
     }
 
 
-def write_result(name: str, figures: dict[str, Any], path: Path | None = None) -> Path:
-    """bench/results/NAME.json (or `path`): the header and the figures."""
+def write_result(name: str, figures: dict[str, Any], path: Path | None = None, **meta: Any) -> Path:
+    """bench/results/NAME.json (or `path`): the header (fields in `meta` replace or join
+    it) and the figures."""
     path = path or RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**header(), "figures": figures}, indent=1) + "\n")
+    path.write_text(json.dumps({**header(), **meta, "figures": figures}, indent=1) + "\n")
     return path

@@ -20,6 +20,7 @@
 # Smoke test on a CPU: ADS=20000 PROFILE=tiny DEVICE=cpu LOCUST_PROCESSES=2 \
 #   bash bench/gpu_loadtest.sh /tmp/lt 20 8s
 set -uo pipefail
+. "$(dirname "$0")/serve_lib.sh"
 OUT=${1:?output directory}; RATES=${2:-"250 500 750 1000 1250 1500"}; DURATION=${3:-30s}
 ADS=${ADS:-30000000}; PROFILE=${PROFILE:-paper}; DEVICE=${DEVICE:-cuda}
 PROCS=${LOCUST_PROCESSES:-4}  # locust worker processes: one gevent loop tops out near 1k req/s
@@ -38,12 +39,8 @@ mkdir -p "$OUT" "$DATA"
 # what this run ran with, for the summary (the server reads every GRACE_* variable)
 { env | grep -E '^GRACE_'; echo "WORKERS=$WORKERS"; echo "USERS=$USERS"; echo "DEVICE=$DEVICE"
   echo "PROFILE=$PROFILE"; echo "DATA=$DATA"; echo "ADS=$ADS"; } | sort > "$OUT/settings.env"
-if [ ! -f "$DATA/index/CURRENT" ]; then
-    python3 bench/bench_paper_index.py --ads "$ADS" --users 1000 --out "$DATA" \
-        --workers "$(nproc)" --device "$DEVICE" --quiet --json "$DATA/paper_index.json" || exit 1
-fi
-[ -f "$DATA/model/config.json" ] || "${GRACE[@]}" init-model --profile "$PROFILE" \
-    --tokenizer "$DATA/tokenizer" --out "$DATA/model" || exit 1
+paper_data "$DATA/paper_index.json"
+init_model "$DATA/model"
 SERVER=""
 DONE_RATES=""
 finish() {  # stop the server; summarise the rates run so far (all of them, or a timeout's)
@@ -64,20 +61,14 @@ trap 'exit 143' TERM
     --device "$DEVICE" --no-progress --workers "$WORKERS" > "$OUT/server.log" 2>&1 &
 SERVER=$!
 start=$(date +%s)
-metrics() {  # worker $1's Prometheus text (workers serve metrics on 9464 + i)
-    python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:$((9464 + $1))/metrics').read().decode())" 2>/dev/null
-}
 for ((i = 0; i < WORKERS; i++)); do  # every worker has warmed up (its first batch done)
-    until metrics "$i" | grep -Eq '^grace_batch_size_count [1-9]'; do
+    until worker_metrics "$i" | grep -Eq '^grace_batch_size_count [1-9]'; do
         kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -20 "$OUT/server.log"; exit 1; }
         sleep 2
     done
 done
-until "${GRACE[@]}" health --target localhost:50051 --timeout 2 >/dev/null 2>&1; do
-    kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -20 "$OUT/server.log"; exit 1; }
-    sleep 1
-done
-echo "SERVING after $(( $(date +%s) - start )) s ($WORKERS worker(s))"
+wait_serving $SERVER "$OUT/server.log" "$start"
+echo "($WORKERS worker(s))"
 # MPS is on by default for several CUDA workers: record whether the daemon really ran
 mps=no; grep -q "MPS control daemon started" "$OUT/server.log" && mps=yes
 { cat "$OUT/settings.env"; echo "MPS_STARTED=$mps"; } | sort > "$OUT/settings.tmp" \
@@ -88,9 +79,8 @@ if [ ! -f "$DATA/requests.jsonl" ]; then  # whole or not at all: a timeout may c
     "${GRACE[@]}" record --world "$DATA/world" --users 1000 --out "$DATA/requests.tmp.jsonl" \
         && mv "$DATA/requests.tmp.jsonl" "$DATA/requests.jsonl" || exit 1
 fi
-scrape() {  # the server's Prometheus metrics (stage times, batch sizes) after each rate
-    for ((i = 0; i < WORKERS; i++)); do metrics "$i" > "$OUT/metrics_$1_w$i.prom"; done
-}
+# the server's Prometheus metrics (stage times, batch sizes) after the warm-up and each rate
+scrape() { scrape_workers "$WORKERS" "$OUT/metrics_$1"; }
 # a short unjudged warm-up: the first traffic after SERVING meets cold allocator pools
 # and library plans (the first measured rate read P99 3.2 s without it)
 python3 -m locust -f loadtest/locustfile.py --headless -H localhost:50051 -u "$USERS" -r "$USERS" \

@@ -25,14 +25,8 @@ OUT=${1:?output directory}; RATE=${2:-1000}; DURATION=${3:-240}
 DATA=${DATA:-/tmp/paper}; ADS=${ADS:-30000000}; PROFILE=${PROFILE:-paper}; DEVICE=${DEVICE:-cuda}
 GRACE=(python3 -m cli)
 mkdir -p "$OUT" "$DATA"
-if [ ! -f "$DATA/index/CURRENT" ]; then
-    python3 bench/bench_paper_index.py --ads "$ADS" --users 1000 --out "$DATA" \
-        --workers "$(nproc)" --device "$DEVICE" --quiet --json "$DATA/paper_index.json" || exit 1
-fi
-for seed in 0 1; do
-    [ -f "$DATA/model-$seed/config.json" ] || "${GRACE[@]}" init-model --profile "$PROFILE" \
-        --tokenizer "$DATA/tokenizer" --out "$DATA/model-$seed" --seed "$seed" || exit 1
-done
+paper_data "$DATA/paper_index.json"
+for seed in 0 1; do init_model "$DATA/model-$seed" "$seed"; done
 rm -rf "$DATA/models"
 "${GRACE[@]}" publish-model "$DATA/model-0" --root "$DATA/models" || exit 1
 GRACE_PROFILE=$PROFILE GRACE_QUEUE_CAPACITY=${GRACE_QUEUE_CAPACITY:-128} "${GRACE[@]}" serve \

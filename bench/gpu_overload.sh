@@ -21,12 +21,8 @@ DATA=${DATA:-$OUT}
 export GRACE_PROFILE=$PROFILE
 GRACE=(python3 -m cli)
 mkdir -p "$OUT" "$DATA"
-if [ ! -f "$DATA/index/CURRENT" ]; then
-    python3 bench/bench_paper_index.py --ads "$ADS" --users 1000 --out "$DATA" \
-        --workers "$(nproc)" --device "$DEVICE" --quiet --json "$OUT/paper_index.json" || exit 1
-fi
-[ -f "$DATA/model/config.json" ] || "${GRACE[@]}" init-model --profile "$PROFILE" \
-    --tokenizer "$DATA/tokenizer" --out "$DATA/model" || exit 1
+paper_data "$OUT/paper_index.json"
+init_model "$DATA/model"
 [ -f "$DATA/requests.jsonl" ] || "${GRACE[@]}" record --world "$DATA/world" --users 1000 \
     --out "$DATA/requests.jsonl" || exit 1
 "${GRACE[@]}" serve --data-dir "$DATA" --model "$DATA/model" --index-root "$DATA/index" \

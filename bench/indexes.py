@@ -148,15 +148,9 @@ def synthetic_catalog(
     return catalog, sids
 
 
-def synthetic_index(
-    n_ads: int,
-    ads_per_sid: int = 2,
-    first_tokens: int = 32,
-    seed: int = 0,
-    schema: TargetingSchema = DEFAULT,
-) -> IndexArrays:
-    catalog, sids = synthetic_catalog(n_ads, ads_per_sid, first_tokens, seed, schema)
-    return build_arrays(catalog, sids)
+def synthetic_index(n_ads: int, seed: int = 0, schema: TargetingSchema = DEFAULT) -> IndexArrays:
+    """The index arrays of `synthetic_catalog(n_ads, seed=seed, schema=schema)`."""
+    return build_arrays(*synthetic_catalog(n_ads, seed=seed, schema=schema))
 
 
 def load_index(root: Path) -> tuple[IndexArrays, TargetingSchema]:

@@ -232,31 +232,18 @@ def main() -> None:
         ap.error(f"--buckets must be increasing integers >= 1, got {a.buckets!r}")
     if a.seeds < 1 or a.seconds <= 0 or a.busy_batches < 1:
         ap.error("--seeds and --busy-batches must be >= 1 and --seconds positive")
-    shares = None
-    if a.shares is not None:
-        try:
-            shares = tuple(float(x) for x in a.shares.split(","))
-        except ValueError:
-            shares = ()
-        if len(shares) != a.workers or min(shares) < 0 or sum(shares) <= 0:
-            ap.error(f"--shares needs {a.workers} non-negative numbers, got {a.shares!r}")
-    server = Server(
-        buckets=buckets,
-        workers=a.workers,
-        max_wait_ms=a.max_wait_ms,
-        max_wait_busy_ms=a.max_wait_busy_ms,
-        busy_batches=a.busy_batches,
-        decode_ms=fit_decode_cost(),
-        shares=shares,
-    )
-    runs = (
-        [
-            (label, dataclasses.replace(server, shares=None, **kw), seen)
-            for label, kw, seen in MEASURED
-        ]
-        if a.check
-        else [("", server, {})]
-    )
+    decode_ms = fit_decode_cost()
+    try:  # a share that is no number, or Server's own check of the shares
+        shares = tuple(float(x) for x in a.shares.split(",")) if a.shares else None
+        server = Server(buckets=buckets, workers=a.workers, max_wait_ms=a.max_wait_ms,
+                        max_wait_busy_ms=a.max_wait_busy_ms, busy_batches=a.busy_batches,
+                        decode_ms=decode_ms, shares=shares)  # fmt: skip
+    except ValueError:
+        ap.error(f"--shares needs {a.workers} non-negative numbers, got {a.shares!r}")
+    runs = [("", server, {})]
+    if a.check:
+        runs = [(label, dataclasses.replace(server, shares=None, **kw), seen)
+                for label, kw, seen in MEASURED]  # fmt: skip
     for label, srv, seen in runs:
         print(f"model (not a measurement): buckets {srv.buckets}, {srv.workers} workers, "
               f"busy from {srv.busy_batches} batch(es), decode {srv.decode_ms[0]} + "

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import re
 import statistics
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import header
+from bench.common import write_result
 
 SCRIPT = Path(__file__).resolve()
 STAGES = ("input", "features", "compute", "post")
@@ -243,26 +242,21 @@ def main() -> None:
     a = ap.parse_args()
     if not a.out.is_dir():
         ap.error(f"{a.out} is not a directory")
-    try:
-        duration = seconds(a.duration)
-    except ValueError as exc:
-        ap.error(str(exc))
-    if duration <= 0:
-        ap.error(f"--duration must be positive, got {a.duration!r}")
     rates = a.rates.split()
     missing = [r for r in rates if not (a.out / f"rate_{r}_stats.csv").exists()]
     if missing and not a.skip_missing:
         ap.error(f"no rate_R_stats.csv in {a.out} for rates {missing} (--skip-missing)")
     try:
+        duration = seconds(a.duration)
         run_order(a.out, [r for r in rates if r not in missing])
     except ValueError as exc:
         ap.error(str(exc))
+    if duration <= 0:
+        ap.error(f"--duration must be positive, got {a.duration!r}")
     if missing:
         print(f"skipping rates without results: {missing}", file=sys.stderr)
     figures = summarize(a.out, rates, duration, a.p99_ms, a.fail_ratio)
-    path = a.json or a.out / "summary.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**header(), "figures": figures}, indent=1) + "\n")
+    path = write_result("gpu_loadtest", figures, a.json or a.out / "summary.json")
     print(table(figures))
     print(f"max OK req/s passing: {figures['max_ok_rps_passing']}; wrote {path}")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import header
+from bench.common import device, write_result
 from bench.svg_plot import Series, write_line_chart
 from tests.helpers.server_process import metric_value
 
@@ -145,14 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     figures = summarise(a.out, a.baseline)
     given = {"command": a.command, "git_commit": a.commit, "device": a.device, "note": a.note}
-    result = {**header(), **{k: v for k, v in given.items() if v}, "figures": figures}
-    path = a.json or a.out / "summary.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    given = {k: v for k, v in given.items() if v}
+    path = write_result("overload_gpu", figures, a.json or a.out / "summary.json", **given)
     print(table(figures))
     print(f"wrote {path}")
     if a.svg:
-        gpu = result["device"].rsplit("GPU ", 1)[-1].split(" (")[0]
+        gpu = given.get("device", device()).rsplit("GPU ", 1)[-1].split(" (")[0]
         print(f"wrote {plot(a.svg, figures, gpu)}")
     return 0
 

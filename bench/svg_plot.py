@@ -141,12 +141,12 @@ def line_chart(
         out.append(f'<text x="16" y="{cy:.1f}" text-anchor="middle" '
                    f'transform="rotate(-90 16 {cy:.1f})">{escape(y_label)}</text>')  # fmt: skip
     colors = iter(PALETTE * (len(series) // len(PALETTE) + 1))
-    styled = [(s, s.color or next(colors)) for s in series]
+    dashes = ' stroke-dasharray="6 4"'
+    styled = [(s, s.color or next(colors), dashes if s.dashed else "") for s in series]
     out.append(f'<clipPath id="plot-area"><rect x="{left}" y="{top}" width="{pw}" '
                f'height="{ph}"/></clipPath>')  # fmt: skip
-    for s, color in styled:
+    for s, color, dash in styled:
         pts = [(px(x), py(y)) for x, y in s.points if y is not None]
-        dash = ' stroke-dasharray="6 4"' if s.dashed else ""
         coords = " ".join(f"{a:.1f},{b:.1f}" for a, b in pts)
         out.append(f'<g clip-path="url(#plot-area)"><polyline class="series" '
                    f'data-name={quoteattr(s.name)} points="{coords}" fill="none" '
@@ -156,9 +156,8 @@ def line_chart(
         out.append("</g>")
     lx, ly = left + pw + 16, top + 8
     out.append('<g class="legend">')
-    for i, (s, color) in enumerate(styled):
+    for i, (s, color, dash) in enumerate(styled):
         y = ly + 20 * i
-        dash = ' stroke-dasharray="6 4"' if s.dashed else ""
         out.append(f'<line x1="{lx}" y1="{y}" x2="{lx + 28}" y2="{y}" stroke="{color}" '
                    f'stroke-width="2"{dash}/>')  # fmt: skip
         if s.markers:
