@@ -43,3 +43,20 @@ END $$;
 
 CREATE TRIGGER ads_stamp BEFORE INSERT OR UPDATE ON ads
     FOR EACH ROW EXECUTE FUNCTION ads_stamp();
+
+-- A DELETE leaves a tombstone: the row stays with status 'deleted' (stamped like any
+-- update, so the feed sees the delete), and the builder's snapshot, which reads active
+-- rows only, leaves it out. Purge old tombstones without the triggers, e.g.
+--   BEGIN; SET LOCAL session_replication_role = replica;
+--   DELETE FROM ads WHERE status = 'deleted' AND change_seq < <a built version's seq>; COMMIT;
+CREATE FUNCTION ads_tombstone() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE ads SET status = 'deleted' WHERE ad_id = OLD.ad_id AND status <> 'deleted';
+    RETURN NULL;  -- the row stays (deleting a tombstone changes nothing)
+END $$;
+
+CREATE TRIGGER ads_lock_delete BEFORE DELETE ON ads
+    FOR EACH STATEMENT EXECUTE FUNCTION ads_lock();
+
+CREATE TRIGGER ads_tombstone BEFORE DELETE ON ads
+    FOR EACH ROW EXECUTE FUNCTION ads_tombstone();

@@ -81,6 +81,25 @@ def test_a_snapshot_then_the_changes_after_it_in_commit_order(db: str, tmp_path:
     assert not feed.poll().changes  # nothing twice
 
 
+def test_a_delete_is_a_change_and_leaves_the_snapshot(db: str, tmp_path: Path) -> None:
+    """`DELETE FROM ads` leaves a tombstone the feed reads as a delete (the table's
+    trigger), and the next snapshot does not hold the ad."""
+    feed = PostgresFeed(db, after=snapshot(db, tmp_path / "a.jsonl"))
+    sql(db, "DELETE FROM ads WHERE ad_id IN (7, 8)")
+    # 2, 5, 8 (a tombstone now: deleting it again changes nothing), 11, 14, 17
+    sql(db, "DELETE FROM ads WHERE advertiser_id = 3 AND ad_id < 20")
+    got = feed.poll().changes
+    assert [(c.op, c.ad_id) for c in got[:2]] == [("delete", 7), ("delete", 8)]
+    assert sorted((c.op, c.ad_id) for c in got[2:]) == [("delete", a) for a in (2, 5, 11, 14, 17)]
+    seqs = [c.seq for c in got]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    snapshot(db, tmp_path / "b.jsonl")
+    held = {json.loads(x)["ad_id"] for x in (tmp_path / "b.jsonl").read_text().splitlines()}
+    assert len(held) == 293 and not held & {2, 5, 7, 8, 11, 14, 17}
+    sql(db, "UPDATE ads SET status = 'active' WHERE ad_id = 7")  # brought back: an upsert
+    assert [(c.op, c.ad_id) for c in feed.poll().changes] == [("upsert", 7)]
+
+
 def test_concurrent_writers_lose_no_change(db: str) -> None:
     """Many transactions stamping at once while a feed polls: every row's last change is
     read, in increasing seq order — a transaction that commits late never hides behind a
