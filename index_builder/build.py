@@ -2,8 +2,10 @@
 published version (docs/ARCHITECTURE.md §3-4). `grace build-index` and the sidecar call
 `build_index`; training, tests and benchmarks call `build_arrays` on an in-memory catalog.
 The build's phases stay in order in this one module (SIDs, the sorted catalog, Blooms,
-arrays, publish), a little past the house's ~300 lines; the catalog, the trie, k-way, the
-bad rows and the publish protocol are modules of their own.
+arrays, publish), a little past the house's ~300 lines; the catalog, the Blooms, the trie,
+k-way, the bad rows and the publish protocol are modules of their own. At paper scale the
+build frees each large input once used (the embeddings after the SIDs, the catalog in input
+order once sorted, the arrays once written), so its peak stays near one copy of the index.
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ from contracts import sid_space as sid_spaces
 from contracts.index_arrays import AdArrays, IndexArrays, SetArrays
 from contracts.index_format import SID_LENGTH, VOCAB_SIZE, write_index_dir
 from contracts.index_validation import validate_index
-from contracts.targeting_codec import Ragged, codec, value_blooms
+from contracts.targeting_codec import Ragged
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from index_builder import parallel
 from index_builder.bad_rows import REJECTS, write_rejects
+from index_builder.blooms import ad_blooms as ad_blooms  # re-exported: its old home
+from index_builder.blooms import index_blooms, leaf_blooms
 from index_builder.catalog import Catalog, SetRules, read_catalog, source_fingerprint
 from index_builder.kway import KwaySpec, build_partitions
 from index_builder.publish import publish
-from index_builder.trie import build_trie, storage_stats
+from index_builder.trie import build_trie, leaf_runs, storage_stats, trie_of_leaves
 
 if TYPE_CHECKING:
     from index_builder.tokenizer import SIDTokenizer
@@ -86,21 +90,22 @@ def assign_sids(
         raise BuildError(
             f"catalog embeddings have dim {dim}; the tokenizer expects {tokenizer.dim}"
         )
-    sid = catalog.sid.astype(np.int64)
     if has.any():
         new, report = tokenizer.assign(
             catalog.embedding[~has], reserved=catalog.sid[has], device=device, workers=workers
         )
+        sid = catalog.sid.astype(np.int64)
         sid[~has] = new
     else:  # no copy of a 30 M-row embedding matrix just to select every row
         new, report = tokenizer.assign(catalog.embedding, device=device, workers=workers)
-        sid[:] = new
+        sid = new.astype(np.int64)  # made once the tokenizer's own arrays are freed
     return sid, report.summary()
 
 
-def _sorted_catalog(catalog: Catalog, order: np.ndarray, workers: int) -> Catalog:
+def _sorted_catalog(catalog: Catalog, sids: np.ndarray, order: np.ndarray, workers: int) -> Catalog:
     """The catalog's rows in the order of the permutation `order`, gathered by `workers`
-    threads, without the embeddings (the build needs none once SIDs exist)."""
+    threads, without the embeddings (the build needs none once SIDs exist); its `sid`
+    column holds every ad's full SID from `sids` (int32 [N, 4], catalog order)."""
 
     def take(rows: np.ndarray | None) -> np.ndarray | None:
         return None if rows is None else parallel.take(rows, order, workers)
@@ -115,7 +120,7 @@ def _sorted_catalog(catalog: Catalog, order: np.ndarray, workers: int) -> Catalo
     return dataclasses.replace(
         catalog,
         ad_id=parallel.take(catalog.ad_id, order, workers),
-        sid=parallel.take(catalog.sid, order, workers),
+        sid=parallel.take(sids, order, workers),
         embedding=None,
         bitmask=parallel.take(catalog.bitmask, order, workers),
         sets=sets,
@@ -123,37 +128,6 @@ def _sorted_catalog(catalog: Catalog, order: np.ndarray, workers: int) -> Catalo
         advertiser=take(catalog.advertiser),
         exclude_bitmask=take(catalog.exclude_bitmask),
     )
-
-
-def ad_blooms(
-    schema: TargetingSchema, include: dict[str, Ragged], vocabularies: dict[str, list[str]],
-    workers: int = 1,
-) -> np.ndarray:  # fmt: skip
-    """`Codec.ad_blooms` of N ads (each set attribute's include lists as ids into its
-    vocabulary of strings): uint64 [N, bloom_words], rows split over `workers` threads."""
-    n = next(iter(include.values())).n if include else 0
-    by = codec(schema)
-    vocab = {a.name: value_blooms(vocabularies[a.name], a.bloom_bits, a.bloom_hashes)
-             for a in schema.families}  # fmt: skip
-    if not schema.families:  # no set attribute: rows of no words (one per ad)
-        return np.zeros((n, 0), dtype=np.uint64)
-    out = np.empty((n, schema.bloom_words), dtype=np.uint64)
-
-    def part(lo: int, hi: int) -> None:
-        mine = {}
-        for name, lists in include.items():
-            off = lists.offsets[lo : hi + 1]
-            mine[name] = Ragged(off - off[0], lists.values[off[0] : off[-1]])
-        out[lo:hi] = by.ad_blooms(mine, vocab, hi - lo)
-
-    parallel.run(part, parallel.ranges(n, workers), workers)
-    return out
-
-
-def index_blooms(ads: AdArrays, schema: TargetingSchema, workers: int = 1) -> np.ndarray:
-    """`ad_blooms` of an index's ads, from its own arrays (no catalog at hand)."""
-    include = {k: s.include for k, s in ads.sets.items()}
-    return ad_blooms(schema, include, {k: s.strings() for k, s in ads.sets.items()}, workers)
 
 
 def build_arrays(
@@ -167,19 +141,39 @@ def build_arrays(
     """All index arrays for a validated catalog and its SIDs; `workers` threads (None:
     every CPU) share the gathers, subtree ORs and hashing, and the arrays are the same for
     any count."""
+    return _build_handed([catalog, sids], kway, report, should_stop, workers)
+
+
+def _build_handed(
+    held: list[Any],
+    kway: KwaySpec | None,
+    report: BuildReport | None,
+    should_stop: Callable[[], bool],
+    workers: int | None,
+) -> IndexArrays:
+    """`build_arrays` of `held` = [catalog, sids], emptied here: once the caller holds no
+    other reference, the catalog in input order and its SIDs are freed as soon as they are
+    sorted (`build_index` hands them over; at 30 M ads each copy is gigabytes)."""
+    catalog, sids = held
+    held.clear()
     report = report if report is not None else BuildReport()
     workers = parallel.default_workers() if workers is None else workers
     t = time.perf_counter()
     # ads sorted by SID, ties in catalog order (a stable sort)
     keys = parallel.digit_keys(sids, VOCAB_SIZE)
     order = parallel.stable_argsort(keys, SID_LENGTH * (VOCAB_SIZE - 1).bit_length())
-    cat, sids = _sorted_catalog(catalog, order, workers), parallel.take(sids, order, workers)
-    del order
-    ad_bloom = ad_blooms(cat.schema, {k: s.include for k, s in cat.sets.items()},
-                         {k: list(s.vocabulary) for k, s in cat.sets.items()}, workers)  # fmt: skip
+    del keys
+    sids = sids.astype(np.int32, copy=False)  # tokens < VOCAB_SIZE: half of int64's bytes
+    cat = _sorted_catalog(catalog, sids, order, workers)
+    del catalog, sids, order
+    leaf_first_ad, leaf_keys = leaf_runs(cat.sid)
+    leaf_bm = parallel.or_reduceat(cat.bitmask, leaf_first_ad, workers)
+    leaf_bl = leaf_blooms(cat.schema, {k: s.include for k, s in cat.sets.items()},
+                          {k: list(s.vocabulary) for k, s in cat.sets.items()},
+                          leaf_first_ad, workers)  # fmt: skip
     t = report.phase("encode", t)
-    built = build_trie(sids, cat.bitmask, ad_bloom, workers)
-    del sids, ad_bloom
+    built = trie_of_leaves(leaf_first_ad, leaf_keys, cat.n, leaf_bm, leaf_bl, workers)
+    del leaf_first_ad, leaf_keys, leaf_bm, leaf_bl
     t = report.phase("trie", t)
     if should_stop():
         raise BuildCancelled("stopped before k-way partitioning")
@@ -190,7 +184,7 @@ def build_arrays(
     ads = AdArrays(
         leaf_sids=built.leaf_sids,
         leaf_ad_offsets=built.leaf_ad_offsets,
-        ad_ids=cat.ad_id.astype(np.int64),
+        ad_ids=cat.ad_id.astype(np.int64, copy=False),
         ad_bitmask=cat.bitmask,
         sets={k: SetArrays.from_strings(s.include, s.exclude, list(s.vocabulary))
               for k, s in cat.sets.items()},
@@ -272,11 +266,13 @@ def build_index(
 
         tokenizer = SIDTokenizer.load(Path(tokenizer_path))
     sids, report.collisions = assign_sids(catalog, tokenizer, device=device, workers=workers)
+    catalog = dataclasses.replace(catalog, embedding=None)  # frees them: SIDs are known
     t = report.phase("tokenize", t)
     if should_stop():
         raise BuildCancelled("stopped before building the trie")
-    arrays = build_arrays(catalog, sids, kway, report, should_stop, workers)
+    held: list[Any] = [catalog, sids]  # handed over: freed once sorted
     del catalog, sids
+    unwritten = [_build_handed(held, kway, report, should_stop, workers)]
     t = time.perf_counter()
     # the SID space (contracts/sid_space.py): the tokenizer's, the team's name, or legacy
     tokenizer_fingerprint = tokenizer.fingerprint if tokenizer else named_space or NO_TOKENIZER
@@ -286,7 +282,7 @@ def build_index(
             raise BuildCancelled("stopped before publishing")
         write_index_dir(
             directory,
-            arrays,
+            unwritten.pop(),  # freed once written: validation reads the files back
             {
                 "index_version": version,
                 "created": datetime.now(UTC).isoformat(),

@@ -84,6 +84,10 @@ def ad_ids(arr: pa.Array | None, src: Source, bad: Bad | None = None) -> np.ndar
     if pa.types.is_uint64(arr.type) and (row := first_true(arr.to_numpy() > I64_MAX)) is not None:
         raise src.error(row, "ad_id", f"{arr[row].as_py()} is not {expect('ad_id')[1]}")
     ids = arr.cast(pa.int64()).to_numpy()
+    ordered = np.sort(ids)  # vectorised: several times the stable argsort's speed
+    if not np.any(ordered[1:] == ordered[:-1]):
+        return ids  # no duplicate (the usual case)
+    del ordered
     order = np.argsort(ids, kind="stable")
     dup = np.flatnonzero(ids[order[1:]] == ids[order[:-1]])
     if len(dup) and bad is not None:  # every later occurrence, after its group's first

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import gzip
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from contracts.data_format import (
     CATALOG_VERSION_KEY,
 )
 from contracts.targeting_schema import TargetingSchema
+from index_builder.parquet_columns import read_columns
 
 SID_LEVELS = 4
 SID_VOCAB = 512
@@ -286,20 +286,4 @@ def read_parquet(
         accept, wanted = expect(f)
         if not (accept(schema.field(f).type) or pa.types.is_null(schema.field(f).type)):
             raise src.error(None, f, f"column has type {schema.field(f).type}; expected {wanted}")
-    groups = []
-    batch = max(1, pa.cpu_count())  # row groups decoded at once, one per Arrow thread
-    with tqdm(total=pf.metadata.num_rows, unit="row", disable=not progress) as bar:
-        bar.set_description(f"catalog {path.name}")
-        for i in range(0, pf.num_row_groups, batch):
-            part = list(range(i, min(pf.num_row_groups, i + batch)))
-            try:
-                groups.append(pf.read_row_groups(part, columns=fields, use_threads=True))
-            except pa.ArrowNotImplementedError:  # nested dictionaries: one group at a time
-                groups.extend(pf.read_row_group(g, columns=fields) for g in part)
-            bar.update(sum(pf.metadata.row_group(g).num_rows for g in part))
-    table = pa.concat_tables(groups) if groups else schema.empty_table().select(fields)
-    del groups
-    # one column per thread: combining 30 M embedding rows alone copies 3.8 GB
-    with ThreadPoolExecutor(min(len(fields), batch)) as pool:
-        columns = pool.map(lambda f: table.column(f).combine_chunks(), fields)
-        return dict(zip(fields, columns, strict=True)), set(schema.names) - set(known)
+    return read_columns(path, pf, fields, progress), set(schema.names) - set(known)

@@ -72,18 +72,22 @@ def take(a: np.ndarray, idx: np.ndarray, workers: int) -> np.ndarray:
     return out
 
 
-def or_reduceat(rows: np.ndarray, starts: np.ndarray, workers: int) -> np.ndarray:
+def or_reduceat(
+    rows: np.ndarray, starts: np.ndarray, workers: int, out: np.ndarray | None = None
+) -> np.ndarray:
     """np.bitwise_or.reduceat(rows, starts, axis=0) for sorted, distinct `starts` with
     starts[0] == 0: one OR per segment [starts[i], starts[i+1]) (the last runs to the end).
-    Segments are split between threads, never inside one."""
-    out = np.empty((len(starts), *rows.shape[1:]), dtype=rows.dtype)
+    Segments are split between threads, never inside one. `out`: where to write it
+    ([len(starts), ...] of rows' dtype; a new array if None)."""
+    if out is None:
+        out = np.empty((len(starts), *rows.shape[1:]), dtype=rows.dtype)
     if rows.size == 0:  # rows of no words (a schema without set attributes): nothing to OR
         return out
 
     def part(lo: int, hi: int) -> None:
         a0 = int(starts[lo])
         a1 = int(starts[hi]) if hi < len(starts) else len(rows)
-        out[lo:hi] = np.bitwise_or.reduceat(rows[a0:a1], starts[lo:hi] - a0, axis=0)
+        np.bitwise_or.reduceat(rows[a0:a1], starts[lo:hi] - a0, axis=0, out=out[lo:hi])
 
     run(part, ranges(len(starts), workers), workers)
     return out

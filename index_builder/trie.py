@@ -12,6 +12,7 @@ leaf matchers are ORs over the ads of one SID, inner matchers ORs over leaf rang
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,7 +86,10 @@ def _groups(
     table = np.ascontiguousarray(rows[order[starts]])
 
     def same(lo: int, hi: int) -> bool:
-        return np.array_equal(table[inverse[lo:hi]], rows[lo:hi])
+        cuts = [*range(lo, hi, parallel.MIN_ROWS_PER_TASK), hi]  # no gather of the whole table
+        return all(
+            np.array_equal(table[inverse[a:b]], rows[a:b]) for a, b in itertools.pairwise(cuts)
+        )
 
     if all(parallel.run(same, parallel.ranges(len(rows), workers), workers)):
         return table, inverse
@@ -128,22 +132,41 @@ def build_trie(
     workers: int = 1,  # threads for the subtree ORs, hashing and checks: same arrays for any
 ) -> TrieBuild:
     """The CSR trie of ads sorted by SID."""
-    n = len(sids)
-    if n == 0:
+    leaf_first_ad, leaf_keys = leaf_runs(sids)
+    # read N rows once per table; write one row per SID
+    leaf_bm = parallel.or_reduceat(ad_bitmask, leaf_first_ad, workers)
+    leaf_bl = parallel.or_reduceat(ad_bloom, leaf_first_ad, workers)
+    return trie_of_leaves(leaf_first_ad, leaf_keys, len(sids), leaf_bm, leaf_bl, workers)
+
+
+def leaf_runs(sids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The leaves of ads sorted by SID (int [N, SID_LENGTH]): each leaf's first ad int64
+    [L] and its SID as a base-VOCAB_SIZE key int64 [L]."""
+    if len(sids) == 0:
         raise ValueError("cannot build a trie from an empty catalog")
     keys = parallel.digit_keys(sids, VOCAB_SIZE)
     if np.any(keys[1:] < keys[:-1]):
         raise ValueError("ads must be sorted by SID before building the trie")
-    leaf_first_ad = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
-    leaf_keys = keys[leaf_first_ad]
-    del keys
-    num_leaves = len(leaf_keys)
-    # read N rows once per table; write one row per SID
-    leaf_bm = parallel.or_reduceat(ad_bitmask, leaf_first_ad, workers)
-    leaf_bl = parallel.or_reduceat(ad_bloom, leaf_first_ad, workers)
+    starts = np.empty(len(keys), dtype=bool)
+    starts[0] = True
+    np.not_equal(keys[1:], keys[:-1], out=starts[1:])
+    leaf_first_ad = np.flatnonzero(starts)
+    return leaf_first_ad, keys[leaf_first_ad]
 
+
+def trie_of_leaves(
+    leaf_first_ad: np.ndarray,  # int64 [L]: `leaf_runs`
+    leaf_keys: np.ndarray,  # int64 [L]: `leaf_runs`
+    n: int,  # ads
+    leaf_bm: np.ndarray,  # uint64 [L, bitmask_words]: OR over each leaf's ads
+    leaf_bl: np.ndarray,  # uint64 [L, bloom_words]
+    workers: int = 1,
+) -> TrieBuild:
+    """`build_trie` from its leaves: the ads' matchers already ORed per SID (what lets
+    the build hash Blooms leaf range by leaf range, never holding one row per ad)."""
+    num_leaves = len(leaf_keys)
     level_offsets = [0, 1]
-    parents, tokens, firsts, ent_bm, ent_bl = [], [], [], [], []
+    parents, tokens, firsts = [], [], []
     node_of_leaf = np.zeros(num_leaves, dtype=np.int64)  # the root holds every leaf
     for depth in range(1, SID_LENGTH + 1):
         kd = leaf_keys // VOCAB_SIZE ** (SID_LENGTH - depth)
@@ -151,42 +174,51 @@ def build_trie(
         first = np.flatnonzero(starts)
         base = level_offsets[-1]
         parents.append(node_of_leaf[first])
-        tokens.append(kd[first] % VOCAB_SIZE)
+        tokens.append((kd[first] % VOCAB_SIZE).astype(np.int16))
         firsts.append(first)
-        ent_bm.append(parallel.or_reduceat(leaf_bm, first, workers))
-        ent_bl.append(parallel.or_reduceat(leaf_bl, first, workers))
         node_of_leaf = np.cumsum(starts) - 1 + base
         level_offsets.append(base + len(first))
+    del node_of_leaf, kd, starts
 
     num_nodes = level_offsets[-1]
     parent = np.concatenate(parents)
+    del parents
     node_offsets = np.zeros(num_nodes + 1, dtype=np.int64)
     np.cumsum(np.bincount(parent, minlength=num_nodes), out=node_offsets[1:])
+    del parent
     if num_nodes >= np.iinfo(np.int32).max:
         raise ValueError(f"{num_nodes} trie nodes exceed the int32 layout")
-    entry_bm = np.concatenate(ent_bm)
-    entry_bl = np.concatenate(ent_bl)
-    del ent_bm, ent_bl  # ~2.6 GB per copy at 30 M ads
+    # each depth's subtree ORs written in place: one copy of the ~2.6 GB (30 M ads) tables
+    entry_bm = np.empty((num_nodes - 1, leaf_bm.shape[1]), dtype=leaf_bm.dtype)
+    entry_bl = np.empty((num_nodes - 1, leaf_bl.shape[1]), dtype=leaf_bl.dtype)
+    for depth, first in enumerate(firsts, 1):
+        at = slice(level_offsets[depth] - 1, level_offsets[depth + 1] - 1)
+        parallel.or_reduceat(leaf_bm, first, workers, out=entry_bm[at])
+        parallel.or_reduceat(leaf_bl, first, workers, out=entry_bl[at])
     bm_table, bm_index = dedup_rows(entry_bm, workers)
     bl_table, bl_index = dedup_rows(entry_bl, workers)
 
     first_leaf = np.concatenate([[0], *firsts]).astype(np.int64)
     # nodes are numbered depth by depth, so the per-depth counts concatenate in order
     counts = [np.diff(np.append(first, num_leaves)) for first in firsts]
+    del firsts
     leaf_count = np.concatenate([[num_leaves], *counts]).astype(np.int64)
+    del counts
 
     trie = TrieArrays(
         node_offsets=node_offsets.astype(np.int32),
         csr_child_nodes=np.arange(1, num_nodes, dtype=np.int32),
-        csr_tokens=np.concatenate(tokens).astype(np.int16),
+        csr_tokens=np.concatenate(tokens),
         bitmask_index=bm_index,
         bloom_index=bl_index,
         bitmask_table=bm_table,
         bloom_table=bl_table,
         level_offsets=np.array(level_offsets, dtype=np.int64),
     )
-    place = VOCAB_SIZE ** np.arange(SID_LENGTH - 1, -1, -1)  # each token's place in a key
-    leaf_sids = (leaf_keys[:, None] // place % VOCAB_SIZE).astype(np.int16)
+    del node_offsets, tokens
+    leaf_sids = np.empty((num_leaves, SID_LENGTH), dtype=np.int16)
+    for pos in range(SID_LENGTH):  # each token's place in a key, one column at a time
+        leaf_sids[:, pos] = leaf_keys // VOCAB_SIZE ** (SID_LENGTH - 1 - pos) % VOCAB_SIZE
     return TrieBuild(
         trie=trie,
         leaf_ad_offsets=np.append(leaf_first_ad, n).astype(np.int64),
