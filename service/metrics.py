@@ -240,6 +240,11 @@ class Metrics:
             "grace_live_new_ads_waiting",
             "Ads upserted that the served index does not hold: served from the next full build.",
         )
+        self.live_pruned = gauge(
+            "grace_live_pruned_subtrees",
+            "Trie entries of the served index below which no ad is live (all paused, "
+            "deleted or waiting): barred in decoding, no beam spent on them.",
+        )
         self.live_bytes = gauge(
             "grace_live_state_bytes",
             "Memory the served index's live changes take: one byte per ad once any changed, "

@@ -5,9 +5,10 @@
 Flow: `grace builder --changes` publishes segments → `LiveEligibility.catch_up` (the
 server's live follower thread, `follow`, and the rollout before a version swaps in)
 reads the new ones and applies them → a new `LiveState`, copy on write: the per-ad state
-array is copied, changed and swapped in by one reference assignment → stage 4 takes
-`state` once per batch and hands its array to the post stage, which returns no ad that is
-not live at that state's seq. So every request of a batch is answered at one
+array is copied, changed and swapped in by one reference assignment → stage 3 takes
+`state` once per batch, bars its `dead_entries` in the GTM tables before the decode
+(service/index/prune.py), and stage 4 hands its array to the post stage, which returns no ad that
+is not live at that state's seq. So every request of a batch is answered at one
 `catalog_seq`, which the reply names.
 
 Per ad row: LIVE; PAUSED (pause; a resume makes it live again); DELETED (delete; a resume
@@ -26,13 +27,14 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from contracts.changes import SEGMENT_OPS, Change
 from contracts.deltas import read_segment, segments
+from service.index.prune import NONE, DeadCounts, Subtrees
 
 log = logging.getLogger("grace.live")
 
@@ -48,6 +50,9 @@ class LiveState:
     not_live: np.ndarray | None  # uint8 [N] per ad row (0: live); None: every ad live
     new_waiting: frozenset[int] = frozenset()  # upserted ads the version does not hold
     counts: tuple[int, int, int, int] = (0, 0, 0, 0)  # rows per state (LIVE's unused)
+    # trie entries below which no ad is live, sorted (service/index/prune.py): barred in
+    # decoding for the batches answered at this seq
+    dead_entries: np.ndarray = field(default_factory=lambda: NONE)
 
     @property
     def nbytes(self) -> int:
@@ -70,10 +75,13 @@ class LiveEligibility:
         built_at: int = 0,
         *,
         by_id: tuple[np.ndarray, np.ndarray] | None = None,
+        subtrees: Subtrees | None = None,
     ) -> None:
         """`built_at`: the last change the version was built with (its manifest's
         `catalog.seq`, a database snapshot's), where its live state starts; `by_id`: the
-        rows in ad-id order and those ids, when already made (the SID lookup's)."""
+        rows in ad-id order and those ids, when already made (the SID lookup's);
+        `subtrees`: the version's trie, to find the subtrees with no live ad (None: not
+        tracked, `dead_entries` stays empty)."""
         self.version, self.segment_root = version, segment_root
         if by_id is None:
             order = np.argsort(ad_ids, kind="stable")
@@ -82,6 +90,7 @@ class LiveEligibility:
         self.state = LiveState(built_at, None, counts=(len(ad_ids), 0, 0, 0))
         assert len(self._order) == len(self._sorted) == len(ad_ids)
         self._lock = threading.Lock()  # one applier at a time (the follower, a swap)
+        self._dead = DeadCounts(subtrees) if subtrees is not None else None
 
     @property
     def seq(self) -> int:
@@ -110,6 +119,7 @@ class LiveEligibility:
         n = len(self._sorted)
         state = np.zeros(n, np.uint8) if cur.not_live is None else cur.not_live.copy()
         new, counts = set(cur.new_waiting), list(cur.counts)
+        flips: list[tuple[int, int]] = []  # (row, +1: no longer live / -1: live again)
         for c, row in zip(todo, self.rows([c.ad_id for c in todo]).tolist(), strict=True):
             applied[c.op] += 1
             if row < 0:  # an ad this version does not hold
@@ -131,7 +141,10 @@ class LiveEligibility:
                 state[row] = WAITING
             counts[was] -= 1
             counts[state[row]] += 1
-        self.state = LiveState(todo[-1].seq, state, frozenset(new), tuple(counts))  # type: ignore[arg-type]
+            if (was == LIVE) != (state[row] == LIVE):
+                flips.append((row, 1 if was == LIVE else -1))
+        dead = cur.dead_entries if self._dead is None else self._dead.after(flips, cur.dead_entries)
+        self.state = LiveState(todo[-1].seq, state, frozenset(new), tuple(counts), dead)  # type: ignore[arg-type]
         return applied
 
     def catch_up(self) -> dict[str, int]:

@@ -21,6 +21,7 @@ from contracts.targeting_codec import RequestRules, TargetingError
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from contracts.tensors import GtmTables
 from service.index.live import LiveEligibility
+from service.index.prune import Pruning, Subtrees, with_zero_rows
 from service.model.features import SidLookup
 from service.post import PostRequest, PostStage, Vocabulary, request_rules
 
@@ -39,6 +40,7 @@ class LoadedIndex:
     lookup: SidLookup  # ad id -> SID (stage 1: a user's history as SID tokens)
     post: PostStage  # the C++ post stage over this version's ad arrays
     live: LiveEligibility  # the live changes published over it, as applied so far
+    pruning: Pruning  # its subtrees with no live ad, barred in `tables` (stage 3's)
     loaded_at: float = field(default_factory=time.time)
 
     def request_rules(self, targeting: Targeting) -> RequestRules:
@@ -88,12 +90,15 @@ class LoadedIndex:
         families = schema.family_words
         order = np.argsort(arrays.ads.ad_ids)  # once, for the SID lookup and the live state
         lookup = SidLookup.from_ads(arrays.ads, order)
+        # a zero matcher row in each table: where a subtree with no live ad points
+        tables = GtmTables.from_arrays(with_zero_rows(arrays.trie), arrays.kway, device,
+                                       families=families)  # fmt: skip
         return cls(
             version=version,
             path=path,
             manifest=manifest or {},
             arrays=arrays,
-            tables=GtmTables.from_arrays(arrays.trie, arrays.kway, device, families=families),
+            tables=tables,
             level_offsets=torch.from_numpy(arrays.trie.level_offsets.copy()),
             schema=schema,
             vocabularies={a: Vocabulary(s.strings()) for a, s in arrays.ads.sets.items()},
@@ -106,7 +111,9 @@ class LoadedIndex:
                 path.parent if manifest is not None else None,
                 _built_at(manifest),
                 by_id=(order, lookup.ad_ids),
+                subtrees=Subtrees(arrays.trie, arrays.ads),
             ),
+            pruning=Pruning(arrays.trie, tables),
         )
 
 

@@ -23,6 +23,7 @@ from contracts.targeting import Targeting
 from contracts.tensors import RequestTensors
 from service.batcher import Pending
 from service.decode.plans import DecodeResult
+from service.index.live import LiveState
 from service.model.embeddings import EmbeddedFeatures
 from service.model.features import FeatureBatch
 from service.pipeline.runtime import Serving
@@ -121,6 +122,7 @@ class Decoded:
 
     runs: tuple[tuple[tuple[int, ...], DecodeResult], ...]
     event: torch.cuda.Event | None
+    live: LiveState  # the live state the batch was decoded for, which it is answered at
 
 
 @dataclass(frozen=True)

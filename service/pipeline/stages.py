@@ -173,10 +173,14 @@ class Stages:
 
     @torch.no_grad()
     def compute(self, batch: Batch, embedded: Embedded, live: Sequence[bool]) -> Decoded:
-        model = batch.serving.model
-        plans = model.plans(batch.serving.index)
+        model, index = batch.serving.model, batch.serving.index
+        plans = model.plans(index)
         runs = []
+        state = index.live.state  # one catalog_seq for the whole batch, taken here
         with self._on(2, embedded.event):
+            # the subtrees with no live ad at that seq barred, in stream order before this
+            # batch's decode and after the batches' ahead of it
+            index.pruning.sync(state.dead_entries)
             ctx = model.encoder(embedded.embedded)
             for dg in embedded.groups:
                 dg = self._live(dg, live)
@@ -185,7 +189,7 @@ class Stages:
                 g = dg.group
                 sub = ctx if dg.index is None else ctx[dg.index]
                 runs.append((g.rows, model.engine.run(plans, sub, dg.requests, g.beams, g.mode)))
-        return Decoded(tuple(runs), self._event(2))
+        return Decoded(tuple(runs), self._event(2), state)
 
     def _live(self, dg: DeviceGroup, live: Sequence[bool]) -> DeviceGroup | None:
         """The group narrowed to its live rows (requests dropped at the hand-off before
@@ -216,8 +220,7 @@ class Stages:
             for j, i in enumerate(group_rows):
                 keep = leaves[j] >= 0
                 generated[i] = (leaves[j][keep], scores[j][keep])
-        index, reqs = batch.serving.index, batch.requests
-        live = index.live.state  # one catalog_seq for the whole batch
+        index, reqs, live = batch.serving.index, batch.requests, decoded.live
         requests = [index.post_request(*generated[i], reqs[i].targeting, reqs[i].max_ads)
                     for i in rows]  # fmt: skip
         # blocks checked against the index served then: one swapped in since may apply

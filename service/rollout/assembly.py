@@ -73,6 +73,7 @@ def build_rollout(
         metrics.live_ads.labels(state).set_function(lambda at=at: current_live().counts[at])
     metrics.live_new_waiting.set_function(lambda: len(current_live().new_waiting))
     metrics.live_bytes.set_function(lambda: current_live().nbytes)
+    metrics.live_pruned.set_function(lambda: len(current_live().dead_entries))
     for op in SEGMENT_OPS:
         metrics.live_applied.labels(op)
 

@@ -291,6 +291,7 @@ def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Po
 
         # 4. bad records in the middle of a file: each rejected alone, the rest applied
         a_ad, b_ad, c_ad, u_ad = kept[10], kept[11], kept[12], kept[13]
+        rest = [a for a in kept if sid(a) == sid(kept[20]) and a not in (a_ad, c_ad, u_ad)]
         s_last = feed.add(
             "0003.jsonl",
             [
@@ -302,6 +303,8 @@ def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Po
                 {"seq": 5004, "op": "upsert", "ad_id": u_ad, "sid": [3, 3, 1, 1],
                  "advertiser_id": 2, "campaign_id": 101},
                 {"seq": 5005, "op": "upsert", "ad_id": NEW_AD, "sid": [0, 1, 0, 1]},
+                # the rest of one SID's ads: its subtree has no live ad, pruned in decoding
+                *({"seq": 5006 + k, "op": "pause", "ad_id": a} for k, a in enumerate(rest)),
             ],
             bad=frozenset({1, 2, 3}),
         )  # fmt: skip
@@ -316,15 +319,26 @@ def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Po
 
         # 6. the server's metrics (read until they settle: the applied counter follows
         # the new state a moment later)
-        want = {"grace_catalog_seq": s_last, "deleted": len(gone), "paused": 2, "waiting": 1,
-                "grace_live_new_ads_waiting": 1, "pause": 3, "resume": 1,
+        # the trie's prefixes below which no ad is live then: pruned in decoding
+        live_sids = [sid(a) for a in kept if a not in (a_ad, c_ad, u_ad, *rest)]
+        prefixes = {tuple(sid(a)[:n]) for a in ads for n in range(1, 5)}
+        pruned = sum(not any(s[: len(p)] == list(p) for s in live_sids) for p in prefixes)
+        assert pruned >= 1  # the SID of `rest` (its leaf) at least
+        want = {"grace_catalog_seq": s_last, "deleted": len(gone), "paused": 2 + len(rest),
+                "waiting": 1,
+                "grace_live_pruned_subtrees": pruned,
+                "grace_live_new_ads_waiting": 1, "pause": 3 + len(rest), "resume": 1,
                 "delete": len(gone), "upsert": 2, "state bytes cover every ad": True}  # fmt: skip
         seen: dict[str, Any] = {}
 
         def metrics_settled() -> bool:
             text = server.metrics_text()
             seen.clear()
-            for name in ("grace_catalog_seq", "grace_live_new_ads_waiting"):
+            for name in (
+                "grace_catalog_seq",
+                "grace_live_new_ads_waiting",
+                "grace_live_pruned_subtrees",
+            ):
                 seen[name] = metric_value(text, name)
             for state in ("deleted", "paused", "waiting"):
                 seen[state] = metric_value(text, "grace_live_ads", {"state": state})
@@ -380,12 +394,18 @@ def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Po
         assert n == 0 or highest[n - 1] <= r.seq, (r.seq, int(highest[n - 1]))
 
     # every reply is exactly the ads live at its catalog_seq, the others counted not_live
+    # (a SID none of whose ads is live is pruned in decoding: its ads are never expanded)
     expected: dict[int, np.ndarray] = {}
+    pruned_at: dict[int, int] = {}  # ads of SIDs with no live ad, by seq
     for r in replies:
         if r.seq not in expected:
             expected[r.seq] = live_at(ads, feed.valid, r.seq)
+            live_sids = {tuple(sid(int(a))) for a in expected[r.seq]}
+            pruned_at[r.seq] = sum(tuple(sid(a)) not in live_sids for a in ads)
         want = expected[r.seq]
         assert len(np.unique(r.ids)) == len(r.ids)
         assert np.array_equal(np.sort(r.ids), want), (r.seq, np.setxor1d(r.ids, want)[:10])
-        assert (r.expanded, r.not_live) == (N_ADS, N_ADS - len(want)), r.seq
+        shown = N_ADS - pruned_at[r.seq]
+        assert (r.expanded, r.not_live) == (shown, shown - len(want)), r.seq
+    assert pruned_at[s_last] == len(rest) + sum(sid(a) == sid(kept[20]) for a in gone)
     assert {0, s_pause, s_resume, s_delete, s_last} <= set(expected)
