@@ -3,7 +3,9 @@
 The standard go-grpc-prometheus names (`grpc_server_started_total`,
 `grpc_server_handled_total{grpc_code}`, `grpc_server_handling_seconds`) keep existing
 dashboards working; everything of our own is prefixed `grace_` with a unit suffix.
-Latency buckets are ms-scale with an edge at the 100 ms SLO.
+Latency buckets are ms-scale with an edge at the 100 ms SLO. One module past the house's
+~300 lines: every series' name and help text in one place is what dashboards, alerts and
+docs/SERVICE.md are checked against.
 """
 
 from __future__ import annotations
