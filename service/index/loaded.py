@@ -113,7 +113,7 @@ class LoadedIndex:
                 by_id=(order, lookup.ad_ids),
                 subtrees=Subtrees(arrays.trie, arrays.ads),
             ),
-            pruning=Pruning(arrays.trie, tables),
+            pruning=Pruning(arrays.trie, tables, arrays.kway),
         )
 
 

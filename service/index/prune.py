@@ -8,9 +8,10 @@ stream, brings the version's GTM tables to the state the batch is answered at
 (`Pruning.sync`) → the GTM mask reads a barred entry's matchers as all-zero rows, which
 no request passes (its bitmask sets a bit per enum/bucket attribute, each of its Bloom
 rows at least one bit), so no beam is spent below it; an entry revived gets its own rows
-back. Sound: an entry is barred only while no ad below it is live at the batch's
-`catalog_seq`, the state the exact post stage drops not-live ads by. CD-only decoding
-(an ablation) and k-way matchers do not read these rows and prune nothing.
+back; with k-way matchers (`CD_GTM_KWAY`) a barred entry's partition rows are zeroed
+and restored the same way. Sound: an entry is barred only while no ad below it is live at
+the batch's `catalog_seq`, the state the exact post stage drops not-live ads by. CD-only
+decoding (an ablation) reads no matcher and prunes nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from contracts.index_arrays import AdArrays, TrieArrays
+from contracts.index_arrays import AdArrays, PartitionArrays, TrieArrays
 from contracts.index_format import SID_LENGTH
 from contracts.tensors import GtmTables
 
@@ -114,8 +115,10 @@ class Pruning:
     """The barred entries of one version's GTM tables (made by `with_zero_rows`), brought
     to a live state's on the current stream; used by stage 3 only."""
 
-    def __init__(self, trie: TrieArrays, tables: GtmTables) -> None:
-        self._tables = tables
+    def __init__(
+        self, trie: TrieArrays, tables: GtmTables, kway: PartitionArrays | None = None
+    ) -> None:
+        self._tables, self._kway = tables, kway
         self._bitmask, self._bloom = trie.bitmask_index, trie.bloom_index  # the built rows
         self._zero = (tables.bitmask_table.shape[0] - 1, tables.bloom_table.shape[0] - 1)
         self.applied = NONE
@@ -135,6 +138,19 @@ class Pruning:
             at = self._to_device(revived)
             t.bitmask_index.index_copy_(0, at, self._to_device(self._bitmask[revived], torch.int32))
             t.bloom_index.index_copy_(0, at, self._to_device(self._bloom[revived], torch.int32))
+        k = self._kway
+        if k is not None and t.kway_bitmask is not None and t.kway_bloom is not None:
+            if len(barred):  # every partition of the entry fails: zero rows
+                at = self._to_device(_parts(k.offsets, barred))
+                t.kway_bitmask.index_fill_(0, at, 0)
+                t.kway_bloom.index_fill_(0, at, 0)
+            if len(revived):  # the partitions' built rows (GtmTables' int64 views)
+                parts = _parts(k.offsets, revived)
+                at = self._to_device(parts)
+                bm = k.bitmask_table[k.bitmask_index[parts]].view(np.int64)
+                bl = k.bloom_table[k.bloom_index[parts]].view(np.int64)
+                t.kway_bitmask.index_copy_(0, at, self._to_device(bm))
+                t.kway_bloom.index_copy_(0, at, self._to_device(bl))
         self.applied = dead
 
     def _to_device(self, x: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -145,3 +161,11 @@ class Pruning:
         if device.type != "cuda":
             return host
         return host.pin_memory().to(device, non_blocking=True)
+
+
+def _parts(offsets: np.ndarray, entries: np.ndarray) -> np.ndarray:
+    """The k-way partitions of `entries`: offsets[e] .. offsets[e + 1] each, in order."""
+    lo, hi = offsets[entries].astype(np.int64), offsets[entries + 1].astype(np.int64)
+    counts = hi - lo
+    first = np.repeat(lo - np.cumsum(counts) + counts, counts)
+    return first + np.arange(int(counts.sum()), dtype=np.int64)

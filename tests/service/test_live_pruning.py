@@ -16,6 +16,7 @@ from contracts.index_arrays import IndexArrays
 from contracts.request import FilterMode
 from contracts.targeting import Targeting
 from index_builder.build import build_arrays
+from index_builder.kway import KwaySpec
 from service.index.live import LIVE, LiveEligibility
 from service.index.loaded import LoadedIndex
 from service.index.prune import Subtrees
@@ -134,3 +135,30 @@ def test_a_state_taken_before_a_pause_keeps_its_subtrees() -> None:
     assert (loaded.tables.bitmask_index[paused.dead_entries] == zero).all()
     loaded.pruning.sync(before.dead_entries)
     assert not (loaded.tables.bitmask_index == zero).any()
+
+
+def test_kway_matchers_are_pruned_and_restored() -> None:
+    """With k-way matchers (CD_GTM_KWAY) a barred entry's partitions are zero rows; a
+    resume gives back the rows the build made."""
+    ads = make_ads(60, seed=4)
+    case = setup(ads, kway=KwaySpec("static", (3, 2, 2, 1)))
+    loaded = LoadedIndex.from_arrays(case.index)
+    search = Served(case.served(batch_buckets=(1,)).engine, loaded.tables, loaded.level_offsets)
+    t = loaded.tables
+    assert t.kway_bitmask is not None and t.kway_bloom is not None
+    original = (t.kway_bitmask.clone(), t.kway_bloom.clone())
+    anyone = Targeting("US", 30, "female", ("US/R1", "CA/R2", "GB/R3"))
+
+    def sids() -> set[tuple[int, ...]]:
+        res = search.run(ctx_for(1, seed=3), requests([anyone]), WIDE, FilterMode.CD_GTM_KWAY)
+        return {tuple(s) for s in res.sids[0][: len(res.valid(0)[0])].tolist()}
+
+    before = sids()
+    gone = [a for a in ads if a.sid[:2] == next(iter(before))[:2]]
+    loaded.live.apply([Change(i + 1, "delete", a.ad_id) for i, a in enumerate(gone)])
+    loaded.pruning.sync(loaded.live.state.dead_entries)
+    assert sids() == before - {a.sid for a in gone}
+    loaded.live.apply([Change(100 + i, "restore", a.ad_id) for i, a in enumerate(gone)])
+    loaded.pruning.sync(loaded.live.state.dead_entries)
+    assert torch.equal(t.kway_bitmask, original[0]) and torch.equal(t.kway_bloom, original[1])
+    assert sids() == before
