@@ -23,6 +23,7 @@ one module, a little past the house's ~300 lines.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
 from collections.abc import Mapping, Sequence
@@ -203,17 +204,14 @@ class Codec:
         seen before (a value that passed once passes again)."""
         seen = self._bits[a.name]
         if len(values) <= a.max_request_values:
-            try:
+            with contextlib.suppress(KeyError):  # all seen before: no check, no hashing
                 return b"".join(map(seen.__getitem__, values))
-            except KeyError:
-                pass
         self.check_set(a, values, a.name)
         if len(seen) + len(values) > VALUE_CACHE:
             seen.clear()
-        for v in values:
-            if v not in seen:
-                seen[v] = _pack(value_bits(v, a.bloom_bits, a.bloom_hashes))
-        return b"".join(map(seen.__getitem__, values))
+        packed = [seen.get(v) or _pack(value_bits(v, a.bloom_bits, a.bloom_hashes)) for v in values]
+        seen.update(zip(values, packed, strict=True))
+        return b"".join(packed)
 
     def fits(self, values: Mapping[str, Sequence[str]]) -> bool:
         """Whether a request's values are ones this schema reads (`TargetingError` else)."""

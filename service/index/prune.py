@@ -30,41 +30,34 @@ NONE = np.zeros(0, dtype=np.int64)  # no entry barred
 
 class Subtrees:
     """Trie paths and subtree sizes of one version, for the ads whose state changes: the
-    leaves are the ads' runs in SID order and each node's leaves a contiguous range (the
-    builder's breadth-first, token-ordered trie), so a size is two descents."""
+        leaves are the ads' runs in SID order and each node's leaves a contiguous range (the
+        builder's breadth-first, token-ordered trie), so a size is two descents. Nothing is
+    cached: a few µs an ad, and no memory that grows with the ads a version has seen change."""
 
     def __init__(self, trie: TrieArrays, ads: AdArrays) -> None:
         self._offsets, self._child = trie.node_offsets, trie.csr_child_nodes
         self._tokens, self._first_leaf = trie.csr_tokens, int(trie.level_offsets[SID_LENGTH])
         self._leaf_sids, self._leaf_ads = ads.leaf_sids, ads.leaf_ad_offsets
-        self._paths: dict[int, tuple[int, ...]] = {}  # leaf -> its entries, root first
-        self._sizes: dict[int, int] = {}  # entry -> ads below it
 
     def path(self, row: int) -> tuple[int, ...]:
         """The SID_LENGTH trie entries from the root to ad row `row`'s leaf."""
         leaf = int(np.searchsorted(self._leaf_ads, row, side="right")) - 1
-        got = self._paths.get(leaf)
-        if got is None:
-            node, entries = 0, []
-            for token in self._leaf_sids[leaf].tolist():
-                lo, hi = int(self._offsets[node]), int(self._offsets[node + 1])
-                (at,) = np.nonzero(self._tokens[lo:hi] == token)
-                entries.append(lo + int(at[0]))
-                node = int(self._child[entries[-1]])
-            got = self._paths[leaf] = tuple(entries)
-        return got
+        node, entries = 0, []
+        for token in self._leaf_sids[leaf].tolist():
+            lo, hi = int(self._offsets[node]), int(self._offsets[node + 1])
+            (at,) = np.nonzero(self._tokens[lo:hi] == token)
+            entries.append(lo + int(at[0]))
+            node = int(self._child[entries[-1]])
+        return tuple(entries)
 
     def size(self, entry: int, depth: int) -> int:
         """Ads below `entry`, the entry of a depth-`depth` node (1..SID_LENGTH)."""
-        got = self._sizes.get(entry)
-        if got is None:
-            lo = hi = int(self._child[entry])
-            for _ in range(SID_LENGTH - depth):
-                lo = int(self._child[self._offsets[lo]])
-                hi = int(self._child[self._offsets[hi + 1] - 1])
-            first, last = lo - self._first_leaf, hi - self._first_leaf
-            got = self._sizes[entry] = int(self._leaf_ads[last + 1] - self._leaf_ads[first])
-        return got
+        lo = hi = int(self._child[entry])
+        for _ in range(SID_LENGTH - depth):
+            lo = int(self._child[self._offsets[lo]])
+            hi = int(self._child[self._offsets[hi + 1] - 1])
+        first, last = lo - self._first_leaf, hi - self._first_leaf
+        return int(self._leaf_ads[last + 1] - self._leaf_ads[first])
 
 
 class DeadCounts:

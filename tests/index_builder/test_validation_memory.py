@@ -6,7 +6,7 @@ the memory-mapped pages it has read; whole-array temporaries (per-ad Bloom rows,
 parent arrays, a resident copy of every file read) held ~440 bytes per ad here before.
 
 The index is built here (a Parquet catalog -> `build_index`); the validation runs in a
-fresh process, its peak read from /proc (VmHWM, reset just before `validate_index`), as
+fresh process (tests/helpers/peak_memory.py), as
 `validate_index`'s callers run it: memory-mapped, with the builder's expectations. A second
 test checks that blocks of any size give the faults one block gives.
 """
@@ -14,72 +14,30 @@ test checks that blocks of any size give the faults one block gives.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from contracts import index_validation
 from contracts.index_format import file_sha256
 from contracts.index_validation import IndexValidationError, validate_index
-from contracts.tokenizer_format import TokenizerConfig
 from index_builder.build import build_index
 from index_builder.publish import current_path
-from index_builder.tokenizer import SIDTokenizer
+from tests.helpers.peak_memory import CAN_RESET, peak_bytes_per_ad, write_catalog
 
 ADS = 300_000
-DIM = 32
 BOUND = 200  # bytes of validate_index's own peak RSS per ad (blocks: ~100; before: ~440)
 
-_VALIDATE = """
-import json, re, sys
-from pathlib import Path
-from contracts.index_validation import validate_index
-
-def kib(key):
-    return int(re.search(key + r":\\s+(\\d+) kB", Path("/proc/self/status").read_text())[1])
-
-try:
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts here
-except OSError as exc:  # a kernel or sandbox that does not let a process reset it
-    print(json.dumps({"skip": str(exc)}))
-    sys.exit(0)
-before = kib("VmRSS")
-index = validate_index(Path(sys.argv[1]))
-print(json.dumps({"ads": index.arrays.ads.num_ads, "before": before * 1024,
-                  "peak": kib("VmHWM") * 1024}))
-"""
+_SETUP = "from contracts.index_validation import validate_index"
+_CALL = "validate_index(Path(arg)).arrays.ads.num_ads"
 
 
 def _build(root: Path, ads: int) -> Path:
-    """`ads` ads with embeddings, countries and locations, through `build_index` with a
-    tokenizer of random codebooks; the published version's directory."""
-    rng = np.random.default_rng(0)
-    emb = rng.normal(size=(ads * DIM,)).astype(np.float32)
-    starts = np.arange(0, (ads + 1) * DIM, DIM, dtype=np.int32)
-    k = rng.integers(0, 3, ads)
-    places = np.array([f"US/R{i}" for i in range(2000)], dtype=object)
-    countries = np.array(["US", "CA", "GB", "DE"], dtype=object)[rng.integers(0, 4, ads)]
-    table = pa.table(
-        {
-            "ad_id": pa.array(np.arange(1, ads + 1) * 7, pa.int64()),
-            "embedding": pa.ListArray.from_arrays(pa.array(starts), pa.array(emb)),
-            "countries": pa.array([[c] for c in countries]),
-            "locations": pa.ListArray.from_arrays(
-                pa.array(np.r_[0, np.cumsum(k)].astype(np.int32)),
-                pa.array(places[rng.integers(0, len(places), int(k.sum()))].tolist()),
-            ),
-        }
-    )
-    pq.write_table(table, root / "catalog.parquet", row_group_size=65_536)
-    codebooks = rng.normal(size=(3, 512, DIM)).astype(np.float32)
-    SIDTokenizer(TokenizerConfig(), codebooks).save(root / "tok")
+    """`ads` ads through `build_index` (tests/helpers/peak_memory.py's catalog); the
+    published version's directory."""
+    write_catalog(root, ads)
     build_index(root / "catalog.parquet", root / "out", tokenizer_path=root / "tok",
                 progress=False, workers=2)  # fmt: skip
     version = current_path(root / "out")
@@ -87,21 +45,9 @@ def _build(root: Path, ads: int) -> Path:
     return version
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux /proc figures")
+@pytest.mark.skipif(not CAN_RESET, reason="Linux /proc figures")
 def test_validate_index_peak_memory_per_ad(tmp_path: Path) -> None:
-    version = _build(tmp_path, ADS)
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(repo)}
-    run = subprocess.run(
-        [sys.executable, "-c", _VALIDATE, str(version)],
-        env=env, cwd=repo, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in got:
-        pytest.skip(f"cannot reset the peak RSS here: {got['skip']}")
-    assert got["ads"] == ADS
-    per_ad = (got["peak"] - got["before"]) / ADS
+    per_ad = peak_bytes_per_ad(_SETUP, _CALL, _build(tmp_path, ADS), ADS)
     assert per_ad < BOUND, f"validate_index peaked at {per_ad:.0f} bytes per ad (bound {BOUND})"
 
 
