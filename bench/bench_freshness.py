@@ -6,7 +6,9 @@ The served world of tests/helpers/serving.py, a real `grace builder --changes FE
 catalog and tokenizer (nothing to rebuild: it only publishes) and a real `grace serve`;
 per phase (no changes, then each rate) --callers closed-loop Retrieve callers for
 --seconds while a writer appends pause/resume records of random ads to the feed every
-10 ms, keeping each record's write time. A change's freshness is the arrival of the first
+10 ms (with `--upserts SHARE`, that share upserts of catalog rows, every other one with
+its countries narrowed: targeting changes served in place), keeping each record's write
+time. A change's freshness is the arrival of the first
 reply at `catalog_seq` >= its seq less its write time. Also: bytes of published segments
 per million changes.
 
@@ -46,8 +48,11 @@ from tests.helpers.server_process import ServerProcess
 from tests.helpers.serving import make_serving_data
 
 
-def writer(feed: Path, rate: float, seconds: float, ads: list[int], seq0: int) -> list:
-    """Append pause/resume records at `rate` per second; [(seq, write time)]."""
+def writer(feed: Path, rate: float, seconds: float, ads: list[int], seq0: int,
+           rows: list[dict], upserts: float) -> list:  # fmt: skip
+    """Append pause/resume records at `rate` per second, a share `upserts` of them
+    upserts of `rows` (catalog rows), every other one with its countries narrowed to one
+    (served in place); [(seq, write time)]."""
     rng, written, seq = random.Random(rate), [], seq0
     end = time.time() + seconds
     with (feed / f"{seq0:012d}.jsonl").open("a") as fh:
@@ -56,6 +61,12 @@ def writer(feed: Path, rate: float, seconds: float, ads: list[int], seq0: int) -
             lines = []
             for _ in range(max(due, 0)):
                 seq += 1
+                if rows and rng.random() < upserts:
+                    row = dict(rng.choice(rows))
+                    if seq % 2:
+                        row["countries"] = (row.get("countries") or ["US"])[:1]
+                    lines.append(json.dumps({"seq": seq, "op": "upsert", **row}))
+                    continue
                 op = "pause" if seq % 2 else "resume"
                 lines.append(json.dumps({"seq": seq, "op": op, "ad_id": rng.choice(ads)}))
             if lines:
@@ -85,12 +96,12 @@ async def callers(port: int, requests: list[bytes], n: int, seconds: float) -> l
     return out
 
 
-def phase(server: ServerProcess, feed: Path, requests: list, ads: list, rate: float,
-          a: argparse.Namespace, seq0: int) -> tuple[dict, int]:  # fmt: skip
+def phase(server: ServerProcess, feed: Path, requests: list, ads: list, rows: list[dict],
+          rate: float, a: argparse.Namespace, seq0: int) -> tuple[dict, int]:  # fmt: skip
     written: list = []
     if rate:
         t = threading.Thread(target=lambda: written.extend(
-            writer(feed, rate, a.seconds, ads, seq0)))  # fmt: skip
+            writer(feed, rate, a.seconds, ads, seq0, rows, a.upserts)))  # fmt: skip
         t.start()
     replies = asyncio.run(callers(server.port, requests, a.callers, a.seconds + 2))
     if rate:
@@ -120,6 +131,10 @@ def main() -> int:
     p.add_argument("--data", type=Path, help="serve this laid-out world (default: a tiny one)")
     p.add_argument("--device", default="cpu", help="the server's --device (%(default)s)")
     p.add_argument("--profile", default="tiny", help="the server's model profile (%(default)s)")
+    p.add_argument("--upserts", type=float, default=0.0, metavar="SHARE",
+                   help="share of the changes that are upserts of 1,000 sampled catalog rows, "
+                   "every other one with its countries narrowed (served in place; default 0: "
+                   "pauses and resumes only)")  # fmt: skip
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-fresh-") as tmp:
         root, feed = a.data or make_serving_data(Path(tmp) / "data"), Path(tmp) / "feed"
@@ -127,6 +142,10 @@ def main() -> int:
         catalog = root / "world" / "catalog.parquet"
         tokenizer = root / "tokenizer" if a.data else root / "model" / "tokenizer"
         ads = pq.read_table(catalog, columns=["ad_id"]).column("ad_id").to_pylist()
+        sample = random.Random(0).sample(ads, min(1000, len(ads))) if a.upserts else []
+        table = pq.read_table(catalog, filters=[("ad_id", "in", sample)]) if sample else None
+        rows = [{k: v for k, v in r.items() if v is not None}
+                for r in (table.to_pylist() if table is not None else [])]  # fmt: skip
         builder = subprocess.Popen(
             [sys.executable, "-m", "cli", "builder", "--catalog", str(catalog), "--out",
              str(root / "index"), "--tokenizer", str(tokenizer), "--changes", str(feed)],
@@ -142,7 +161,7 @@ def main() -> int:
             asyncio.run(callers(server.port, requests, a.callers, 3))  # warm-up
             rows, seq = [], 0
             for rate in [0.0, *a.rates]:
-                row, seq = phase(server, feed, requests, ads, rate, a, seq)
+                row, seq = phase(server, feed, requests, ads, rows, rate, a, seq)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             segs = list((root / "index" / DELTAS).rglob("*.jsonl"))
@@ -153,6 +172,7 @@ def main() -> int:
             builder.wait(30)
     world = f"{len(ads):,} ads, {a.profile} model on {a.device}"
     figures = {"setup": {"world": world, "callers": a.callers, "seconds": a.seconds,
+                         "upserts_share": a.upserts,
                          "builder_changes_interval_s": 0.2, "server_live_poll_s": 0.1},
                "phases": rows, "segment_bytes_per_million_changes": round(per_m)}  # fmt: skip
     print("written", write_result(f"freshness_{a.device}", figures, a.out))

@@ -20,8 +20,11 @@ import orjson
 
 OPS = ("upsert", "pause", "resume", "delete")
 # a delta segment's records (contracts/deltas.py) may also be `restore`: the builder's form
-# of an upsert whose row the version was built from (the ad serves as the version holds it)
-SEGMENT_OPS = (*OPS, "restore")
+# of an upsert whose row the version was built from (the ad serves as the version holds
+# it), or `place`: an upsert the version serves in place, its row encoded for the version
+# (contracts/placed.py)
+SEGMENT_OPS = (*OPS, "restore", "place")
+ROW_OPS = ("upsert", "place")  # the ops that carry fields beyond seq, op and ad_id
 HEAD = ("seq", "op", "ad_id")  # every record's own fields; an upsert's others are its row
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 
@@ -33,7 +36,8 @@ class Change:
     seq: int
     op: str  # one of OPS
     ad_id: int
-    row: dict[str, Any] | None = None  # upsert: the catalog row, `ad_id` included
+    # upsert: the catalog row, `ad_id` included; place: its encoding (contracts/placed.py)
+    row: dict[str, Any] | None = None
 
     def to_json(self) -> bytes:
         """The record as one line of a feed (what `parse_change` reads back)."""
@@ -85,11 +89,11 @@ def parse_change(
     if not _int64(ad_id):
         raise ChangeError(where, seq, "ad_id", f"{ad_id!r} is not an integer in int64 range")
     extra = [k for k in obj if k not in HEAD]
-    if op != "upsert":
+    if op not in ROW_OPS:
         if extra:
             raise ChangeError(where, seq, extra[0], f"a {op} carries only seq, op and ad_id")
         return Change(seq, op, ad_id)
     if not extra:
-        raise ChangeError(where, seq, None, "an upsert carries the ad's catalog row")
+        raise ChangeError(where, seq, None, f"an {op} carries the ad's catalog row")
     row = {"ad_id": ad_id, **{k: obj[k] for k in extra}}
     return Change(seq, op, ad_id, row)

@@ -5,7 +5,9 @@ and publishes what it reads as delta segments over the CURRENT index version
 Flow: `DirectoryFeed.poll` (complete records, the contract's rejects) → an upsert's row
 checked by the catalog reader itself, under the index's targeting schema, so a row the
 next full build would refuse is refused now, and published as `restore` when the version
-already serves it as written (`as_built.py`) → the rejects appended to the rejects file
+already serves it as written, as `place` (contracts/placed.py) when the version can serve
+its new row in place, else as the upsert that waits for the next full build
+(`as_built.py`) → the rejects appended to the rejects file
 (fsynced) → the valid changes written as one segment (`contracts/deltas.py`). It runs on
 its own thread every `interval` (a fraction of a second), whatever a full build takes.
 
@@ -31,6 +33,7 @@ import orjson
 from contracts.changes import Change, ChangeError
 from contracts.deltas import DELTAS, published_seq, write_segment
 from contracts.index_manifest import manifest_schema, read_manifest
+from contracts.placed import PLACE
 from contracts.targeting_schema import TargetingSchema
 from index_builder.as_built import BuiltAds
 from index_builder.builder_metrics import BuilderMetrics
@@ -129,10 +132,7 @@ class ChangePublisher:
         changes = polled.changes
         bad, rows = check_upserts(changes, self._schema)
         rejects = polled.rejects + bad
-        built = self._built
-        changes = [Change(c.seq, "restore", c.ad_id)
-                   if c.op == "upsert" and built.same(*rows[c.seq]) else c
-                   for c in changes]  # fmt: skip
+        changes = [self._served(c, rows) if c.op == "upsert" else c for c in changes]
         if rejects:
             self.rejects.parent.mkdir(parents=True, exist_ok=True)
             with self.rejects.open("ab") as fh:
@@ -146,6 +146,16 @@ class ChangePublisher:
         if self.metrics is not None:
             self.metrics.changes_published(changes, len(rejects))
         return len(changes)
+
+    def _served(self, c: Change, rows: Rows) -> Change:
+        """How the version serves an upsert: `restore` (as built), `place` (in place) or
+        `upsert` (from the next full build)."""
+        assert self._built is not None and self._schema is not None
+        catalog, i = rows[c.seq]
+        if self._built.same(catalog, i):
+            return Change(c.seq, "restore", c.ad_id)
+        placed = self._built.place(catalog, i, self._schema)
+        return c if placed is None else Change(c.seq, PLACE, c.ad_id, placed.to_row())
 
     def run(self, stop: threading.Event, interval: float) -> None:
         """Tick every `interval` seconds until `stop`; a failed tick is logged and retried

@@ -242,6 +242,16 @@ class Metrics:
             "grace_live_new_ads_waiting",
             "Ads upserted that the served index does not hold: served from the next full build.",
         )
+        self.live_placed = gauge(
+            "grace_live_placed_ads",
+            "Upserted ads the served index serves in place (new targeting, or a new ad into "
+            "a SID it holds), live at its catalog_seq; their old rows count as not live.",
+        )
+        self.live_spare_rows = gauge(
+            "grace_live_spare_matcher_rows",
+            "Spare GTM matcher rows left for the upserts served in place on the served "
+            "index; at 0 a place that needs a wider row waits for the next full build.",
+        )
         self.live_pruned = gauge(
             "grace_live_pruned_subtrees",
             "Trie entries of the served index below which no ad is live (all paused, "

@@ -5,7 +5,9 @@ plans made for it belong to the model runtime (`service/pipeline/runtime.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,10 +22,11 @@ from contracts.targeting import Targeting
 from contracts.targeting_codec import RequestRules, TargetingError
 from contracts.targeting_schema import DEFAULT, TargetingSchema
 from contracts.tensors import GtmTables
-from service.index.live import LiveEligibility
-from service.index.prune import Pruning, Subtrees, with_zero_rows
+from service.index.live import LiveEligibility, LiveState
+from service.index.placed import DEFAULT_SPARE_ROWS, Placing
+from service.index.prune import Pruning, Subtrees, with_spare_rows
 from service.model.features import SidLookup
-from service.post import PostRequest, PostStage, Vocabulary, request_rules
+from service.post import PostRequest, PostResult, PostStage, Vocabulary, request_rules
 
 
 @dataclass(frozen=True, eq=False)  # identity equality: a version is one object
@@ -60,6 +63,18 @@ class LoadedIndex:
             rules, leaves, scores = self.request_rules(Targeting()), leaves[:0], scores[:0]
         return PostRequest.from_rules(leaves, scores, rules, self.schema, max_ads)
 
+    def answer(self, requests: Sequence[PostRequest], live: LiveState) -> list[PostResult]:
+        """Stage 4's exact answer of a batch at one live state: the version's post stage,
+        then the upserts served in place at that state merged in (placed.py). A request
+        whose blocks this index cannot apply (it was checked against the index served
+        then) gets no ads rather than one its block may bar."""
+        requests = [r if self.post.applies(r) else dataclasses.replace(
+            r, leaves=r.leaves[:0], scores=r.scores[:0]) for r in requests]  # fmt: skip
+        posts = self.post.run(requests, live.not_live)
+        if live.overlay is not None:
+            posts = live.overlay.merge(requests, posts)
+        return posts
+
     @property
     def blockable(self) -> tuple[str, ...]:
         """The request block lists this index can apply (`PostStage.blockable`)."""
@@ -81,18 +96,25 @@ class LoadedIndex:
         path: Path = Path(),
         manifest: dict[str, Any] | None = None,
         schema: TargetingSchema = DEFAULT,
+        spare_rows: int = DEFAULT_SPARE_ROWS,
     ) -> LoadedIndex:
         """Prepare validated arrays (or arrays built in memory, as tests do, by `schema`:
         the default unless given); a manifest's targeting schema that cannot be read is an
-        IndexFormatError here, before it serves."""
+        IndexFormatError here, before it serves. `spare_rows`: matcher rows per table for
+        the upserts served in place (service/index/placed.py)."""
         if manifest is not None and "targeting" in manifest:
             schema = manifest_schema(manifest, path)
         families = schema.family_words
         order = np.argsort(arrays.ads.ad_ids)  # once, for the SID lookup and the live state
         lookup = SidLookup.from_ads(arrays.ads, order)
-        # a zero matcher row in each table: where a subtree with no live ad points
-        tables = GtmTables.from_arrays(with_zero_rows(arrays.trie), arrays.kway, device,
+        # a zero matcher row in each table (where a subtree with no live ad points) and the
+        # spare rows of the upserts served in place
+        spare = 0 if arrays.kway is not None else spare_rows
+        tables = GtmTables.from_arrays(with_spare_rows(arrays.trie, spare), arrays.kway, device,
                                        families=families)  # fmt: skip
+        post = PostStage(arrays.ads, schema=schema)
+        subtrees = Subtrees(arrays.trie, arrays.ads)
+        kway = arrays.kway is not None
         return cls(
             version=version,
             path=path,
@@ -103,7 +125,7 @@ class LoadedIndex:
             schema=schema,
             vocabularies={a: Vocabulary(s.strings()) for a, s in arrays.ads.sets.items()},
             lookup=lookup,
-            post=PostStage(arrays.ads, schema=schema),
+            post=post,
             # an index root's version follows the segments published over it
             live=LiveEligibility(
                 arrays.ads.ad_ids,
@@ -111,7 +133,8 @@ class LoadedIndex:
                 path.parent if manifest is not None else None,
                 _built_at(manifest),
                 by_id=(order, lookup.ad_ids),
-                subtrees=Subtrees(arrays.trie, arrays.ads),
+                subtrees=subtrees,
+                placing=Placing(arrays.ads, arrays.trie, schema, post, subtrees, spare, kway=kway),
             ),
             pruning=Pruning(arrays.trie, tables, arrays.kway),
         )

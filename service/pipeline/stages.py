@@ -7,7 +7,6 @@ own record. 1 input: features and targeting tensors, host -> device without bloc
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -180,7 +179,7 @@ class Stages:
         with self._on(2, embedded.event):
             # the subtrees with no live ad at that seq barred, in stream order before this
             # batch's decode and after the batches' ahead of it
-            index.pruning.sync(state.dead_entries)
+            index.pruning.sync(state.dead_entries, state.widened)
             ctx = model.encoder(embedded.embedded)
             for dg in embedded.groups:
                 dg = self._live(dg, live)
@@ -223,11 +222,7 @@ class Stages:
         index, reqs, live = batch.serving.index, batch.requests, decoded.live
         requests = [index.post_request(*generated[i], reqs[i].targeting, reqs[i].max_ads)
                     for i in rows]  # fmt: skip
-        # blocks checked against the index served then: one swapped in since may apply
-        # fewer, and then the request gets no ads rather than one its block may bar
-        posts = index.post.run([r if index.post.applies(r) else dataclasses.replace(
-            r, leaves=r.leaves[:0], scores=r.scores[:0]) for r in requests],
-            live.not_live)  # fmt: skip
+        posts = index.answer(requests, live)
         return [
             RetrievalResult(
                 post=p,

@@ -73,6 +73,12 @@ def build_rollout(
         metrics.live_ads.labels(state).set_function(lambda at=at: current_live().counts[at])
     metrics.live_new_waiting.set_function(lambda: len(current_live().new_waiting))
     metrics.live_bytes.set_function(lambda: current_live().nbytes)
+    metrics.live_placed.set_function(
+        lambda: sum(not paused for _, paused in current_live().placed.values())
+    )
+    metrics.live_spare_rows.set_function(
+        lambda: serving.current.index.live.spare_rows if serving.ready else 0
+    )
     metrics.live_pruned.set_function(lambda: len(current_live().dead_entries))
     for op in SEGMENT_OPS:
         metrics.live_applied.labels(op)

@@ -164,24 +164,36 @@ def test_segments_concatenate_to_the_published_changes(sizes: list[int]) -> None
         assert got == want and published_seq(root, "v") == seq
 
 
-def test_an_upsert_the_version_serves_as_written_is_published_as_restore(world: Path) -> None:
-    """An upsert that changes an ad is an upsert (the server holds the ad back until a
-    build serves its new row); once a full build serves that row, the feed republished
-    over it carries a `restore`, so the ad serves again — and an upsert of the row a
-    version already serves is a `restore` at once."""
+def test_an_upsert_is_published_as_restore_place_or_upsert(world: Path) -> None:
+    """An upsert of the row a version serves is a `restore`; one whose SID is a leaf of the
+    version and whose values it knows is a `place`, its row encoded for the version (an
+    ad the version holds that comes with an embedding only keeps its SID); any other is an
+    upsert the server holds back until a build serves its new row — and once a full build
+    serves that row, the feed republished over it carries a `restore`."""
     feed, root = world / "feed", world / "index"
     catalog = world / "catalog.jsonl"
     build_index(catalog, root, sid_space="s", progress=False)
     publisher = ChangePublisher(feed, root, world / "rejects.jsonl")
     moved = {"ad_id": 5, "sid": [1, 1, 1, 1], "countries": ["US"], "campaign_id": 9}
     append(feed, "0001.jsonl", [
-        {"seq": 1, "op": "upsert", **moved},
+        {"seq": 1, "op": "upsert", **moved},  # a SID the trie lacks
         {"seq": 2, "op": "upsert", **ROWS[6]},  # ad 7 exactly as built
         {"seq": 3, "op": "upsert", "ad_id": 8, "sid": ROWS[7]["sid"], "countries": ["FR"]},
+        {"seq": 4, "op": "upsert", "ad_id": 77, "sid": ROWS[10]["sid"], "genders": ["male"]},
+        {"seq": 5, "op": "upsert", "ad_id": 9, "sid": ROWS[8]["sid"], "locations": ["Paris"]},
+        {"seq": 6, "op": "upsert", "ad_id": 10, "embedding": [0.5, 0.25], "countries": ["GB"]},
+        {"seq": 7, "op": "upsert", "ad_id": 78, "embedding": [0.5, 0.25]},  # no SID to take
     ])  # fmt: skip
     publisher.tick()
-    assert [(c.seq, c.op) for c in published(root)] == [(1, "upsert"), (2, "restore"),
-                                                         (3, "upsert")]  # fmt: skip
+    got = published(root)
+    assert [(c.seq, c.op) for c in got] == [(1, "upsert"), (2, "restore"), (3, "place"),
+                                            (4, "place"), (5, "upsert"), (6, "place"),
+                                            (7, "upsert")]  # fmt: skip
+    fr = got[2].row
+    assert fr["sid"] == ROWS[7]["sid"] and fr["include"] == {} and fr["campaign"] == 0
+    assert got[3].row["sid"] == ROWS[10]["sid"] and got[5].row["sid"] == ROWS[9]["sid"]
+    # the bitmask names France and every age and gender: not the ad's built row (all ones)
+    assert got[2].row["bitmask"] != got[5].row["bitmask"]
     # the catalog takes ad 5's new row; the next build serves it
     rows = [moved if r["ad_id"] == 5 else r for r in ROWS]
     catalog.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -189,5 +201,5 @@ def test_an_upsert_the_version_serves_as_written_is_published_as_restore(world: 
     build_index(catalog, root, sid_space="s", progress=False)
     assert current_path(root).name != first
     publisher.tick()
-    assert [(c.seq, c.op) for c in published(root)] == [(1, "restore"), (2, "restore"),
-                                                         (3, "upsert")]  # fmt: skip
+    again = [(c.seq, c.op) for c in published(root)][:4]
+    assert again == [(1, "restore"), (2, "restore"), (3, "place"), (4, "place")]

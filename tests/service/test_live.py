@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contracts.changes import SEGMENT_OPS, Change
+from contracts.changes import OPS, SEGMENT_OPS, Change
 from contracts.deltas import write_segment
 from contracts.targeting_codec import exact_eligible
 from service.index.live import DELETED, LIVE, PAUSED, WAITING, LiveEligibility
@@ -43,7 +43,9 @@ def replay(changes: list[Change], ad_id: int, upto: int) -> int:
 
 def feed(draw: st.DrawFn, ad_ids: list[int]) -> list[Change]:
     ops = draw(
-        st.lists(st.tuples(st.sampled_from(SEGMENT_OPS), st.sampled_from(ad_ids)), max_size=60)
+        st.lists(
+            st.tuples(st.sampled_from((*OPS, "restore")), st.sampled_from(ad_ids)), max_size=60
+        )
     )
     seqs = sorted(draw(st.sets(st.integers(1, 10**6), min_size=len(ops), max_size=len(ops))))
     return [Change(s, op, a, {"ad_id": a} if op == "upsert" else None)
@@ -88,7 +90,7 @@ def test_random_feeds_serve_exactly_the_eligible_live_ads(case) -> None:
         new = {c.ad_id for c in changes if c.ad_id not in held and c.seq <= seq}
         waiting = {a for a in new if replay(changes, a, seq) == WAITING}
         assert state.new_waiting == waiting
-        assert state.counts[1:] == tuple(want_states.count(s) for s in (PAUSED, DELETED, WAITING))
+        assert state.counts[1:4] == tuple(want_states.count(s) for s in (PAUSED, DELETED, WAITING))
         req, _ = make_request(rng, world)
         post = PostRequest.from_rules(leaves, scores, req, world.schema, ads.num_ads)
         (out,) = stage.run([post], state.not_live)
@@ -112,7 +114,8 @@ def test_segments_on_disk_are_caught_up_in_order_once() -> None:
         write_segment(root, "v1", [Change(4, "resume", 3), Change(6, "resume", 5)])
         write_segment(root, "v2", [Change(9, "pause", 7)])  # another version's
         applied = live.catch_up()
-        assert applied == {"upsert": 0, "pause": 1, "resume": 2, "delete": 1, "restore": 0}
+        assert applied == {"upsert": 0, "pause": 1, "resume": 2, "delete": 1, "restore": 0,
+                           "place": 0}  # fmt: skip
         assert live.seq == 6 and live.state.not_live.tolist() == [LIVE, LIVE, DELETED]
         assert live.catch_up() == dict.fromkeys(SEGMENT_OPS, 0)  # nothing twice
         row = {"sid": [1, 2, 3, 0]}

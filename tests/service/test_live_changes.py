@@ -7,10 +7,12 @@ Under beams wider than any level of the catalog every reply is exactly the ads l
 the `catalog_seq` it names: an ad paused at seq s is in no reply at catalog_seq >= s and
 comes back with its resume; the ~1,000 ads of one advertiser, deleted in one file, are in
 no reply from their seq on; a bad record in the middle of a file is rejected alone and the
-records after it still apply (an upsert holds its ad back: its new row waits for a build);
-`catalog_seq` never goes back in the order replies arrive; the server's metrics show the
-last seq applied and the ads paused, deleted and waiting. Conditions are waited for with
-deadlines, never fixed times.
+records after it still apply; an ad whose targeting is narrowed in place is never returned
+to a request it no longer allows, and is returned again once widened; a new ad upserted
+into a SID the trie holds is returned from its seq, one into a SID it lacks waits for a
+build; `catalog_seq` never goes back in the order replies arrive; the server's metrics show
+the last seq applied, the ads paused, deleted, waiting and served in place. Conditions are
+waited for with deadlines, never fixed times.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ GONE = 7  # the advertiser whose ads are all deleted at once
 # 64 distinct SIDs (4, 16, 32, 64 prefixes per level), ~31 ads each: beams as wide as
 # the server allows cover every one, so every reply is every live ad
 WIDE = [1, 64, 128, 128]
-NEW_AD = 10_000  # upserted, not in the catalog: counted in grace_live_new_ads_waiting
+NEW_AD = 10_000  # upserted into a SID the trie holds: served in place
+NEW_WAITING = 10_001  # upserted into a SID it lacks: counted in grace_live_new_ads_waiting
 DEADLINE = 120.0  # seconds any one condition may take on a busy machine
 
 
@@ -95,13 +98,22 @@ class Feed:
         return self.valid[-1][0]
 
 
-def live_at(ads: list[int], changes: list[tuple[int, str, int]], seq: int) -> np.ndarray:
-    """The ads live once every change up to `seq` is applied (service/index/live.py's
-    states, written out plainly): sorted."""
+def live_at(
+    ads: list[int], changes: list[tuple[int, str, int]], seq: int, placed: dict[int, Any]
+) -> tuple[set[int], dict[int, tuple[tuple[int, ...], bool]]]:
+    """The catalog ads live once every change up to `seq` is applied (service/index/live.py's
+    states, written out plainly), and the ads served in place then: ad -> (SID, eligible
+    for the load's requests). `placed`: each upsert's seq -> (SID, eligible) when the
+    version serves it in place, None when it waits for a build."""
     state = dict.fromkeys(ads, "live")
+    moved: dict[int, tuple[tuple[int, ...], bool]] = {}
     for s, op, ad in changes:
         if s > seq:
             break
+        if op == "upsert":
+            moved.pop(ad, None)
+            if placed[s] is not None:
+                moved[ad] = placed[s]
         if ad not in state:
             continue
         if op == "pause" and state[ad] == "live":
@@ -111,8 +123,8 @@ def live_at(ads: list[int], changes: list[tuple[int, str, int]], seq: int) -> np
         elif op == "delete":
             state[ad] = "deleted"
         elif op == "upsert":
-            state[ad] = "waiting"
-    return np.array(sorted(a for a, st in state.items() if st == "live"), dtype=np.int64)
+            state[ad] = "placed" if placed[s] is not None else "waiting"
+    return {a for a, st in state.items() if st == "live"}, moved
 
 
 # ---- load: clients sending Retrieve calls the whole time -------------------------------
@@ -289,10 +301,15 @@ def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Po
                                            for k, a in enumerate(gone)])  # fmt: skip
         reached(s_delete)
 
-        # 4. bad records in the middle of a file: each rejected alone, the rest applied
+        # 4. bad records in the middle of a file: each rejected alone, the rest applied;
+        # an ad narrowed in place (GB only: not the load's requests), a new ad into a SID
+        # the trie holds (served), one into a SID it lacks (waits for a build)
         a_ad, b_ad, c_ad, u_ad = kept[10], kept[11], kept[12], kept[13]
+        assert sid(u_ad) != [3, 3, 1, 1]
         rest = [a for a in kept if sid(a) == sid(kept[20]) and a not in (a_ad, c_ad, u_ad)]
-        s_last = feed.add(
+        placed = {5004: ((3, 3, 1, 1), False), 5005: ((0, 1, 0, 1), True), 5006: None,
+                  6000: ((3, 3, 1, 1), True)}  # fmt: skip
+        feed.add(
             "0003.jsonl",
             [
                 {"seq": 5000, "op": "pause", "ad_id": a_ad},
@@ -301,13 +318,19 @@ def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Po
                 {"seq": 4000, "op": "pause", "ad_id": b_ad},  # below the feed's last seq
                 {"seq": 5003, "op": "pause", "ad_id": c_ad},
                 {"seq": 5004, "op": "upsert", "ad_id": u_ad, "sid": [3, 3, 1, 1],
-                 "advertiser_id": 2, "campaign_id": 101},
+                 "advertiser_id": 2, "campaign_id": 101, "countries": ["GB"]},
                 {"seq": 5005, "op": "upsert", "ad_id": NEW_AD, "sid": [0, 1, 0, 1]},
+                {"seq": 5006, "op": "upsert", "ad_id": NEW_WAITING, "sid": [0, 0, 0, 2]},
                 # the rest of one SID's ads: its subtree has no live ad, pruned in decoding
-                *({"seq": 5006 + k, "op": "pause", "ad_id": a} for k, a in enumerate(rest)),
+                *({"seq": 5007 + k, "op": "pause", "ad_id": a} for k, a in enumerate(rest)),
             ],
             bad=frozenset({1, 2, 3}),
         )  # fmt: skip
+        reached(5006 + len(rest))
+        # 5. the narrowed ad widened again: every country, at the SID it moved to
+        s_last = feed.add("0004.jsonl", [{"seq": 6000, "op": "upsert", "ad_id": u_ad,
+                                          "sid": [3, 3, 1, 1], "advertiser_id": 2,
+                                          "campaign_id": 101}])  # fmt: skip
         reached(s_last)
         # a few more replies at the last seq from every client
         wait(
@@ -325,10 +348,11 @@ def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Po
         pruned = sum(not any(s[: len(p)] == list(p) for s in live_sids) for p in prefixes)
         assert pruned >= 1  # the SID of `rest` (its leaf) at least
         want = {"grace_catalog_seq": s_last, "deleted": len(gone), "paused": 2 + len(rest),
-                "waiting": 1,
+                "waiting": 0, "grace_live_placed_ads": 2,
                 "grace_live_pruned_subtrees": pruned,
                 "grace_live_new_ads_waiting": 1, "pause": 3 + len(rest), "resume": 1,
-                "delete": len(gone), "upsert": 2, "state bytes cover every ad": True}  # fmt: skip
+                "delete": len(gone), "upsert": 1, "place": 3,
+                "state bytes cover every ad": True}  # fmt: skip
         seen: dict[str, Any] = {}
 
         def metrics_settled() -> bool:
@@ -338,11 +362,12 @@ def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Po
                 "grace_catalog_seq",
                 "grace_live_new_ads_waiting",
                 "grace_live_pruned_subtrees",
+                "grace_live_placed_ads",
             ):
                 seen[name] = metric_value(text, name)
             for state in ("deleted", "paused", "waiting"):
                 seen[state] = metric_value(text, "grace_live_ads", {"state": state})
-            for op in ("pause", "resume", "delete", "upsert"):
+            for op in ("pause", "resume", "delete", "upsert", "place"):
                 seen[op] = metric_value(text, "grace_live_changes_applied_total", {"op": op})
             # one byte per ad of the version (its catalog rows) once anything changed
             held = metric_value(text, "grace_live_state_bytes") or 0
@@ -372,8 +397,11 @@ def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Po
     # 4. the records after the bad ones took effect; the bad ones changed nothing
     assert not [r.seq for r in where(5000) if has(r, a_ad)]
     assert not [r.seq for r in where(5003) if has(r, c_ad)]
-    assert not [r.seq for r in where(5004) if has(r, u_ad)]
-    assert not [r.seq for r in replies if has(r, NEW_AD)]
+    assert not [r.seq for r in where(5004, 6000) if has(r, u_ad)]  # narrowed: never
+    assert where(6000) and all(has(r, u_ad) for r in where(6000))  # widened: back
+    assert not [r.seq for r in where(0, 5005) if has(r, NEW_AD)]
+    assert where(5005) and all(has(r, NEW_AD) for r in where(5005))  # new ad, known SID
+    assert not [r.seq for r in replies if has(r, NEW_WAITING)]
     assert all(has(r, b_ad) for r in replies)
     rejects = [json.loads(x) for x in (root / "index" / "deltas" / "rejects.jsonl")
                .read_text().splitlines()]  # fmt: skip
@@ -381,7 +409,7 @@ def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Po
         ("0003.jsonl:2", None, None), ("0003.jsonl:3", 5002, "op"),
         ("0003.jsonl:4", 4000, "seq")]  # fmt: skip
 
-    # 5. catalog_seq never goes back: along each client's calls, and across clients for
+    # 6. catalog_seq never goes back: along each client's calls, and across clients for
     # a call made after another's reply had arrived
     for c in range(2):
         seqs = [r.seq for r in replies if r.client == c]
@@ -394,18 +422,18 @@ def test_live_changes_reach_every_reply(builder: tuple[Path, Feed, subprocess.Po
         assert n == 0 or highest[n - 1] <= r.seq, (r.seq, int(highest[n - 1]))
 
     # every reply is exactly the ads live at its catalog_seq, the others counted not_live
-    # (a SID none of whose ads is live is pruned in decoding: its ads are never expanded)
-    expected: dict[int, np.ndarray] = {}
-    pruned_at: dict[int, int] = {}  # ads of SIDs with no live ad, by seq
+    # (a SID none of whose ads is live is pruned in decoding: its ads are never expanded;
+    # an ad served in place is expanded at its new SID, its old row counted not live)
+    expected: dict[int, tuple[np.ndarray, int, int]] = {}
     for r in replies:
         if r.seq not in expected:
-            expected[r.seq] = live_at(ads, feed.valid, r.seq)
-            live_sids = {tuple(sid(int(a))) for a in expected[r.seq]}
-            pruned_at[r.seq] = sum(tuple(sid(a)) not in live_sids for a in ads)
-        want = expected[r.seq]
+            alive, moved = live_at(ads, feed.valid, r.seq, placed)
+            live_sids = {tuple(sid(a)) for a in alive} | {s for s, _ in moved.values()}
+            shown = sum(tuple(sid(a)) in live_sids for a in ads)
+            want = np.array(sorted(alive | {a for a, (_, ok) in moved.items() if ok}))
+            expected[r.seq] = (want, shown + len(moved), shown - len(alive))
+        want, expanded, not_live = expected[r.seq]
         assert len(np.unique(r.ids)) == len(r.ids)
         assert np.array_equal(np.sort(r.ids), want), (r.seq, np.setxor1d(r.ids, want)[:10])
-        shown = N_ADS - pruned_at[r.seq]
-        assert (r.expanded, r.not_live) == (shown, shown - len(want)), r.seq
-    assert pruned_at[s_last] == len(rest) + sum(sid(a) == sid(kept[20]) for a in gone)
+        assert (r.expanded, r.not_live) == (expanded, not_live), r.seq
     assert {0, s_pause, s_resume, s_delete, s_last} <= set(expected)
