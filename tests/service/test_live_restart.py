@@ -13,8 +13,10 @@ What a user sees:
   applied twice, the follower going on past the restart.
 * An ad paused with `UPDATE ads SET status = 'paused'` is in no reply whose catalog_seq
   is at or above that row's `change_seq`; set back to 'active' it is in every reply from
-  the new `change_seq` on; ads marked 'deleted' are gone from theirs on (one full build:
-  the live path alone).
+  the new `change_seq` on; ads marked 'deleted' are gone from theirs on; a row whose
+  countries are narrowed is never returned to a request they no longer allow, and a row
+  inserted into a SID the trie holds is returned from its `change_seq` on (both served
+  in place; one full build: the live path alone).
 * A pause through PostgreSQL outlives the full build it starts (the pause moves the
   table's change_seq): the snapshot leaves the paused row out, and the new version starts
   at the snapshot's catalog_seq, so no reply goes back in catalog_seq or holds the ad.
@@ -32,6 +34,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -54,18 +57,23 @@ builder = live.builder  # `grace builder --changes FEED` on the e2e catalog, pub
 Change = tuple[int, str, int]  # (seq, op, ad_id), as Feed.valid holds them
 
 
-def check_exact(ads: list[int], changes: list[Change], replies: list[live.Reply]) -> set[int]:
+def check_exact(
+    ads: list[int], changes: list[Change], replies: list[live.Reply],
+    placed: dict[int, Any] | None = None,
+) -> set[int]:  # fmt: skip
     """Every reply is exactly the ads live at its catalog_seq by a plain replay of
-    `changes` (live.live_at), the others counted not_live; the seqs seen."""
-    expected: dict[int, np.ndarray] = {}
+    `changes` (live.live_at; `placed`: each upsert's seq -> (SID, eligible) when served in
+    place), the others counted not_live; the seqs seen."""
+    expected: dict[int, tuple[np.ndarray, int, int]] = {}
     for r in replies:
         if r.seq not in expected:
-            alive, _ = live.live_at(ads, changes, r.seq, {})  # pauses, resumes, deletes
-            expected[r.seq] = np.array(sorted(alive), dtype=np.int64)
-        want = expected[r.seq]
+            alive, moved = live.live_at(ads, changes, r.seq, placed or {})
+            want = np.array(sorted(alive | {a for a, (_, ok) in moved.items() if ok}))
+            expected[r.seq] = (want.astype(np.int64), len(moved), len(alive))
+        want, n_moved, n_alive = expected[r.seq]
         assert len(np.unique(r.ids)) == len(r.ids), r.seq
         assert np.array_equal(np.sort(r.ids), want), (r.seq, np.setxor1d(r.ids, want)[:10])
-        assert (r.expanded, r.not_live) == (live.N_ADS, live.N_ADS - len(want)), r.seq
+        assert (r.expanded, r.not_live) == (live.N_ADS + n_moved, live.N_ADS - n_alive), r.seq
     return set(expected)
 
 
@@ -222,8 +230,8 @@ def postgres_world(tmp_path: Path, interval: float) -> Iterator[tuple[Path, str,
 
 def test_pauses_through_postgresql_reach_the_replies(tmp_path: Path) -> None:
     ads = [r["ad_id"] for r in live.catalog_rows()]
-    picked = random.Random(4).sample(ads, 6)
-    ad, gone = picked[0], sorted(picked[1:])
+    picked = random.Random(4).sample(ads, 7)
+    ad, narrowed, gone = picked[0], picked[1], sorted(picked[2:])
     changes: list[Change] = []
     # one full build (no rebuild in between): the live path alone
     with postgres_world(tmp_path, interval=3600) as (root, url, proc), \
@@ -250,11 +258,23 @@ def test_pauses_through_postgresql_reach_the_replies(tmp_path: Path) -> None:
         changes += sorted((s, "delete", a) for s, a in deleted)
         s_delete = changes[-1][0]
         reached(load, s_delete, check)
+        # a targeting change (GB only: not the load's requests) and a new ad into a SID
+        # the trie holds, both served in place
+        [(s_narrow,)] = sql(url, "UPDATE ads SET countries = ARRAY['GB'] WHERE ad_id = %s "
+                                 "RETURNING change_seq", narrowed)  # fmt: skip
+        [(s_new,)] = sql(url, "INSERT INTO ads (ad_id, sid, campaign_id, advertiser_id) "
+                              "VALUES (%s, ARRAY[0, 1, 0, 1], 101, 2) RETURNING change_seq",
+                         live.NEW_AD)  # fmt: skip
+        changes += [(s_narrow, "upsert", narrowed), (s_new, "upsert", live.NEW_AD)]
+        placed = {s_narrow: (tuple(live.sid(narrowed)), False), s_new: ((0, 1, 0, 1), True)}
+        reached(load, s_new, check)
         segs = published(root / "index")
     replies = load.replies
-    # the rows' changes, in change_seq order; the resume as the builder's `restore`
-    assert segs == [(s, "restore" if op == "resume" else op, a) for s, op, a in changes]
-    assert s_pause < s_resume < s_delete
+    # the rows' changes, in change_seq order; the resume as the builder's `restore`, the
+    # changed and new rows as `place`
+    ops = {"resume": "restore", "upsert": "place"}
+    assert segs == [(s, ops.get(op, op), a) for s, op, a in changes]
+    assert s_pause < s_resume < s_delete < s_narrow < s_new
 
     def has(r: live.Reply, a: int) -> bool:
         return bool(np.any(r.ids == a))
@@ -267,8 +287,11 @@ def test_pauses_through_postgresql_reach_the_replies(tmp_path: Path) -> None:
     assert not [r.seq for r in at(s_pause) if has(r, ad) and r.seq < s_resume]
     assert at(s_resume) and all(has(r, ad) for r in at(s_resume))
     assert not [r.seq for r in at(s_delete) if np.isin(gone, r.ids).any()]
+    assert not [r.seq for r in at(s_narrow) if has(r, narrowed)]
+    assert at(s_new) and all(has(r, live.NEW_AD) for r in at(s_new))
     check_monotonic(replies)
-    assert {built, s_pause, s_resume, s_delete} <= check_exact(ads, changes, replies)
+    seen = check_exact(ads, changes, replies, placed)
+    assert {built, s_pause, s_resume, s_delete, s_new} <= seen
 
 
 # ---- 3. a pause through PostgreSQL across the next full build ------------------------
