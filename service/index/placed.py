@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from contracts.targeting_codec import AdRules, Ragged
 from contracts.targeting_schema import TargetingSchema
 from service.index.prune import Subtrees, Widened
 from service.post import PostRequest, PostResult, PostStage
+from service.post.expand import lists_of
 
 DEFAULT_SPARE_ROWS = 16_384  # per matcher table: ~2 MB of GPU memory for a wide schema
 
@@ -94,37 +96,107 @@ class Spare:
         return True
 
 
+@dataclass(frozen=True)
+class Columns:
+    """Placed ads as columns, in (leaf, ad id) order: what `Overlay` serves. Changed by
+    whole-array steps (`take`, `plus`), so a segment's few changes cost a few passes over
+    the placed ads, never a Python loop over them."""
+
+    leaf: np.ndarray  # int64 [K]: the version's leaf of each ad
+    ad_id: np.ndarray  # int64 [K]
+    bitmask: np.ndarray  # uint64 [K, words]
+    cleared: np.ndarray  # uint64 [K, words]: the bits exclusions cleared
+    campaign: np.ndarray  # int64 [K]
+    advertiser: np.ndarray  # int64 [K]
+    include: dict[str, Ragged]  # per set attribute
+    exclude: dict[str, Ragged]
+
+    @classmethod
+    def of(cls, ads: Sequence[PlacedAd], names: Sequence[str], words: int) -> Columns:
+        """A few placed ads (one segment's) as columns, in their order."""
+
+        def owners(key: str) -> np.ndarray:
+            return np.array([getattr(p, key) for p in ads], dtype=np.int64)
+
+        def rows(key: str) -> np.ndarray:
+            return np.array([getattr(p, key) for p in ads], dtype=np.uint64).reshape(-1, words)
+
+        lists = {kind: {n: Ragged.from_lists([getattr(p, kind).get(n, ()) for p in ads])
+                        for n in names} for kind in ("include", "exclude")}  # fmt: skip
+        return cls(owners("leaf"), owners("ad_id"), rows("bitmask"), rows("exclude_bitmask"),
+                   owners("campaign"), owners("advertiser"), lists["include"],
+                   lists["exclude"])  # fmt: skip
+
+    def take(self, rows: np.ndarray) -> Columns:
+        """The ads `rows`, in that order."""
+        return Columns(self.leaf[rows], self.ad_id[rows], self.bitmask[rows],
+                       self.cleared[rows], self.campaign[rows], self.advertiser[rows],
+                       {n: lists_of(r, rows) for n, r in self.include.items()},
+                       {n: lists_of(r, rows) for n, r in self.exclude.items()})  # fmt: skip
+
+    def plus(self, other: Columns) -> Columns:
+        """These ads and `other`'s, in (leaf, ad id) order."""
+        pairs = ((self.leaf, other.leaf), (self.ad_id, other.ad_id),
+                 (self.bitmask, other.bitmask), (self.cleared, other.cleared),
+                 (self.campaign, other.campaign), (self.advertiser, other.advertiser))  # fmt: skip
+        include = {n: _joined(r, other.include[n]) for n, r in self.include.items()}
+        exclude = {n: _joined(r, other.exclude[n]) for n, r in self.exclude.items()}
+        both = Columns(*(np.concatenate(pair) for pair in pairs), include, exclude)
+        return both.take(np.lexsort((both.ad_id, both.leaf)))
+
+
+def _joined(a: Ragged, b: Ragged) -> Ragged:
+    return Ragged(np.concatenate([a.offsets, b.offsets[1:] + a.offsets[-1]]),
+                  np.concatenate([a.values, b.values]).astype(np.int32))  # fmt: skip
+
+
 class Overlay:
     """The live placed ads of one state as an ad index of their own, run by the same C++
-    post stage as the version's ads (`main`) and merged with its results."""
+    post stage as the version's ads (`main`) and merged with its results. Made anew for
+    each state that changes them (`after`), from columns, off the request path."""
 
-    def __init__(self, placed: Sequence[PlacedAd], main: PostStage, schema: TargetingSchema):
-        ads = sorted(placed, key=lambda p: (p.leaf, p.ad_id))
-        leaves = np.array([p.leaf for p in ads], dtype=np.int64)
-        self.leaves, first = np.unique(leaves, return_index=True)  # the version's leaf ids
-        offsets = np.append(first, len(ads)).astype(np.int64)
-        bitmask = np.stack([p.bitmask for p in ads]).astype(np.uint64)
-        cleared = np.stack([p.exclude_bitmask for p in ads]).astype(np.uint64)
-        names = [a.name for a in schema.families]
-        include = {n: Ragged.from_lists([p.include.get(n, []) for p in ads]) for n in names}
-        exclude = {n: Ragged.from_lists([p.exclude.get(n, []) for p in ads]) for n in names}
+    def __init__(self, ads: Columns, main: PostStage, schema: TargetingSchema) -> None:
+        self.columns, self._main, self._schema = ads, main, schema
+        self.leaves, first = np.unique(ads.leaf, return_index=True)  # the version's leaf ids
         owned = main.ads.ad_campaign_ids is not None, main.ads.ad_advertiser_ids is not None
         rules = AdRules(
-            bitmask=bitmask,
-            include={n: _ids(r) for n, r in include.items()},
-            exclude={n: _ids(r) for n, r in exclude.items()},
-            campaign=np.array([p.campaign for p in ads], np.int64) if owned[0] else None,
-            advertiser=np.array([p.advertiser for p in ads], np.int64) if owned[1] else None,
+            bitmask=ads.bitmask,
+            include=ads.include,
+            exclude=ads.exclude,
+            campaign=ads.campaign if owned[0] else None,
+            advertiser=ads.advertiser if owned[1] else None,
         )
         arrays = AdArrays(
-            leaf_sids=np.array([ads[i].sid for i in first], dtype=np.int16),
-            leaf_ad_offsets=offsets,
-            ad_ids=np.array([p.ad_id for p in ads], dtype=np.int64),
-            ad_bitmask=bitmask,
+            leaf_sids=np.ascontiguousarray(main.ads.leaf_sids[self.leaves]),
+            leaf_ad_offsets=np.append(first, len(ads.ad_id)).astype(np.int64),
+            ad_ids=ads.ad_id,
+            ad_bitmask=ads.bitmask,
         )
-        self.num_ads = len(ads)
+        self.num_ads = len(ads.ad_id)
         self.stage = PostStage(arrays, threads=1, schema=schema, rules=rules,
-                               ad_exclude_bitmask=cleared)  # fmt: skip
+                               ad_exclude_bitmask=ads.cleared)  # fmt: skip
+
+    @classmethod
+    def after(
+        cls,
+        overlay: Overlay | None,
+        added: Sequence[PlacedAd],
+        removed: Sequence[int],
+        main: PostStage,
+        schema: TargetingSchema,
+    ) -> Overlay | None:
+        """The overlay with the ads `removed` (ids) left out and `added` put in (None:
+        no placed ad left)."""
+        names = [a.name for a in schema.families]
+        ads = Columns.of(added, names, schema.bitmask_words)
+        if overlay is not None:
+            kept = overlay.columns
+            if len(removed):
+                kept = kept.take(np.flatnonzero(~np.isin(kept.ad_id, np.asarray(removed))))
+            ads = kept.plus(ads)
+        else:
+            ads = ads.take(np.lexsort((ads.ad_id, ads.leaf)))
+        return cls(ads, main, schema) if len(ads.ad_id) else None
 
     def merge(self, requests: Sequence[PostRequest], main: list[PostResult]) -> list[PostResult]:
         """`main` (the version's results for `requests`) with the placed ads behind the
@@ -136,10 +208,6 @@ class Overlay:
             mine.append(dataclasses.replace(r, leaves=at[hit], scores=r.scores[hit]))
         return [_merged(a, b, r.max_ads)
                 for a, b, r in zip(main, self.stage.run(mine), requests, strict=True)]  # fmt: skip
-
-
-def _ids(lists: Ragged) -> Ragged:
-    return Ragged(lists.offsets.astype(np.int64), lists.values.astype(np.int32))
 
 
 def _merged(a: PostResult, b: PostResult, max_ads: int) -> PostResult:
@@ -194,6 +262,9 @@ class Placing:
         spare rows cannot (nothing changed)."""
         return self.spare.widen(self._subtrees.leaf_path(ad.leaf), ad.bitmask, ad.bloom)
 
-    def overlay(self, live: Sequence[PlacedAd]) -> Overlay | None:
-        """The post stage over the live placed ads (None: none)."""
-        return Overlay(live, self._main, self._schema) if live else None
+    def overlay(
+        self, overlay: Overlay | None, added: Sequence[PlacedAd], removed: Sequence[int]
+    ) -> Overlay | None:
+        """The post stage over the live placed ads once `added` come live and the ads
+        `removed` (ids) go (None: none left)."""
+        return Overlay.after(overlay, added, removed, self._main, self._schema)
