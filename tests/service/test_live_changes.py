@@ -107,13 +107,19 @@ def live_at(
     version serves it in place, None when it waits for a build."""
     state = dict.fromkeys(ads, "live")
     moved: dict[int, tuple[tuple[int, ...], bool]] = {}
+    held: dict[int, tuple[tuple[int, ...], bool]] = {}  # placed ads paused
     for s, op, ad in changes:
         if s > seq:
             break
-        if op == "upsert":
+        if op in ("upsert", "delete"):
             moved.pop(ad, None)
-            if placed[s] is not None:
+            held.pop(ad, None)
+            if op == "upsert" and placed[s] is not None:
                 moved[ad] = placed[s]
+        elif op == "pause" and ad in moved:  # a placed ad is paused and resumed as itself
+            held[ad] = moved.pop(ad)
+        elif op == "resume" and ad in held:
+            moved[ad] = held.pop(ad)
         if ad not in state:
             continue
         if op == "pause" and state[ad] == "live":

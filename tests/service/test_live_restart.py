@@ -10,7 +10,8 @@ What a user sees:
   the last catalog_seq published while it was down, never below the last one the killed
   server answered at, and every reply after the restart is exactly the ads an independent
   replay of the whole feed makes live at that reply's catalog_seq — no change lost, none
-  applied twice, the follower going on past the restart.
+  applied twice, the follower going on past the restart; upserts served in place (a new
+  ad, a narrowed ad, one moved to another SID, a placed ad paused and resumed) included.
 * An ad paused with `UPDATE ads SET status = 'paused'` is in no reply whose catalog_seq
   is at or above that row's `change_seq`; set back to 'active' it is in every reply from
   the new `change_seq` on; ads marked 'deleted' are gone from theirs on; a row whose
@@ -119,10 +120,17 @@ def test_a_server_killed_mid_feed_comes_back_at_the_same_state(
     ads = [r["ad_id"] for r in live.catalog_rows()]
     picked = random.Random(3).sample(ads, 30)
     p, d, q = picked[:10], picked[10:15], picked[15:25]  # paused, deleted, later paused
+    m = picked[25:27]  # upserted: served in place
     seqs = itertools.count(10)
+    placed: dict[int, tuple[tuple[int, ...], bool]] = {}  # an upsert's seq -> (SID, eligible)
 
     def rec(op: str, ad: int) -> dict:
         return {"seq": next(seqs), "op": op, "ad_id": ad}
+
+    def upsert(ad: int, sid: list[int], countries: list[str] | None = None) -> dict:
+        r = rec("upsert", ad) | {"sid": sid, **({"countries": countries} if countries else {})}
+        placed[r["seq"]] = (tuple(sid), not countries)  # GB only: not the load's requests
+        return r
 
     with serving(root, root / "server1.log", args=SERVE) as server, \
             live.Load(server.target) as load:  # fmt: skip
@@ -131,8 +139,14 @@ def test_a_server_killed_mid_feed_comes_back_at_the_same_state(
         first = load.snapshot()[0]
         assert first.seq == 0 and len(first.ids) == live.N_ADS, "the beams miss ads"
 
-        # batch 1, applied while the server runs (two writes)
-        feed.add("0001.jsonl", [rec("pause", a) for a in p[:6]] + [rec("delete", a) for a in d[:3]])
+        # batch 1, applied while the server runs (two writes); a new ad into a SID the
+        # trie holds and a narrowed ad, both served in place
+        feed.add(
+            "0001.jsonl",
+            [rec("pause", a) for a in p[:6]]
+            + [rec("delete", a) for a in d[:3]]
+            + [upsert(live.NEW_AD, [0, 1, 0, 1]), upsert(m[0], live.sid(m[0]), ["GB"])],
+        )
         s1 = feed.add("0001.jsonl", [rec("resume", p[0]), rec("pause", p[6]), rec("delete", p[1])])
         reached(load, s1, check)
         # batch 2a, written just before the kill: applied or not, it must not matter
@@ -157,7 +171,8 @@ def test_a_server_killed_mid_feed_comes_back_at_the_same_state(
         [rec("resume", p[0]), rec("resume", d[0]), rec("pause", d[1]), rec("resume", p[1])]
         + [rec("pause", a) for a in q[:5]]
         + [rec("delete", q[0]), rec("resume", p[3]), rec("delete", p[4]), rec("resume", p[4]),
-           rec("pause", p[2]), rec("resume", q[9])],
+           rec("pause", p[2]), rec("resume", q[9]), rec("pause", live.NEW_AD),
+           upsert(m[1], [3, 3, 1, 1])],
     )  # fmt: skip
     end = time.monotonic() + live.DEADLINE
     while published_seq(index, current_path(index).name) != s2:
@@ -171,7 +186,8 @@ def test_a_server_killed_mid_feed_comes_back_at_the_same_state(
         live.wait("a first reply of the new server", lambda: load2.replies, check)
         # batch 3, after the restart: the follower goes on from where the start left it
         s3 = feed.add("0003.jsonl", [rec("resume", q[1]), rec("pause", q[5]),
-                                     rec("delete", q[2]), rec("resume", p[5])])  # fmt: skip
+                                     rec("delete", q[2]), rec("resume", p[5]),
+                                     rec("resume", live.NEW_AD)])  # fmt: skip
         reached(load2, s3, check)
         live.wait(
             "2 replies per client at the last seq",
@@ -188,10 +204,12 @@ def test_a_server_killed_mid_feed_comes_back_at_the_same_state(
     check_monotonic(before)
     check_monotonic(after)
     # every reply, before the kill and after the restart, is exactly the replay's
-    seen = check_exact(ads, feed.valid, before) | check_exact(ads, feed.valid, after)
+    seen = check_exact(ads, feed.valid, before, placed) | check_exact(ads, feed.valid, after,
+                                                                       placed)  # fmt: skip
     assert {0, s1, s2, s3} <= seen
-    # and the builder published every change once, in order
-    assert published(index) == feed.valid
+    # and the builder published every change once, in order (the upserts as `place`)
+    assert published(index) == [(s, "place" if op == "upsert" else op, a)
+                                for s, op, a in feed.valid]  # fmt: skip
 
 
 # ---- 2. pauses, resumes and deletes through PostgreSQL --------------------------------
