@@ -88,10 +88,16 @@ def oracle(ads: list[Ad], changes: list[Change], seq: int) -> dict[int, Ad]:
     return {a: row for a, (row, status) in state.items() if status == "live" and row is not None}
 
 
-def publish(root: Path, ads: list[Ad]) -> None:
+def publish(root: Path, ads: list[Ad]) -> tuple[ChangePublisher, LoadedIndex, Served]:
+    """The published index of `ads` under `root`, the builder's publisher of root/feed over
+    it, the index loaded, and the served engine over its tables."""
     (root / "catalog.jsonl").write_text("".join(json.dumps(a.row()) + "\n" for a in ads))
     (root / "feed").mkdir()
     build_index(root / "catalog.jsonl", root / "index", sid_space="s", progress=False)
+    publisher = ChangePublisher(root / "feed", root / "index", root / "rejects.jsonl")
+    loaded = load_index(current_path(root / "index"))
+    return publisher, loaded, Served(setup(ads).served().engine, loaded.tables,
+                                     loaded.level_offsets)  # fmt: skip
 
 
 def feed_to(root: Path, changes: list[Change], publisher: ChangePublisher) -> None:
@@ -113,10 +119,7 @@ def test_random_feeds_with_places_serve_exactly_the_eligible_live_rows(case) -> 
     ads, changes, cuts = case
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        publish(root, ads)
-        publisher = ChangePublisher(root / "feed", root / "index", root / "rejects.jsonl")
-        loaded = load_index(current_path(root / "index"))
-        search = Served(setup(ads).served().engine, loaded.tables, loaded.level_offsets)
+        publisher, loaded, search = publish(root, ads)
         for lo, hi in zip([0, *cuts], [*cuts, len(changes)], strict=True):
             if lo < hi:
                 feed_to(root, changes[lo:hi], publisher)
@@ -141,10 +144,7 @@ def test_a_new_ad_widens_its_path_and_is_returned() -> None:
     ads = [Ad(1, (0, 0, 0, 0), countries=("GB",)), Ad(2, (1, 0, 0, 0), countries=("GB",))]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        publish(root, ads)
-        publisher = ChangePublisher(root / "feed", root / "index", root / "rejects.jsonl")
-        loaded = load_index(current_path(root / "index"))
-        search = Served(setup(ads).served().engine, loaded.tables, loaded.level_offsets)
+        publisher, loaded, search = publish(root, ads)
         us = Targeting("US", 30, "female", ())
 
         def reached() -> set[tuple[int, ...]]:
@@ -178,10 +178,7 @@ def test_spare_rows_spent_the_place_waits_for_the_next_build() -> None:
     ads = [Ad(1, (0, 0, 0, 0), countries=("GB",)), Ad(2, (1, 0, 0, 0), countries=("GB",))]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        publish(root, ads)
-        publisher = ChangePublisher(root / "feed", root / "index", root / "rejects.jsonl")
-        version = current_path(root / "index")
-        full = load_index(version)
+        publisher, full, _ = publish(root, ads)
         # two spare rows: the first place widens its leaf's 4 entries... only 2 fit
         small = LoadedIndex.from_arrays(full.arrays, version=full.version, path=full.path,
                                         manifest=full.manifest, spare_rows=2)  # fmt: skip
