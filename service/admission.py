@@ -4,9 +4,12 @@
     Retrieve ─► Admission.decide(remaining, queued, in_flight) ─► admit / refuse at once
     pipeline: every finished batch ─► ServiceEstimate.observe(...) (learns online)
 
-    predicted = wait + ceil(ahead / max_batch) × per_batch + ahead × per_request + service
-    (ahead = queued + in flight)
+    predicted = wait + scale × (ceil(ahead / max_batch) × per_batch + ahead × per_request
+                                + service)      (ahead = queued + in flight)
     admitted  iff  predicted <= HEADROOM × remaining deadline
+
+(`scale`: with a beam ladder, service/beam_ladder.py, the narrowest rung's cost over the
+full schedule's, the unit the estimate is kept in; 1.0 without one.)
 
 `per_batch` + size × `per_request` is a least-squares line (small batches cost more per
 request than full ones) through recent batches' busy times: the union of their time in the
@@ -53,15 +56,18 @@ class ServiceEstimate:
     _busy: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
     _last_done: float | None = None
 
-    def observe(self, size: int, dispatched: float, done: float, service: float) -> None:
+    def observe(
+        self, size: int, dispatched: float, done: float, service: float, scale: float = 1.0
+    ) -> None:
         """A batch of `size` requests dispatched at `dispatched` finished at `done`
-        (time.monotonic) after `service` seconds of stage time."""
+        (time.monotonic) after `service` seconds of stage time; `scale`: its cost over the
+        unit the estimate is kept in (a narrower beam rung's, service/beam_ladder.py)."""
         if size < 1:
             return
-        self.service = _ewma(self.service, service)
+        self.service = _ewma(self.service, service / scale)
         self._fastest.append(service)
         start = dispatched if self._last_done is None else max(dispatched, self._last_done)
-        self._busy.append((size, max(done - start, 0.0)))
+        self._busy.append((size, max(done - start, 0.0) / scale))
         self._last_done = done if self._last_done is None else max(self._last_done, done)
         self.per_batch, self.per_request = _line(self._busy)
 
@@ -85,6 +91,9 @@ class Admission:
 
     estimate: ServiceEstimate = field(default_factory=ServiceEstimate)
     wait: float = 0.0  # longest a request waits now for its batch to close, seconds
+    # the work's cost at the narrowest beam schedule load may bring, over the estimate's
+    # (service/beam_ladder.py; 1.0 without a ladder)
+    scale: float = 1.0
 
     def decide(self, remaining: float | None, queued: int, in_flight: int) -> Verdict:
         """`remaining`: seconds left of the request's deadline (None: no deadline, always
@@ -93,13 +102,13 @@ class Admission:
             return Verdict.ADMIT
         if remaining <= self.estimate.fastest:
             return Verdict.HOPELESS
-        if HEADROOM * remaining < self.wait + self.estimate.predict(queued + in_flight):
+        if HEADROOM * remaining < self.predicted_ms(queued, in_flight) / 1e3:
             return Verdict.OVERLOADED
         return Verdict.ADMIT
 
     def predicted_ms(self, queued: int, in_flight: int) -> float:
         """The prediction a refusal message quotes, in milliseconds."""
-        return 1e3 * (self.wait + self.estimate.predict(queued + in_flight))
+        return 1e3 * (self.wait + self.scale * self.estimate.predict(queued + in_flight))
 
     def retry_after(
         self, queue_full: bool, remaining: float | None, queued: int, in_flight: int
@@ -110,7 +119,7 @@ class Admission:
         refused by a full queue, until one batch has left it. Within RETRY_MIN..MAX_SECONDS."""
         e = self.estimate
         if not queue_full and remaining is not None:
-            delay = self.wait + e.predict(queued + in_flight) - HEADROOM * remaining
+            delay = self.wait + self.scale * e.predict(queued + in_flight) - HEADROOM * remaining
         elif e.per_request is not None:
             delay = e.per_batch + e.max_batch * e.per_request
         else:

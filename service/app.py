@@ -33,6 +33,7 @@ from contracts.request import FilterMode
 from contracts.targeting import Targeting
 from service import stackdump
 from service.batcher import Batcher
+from service.beam_ladder import Ladder
 from service.board import HEARTBEAT_SECONDS, Board
 from service.errors import StartupError
 from service.grpc_server import (
@@ -50,6 +51,8 @@ from service.grpc_server import (
 from service.logs import AccessLog
 from service.metrics import Metrics
 from service.model import precision
+from service.model.config import ModelConfig
+from service.model.flops import decoder_flops
 from service.mps import mps_client
 from service.pipeline.records import Batch, group_key
 from service.pipeline.runner import Pipeline
@@ -158,7 +161,10 @@ async def start(
     def dispatched(batch: Batch) -> None:
         metrics.batch_size.observe(len(batch.pending))
         metrics.padding.inc(stages.padding(batch.groups))
+        if batch.rung_beams is not None and batch.adaptive:
+            metrics.rung_batches.labels(str(batch.rung)).inc()
 
+    ladder = beam_ladder(settings, serving.current.model.config)
     pipeline = Pipeline(
         stages,
         serving,
@@ -167,6 +173,7 @@ async def start(
         lambda stage, reason, n: metrics.dropped.labels(stage, reason).inc(n),
         dispatched,
         tracing,
+        ladder.rungs,
     )
 
     batcher = Batcher(
@@ -179,8 +186,11 @@ async def start(
         max_groups=settings.max_decode_groups,
         group_key=group_key,
         on_expired=metrics.queue_expired.inc,
+        ladder=ladder if len(ladder.rungs) > 1 else None,
+        adaptive=lambda request: request.adaptive,
     )
     batcher.start()
+    metrics.beam_rung.set_function(lambda: ladder.current)
     metrics.queue_depth.set_function(lambda: batcher.depth)
     metrics.pipeline_batches.set_function(lambda: pipeline.in_flight)
     metrics.predicted_wait.set_function(
@@ -276,6 +286,16 @@ def _bind(server: grpc.aio.Server, address: str, settings: ServerSettings) -> in
             f"cannot listen on {address}: the port is taken (another grace serve?) or the "
             "address is not this host's (--port, --host)"
         ) from exc
+
+
+def beam_ladder(settings: ServerSettings, config: ModelConfig) -> Ladder:
+    """The beam ladder of `settings` (`beam_ladder`, `beam_rungs`), each rung's prior cost
+    its decode FLOPs at `config` over the full schedule's (service/beam_ladder.py)."""
+    rungs = settings.ladder()
+    full = decoder_flops(config, rungs[0]).total
+    widest, narrowest = settings.rung_bounds()
+    return Ladder(rungs, tuple(decoder_flops(config, r).total / full for r in rungs),
+                  widest, narrowest)  # fmt: skip
 
 
 async def _warm_up(batcher: Batcher, settings: ServerSettings) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 
 from service.admission import Admission, ServiceEstimate, Verdict
 from service.batch_policy import LOOKAHEAD, BatchPolicy
+from service.beam_ladder import Ladder
 from service.settings import BUSY_BATCHES, MAX_GROUPS
 
 
@@ -95,6 +96,8 @@ class Batcher:
         max_groups: int = MAX_GROUPS,  # decode groups one batch may hold
         group_key: Callable[[Any], Hashable] = lambda payload: None,
         on_expired: Callable[[int], None] = lambda n: None,  # dropped in the queue
+        ladder: Ladder | None = None,  # beam schedules for load (service/beam_ladder.py)
+        adaptive: Callable[[Any], bool] = lambda payload: False,  # decodes at the rung
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -106,6 +109,9 @@ class Batcher:
         self.max_batch, self.capacity = max_batch, capacity
         self._key, self._on_expired = group_key, on_expired
         self.admission = Admission(ServiceEstimate(max_batch=max_batch))
+        self.ladder, self._adaptive = ladder, adaptive
+        if ladder is not None:  # refuse only what the narrowest rung cannot answer in time
+            self.admission.scale = ladder.floor
         self.inflight = 0  # dispatched batches not yet done (event loop only)
         self.inflight_requests = 0  # the requests in them
         self._queue: deque[Pending] = deque()
@@ -150,19 +156,31 @@ class Batcher:
         self._arrived.set()
         return await pending.future
 
-    def batch_done(self, size: int, dispatched: float, service: float | None) -> None:
+    def batch_done(
+        self, size: int, dispatched: float, service: float | None, rung: int | None = None
+    ) -> None:
         """A batch of `size` requests, dispatched at `dispatched` (time.monotonic), left
         the pipeline after `service` seconds of stage time — None when it failed or was
-        dropped part-way, which teaches the estimate nothing (call from any thread)."""
+        dropped part-way, which teaches the estimate nothing; `rung`: the ladder rung it
+        decoded at (None: none). Call from any thread."""
         assert self._loop is not None, "batcher not started"
-        self._loop.call_soon_threadsafe(self._release, size, dispatched, time.monotonic(), service)
+        self._loop.call_soon_threadsafe(self._release, size, dispatched, time.monotonic(),
+                                        service, rung)  # fmt: skip
 
-    def _release(self, size: int, dispatched: float, done: float, service: float | None) -> None:
+    def _release(
+        self, size: int, dispatched: float, done: float, service: float | None, rung: int | None
+    ) -> None:
         self.inflight -= 1
         self.inflight_requests -= size
         self._slots.release()
-        if service is not None:
-            self.admission.estimate.observe(size, dispatched, done, service)
+        if service is None:
+            return
+        scale = 1.0
+        if self.ladder is not None and rung is not None:  # the estimate learns in rung 0's units
+            self.ladder.observe(rung, service)
+            scale = self.ladder.cost(rung)
+            self.admission.scale = self.ladder.floor
+        self.admission.estimate.observe(size, dispatched, done, service, scale)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -198,11 +216,26 @@ class Batcher:
                 await self._wait_arrival(look - now)
             live = [p for p in batch if not p.abandoned]  # cancelled while it was formed
             if live:
+                rung = self._rung(live)
                 self.inflight += 1
                 self.inflight_requests += len(live)
-                self._dispatch(live)
+                self._dispatch(live, rung)
             else:
                 self._slots.release()
+
+    def _rung(self, batch: list[Pending]) -> int | None:
+        """The ladder rung `batch` decodes at (None: no ladder, or no request of it
+        without beam_widths of its own): chosen from what the work ahead and its own
+        service are predicted to take at rung 0 and its shortest deadline."""
+        if self.ladder is None:
+            return None
+        mine = [p for p in batch if self._adaptive(p.payload)]
+        if not mine:
+            return None
+        deadlines = [p.deadline for p in mine if p.deadline is not None]
+        remaining = min(deadlines) - time.monotonic() if deadlines else None
+        predicted = self.admission.estimate.predict(self.inflight_requests + len(batch) - 1)
+        return self.ladder.choose(predicted, remaining)
 
     async def _wait_arrival(self, timeout: float | None) -> None:
         self._arrived.clear()

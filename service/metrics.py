@@ -242,6 +242,16 @@ class Metrics:
             "grace_live_new_ads_waiting",
             "Ads upserted that the served index does not hold: served from the next full build.",
         )
+        self.beam_rung = gauge(
+            "grace_beam_rung",
+            "The beam ladder rung batches of requests without beam_widths get now: 0 the "
+            "full schedule, higher ones narrower under load (service/beam_ladder.py).",
+        )
+        self.rung_batches = counter(
+            "grace_beam_rung_batches_total",
+            "Batches of requests without beam_widths, by the ladder rung they decoded at.",
+            ["rung"],
+        )
         self.live_placed = gauge(
             "grace_live_placed_ads",
             "Upserted ads the served index serves in place (new targeting, or a new ad into "

@@ -261,6 +261,8 @@ class RetrievalServicer:
                 stage_ms=r.stage_ms,
                 ads_removed={rule: n for rule, n in removed.items() if n},
                 catalog_seq=r.catalog_seq,
+                beam_widths=r.beams,
+                beam_rung=r.rung,
             ),
             request_id=request_id,
         )

@@ -29,6 +29,7 @@ from pydantic_settings import (
 
 from contracts.index_format import SID_LENGTH, VOCAB_SIZE
 from contracts.request import Scoring, check_schedule
+from service.beam_ladder import default_rungs
 from service.model.config import PROFILES
 
 # the precision a model serves in (the setting `dtype`: service/model/precision.py)
@@ -199,6 +200,18 @@ class ServerSettings(BaseSettings):
         None,
         description="Schedule used when a request sends no beam_widths; default the "
         "profile's beams, capped step by step at beam_max.",
+    )
+    beam_ladder: str = Field(
+        "auto",
+        description="Beam schedules a batch of requests without beam_widths decodes at "
+        "under load, widest first (service/beam_ladder.py): 'auto' is `beams`, then its "
+        "steps after the first halved, then quartered; 'off' is `beams` alone; or schedules "
+        "separated by ';' (e.g. '1,512,1024,1024;1,256,512,512'), the first one `beams`.",
+    )
+    beam_rungs: str = Field(
+        "",
+        description="The rungs of beam_ladder that load may bring: 'A-B' (0 is the widest), "
+        "or 'N' to pin rung N; empty: all of them.",
     )
     scoring: Scoring = Field(
         "masked",
@@ -391,7 +404,41 @@ class ServerSettings(BaseSettings):
             raise ValueError(
                 f"beams {self.beams} exceed beam_max {self.beam_max} at step {over[0] + 1}"
             )
+        self.rung_bounds()  # checks the ladder too
         return self
+
+    def ladder(self) -> tuple[tuple[int, ...], ...]:
+        """`beam_ladder`'s schedules, widest first (the first is `beams`)."""
+        assert self.beams is not None
+        spec = self.beam_ladder.strip().lower()
+        if spec in ("auto", "off"):
+            return default_rungs(self.beams, 3 if spec == "auto" else 1)
+        rungs = []
+        for part in (p for p in spec.split(";") if p.strip()):
+            try:
+                rung = tuple(int(x) for x in part.replace(" ", "").strip("()[]").split(","))
+            except ValueError:
+                raise ValueError(f"beam_ladder: {part!r} is not a schedule of integers") from None
+            check_schedule(rung, SID_LENGTH, VOCAB_SIZE)
+            rungs.append(rung)
+        if not rungs or rungs[0] != tuple(self.beams):
+            raise ValueError(f"beam_ladder must start with beams {self.beams}, got {spec!r}")
+        return tuple(rungs)
+
+    def rung_bounds(self) -> tuple[int, int]:
+        """The widest and the narrowest rung of `ladder()` that load may bring."""
+        last = len(self.ladder()) - 1
+        spec = self.beam_rungs.strip()
+        if not spec:
+            return 0, last
+        lo, _, hi = spec.partition("-")
+        try:
+            bounds = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"beam_rungs: expected 'A-B' or 'N', got {spec!r}") from None
+        if not 0 <= bounds[0] <= bounds[1] <= last:
+            raise ValueError(f"beam_rungs {spec!r} is not within the ladder's rungs 0-{last}")
+        return bounds
 
     def resolve_busy_batches(self, device: str) -> int:
         """The batcher's busy threshold on `device`: `busy_batches`, or the device's default."""

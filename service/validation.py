@@ -159,6 +159,9 @@ class ValidatedRequest:
     beams: tuple[int, ...]  # (M_1..M_4), a valid schedule within Limits.beam_max
     filter_mode: FilterMode  # CD_ONLY or CD_GTM
     include_sids: bool
+    # no beam_widths sent: `beams` is the server's, and its batch may get a narrower rung
+    # of the ladder under load (service/beam_ladder.py)
+    adaptive: bool = False
 
 
 def validate_request(
@@ -197,6 +200,7 @@ def validate_request(
         beams=beams,
         filter_mode=filter_mode,
         include_sids=opts.include_sids,
+        adaptive=not opts.beam_widths,
     )
 
 

@@ -42,14 +42,16 @@ class RetrievalRequest(Protocol):
     max_ads: int
     beams: tuple[int, ...]
     filter_mode: FilterMode
+    adaptive: bool  # no beam_widths of its own: its batch's ladder rung decides
 
 
-GroupKey = tuple[tuple[int, ...], FilterMode]  # (beam schedule, filter mode)
+# (beam schedule, filter mode); the schedule None: the server's, the batch's ladder rung
+GroupKey = tuple[tuple[int, ...] | None, FilterMode]
 
 
 def group_key(request: RetrievalRequest) -> GroupKey:
     """Requests with the same key share one decode run (the batcher caps a batch's keys)."""
-    return request.beams, request.filter_mode
+    return (None if request.adaptive else request.beams), request.filter_mode
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,15 @@ class DecodeGroup:
     rows: tuple[int, ...]  # positions in the batch
 
 
-def decode_groups(requests: Sequence[RetrievalRequest]) -> tuple[DecodeGroup, ...]:
-    """The batch's decode groups, in order of first appearance."""
-    rows_of: dict[GroupKey, list[int]] = {}
+def decode_groups(
+    requests: Sequence[RetrievalRequest], rung: tuple[int, ...] | None = None
+) -> tuple[DecodeGroup, ...]:
+    """The batch's decode groups, in order of first appearance; the requests without
+    beam_widths of their own decode at `rung` (None: the server's schedule they hold)."""
+    rows_of: dict[tuple[tuple[int, ...], FilterMode], list[int]] = {}
     for i, r in enumerate(requests):
-        rows_of.setdefault(group_key(r), []).append(i)
+        beams = rung if r.adaptive and rung is not None else r.beams
+        rows_of.setdefault((beams, r.filter_mode), []).append(i)
     return tuple(DecodeGroup(beams, mode, tuple(rows)) for (beams, mode), rows in rows_of.items())
 
 
@@ -77,12 +83,25 @@ class Batch:
     serving: Serving  # the (model, index) pair: taken once at dispatch, used by every stage
     dispatched: float  # time.monotonic() when the batcher handed it over
     groups: tuple[DecodeGroup, ...]
+    rung: int = 0  # the ladder rung its requests without beam_widths decode at
+    rung_beams: tuple[int, ...] | None = None  # that rung's schedule (None: no ladder)
 
     @classmethod
     def of(
-        cls, pending: Sequence[Pending[RetrievalRequest]], serving: Serving, dispatched: float
+        cls,
+        pending: Sequence[Pending[RetrievalRequest]],
+        serving: Serving,
+        dispatched: float,
+        rung: int = 0,
+        rung_beams: tuple[int, ...] | None = None,
     ) -> Batch:
-        return cls(tuple(pending), serving, dispatched, decode_groups([p.payload for p in pending]))
+        groups = decode_groups([p.payload for p in pending], rung_beams)
+        return cls(tuple(pending), serving, dispatched, groups, rung, rung_beams)
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether any request of it decodes at the ladder's rung."""
+        return any(p.payload.adaptive for p in self.pending)
 
     @property
     def requests(self) -> list[RetrievalRequest]:
@@ -136,3 +155,5 @@ class RetrievalResult:
     stage_ms: dict[str, float]  # per stage, for this request's batch
     batch_size: int = 0  # requests in this request's batch as dispatched (the access log's)
     catalog_seq: int = 0  # the live changes it was answered at (service/index/live.py)
+    beams: tuple[int, ...] = ()  # the schedule that answered it
+    rung: int = -1  # its ladder rung (service/beam_ladder.py); -1: its own beam_widths

@@ -79,13 +79,14 @@ class Pipeline:
         self,
         stages: Stages,
         serving: ServingHolder,
-        on_batch_done: Callable[[int, float, float | None], None],
+        on_batch_done: Callable[[int, float, float | None, int | None], None],
         observe: Callable[[str, float], None] = lambda stage, seconds: None,
         on_dropped: Callable[[str, str, int], None] = lambda stage, reason, n: None,
         on_dispatch: Callable[[Batch], None] = lambda batch: None,
         tracing: Tracing | None = None,
+        rungs: tuple[tuple[int, ...], ...] = (),  # the beam ladder's schedules, widest first
     ) -> None:
-        self.stages, self.serving = stages, serving
+        self.stages, self.serving, self.rungs = stages, serving, rungs
         self._tracing = tracing or Tracing()
         self._done = on_batch_done
         self._observe = observe
@@ -115,8 +116,11 @@ class Pipeline:
         with self._lock:
             return 0.0 if self.in_flight == 0 else time.monotonic() - self._progress_at
 
-    def dispatch(self, pending: list[Pending]) -> None:
-        batch = Batch.of(pending, self.serving.current, time.monotonic())
+    def dispatch(self, pending: list[Pending], rung: int | None = None) -> None:
+        """Start a batch (the batcher's hand-off); its requests without beam_widths of
+        their own decode at ladder rung `rung` (None: at the server's schedule)."""
+        beams = None if rung is None else self.rungs[rung]
+        batch = Batch.of(pending, self.serving.current, time.monotonic(), rung or 0, beams)
         self._on_dispatch(batch)
         with self._lock:
             if self.in_flight == 0:
@@ -203,7 +207,9 @@ class Pipeline:
             self.in_flight -= 1
             self._progress_at = time.monotonic()
         try:
-            self._done(len(flight.live), flight.batch.dispatched, service)
+            b = flight.batch
+            self._done(len(flight.live), b.dispatched, service,
+                       b.rung if b.rung_beams is not None else None)  # fmt: skip
         except Exception:  # the stage thread must outlive a faulty callback
             log.exception("reporting a finished batch failed")
 

@@ -84,10 +84,15 @@ class ModelRuntime:
             return plans
 
     def prepare(
-        self, index: LoadedIndex, beams: tuple[int, ...], pace: Callable[[], None] | None = None
+        self,
+        index: LoadedIndex,
+        beams: tuple[int, ...],
+        pace: Callable[[], None] | None = None,
+        rungs: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         """Before a pair serves: make the index's decode plans; on GPU capture the graphs
-        of the default schedule and, once per model, the embedder's and the encoder's.
+        of the default schedule `beams`, of the narrower `rungs` load may bring
+        (service/beam_ladder.py) and, once per model, the embedder's and the encoder's.
         Before the model first serves, the model gate (`gate.py`, ModelRefused): its
         weights first, a canary through what was made last. `pace` is called after each
         capture (`service/pace.py`)."""
@@ -102,9 +107,13 @@ class ModelRuntime:
             # both filter modes; every Bloom row count up to the schema's most values
             most = max((a.max_request_values for a in index.schema.families), default=1)
             rows = tuple(sorted({*self.engine.location_buckets, most}))
-            n = self.engine.warm(plans, beams, locations=rows, pace=pace)
-            log.info("model %s, index %s: %d decode plans captured as CUDA graphs in %.1f s",
-                     self.model_version, index.version, n, time.perf_counter() - t0)  # fmt: skip
+            schedules = tuple(dict.fromkeys((beams, *rungs)))
+            n = 0
+            for schedule in schedules:  # `warm` counts every plan made so far
+                n = self.engine.warm(plans, schedule, locations=rows, pace=pace)
+            log.info("model %s, index %s: %d decode plans (beam schedules %s) captured as "
+                     "CUDA graphs in %.1f s", self.model_version, index.version, n,
+                     ", ".join(map(str, schedules)), time.perf_counter() - t0)  # fmt: skip
         if not self._gated:  # not later: those prepares run beside its graphs serving
             gate.check_answers(self, index, beams)
             self._gated = True

@@ -59,7 +59,7 @@ def build_rollout(
     def prepare(model: ModelRuntime, index: LoadedIndex) -> None:
         pace.begin()
         slept = pace.slept
-        model.prepare(index, tuple(settings.beams), pace)
+        model.prepare(index, tuple(settings.beams), pace, settings.ladder())
         if pace.slept > slept:
             log.info("model %s, index %s: the prepare rested %.1f s beside serving "
                      "(rollout_share %.2f)", model.version, index.version, pace.slept - slept,

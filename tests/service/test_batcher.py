@@ -27,7 +27,7 @@ class FakePipeline:
         self.thread = threading.Thread(target=self._work, daemon=True)
         self.thread.start()
 
-    def dispatch(self, batch: list[Pending]) -> None:
+    def dispatch(self, batch: list[Pending], rung: int | None = None) -> None:
         self.inbox.put(batch)
 
     def _work(self) -> None:

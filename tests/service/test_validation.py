@@ -68,6 +68,7 @@ def test_empty_request_gets_every_default() -> None:
         beams=(1, 64, 128, 128),
         filter_mode=FilterMode.CD_GTM,
         include_sids=False,
+        adaptive=True,  # no beam_widths: the server's schedule, its ladder under load
     )
     assert len(v.history_ad_ids) == len(v.history_types) == len(v.history_ts_ms) == 0
 

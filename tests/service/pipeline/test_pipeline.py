@@ -57,6 +57,7 @@ class Req:
     beams: tuple[int, ...] = BEAMS
     filter_mode: FilterMode = FilterMode.CD_GTM
     request_id: str = ""
+    adaptive: bool = False
 
 
 def world(seed: int) -> tuple[list[Ad], LoadedIndex]:
@@ -445,7 +446,7 @@ def test_padding_is_what_the_buckets_add_per_decode_group_on_gpu_only(without_gp
 
     def groups(*sizes: tuple[int, FilterMode]):
         reqs = [
-            SimpleNamespace(beams=(1, 4, 8, 8), filter_mode=mode)
+            SimpleNamespace(beams=(1, 4, 8, 8), filter_mode=mode, adaptive=False)
             for n, mode in sizes
             for _ in range(n)
         ]

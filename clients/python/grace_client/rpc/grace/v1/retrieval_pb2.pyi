@@ -127,7 +127,7 @@ class Ad(_message.Message):
     def __init__(self, ad_id: _Optional[int] = ..., score: _Optional[float] = ..., sid: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("sids_generated", "ads_expanded", "ads_eligible", "stage_ms", "ads_removed", "catalog_seq")
+    __slots__ = ("sids_generated", "ads_expanded", "ads_eligible", "stage_ms", "ads_removed", "catalog_seq", "beam_widths", "beam_rung")
     class StageMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -148,10 +148,14 @@ class Stats(_message.Message):
     STAGE_MS_FIELD_NUMBER: _ClassVar[int]
     ADS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     CATALOG_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BEAM_WIDTHS_FIELD_NUMBER: _ClassVar[int]
+    BEAM_RUNG_FIELD_NUMBER: _ClassVar[int]
     sids_generated: int
     ads_expanded: int
     ads_eligible: int
     stage_ms: _containers.ScalarMap[str, float]
     ads_removed: _containers.ScalarMap[str, int]
     catalog_seq: int
-    def __init__(self, sids_generated: _Optional[int] = ..., ads_expanded: _Optional[int] = ..., ads_eligible: _Optional[int] = ..., stage_ms: _Optional[_Mapping[str, float]] = ..., ads_removed: _Optional[_Mapping[str, int]] = ..., catalog_seq: _Optional[int] = ...) -> None: ...
+    beam_widths: _containers.RepeatedScalarFieldContainer[int]
+    beam_rung: int
+    def __init__(self, sids_generated: _Optional[int] = ..., ads_expanded: _Optional[int] = ..., ads_eligible: _Optional[int] = ..., stage_ms: _Optional[_Mapping[str, float]] = ..., ads_removed: _Optional[_Mapping[str, int]] = ..., catalog_seq: _Optional[int] = ..., beam_widths: _Optional[_Iterable[int]] = ..., beam_rung: _Optional[int] = ...) -> None: ...
