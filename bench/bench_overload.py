@@ -9,7 +9,9 @@ serve --device cpu`, index polled every 0.1 s), then:
   2. sweep: open-loop offered load at each --multiples of capacity, for each client
      deadline in --deadlines-ms (loadtest/overload.py): goodput (OK within the deadline
      per second, steady state after a 20 % warm-up; absolute and as a fraction of
-     capacity), outcome counts, OK latency P50/P99, refusal P99, generator lag;
+     capacity), outcome counts, OK latency P50/P99, refusal P99, generator lag; with
+     --refusal-only the same sweep again on a second server with the beam ladder off
+     (service/beam_ladder.py: refusal is then its only answer to load), same capacity;
   3. hot swaps under load: --swaps new index versions published (`index_builder.publish`,
      the current arrays rewritten under a new version name) one after another as fast
      as the server swaps them, while open-loop load at --swap-load x capacity runs;
@@ -89,7 +91,8 @@ def republisher(index_root: Path) -> Callable[[Path, str], None]:
 Offer = Callable[..., Awaitable[OverloadResult]]
 
 
-def sweep(server: ServerProcess, gen: Offer, capacity: float, a: argparse.Namespace) -> list[dict]:
+def sweep(server: ServerProcess, gen: Offer, capacity: float, a: argparse.Namespace,
+          policy: str = "ladder") -> list[dict]:  # fmt: skip
     rows = []
     for deadline_ms in a.deadlines_ms:
         for multiple in a.multiples:
@@ -97,6 +100,7 @@ def sweep(server: ServerProcess, gen: Offer, capacity: float, a: argparse.Namesp
             rate = multiple * capacity
             r = asyncio.run(gen(rate, a.point_seconds, deadline_ms / 1e3, processes=a.processes))
             row = {
+                "policy": policy,  # the beam ladder (the default) or refusal-only
                 "multiple": multiple,
                 "deadline_ms": deadline_ms,
                 "goodput_fraction": round(r.steady_goodput_rps / capacity, 4),
@@ -106,7 +110,8 @@ def sweep(server: ServerProcess, gen: Offer, capacity: float, a: argparse.Namesp
             rows.append(row)
             counts = ", ".join(f"{k} {v.count}" for k, v in r.outcomes.items())
             progress(
-                f"{multiple:g}x capacity ({rate:.0f} req/s), deadline {deadline_ms:g} ms: "
+                f"{policy}: {multiple:g}x capacity ({rate:.0f} req/s), "
+                f"deadline {deadline_ms:g} ms: "
                 f"goodput {r.steady_goodput_rps:.1f} req/s ({row['goodput_fraction']:.2f}x)"
                 f"; {counts}; lag P99 {r.lag_p99_ms} ms"
                 + ("  GENERATOR BEHIND" if r.generator_behind else "")
@@ -200,7 +205,7 @@ def markdown_table(rows: list[dict[str, Any]], capacity: float) -> str:
         return "—" if x is None else format(x, fmt)
 
     head = (
-        "| offered (x cap) | deadline | offered req/s | goodput req/s | goodput (x cap) "
+        "| policy | offered (x cap) | deadline | offered req/s | goodput req/s | goodput (x cap) "
         "| OK | RESOURCE_EXHAUSTED | DEADLINE_EXCEEDED | other | OK P50 ms | OK P99 ms "
         "| refusal P99 ms | lag P99 ms |"
     )
@@ -214,7 +219,8 @@ def markdown_table(rows: list[dict[str, Any]], capacity: float) -> str:
         other = sum(counts.values())
         lag = v(r["lag_p99_ms"]) + (" (behind)" if r["generator_behind"] else "")
         lines.append(
-            f"| {r['multiple']:g} | {deadline_label(r['deadline_ms'])} | {r['offered_rps']:.1f} "
+            f"| {r.get('policy', 'ladder')} | {r['multiple']:g} "
+            f"| {deadline_label(r['deadline_ms'])} | {r['offered_rps']:.1f} "
             f"| {r['steady_goodput_rps']:.1f} | {r['goodput_fraction']:.2f} | {ok} | {re} "
             f"| {de} | {other} | {v(r['ok_p50_ms'])} | {v(r['ok_p99_ms'])} "
             f"| {v(r['refusal_p99_ms'], '.2f')} | {lag} |"
@@ -234,9 +240,11 @@ def plot(path: Path, rows: list[dict[str, Any]], capacity: float, device: str) -
             markers=False,
         )
     ]
-    for d in sorted({r["deadline_ms"] for r in rows}):
-        pts = sorted((r["multiple"], r["goodput_fraction"]) for r in rows if r["deadline_ms"] == d)
-        series.append(Series(f"deadline {deadline_label(d)}", pts))
+    for policy, d in sorted({(r.get("policy", "ladder"), r["deadline_ms"]) for r in rows}):
+        pts = sorted((r["multiple"], r["goodput_fraction"]) for r in rows
+                     if r["deadline_ms"] == d and r.get("policy", "ladder") == policy)  # fmt: skip
+        series.append(Series(f"{policy}, deadline {deadline_label(d)}", pts,
+                             dashed=policy != "ladder"))  # fmt: skip
     best = max([1.0, *(r["goodput_fraction"] for r in rows)])
     return write_line_chart(
         path,
@@ -283,6 +291,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--channels", type=int, default=8, help="gRPC channels per generator process (8)")
     add("--poisson", action="store_true", help="Poisson arrivals instead of even spacing")
     add("--users", type=int, default=64, help="world users whose requests are sent (64)")
+    add(
+        "--refusal-only",
+        action="store_true",
+        help="also sweep a server with the beam ladder off (refusal-only), same capacity",
+    )
     known, _ = p.parse_known_args(argv)
     if known.quick:
         p.set_defaults(**QUICK)
@@ -332,6 +345,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"(P50 {cap.p50_ms} ms, P99 {cap.p99_ms} ms, errors {cap.errors})"
             )
             rows = sweep(server, gen, cap.ok_rps, a)
+            if a.refusal_only:  # the same sweep on a server without the ladder, same capacity
+                off = ServerProcess.start(data, scratch / "refusing.log", device=a.device,
+                                          env={"GRACE_BEAM_LADDER": "off"})  # fmt: skip
+                try:
+                    off.wait_serving()
+                    offer = partial(gen.func, off.target, *gen.args[1:], **gen.keywords)
+                    rows += sweep(off, offer, cap.ok_rps, a, "refusal-only")
+                finally:
+                    off.stop()
             settle(server)
             progress(f"publishing {a.swaps} versions under {a.swap_load:g}x capacity")
             swaps = partial(swaps_under_load, server, data / "index", gen, deadline_s=1.0)
