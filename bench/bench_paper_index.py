@@ -101,9 +101,12 @@ def make_world(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 def read_embeddings(catalog: Path) -> Any:
     """float32 [N, dim] view of the catalog's embedding column (Arrow reads it threaded)."""
     import numpy as np
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    column = pq.read_table(catalog, columns=["embedding"])["embedding"].combine_chunks()
+    column = pq.read_table(catalog, columns=["embedding"])["embedding"]
+    # 64-bit offsets: past 67 M ads of dim 32 the values overflow a list<float>'s
+    column = column.cast(pa.large_list(column.type.value_type)).combine_chunks()
     values = column.flatten().to_numpy()
     return values.reshape(len(column), -1).astype(np.float32, copy=False)
 

@@ -52,9 +52,7 @@ def leaf_blooms(
         rows = _range_blooms(by, vocab, include, a0, a1)
         np.bitwise_or.reduceat(rows, leaf_first_ad[lo:hi] - a0, axis=0, out=out[lo:hi])
 
-    block = parallel.MIN_ROWS_PER_TASK  # leaves per task: a few MB of rows each
-    parallel.run(part, [(lo, min(num_leaves, lo + block))
-                        for lo in range(0, num_leaves, block)], workers)  # fmt: skip
+    parallel.run(part, parallel.blocks(num_leaves), workers)  # a few MB of rows per task
     return out
 
 

@@ -2,24 +2,30 @@
 published version (docs/ARCHITECTURE.md §3-4). `grace build-index` and the sidecar call
 `build_index`; training, tests and benchmarks call `build_arrays` on an in-memory catalog.
 The build's phases stay in order in this one module (SIDs, the sorted catalog, Blooms,
-arrays, publish), a little past the house's ~300 lines; the catalog, the Blooms, the trie,
-k-way, the bad rows and the publish protocol are modules of their own. At paper scale the
-build frees each large input once used (the embeddings after the SIDs, the catalog in input
-order once sorted, the arrays once written), so its peak stays near one copy of the index.
+arrays, publish), past the house's ~300 lines; the catalog, the Blooms, the trie, k-way,
+the bad rows and the publish protocol are modules of their own. At paper scale the build
+frees each large input once used (the embeddings once RQ-encoded, the catalog in input
+order column by column as it is sorted, the arrays once written), and `build_index` has
+the allocators return freed memory at once, so its peak stays near one copy of the
+catalog and the index (`build_index`'s figures).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
 from contracts import sid_space as sid_spaces
 from contracts.index_arrays import AdArrays, IndexArrays, SetArrays
@@ -41,6 +47,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("grace.index_builder")
 NO_TOKENIZER = "none: SIDs taken from the catalog"
+# glibc's malloc maps blocks of this many bytes and more on their own and unmaps them when
+# freed; its default (128 KiB, rising to 32 MiB as such blocks are freed) leaves most of a
+# paper-scale build's freed arrays in a heap the process keeps
+MMAP_THRESHOLD = 64 << 10
+# ... and while publishing, glibc's own ceiling: validation's block temporaries are reused
+# from the heap, not mapped afresh (half its time), and the arrays it frees were mapped
+PUBLISH_MMAP_THRESHOLD = 32 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter (glibc <malloc.h>)
 
 
 class BuildCancelled(RuntimeError):
@@ -80,16 +94,7 @@ def assign_sids(
     has = catalog.has_sid
     if has.all():
         return catalog.sid.astype(np.int64), ""
-    if tokenizer is None:
-        raise BuildError(
-            f"{catalog.source}: {int((~has).sum())} ads carry no sid; pass a SID tokenizer "
-            "(grace train-tokenizer) to compute them from their embeddings"
-        )
-    if catalog.embedding is None or catalog.embedding.shape[1] != tokenizer.dim:
-        dim = None if catalog.embedding is None else catalog.embedding.shape[1]
-        raise BuildError(
-            f"catalog embeddings have dim {dim}; the tokenizer expects {tokenizer.dim}"
-        )
+    tokenizer = _tokenizer_for(catalog, tokenizer, has)
     if has.any():
         new, report = tokenizer.assign(
             catalog.embedding[~has], reserved=catalog.sid[has], device=device, workers=workers
@@ -102,32 +107,100 @@ def assign_sids(
     return sid, report.summary()
 
 
-def _sorted_catalog(catalog: Catalog, sids: np.ndarray, order: np.ndarray, workers: int) -> Catalog:
-    """The catalog's rows in the order of the permutation `order`, gathered by `workers`
-    threads, without the embeddings (the build needs none once SIDs exist); its `sid`
-    column holds every ad's full SID from `sids` (int32 [N, 4], catalog order)."""
+def _tokenizer_for(
+    catalog: Catalog, tokenizer: SIDTokenizer | None, has: np.ndarray
+) -> SIDTokenizer:
+    """`tokenizer`, if it can compute the SIDs the ads lack (`has`: bool [N]) from their
+    embeddings; else BuildError."""
+    if tokenizer is None:
+        raise BuildError(
+            f"{catalog.source}: {int((~has).sum())} ads carry no sid; pass a SID tokenizer "
+            "(grace train-tokenizer) to compute them from their embeddings"
+        )
+    if catalog.embedding is None or catalog.embedding.shape[1] != tokenizer.dim:
+        dim = None if catalog.embedding is None else catalog.embedding.shape[1]
+        raise BuildError(
+            f"catalog embeddings have dim {dim}; the tokenizer expects {tokenizer.dim}"
+        )
+    return tokenizer
 
-    def take(rows: np.ndarray | None) -> np.ndarray | None:
-        return None if rows is None else parallel.take(rows, order, workers)
+
+def _assign_handed(
+    held: list[Catalog], tokenizer: SIDTokenizer | None, device: str, workers: int | None
+) -> tuple[Catalog, np.ndarray, str]:
+    """`assign_sids` of held = [catalog], emptied here: the catalog without its embeddings,
+    the SIDs (int [N, 4]) and the tokenizer's summary. When every ad needs a SID (the
+    paper-scale case) the embeddings, most of the catalog's bytes (128 per ad at dim 32),
+    are handed to `SIDTokenizer.assign`, which frees them once RQ-encoded."""
+    catalog = held.pop()
+    has = catalog.has_sid
+    if tokenizer is None or has.any():
+        sids, summary = assign_sids(catalog, tokenizer, device=device, workers=workers)
+        return dataclasses.replace(catalog, embedding=None), sids, summary
+    tokenizer = _tokenizer_for(catalog, tokenizer, has)
+    handed = [catalog.embedding]
+    catalog = dataclasses.replace(catalog, embedding=None)
+    sids, report = tokenizer.assign(handed, device=device, workers=workers)
+    return catalog, sids, report.summary()
+
+
+@contextmanager
+def _returning_freed_memory() -> Iterator[None]:
+    """Inside, memory the build frees leaves the process at once, so that its peak RSS is
+    what it holds, not what allocators keep: glibc's malloc maps blocks from
+    MMAP_THRESHOLD bytes on their own (`_mmap_threshold`; PUBLISH_MMAP_THRESHOLD from
+    publishing on, and after), and Arrow allocates through it (its default pool, mimalloc
+    or jemalloc, caches freed memory; restored on the way out)."""
+    _mmap_threshold(MMAP_THRESHOLD)
+    pool = pa.default_memory_pool()
+    pa.set_memory_pool(pa.system_memory_pool())
+    try:
+        yield
+    finally:
+        pa.set_memory_pool(pool)
+        _mmap_threshold(PUBLISH_MMAP_THRESHOLD)
+
+
+def _mmap_threshold(nbytes: int) -> None:
+    """glibc's malloc maps blocks of `nbytes` and more on their own, unmapped when freed
+    (`mallopt`, process-wide; nothing with another C library)."""
+    try:
+        glibc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (AttributeError, ValueError, OSError):  # not a POSIX system, or no such name
+        glibc = ""
+    if glibc.startswith("glibc"):
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, nbytes)
+
+
+def _sorted_catalog(held: list[Any], order: np.ndarray, workers: int) -> Catalog:
+    """The rows of held = [catalog, sids] (emptied here; `sids` int32 [N, 4] in catalog
+    order becomes the `sid` column) in the order of the permutation `order`, gathered by
+    `workers` threads, without the embeddings (the build needs none once SIDs exist).
+    Column by column, each input column let go once gathered: with no other reference
+    held, the build holds one copy of the catalog and one column, not two copies."""
+    sids = held.pop()
+    catalog = held.pop()
+    columns = {f.name: getattr(catalog, f.name) for f in dataclasses.fields(catalog)}
+    del catalog
+    columns["sid"] = parallel.take(sids, order, workers)
+    del sids
+    columns["embedding"] = None
 
     def take_lists(lists: Ragged) -> Ragged:
         offsets, flat = parallel.take_segments(lists.offsets, order)
         return Ragged(offsets, parallel.take(lists.values, flat, workers))
 
-    sets = {name: SetRules(take_lists(s.include), None if s.exclude is None else
-                           take_lists(s.exclude), s.vocabulary)
-            for name, s in catalog.sets.items()}  # fmt: skip
-    return dataclasses.replace(
-        catalog,
-        ad_id=parallel.take(catalog.ad_id, order, workers),
-        sid=parallel.take(sids, order, workers),
-        embedding=None,
-        bitmask=parallel.take(catalog.bitmask, order, workers),
-        sets=sets,
-        campaign=take(catalog.campaign),
-        advertiser=take(catalog.advertiser),
-        exclude_bitmask=take(catalog.exclude_bitmask),
-    )
+    for name in ("ad_id", "bitmask", "campaign", "advertiser", "exclude_bitmask"):
+        if columns[name] is not None:
+            columns[name] = parallel.take(columns[name], order, workers)
+    unsorted = dict(columns["sets"])  # the catalog's own dict stays as it was
+    columns["sets"] = sets = {}
+    for name in list(unsorted):
+        s = unsorted.pop(name)
+        sets[name] = SetRules(take_lists(s.include), None if s.exclude is None else
+                              take_lists(s.exclude), s.vocabulary)  # fmt: skip
+        del s
+    return Catalog(**columns)
 
 
 def build_arrays(
@@ -154,26 +227,25 @@ def _build_handed(
     """`build_arrays` of `held` = [catalog, sids], emptied here: once the caller holds no
     other reference, the catalog in input order and its SIDs are freed as soon as they are
     sorted (`build_index` hands them over; at 30 M ads each copy is gigabytes)."""
-    catalog, sids = held
-    held.clear()
     report = report if report is not None else BuildReport()
     workers = parallel.default_workers() if workers is None else workers
     t = time.perf_counter()
     # ads sorted by SID, ties in catalog order (a stable sort)
-    keys = parallel.digit_keys(sids, VOCAB_SIZE)
+    keys = parallel.digit_keys(held[1], VOCAB_SIZE)
     order = parallel.stable_argsort(keys, SID_LENGTH * (VOCAB_SIZE - 1).bit_length())
     del keys
-    sids = sids.astype(np.int32, copy=False)  # tokens < VOCAB_SIZE: half of int64's bytes
-    cat = _sorted_catalog(catalog, sids, order, workers)
-    del catalog, sids, order
-    leaf_first_ad, leaf_keys = leaf_runs(cat.sid)
+    held[1] = held[1].astype(np.int32, copy=False)  # tokens < VOCAB_SIZE: half of int64's
+    cat = _sorted_catalog(held, order, workers)
+    del order
+    leaf_ad_offsets, leaf_sids = leaf_runs(cat.sid)
+    leaf_first_ad = leaf_ad_offsets[:-1]
     leaf_bm = parallel.or_reduceat(cat.bitmask, leaf_first_ad, workers)
     leaf_bl = leaf_blooms(cat.schema, {k: s.include for k, s in cat.sets.items()},
                           {k: list(s.vocabulary) for k, s in cat.sets.items()},
                           leaf_first_ad, workers)  # fmt: skip
     t = report.phase("encode", t)
-    built = trie_of_leaves(leaf_first_ad, leaf_keys, cat.n, leaf_bm, leaf_bl, workers)
-    del leaf_first_ad, leaf_keys, leaf_bm, leaf_bl
+    built = trie_of_leaves(leaf_ad_offsets, leaf_sids, leaf_bm, leaf_bl, workers)
+    del leaf_ad_offsets, leaf_first_ad, leaf_sids, leaf_bm, leaf_bl
     t = report.phase("trie", t)
     if should_stop():
         raise BuildCancelled("stopped before k-way partitioning")
@@ -220,6 +292,7 @@ def with_partitions(
     return IndexArrays(trie=built.trie, ads=ads, kway=partitions)
 
 
+@_returning_freed_memory()
 def build_index(
     catalog_path: Path | str,
     out_root: Path | str,
@@ -247,7 +320,14 @@ def build_index(
     (`read_catalog`), each written to `<out_root>/catalog-rejects.jsonl` once it publishes
     and counted in the manifest (`catalog.rejected_rows`) and the report. A snapshot of a
     database (`postgres_source.snapshot`) passes its `catalog_seq` (the last change it
-    holds: the change feed goes on after it), `source` and `fingerprint`."""
+    holds: the change feed goes on after it), `source` and `fingerprint`.
+
+    Memory: a paper-world catalog (dim-32 embeddings, SIDs from the tokenizer) peaks at
+    ~220 bytes of RSS per ad above the process's baseline at 10 M and 30 M ads — the
+    catalog as read (~195: 128 of them embeddings) plus its enum rules until the bitmask
+    is made, or plus the RQ codes while SIDs are assigned; 30 M ads peak at 6.4 GiB in
+    all (the target: 8 GiB). The build before peaked at ~430 per ad at 10 M (10.4 GiB at
+    30 M even with the allocators set from the environment)."""
     if tokenizer_path and sid_space:
         raise BuildError("give a SID tokenizer or a SID space name, not both")
     named_space = sid_spaces.named(sid_space) if sid_space else None
@@ -265,12 +345,13 @@ def build_index(
         from index_builder.tokenizer import SIDTokenizer  # torch: only when needed
 
         tokenizer = SIDTokenizer.load(Path(tokenizer_path))
-    sids, report.collisions = assign_sids(catalog, tokenizer, device=device, workers=workers)
-    catalog = dataclasses.replace(catalog, embedding=None)  # frees them: SIDs are known
+    held: list[Any] = [catalog]  # handed over: the embeddings are freed once encoded
+    del catalog
+    catalog, sids, report.collisions = _assign_handed(held, tokenizer, device, workers)
     t = report.phase("tokenize", t)
     if should_stop():
         raise BuildCancelled("stopped before building the trie")
-    held: list[Any] = [catalog, sids]  # handed over: freed once sorted
+    held = [catalog, sids]  # handed over: freed once sorted
     del catalog, sids
     unwritten = [_build_handed(held, kway, report, should_stop, workers)]
     t = time.perf_counter()
@@ -310,6 +391,7 @@ def build_index(
         validate_index(directory, expect_tokenizer=tokenizer_fingerprint, expect_version=version)
         report.seconds["validate"] = round(time.perf_counter() - started, 3)
 
+    _mmap_threshold(PUBLISH_MMAP_THRESHOLD)
     version = publish(Path(out_root), write, keep=keep, check=check)
     write_rejects(Path(out_root) / REJECTS, rejected)
     if rejected:

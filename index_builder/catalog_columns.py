@@ -2,7 +2,8 @@
 in order by `catalog.read_catalog`. Each step is vectorised over the whole column and
 raises `CatalogError` (via `Source.error`) naming the first offending line or row — or,
 given `Bad` (a bad-row budget, `bad_rows.py`), records every offending row with the same
-message and goes on, so one pass finds them all.
+message and goes on, so one pass finds them all. One module for every field's step (a
+few lines past the house's ~300): each is short, and they share the error helpers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pyarrow.compute as pc
 
 from contracts.targeting_codec import Codec, Ragged
 from contracts.targeting_schema import MAX_VALUE_BYTES, Attribute
+from index_builder import parallel
 from index_builder.catalog_files import I64_MAX, SID_LEVELS, SID_VOCAB, Source, expect
 
 
@@ -40,14 +42,23 @@ def list_column(arr: pa.Array | None, n: int, field: str, src: Source) -> ListCo
         return None
     if isinstance(arr, pa.ChunkedArray):  # pa.array() chunks columns beyond 2 GiB
         arr = arr.combine_chunks()
-    lengths = pc.list_value_length(arr).fill_null(0).to_numpy().astype(np.int64)
     offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    np.cumsum(pc.list_value_length(arr).fill_null(0).to_numpy(), dtype=np.int64, out=offsets[1:])
     out = ListColumn(arr.is_valid().to_numpy(zero_copy_only=False), offsets, arr.flatten())
     if out.values.null_count:
         flat = int(np.flatnonzero(out.values.is_null().to_numpy(zero_copy_only=False))[0])
         raise src.error(out.row_of(flat), field, f"null element; expected {expect(field)[1]}")
     return out
+
+
+def check_elements(arr: pa.Array | None, n: int, field: str, src: Source) -> None:
+    """Raise `list_column`'s error for a list column with a null element (no other check
+    can run on it), without making its offsets: `catalog._build` checks every list column
+    so before converting any, then makes one `ListColumn` at a time."""
+    if arr is None or pa.types.is_null(arr.type):
+        return
+    if pc.list_flatten(arr).null_count:
+        list_column(arr, n, field, src)
 
 
 def first_true(mask: np.ndarray) -> int | None:
@@ -106,9 +117,11 @@ def ad_ids(arr: pa.Array | None, src: Source, bad: Bad | None = None) -> np.ndar
 
 
 def sids(lists: ListColumn | None, n: int, src: Source, bad: Bad | None = None) -> np.ndarray:
-    sid = np.full((n, SID_LEVELS), -1, dtype=np.int32)
+    """int32 [N, SID_LEVELS], -1 rows where absent; without the column one read-only -1
+    row broadcast over every ad (no memory: the usual case, SIDs from embeddings)."""
     if lists is None:
-        return sid
+        return np.broadcast_to(np.int32(-1), (n, SID_LEVELS))
+    sid = np.full((n, SID_LEVELS), -1, dtype=np.int32)
     wanted = expect("sid")[1]
     wrong = lists.valid & (lists.lengths != SID_LEVELS)
     values = lists.values.to_numpy()
@@ -162,7 +175,7 @@ def embeddings(
         return out
     if (row := first_true(wrong)) is not None:
         raise src.error(row, "embedding", differs(row))
-    if (flat := first_true(~np.isfinite(values))) is not None:
+    if (flat := _first_nonfinite(values)) is not None:
         msg = f"value {lists.values[flat].as_py()} is not a finite float32"
         raise src.error(lists.row_of(flat), "embedding", msg)
     if lists.valid.all():
@@ -170,6 +183,16 @@ def embeddings(
     out = np.full((n, dim), np.nan, dtype=np.float32)
     out[lists.valid] = values.reshape(-1, dim)
     return out
+
+
+def _first_nonfinite(values: np.ndarray, block: int = 1 << 22) -> int | None:
+    """first_true(~np.isfinite(values)) a block of values at a time: no bool per value (32
+    bytes per ad at dim 32)."""
+    for lo in range(0, len(values), block):
+        finite = np.isfinite(values[lo : lo + block])
+        if not finite.all():
+            return lo + int(np.argmin(finite))
+    return None
 
 
 def rule_ids(
@@ -255,13 +278,17 @@ def set_rules(
 
 
 def _per_ad(ranked: np.ndarray, lists: ListColumn, n: int, vocab: int) -> Ragged:
-    """Each ad's ids sorted and deduplicated: one sort of (row, id) keys does both."""
-    rows = np.repeat(np.arange(n, dtype=np.int64), lists.lengths)
+    """Each ad's ids sorted and deduplicated: one sort of (row, id) keys does both. The
+    temporaries are per value, not per ad (most ads name few values, or none)."""
+    rows = np.searchsorted(lists.offsets, np.arange(len(ranked)), side="right") - 1
     keys = rows * vocab + ranked
+    del rows
     keys.sort(kind="stable")  # already ordered by row: timsort only sorts within each ad
     keys = keys[np.r_[True, keys[1:] != keys[:-1]]]
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(keys // vocab, minlength=n), out=offsets[1:])
+    ads = keys // vocab
+    offsets = np.empty(n + 1, dtype=np.int64)  # an ad's first key: the keys of ads before
+    for lo, hi in parallel.blocks(n + 1, 1 << 20):
+        offsets[lo:hi] = np.searchsorted(ads, np.arange(lo, hi))
     return Ragged(offsets, (keys % vocab).astype(np.int32))
 
 
@@ -282,4 +309,5 @@ def owner_ids(
             arr = pc.if_else(pa.array(big), pa.scalar(0, arr.type), arr)
         elif (row := first_true(big)) is not None:
             raise src.error(row, field, f"{arr[row].as_py()} is not {expect(field)[1]}")
-    return arr.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    ids = arr.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+    return ids.astype(np.int64, copy=False)

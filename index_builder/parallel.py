@@ -42,6 +42,12 @@ def ranges(n: int, workers: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(even_cuts(n, parts)))
 
 
+def blocks(n: int, size: int = MIN_ROWS_PER_TASK) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges of `size` rows covering [0, n) (the last one shorter): tasks
+    whose temporaries stay a few MB however large n is."""
+    return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+
+
 def run(fn: Callable[..., T], items: Sequence[object], workers: int) -> list[T]:
     """[fn(*item) for item in items], on up to `workers` threads; results in input order."""
     if workers <= 1 or len(items) <= 1:
@@ -52,12 +58,22 @@ def run(fn: Callable[..., T], items: Sequence[object], workers: int) -> list[T]:
 
 def take_segments(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows `rows` of a ragged array with `offsets` int64 [n + 1], in that order: their
-    offsets int64 [len(rows) + 1] and the flat positions of their values int64 [nnz]."""
-    counts = np.diff(offsets)[rows]
-    out = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(counts, out=out[1:])
-    flat = np.repeat(offsets[:-1][rows] - out[:-1], counts)  # a row's start, less its new one
-    flat += np.arange(out[-1])
+    offsets int64 [len(rows) + 1] and the flat positions of their values int64 [nnz].
+    Made a block of rows at a time: no temporary of one int64 per row."""
+    out = np.empty(len(rows) + 1, dtype=np.int64)
+    out[0] = 0
+    for lo, hi in blocks(len(rows), 1 << 20):
+        at = rows[lo:hi]
+        np.subtract(offsets[at + 1], offsets[at], out=out[lo + 1 : hi + 1])
+    np.cumsum(out, out=out)
+    flat = np.empty(int(out[-1]), dtype=np.int64)
+    for lo, hi in blocks(len(rows), 1 << 20):
+        bounds = out[lo : hi + 1]
+        a, b = int(bounds[0]), int(bounds[-1])
+        shift = offsets[rows[lo:hi]] - bounds[:-1]  # a row's start, less its new one
+        part = flat[a:b]
+        part[:] = np.repeat(shift, np.diff(bounds))
+        part += np.arange(a, b, dtype=np.int64)
     return out, flat
 
 

@@ -4,16 +4,17 @@ read_parquet` calls `read_columns` once its column types are checked; the column
 
 Row groups are decoded on a few threads at once (one group per thread: Arrow alone
 decodes a group's columns in parallel, so its widest column, the embeddings, on one
-core), and consumed in order. The embedding column, most of a catalog's bytes, is copied
-group by group into one float32 buffer while its rows are all of one width with no
-nulls (the common case), so it never exists twice; the other columns, or an embedding
-column that is not that simple, are concatenated once every group is read, one column at
-a time. The arrays are the ones `pa.concat_tables(...).column(f).combine_chunks()` gives.
+core), and consumed in order; pages are read through a small buffer (`_fragments`), so
+that the reader's own memory stays a few decoded groups. The embedding column, most of a
+catalog's bytes, is copied group by group into one float32 buffer while its rows are all
+of one width with no nulls (the common case), so it never exists twice; the other
+columns, or an embedding column that is not that simple, are concatenated once every
+group is read, one column at a time. The arrays are the ones
+`pa.concat_tables(...).column(f).combine_chunks()` gives.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,10 +23,18 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.fs as fs
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
 _I32_MAX = 2**31 - 1
+# Row groups decoded at once (one per Arrow thread, up to this many): each decoded group
+# is held until consumed (~50 MB for 262,144 paper-world rows), however many cores there are
+MAX_DECODING = 4
+# Pages are read through a buffer of this many bytes, not a column chunk (or, pre-buffered,
+# a row group) at a time
+READ_BUFFER = 1 << 20
 
 
 class _Packed:
@@ -47,7 +56,7 @@ class _Packed:
         lengths = pc.list_value_length(chunk).to_numpy()
         if self.values is None:
             self.dim = int(lengths[0])
-            if self.dim == 0 or self.n * self.dim > _I32_MAX:  # as a list<float> holds it
+            if self.dim == 0:
                 return False
             self.values = np.empty(self.n * self.dim, dtype=np.float32)
         if np.any(lengths != self.dim):
@@ -58,29 +67,47 @@ class _Packed:
         return True
 
     def array(self) -> pa.Array:
-        """The rows packed so far as one list array of the column's type (no copy)."""
+        """The rows packed so far as one list array (no copy): of the column's type, or a
+        large list where they hold more values than 32-bit offsets reach (at dim 32, past
+        67 M rows)."""
         if self.values is None:
             return pa.array([], type=self.type)
-        offsets = np.arange(0, (self.rows + 1) * self.dim, self.dim, dtype=np.int32)
         items = pa.array(self.values[: self.rows * self.dim])
-        return pa.ListArray.from_arrays(pa.array(offsets), items, type=self.type)
+        if self.rows * self.dim <= _I32_MAX:
+            offsets = np.arange(0, (self.rows + 1) * self.dim, self.dim, dtype=np.int32)
+            return pa.ListArray.from_arrays(pa.array(offsets), items, type=self.type)
+        offsets = np.arange(0, (self.rows + 1) * self.dim, self.dim, dtype=np.int64)
+        return pa.LargeListArray.from_arrays(pa.array(offsets), items)
+
+
+def _fragments(path: Path) -> list[ds.ParquetFileFragment]:
+    """The file's row groups as dataset fragments, in order: read through them, pages come
+    through READ_BUFFER and every buffer from the default memory pool (`pq.ParquetFile`
+    reads pages into Arrow's built-in pool, mimalloc or jemalloc, which keeps what it
+    frees and which `pa.set_memory_pool` does not replace)."""
+    scan = ds.ParquetFragmentScanOptions(
+        pre_buffer=False, use_buffered_stream=True, buffer_size=READ_BUFFER
+    )
+    file_format = ds.ParquetFileFormat(default_fragment_scan_options=scan)
+    whole = file_format.make_fragment(str(path.absolute()), filesystem=fs.LocalFileSystem())
+    return whole.split_by_row_group()
 
 
 def _groups(
     path: Path, pf: pq.ParquetFile, fields: list[str], workers: int
 ) -> Iterator[tuple[int, pa.Table]]:
-    """(row group, its table) in order, up to `workers` groups decoded at once, each by
-    its own thread's reader of the file."""
-    local = threading.local()
+    """(row group, its table) in order, up to `workers` groups decoded at once, each on a
+    thread of its own (one: Arrow's threads decode a group's columns)."""
+    fragments = _fragments(path)
+    assert len(fragments) == pf.num_row_groups, (len(fragments), pf.num_row_groups)
 
-    def read(group: int) -> pa.Table:
-        if not hasattr(local, "file"):
-            local.file = pq.ParquetFile(path)
-        return local.file.read_row_group(group, columns=fields, use_threads=False)
+    def read(group: int, threads: bool = False) -> pa.Table:
+        rows = max(1, pf.metadata.row_group(group).num_rows)  # one batch: the group's
+        return fragments[group].to_table(columns=fields, use_threads=threads, batch_size=rows)
 
     if workers <= 1 or pf.num_row_groups <= 1:
         for group in range(pf.num_row_groups):
-            yield group, pf.read_row_group(group, columns=fields)
+            yield group, read(group, threads=True)
         return
     with ThreadPoolExecutor(workers) as pool:
         pending: deque[tuple[int, Future[pa.Table]]] = deque()
@@ -105,7 +132,7 @@ def read_columns(
         kind = schema.field("embedding").type
         if pa.types.is_list(kind) and kind.value_type == pa.float32():
             packed = _Packed(pf.metadata.num_rows, kind)
-    workers = max(1, pa.cpu_count())  # row groups decoded at once, one per Arrow thread
+    workers = max(1, min(pa.cpu_count(), MAX_DECODING))
     with tqdm(total=pf.metadata.num_rows, unit="row", disable=not progress) as bar:
         bar.set_description(f"catalog {path.name}")
         for group, table in _groups(path, pf, fields, workers):
@@ -124,8 +151,14 @@ def read_columns(
         if f == "embedding" and packed is not None:
             out[f] = packed.array()
             continue
-        parts = chunks.pop(f)
-        column = pa.chunked_array(parts, type=schema.field(f).type)
+        parts, kind = chunks.pop(f), schema.field(f).type
+        if pa.types.is_list(kind) and (
+            any(p.type != kind for p in parts)
+            or sum(pc.sum(pc.list_value_length(p)).as_py() or 0 for p in parts) > _I32_MAX
+        ):
+            kind = pa.large_list(kind.value_type)  # more values than 32-bit offsets reach
+            parts = [p.cast(kind) for p in parts]
+        column = pa.chunked_array(parts, type=kind)
         del parts
         out[f] = column.combine_chunks()
     return out

@@ -8,12 +8,16 @@ contiguous and in token order, and child entry j always leads to node j + 1.
 
 Each child entry's matcher is the OR over every ad in its subtree (paper eq. 4, 9):
 leaf matchers are ORs over the ads of one SID, inner matchers ORs over leaf ranges.
+The trie, its per-depth matcher dedup and the storage figures share the row hashing and
+the per-depth layout, so they stay in this one module, a little past the house's ~300
+lines.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -54,24 +58,43 @@ def dedup_rows(rows: np.ndarray, workers: int = 1) -> tuple[np.ndarray, np.ndarr
     bits packed with the row position (`parallel.stable_argsort`'s trick), then, if
     distinct rows share those bits, the full hashes; every result is verified, and a
     full-hash collision falls back to numpy's row-wise unique. The table is ordered by
-    hash, whatever `workers` (threads hashing and verifying).
+    hash (by its rows, after a full-hash collision), whatever `workers` (threads hashing
+    and verifying) and whatever the rows' order or repeats: the dedup of tables already
+    deduplicated, concatenated, is the dedup of all their rows (`_dedup_by_depth`). Holds
+    ~25 bytes per row besides the rows and the index.
     """
     if len(rows) == 0:
         return rows.copy(), np.zeros(0, dtype=np.int32)
-    h = _row_hash(rows, workers)
     pos_bits = max(1, (len(rows) - 1).bit_length())
-    packed = (h >> np.uint64(pos_bits + 1)).astype(np.int64) << pos_bits
-    packed |= np.arange(len(rows), dtype=np.int64)
+    packed = _packed_hashes(rows, pos_bits, workers)
     packed.sort()
-    found = _groups(rows, packed & ((1 << pos_bits) - 1), packed >> pos_bits, workers)
-    del packed
+    order = packed & ((1 << pos_bits) - 1)
+    packed >>= pos_bits  # now the sorted top hash bits
+    found = _groups(rows, order, packed, workers)
+    del packed, order
     if found is None:  # distinct rows share the top hash bits
+        h = _row_hash(rows, workers)
         order = np.argsort(h)
         found = _groups(rows, order, h[order], workers)
     if found is None:
         table, inverse = np.unique(rows, axis=0, return_inverse=True)
         found = np.ascontiguousarray(table), inverse.reshape(-1).astype(np.int32)
     return found
+
+
+def _packed_hashes(rows: np.ndarray, pos_bits: int, workers: int) -> np.ndarray:
+    """int64 [n]: each row's top hash bits, then its position in the low `pos_bits` bits
+    (made in place in the hashes' own array)."""
+    packed = _row_hash(rows, workers)
+    packed >>= np.uint64(pos_bits + 1)
+    packed <<= np.uint64(pos_bits)
+    packed = packed.view(np.int64)  # the top bit is clear
+
+    def number(lo: int, hi: int) -> None:
+        packed[lo:hi] |= np.arange(lo, hi, dtype=np.int64)
+
+    parallel.run(number, parallel.blocks(len(rows)), workers)
+    return packed
 
 
 def _groups(
@@ -82,7 +105,10 @@ def _groups(
     starts[0] = True
     np.not_equal(sorted_hash[1:], sorted_hash[:-1], out=starts[1:])
     inverse = np.empty(len(rows), dtype=np.int32)
-    inverse[order] = np.cumsum(starts, dtype=np.int32) - 1
+    group = np.cumsum(starts, dtype=np.int32)
+    group -= 1
+    inverse[order] = group
+    del group
     table = np.ascontiguousarray(rows[order[starts]])
 
     def same(lo: int, hi: int) -> bool:
@@ -114,15 +140,47 @@ class TrieBuild:
     leaf_sids: np.ndarray  # int16 [num_leaves, SID_LENGTH]
     leaf_bitmask: np.ndarray  # uint64 [num_leaves, bitmask_words]: OR over the leaf's ads
     leaf_bloom: np.ndarray  # uint64 [num_leaves, bloom_words]
-    node_first_leaf: np.ndarray  # int64 [num_nodes]: first leaf under node (root: 0)
-    node_leaf_count: np.ndarray  # int64 [num_nodes]: leaves under node
-    entry_bitmask: np.ndarray  # uint64 [E, bitmask_words] before dedup
-    entry_bloom: np.ndarray  # uint64 [E, bloom_words] before dedup
 
     def depth_entries(self, depth: int) -> slice:
         """Child entries leading to nodes of `depth` (1..SID_LENGTH): decode step `depth`."""
         lo = self.trie.level_offsets
         return slice(int(lo[depth]) - 1, int(lo[depth + 1]) - 1)
+
+    @cached_property
+    def node_first_leaf(self) -> np.ndarray:
+        """int64 [num_nodes]: the first leaf under each node (root: 0), its first child's
+        (made on first use, by k-way: one int64 per node the plain build never holds)."""
+        lo = [int(x) for x in self.trie.level_offsets]
+        out = np.empty(lo[-1], dtype=np.int64)
+        out[lo[SID_LENGTH] :] = np.arange(lo[-1] - lo[SID_LENGTH])
+        for depth in range(SID_LENGTH - 1, -1, -1):  # entry j leads to node j + 1
+            out[lo[depth] : lo[depth + 1]] = out[
+                self.trie.node_offsets[lo[depth] : lo[depth + 1]] + 1
+            ]
+        return out
+
+    @cached_property
+    def node_leaf_count(self) -> np.ndarray:
+        """int64 [num_nodes]: the leaves under each node (made on first use)."""
+        lo = [int(x) for x in self.trie.level_offsets]
+        first, num_leaves = self.node_first_leaf, len(self.leaf_sids)
+        out = np.empty(lo[-1], dtype=np.int64)
+        for depth in range(SID_LENGTH + 1):  # a node's leaves run to the next node's first
+            a, b = lo[depth], lo[depth + 1]
+            np.subtract(first[a + 1 : b], first[a : b - 1], out=out[a : b - 1])
+            out[b - 1] = num_leaves - first[b - 1]
+        return out
+
+    @property
+    def entry_bitmask(self) -> np.ndarray:
+        """uint64 [E, bitmask_words]: every child entry's bitmask matcher before dedup,
+        gathered from the table (for tests and studies: the build never holds E rows)."""
+        return self.trie.bitmask_table[self.trie.bitmask_index]
+
+    @property
+    def entry_bloom(self) -> np.ndarray:
+        """uint64 [E, bloom_words]: every child entry's Bloom matcher before dedup."""
+        return self.trie.bloom_table[self.trie.bloom_index]
 
 
 def build_trie(
@@ -132,16 +190,16 @@ def build_trie(
     workers: int = 1,  # threads for the subtree ORs, hashing and checks: same arrays for any
 ) -> TrieBuild:
     """The CSR trie of ads sorted by SID."""
-    leaf_first_ad, leaf_keys = leaf_runs(sids)
+    leaf_ad_offsets, leaf_sids = leaf_runs(sids)
     # read N rows once per table; write one row per SID
-    leaf_bm = parallel.or_reduceat(ad_bitmask, leaf_first_ad, workers)
-    leaf_bl = parallel.or_reduceat(ad_bloom, leaf_first_ad, workers)
-    return trie_of_leaves(leaf_first_ad, leaf_keys, len(sids), leaf_bm, leaf_bl, workers)
+    leaf_bm = parallel.or_reduceat(ad_bitmask, leaf_ad_offsets[:-1], workers)
+    leaf_bl = parallel.or_reduceat(ad_bloom, leaf_ad_offsets[:-1], workers)
+    return trie_of_leaves(leaf_ad_offsets, leaf_sids, leaf_bm, leaf_bl, workers)
 
 
 def leaf_runs(sids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The leaves of ads sorted by SID (int [N, SID_LENGTH]): each leaf's first ad int64
-    [L] and its SID as a base-VOCAB_SIZE key int64 [L]."""
+    """The leaves of ads sorted by SID (int [N, SID_LENGTH]): their ads' offsets int64
+    [L + 1] (leaf i: ads [off[i], off[i+1])) and their SIDs int16 [L, SID_LENGTH]."""
     if len(sids) == 0:
         raise ValueError("cannot build a trie from an empty catalog")
     keys = parallel.digit_keys(sids, VOCAB_SIZE)
@@ -150,63 +208,57 @@ def leaf_runs(sids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     starts = np.empty(len(keys), dtype=bool)
     starts[0] = True
     np.not_equal(keys[1:], keys[:-1], out=starts[1:])
-    leaf_first_ad = np.flatnonzero(starts)
-    return leaf_first_ad, keys[leaf_first_ad]
+    del keys
+    first = np.flatnonzero(starts)
+    del starts
+    leaf_ad_offsets = np.empty(len(first) + 1, dtype=np.int64)
+    leaf_ad_offsets[:-1] = first
+    leaf_ad_offsets[-1] = len(sids)
+    leaf_sids = np.empty((len(first), SID_LENGTH), dtype=np.int16)
+    for pos in range(SID_LENGTH):
+        leaf_sids[:, pos] = sids[first, pos]
+    return leaf_ad_offsets, leaf_sids
 
 
 def trie_of_leaves(
-    leaf_first_ad: np.ndarray,  # int64 [L]: `leaf_runs`
-    leaf_keys: np.ndarray,  # int64 [L]: `leaf_runs`
-    n: int,  # ads
+    leaf_ad_offsets: np.ndarray,  # int64 [L + 1]: `leaf_runs`
+    leaf_sids: np.ndarray,  # int16 [L, SID_LENGTH]: `leaf_runs` (sorted, distinct)
     leaf_bm: np.ndarray,  # uint64 [L, bitmask_words]: OR over each leaf's ads
     leaf_bl: np.ndarray,  # uint64 [L, bloom_words]
     workers: int = 1,
 ) -> TrieBuild:
     """`build_trie` from its leaves: the ads' matchers already ORed per SID (what lets
-    the build hash Blooms leaf range by leaf range, never holding one row per ad)."""
-    num_leaves = len(leaf_keys)
-    level_offsets = [0, 1]
-    parents, tokens, firsts = [], [], []
-    node_of_leaf = np.zeros(num_leaves, dtype=np.int64)  # the root holds every leaf
-    for depth in range(1, SID_LENGTH + 1):
-        kd = leaf_keys // VOCAB_SIZE ** (SID_LENGTH - depth)
-        starts = np.concatenate([[True], kd[1:] != kd[:-1]])
-        first = np.flatnonzero(starts)
-        base = level_offsets[-1]
-        parents.append(node_of_leaf[first])
-        tokens.append((kd[first] % VOCAB_SIZE).astype(np.int16))
-        firsts.append(first)
-        node_of_leaf = np.cumsum(starts) - 1 + base
-        level_offsets.append(base + len(first))
-    del node_of_leaf, kd, starts
+    the build hash Blooms leaf range by leaf range, never holding one row per ad).
 
+    The matchers are deduplicated depth by depth (`_dedup_by_depth`): the entries of the
+    deepest depth are the leaves themselves, whose rows are used as they are, and one
+    inner depth's subtree ORs exist at a time — at 30 M ads ~11 M rows of the 38 M
+    entries' (72 bytes each), never all of them."""
+    num_leaves = len(leaf_sids)
+    level_offsets = [0, 1]
+    tokens, firsts = [], []  # per depth: its nodes' tokens and first leaves
+    for depth in range(1, SID_LENGTH):
+        kd = parallel.digit_keys(leaf_sids[:, :depth], VOCAB_SIZE)
+        starts = np.empty(num_leaves, dtype=bool)
+        starts[0] = True
+        np.not_equal(kd[1:], kd[:-1], out=starts[1:])
+        del kd
+        first = np.flatnonzero(starts)
+        del starts
+        tokens.append(leaf_sids[first, depth - 1])
+        firsts.append(first)
+        level_offsets.append(level_offsets[-1] + len(first))
+    tokens.append(leaf_sids[:, SID_LENGTH - 1].copy())  # the deepest nodes: the leaves
+    level_offsets.append(level_offsets[-1] + num_leaves)
     num_nodes = level_offsets[-1]
-    parent = np.concatenate(parents)
-    del parents
-    node_offsets = np.zeros(num_nodes + 1, dtype=np.int64)
-    np.cumsum(np.bincount(parent, minlength=num_nodes), out=node_offsets[1:])
-    del parent
     if num_nodes >= np.iinfo(np.int32).max:
         raise ValueError(f"{num_nodes} trie nodes exceed the int32 layout")
-    # each depth's subtree ORs written in place: one copy of the ~2.6 GB (30 M ads) tables
-    entry_bm = np.empty((num_nodes - 1, leaf_bm.shape[1]), dtype=leaf_bm.dtype)
-    entry_bl = np.empty((num_nodes - 1, leaf_bl.shape[1]), dtype=leaf_bl.dtype)
-    for depth, first in enumerate(firsts, 1):
-        at = slice(level_offsets[depth] - 1, level_offsets[depth + 1] - 1)
-        parallel.or_reduceat(leaf_bm, first, workers, out=entry_bm[at])
-        parallel.or_reduceat(leaf_bl, first, workers, out=entry_bl[at])
-    bm_table, bm_index = dedup_rows(entry_bm, workers)
-    bl_table, bl_index = dedup_rows(entry_bl, workers)
-
-    first_leaf = np.concatenate([[0], *firsts]).astype(np.int64)
-    # nodes are numbered depth by depth, so the per-depth counts concatenate in order
-    counts = [np.diff(np.append(first, num_leaves)) for first in firsts]
+    node_offsets = _child_offsets(firsts, level_offsets)
+    bm_table, bm_index = _dedup_by_depth(leaf_bm, firsts, workers)
+    bl_table, bl_index = _dedup_by_depth(leaf_bl, firsts, workers)
     del firsts
-    leaf_count = np.concatenate([[num_leaves], *counts]).astype(np.int64)
-    del counts
-
     trie = TrieArrays(
-        node_offsets=node_offsets.astype(np.int32),
+        node_offsets=node_offsets,
         csr_child_nodes=np.arange(1, num_nodes, dtype=np.int32),
         csr_tokens=np.concatenate(tokens),
         bitmask_index=bm_index,
@@ -215,21 +267,55 @@ def trie_of_leaves(
         bloom_table=bl_table,
         level_offsets=np.array(level_offsets, dtype=np.int64),
     )
-    del node_offsets, tokens
-    leaf_sids = np.empty((num_leaves, SID_LENGTH), dtype=np.int16)
-    for pos in range(SID_LENGTH):  # each token's place in a key, one column at a time
-        leaf_sids[:, pos] = leaf_keys // VOCAB_SIZE ** (SID_LENGTH - 1 - pos) % VOCAB_SIZE
-    return TrieBuild(
-        trie=trie,
-        leaf_ad_offsets=np.append(leaf_first_ad, n).astype(np.int64),
-        leaf_sids=leaf_sids,
-        leaf_bitmask=leaf_bm,
-        leaf_bloom=leaf_bl,
-        node_first_leaf=first_leaf,
-        node_leaf_count=leaf_count,
-        entry_bitmask=entry_bm,
-        entry_bloom=entry_bl,
-    )
+    return TrieBuild(trie, leaf_ad_offsets, leaf_sids, leaf_bm, leaf_bl)
+
+
+def _child_offsets(firsts: list[np.ndarray], level_offsets: list[int]) -> np.ndarray:
+    """The CSR `node_offsets` (int32 [num_nodes + 1]) from the first leaf of each node of
+    depths 1..SID_LENGTH - 1 (`firsts`; the deepest nodes are the leaves). A node's
+    children are the next depth's nodes from the one starting at its first leaf (every
+    prefix starts a longer one there), and entry j leads to node j + 1; leaves have none."""
+    num_nodes = level_offsets[-1]
+    out = np.empty(num_nodes + 1, dtype=np.int32)
+    out[0] = 0  # the root: entries from 0
+    for depth in range(1, SID_LENGTH):
+        at = out[level_offsets[depth] : level_offsets[depth + 1]]
+        first = firsts[depth - 1]
+        # the next depth's nodes starting before this node's first leaf
+        at[:] = first if depth == SID_LENGTH - 1 else np.searchsorted(firsts[depth], first)
+        at += level_offsets[depth + 1] - 1
+    out[level_offsets[SID_LENGTH] :] = num_nodes - 1
+    return out
+
+
+def _dedup_by_depth(
+    leaf_rows: np.ndarray, firsts: list[np.ndarray], workers: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`dedup_rows` of every child entry's matcher, entries in order (depth 1 first): the
+    OR of `leaf_rows` (uint64 [L, W]) over each node's leaves (`firsts`: the first leaf of
+    each node of depths 1..SID_LENGTH - 1; the deepest depth's rows are `leaf_rows`).
+
+    Each depth's rows are made and deduplicated on their own, then the depths' small
+    tables together: the same table and index as one `dedup_rows` of all the rows (its
+    table is ordered by hash, whatever the rows' order and repeats), holding one depth's
+    rows at a time."""
+    index = np.empty(sum(len(f) for f in firsts) + len(leaf_rows), dtype=np.int32)
+    tables, at = [], 0
+    for first in [*firsts, None]:
+        rows = leaf_rows if first is None else parallel.or_reduceat(leaf_rows, first, workers)
+        table, index[at : at + len(rows)] = dedup_rows(rows, workers)
+        at += len(rows)
+        del rows
+        tables.append(table)
+    table, merged = dedup_rows(np.concatenate(tables), workers)
+    at = base = 0  # each depth's own index -> the merged table's
+    for first, own in zip([*firsts, None], tables, strict=True):
+        count = len(leaf_rows) if first is None else len(first)
+        for lo, hi in parallel.blocks(count, 1 << 20):
+            part = index[at + lo : at + hi]
+            part[:] = merged[part + base]
+        at, base = at + count, base + len(own)
+    return table, index
 
 
 def matcher_fill(
@@ -251,25 +337,31 @@ def storage_stats(
     """Per decode step: entries, matcher bytes before/after dedup, fill (paper Tables 1–2).
 
     "After dedup" counts the distinct rows the step's entries use in the shared tables.
+    Counted from the tables and each row's uses (a row's set bits times its entries), the
+    same figures as `matcher_fill` of the entries' rows, which the build never holds.
     """
+    del workers  # one bincount per step and table: nothing to share out
     trie = build.trie
+    bm_bits = np.bitwise_count(trie.bitmask_table).sum(axis=1, dtype=np.int64)
+    bl_bits = np.bitwise_count(trie.bloom_table).sum(axis=1, dtype=np.int64)
+    bm_words, bl_words = trie.bitmask_table.shape[1], trie.bloom_table.shape[1]
     out = []
     for depth in range(1, SID_LENGTH + 1):
         sl = build.depth_entries(depth)
-        bm, bl = build.entry_bitmask[sl], build.entry_bloom[sl]
-        bm_unique = np.count_nonzero(np.bincount(trie.bitmask_index[sl]))
-        bl_unique = np.count_nonzero(np.bincount(trie.bloom_index[sl]))
-        fill_bm, fill_bl = matcher_fill(bm, bl, schema, workers)
+        entries = sl.stop - sl.start
+        bm_uses = np.bincount(trie.bitmask_index[sl], minlength=len(bm_bits))
+        bl_uses = np.bincount(trie.bloom_index[sl], minlength=len(bl_bits))
+        set_bm, set_bl = int(bm_uses @ bm_bits), int(bl_uses @ bl_bits)
         out.append(
             {
                 "step": depth,
-                "entries": len(bm),
-                "bitmask_bytes": bm.nbytes,
-                "bitmask_bytes_dedup": int(bm_unique) * bm.shape[1] * 8,
-                "bloom_bytes": bl.nbytes,
-                "bloom_bytes_dedup": int(bl_unique) * bl.shape[1] * 8,
-                "bitmask_fill": fill_bm,
-                "bloom_fill": fill_bl,
+                "entries": entries,
+                "bitmask_bytes": entries * bm_words * 8,
+                "bitmask_bytes_dedup": int(np.count_nonzero(bm_uses)) * bm_words * 8,
+                "bloom_bytes": entries * bl_words * 8,
+                "bloom_bytes_dedup": int(np.count_nonzero(bl_uses)) * bl_words * 8,
+                "bitmask_fill": set_bm / entries / max(1, schema.bitmask_bits),
+                "bloom_fill": set_bl / entries / max(1, 64 * schema.bloom_words),
             }
         )
     return out
