@@ -18,6 +18,7 @@ from service.mps import ENV, MpsError, check_mps, mps_daemon, resolve_mps
 from service.placement import Slot
 from service.settings import load_settings
 from tests.helpers.mps_control import fake_control
+from tests.helpers.server_process import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 ONE_GPU = [Slot(0, 0, None), Slot(1, 0, None)]  # two workers on GPU 0 (no GPU here)
@@ -91,9 +92,12 @@ def test_serve_flag_reports_a_missing_daemon_as_bad_input(tmp_path: Path) -> Non
     """`grace serve --workers 2 --mps` without the driver's control binary: one line on
     stderr, exit status 2, no traceback."""
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{Path(sys.executable).parent}"}
+    # free ports: the ports are checked first, and a test beside it may hold the defaults
+    port, metrics = free_ports(1, 2)
     done = subprocess.run(
         [sys.executable, "-m", "cli", "serve", "--workers", "2", "--mps", "--device",
-         "cuda", "--data-dir", str(tmp_path), "--port", "50998", "--no-progress"],
+         "cuda", "--data-dir", str(tmp_path), "--port", str(port), "--metrics-port",
+         str(metrics), "--no-progress"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
