@@ -234,7 +234,7 @@ class Stages:
                 stage_ms=dict(stage_ms),
                 batch_size=len(batch.pending),
                 beams=_answered_by(batch, reqs[i]),
-                rung=batch.rung if reqs[i].adaptive and batch.rung_beams else -1,
+                rung=batch.rung if reqs[i].adaptive else -1,
             )
             for p, i in zip(posts, rows, strict=True)
         ]
