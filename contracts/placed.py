@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from contracts.index_format import SID_LENGTH
-
 PLACE = "place"
 
 
@@ -106,11 +104,3 @@ def _lists(
                              f"its vocabulary")  # fmt: skip
         out[name] = np.unique(arr).astype(np.int32)
     return out
-
-
-def leaf_keys(leaf_sids: np.ndarray, vocab: int) -> np.ndarray:
-    """int64 [L] one key per leaf SID, in the leaves' (sorted) order."""
-    key = np.zeros(len(leaf_sids), dtype=np.int64)
-    for pos in range(SID_LENGTH):
-        key = key * vocab + leaf_sids[:, pos].astype(np.int64)
-    return key

@@ -24,11 +24,12 @@ from pathlib import Path
 import numpy as np
 
 from contracts.index_format import VOCAB_SIZE, read_index_dir
-from contracts.placed import PlacedAd, leaf_keys
+from contracts.placed import PlacedAd
 from contracts.targeting_codec import Ragged
 from contracts.targeting_schema import TargetingSchema
 from index_builder.blooms import ad_blooms
 from index_builder.catalog import Catalog
+from index_builder.parallel import digit_keys
 
 
 class BuiltAds:
@@ -96,8 +97,8 @@ class BuiltAds:
             leaf = int(np.searchsorted(ads.leaf_ad_offsets, row, side="right")) - 1
         else:
             if self._keys is None:
-                self._keys = leaf_keys(ads.leaf_sids, VOCAB_SIZE)
-            key = int(leaf_keys(sid[None, :].astype(np.int16), VOCAB_SIZE)[0])
+                self._keys = digit_keys(ads.leaf_sids, VOCAB_SIZE)
+            key = int(digit_keys(sid[None, :], VOCAB_SIZE)[0])
             leaf = int(np.searchsorted(self._keys, key))
             if leaf == len(self._keys) or self._keys[leaf] != key:
                 return None  # a SID the trie lacks: served from the next full build

@@ -9,8 +9,10 @@ its rows ORed with the ad's — written to spare rows at the end of each matcher
 `Widened` (entry → rows), brought to the device by stage 3 (`prune.Pruning.sync`) before
 a batch's decode. Widening only adds bits and a version's rows only ever widen, so a batch
 that sees a row wider than its seq needs stays sound; a narrowing needs no matcher change.
-Spare rows are a fixed number per version (`live_spare_rows`); once spent, a place that
-needs one waits for the next full build like an upsert (`grace_live_ads{state="waiting"}`).
+Spare rows are a fixed number per version (`DEFAULT_SPARE_ROWS`, `LoadedIndex.from_arrays`'
+`spare_rows`); once spent, a place that needs one waits for the next full build like an
+upsert (`grace_live_ads{state="waiting"}`, or `grace_live_new_ads_waiting` for an ad the
+version does not hold).
 
 → `Overlay`: the live placed ads as a small ad index with its own C++ post stage (the same
 exact rules); stage 4 runs it over the batch's generated leaves beside the version's and
@@ -156,7 +158,7 @@ class Overlay:
     each state that changes them (`after`), from columns, off the request path."""
 
     def __init__(self, ads: Columns, main: PostStage, schema: TargetingSchema) -> None:
-        self.columns, self._main, self._schema = ads, main, schema
+        self.columns = ads
         self.leaves, first = np.unique(ads.leaf, return_index=True)  # the version's leaf ids
         owned = main.ads.ad_campaign_ids is not None, main.ads.ad_advertiser_ids is not None
         rules = AdRules(
@@ -172,7 +174,6 @@ class Overlay:
             ad_ids=ads.ad_id,
             ad_bitmask=ads.bitmask,
         )
-        self.num_ads = len(ads.ad_id)
         self.stage = PostStage(arrays, threads=1, schema=schema, rules=rules,
                                ad_exclude_bitmask=ads.cleared)  # fmt: skip
 

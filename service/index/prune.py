@@ -11,7 +11,9 @@ rows at least one bit), so no beam is spent below it; an entry revived gets its 
 back; with k-way matchers (`CD_GTM_KWAY`) a barred entry's partition rows are zeroed
 and restored the same way. Sound: an entry is barred only while no ad below it is live at
 the batch's `catalog_seq`, the state the exact post stage drops not-live ads by. CD-only
-decoding (an ablation) reads no matcher and prunes nothing.
+decoding (an ablation) reads no matcher and prunes nothing. The same sync writes the
+matcher rows widened for upserts served in place (`Widened`, service/index/placed.py) and
+points their entries at them.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ class Widened:
 
 class Subtrees:
     """Trie paths and subtree sizes of one version, for the ads whose state changes: the
-        leaves are the ads' runs in SID order and each node's leaves a contiguous range (the
-        builder's breadth-first, token-ordered trie), so a size is two descents. Nothing is
+    leaves are the ads' runs in SID order and each node's leaves a contiguous range (the
+    builder's breadth-first, token-ordered trie), so a size is two descents. Nothing is
     cached: a few µs an ad, and no memory that grows with the ads a version has seen change."""
 
     def __init__(self, trie: TrieArrays, ads: AdArrays) -> None:

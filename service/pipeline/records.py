@@ -63,15 +63,19 @@ class DecodeGroup:
     rows: tuple[int, ...]  # positions in the batch
 
 
+def schedule_of(request: RetrievalRequest, rung: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The beam schedule `request` decodes at in a batch given ladder rung `rung`: the
+    rung's without beam_widths of its own (None: the server's schedule it holds)."""
+    return rung if request.adaptive and rung is not None else request.beams
+
+
 def decode_groups(
     requests: Sequence[RetrievalRequest], rung: tuple[int, ...] | None = None
 ) -> tuple[DecodeGroup, ...]:
-    """The batch's decode groups, in order of first appearance; the requests without
-    beam_widths of their own decode at `rung` (None: the server's schedule they hold)."""
+    """The batch's decode groups, in order of first appearance (`schedule_of` each)."""
     rows_of: dict[tuple[tuple[int, ...], FilterMode], list[int]] = {}
     for i, r in enumerate(requests):
-        beams = rung if r.adaptive and rung is not None else r.beams
-        rows_of.setdefault((beams, r.filter_mode), []).append(i)
+        rows_of.setdefault((schedule_of(r, rung), r.filter_mode), []).append(i)
     return tuple(DecodeGroup(beams, mode, tuple(rows)) for (beams, mode), rows in rows_of.items())
 
 

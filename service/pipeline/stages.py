@@ -30,8 +30,8 @@ from service.pipeline.records import (
     DeviceGroup,
     Embedded,
     Packed,
-    RetrievalRequest,
     RetrievalResult,
+    schedule_of,
 )
 from service.pipeline.runtime import ModelRuntime
 
@@ -233,15 +233,8 @@ class Stages:
                 catalog_seq=live.seq,
                 stage_ms=dict(stage_ms),
                 batch_size=len(batch.pending),
-                beams=_answered_by(batch, reqs[i]),
+                beams=schedule_of(reqs[i], batch.rung_beams),
                 rung=batch.rung if reqs[i].adaptive else -1,
             )
             for p, i in zip(posts, rows, strict=True)
         ]
-
-
-def _answered_by(batch: Batch, request: RetrievalRequest) -> tuple[int, ...]:
-    """The beam schedule a request of `batch` decoded at."""
-    if request.adaptive and batch.rung_beams is not None:
-        return batch.rung_beams
-    return request.beams

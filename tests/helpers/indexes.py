@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from contracts.index_arrays import IndexArrays
-from contracts.index_format import write_index_dir
+from contracts.index_format import file_sha256, write_index_dir
 from contracts.index_validation import validate_index
 from index_builder.build import build_arrays
 from index_builder.sidecar import BuilderConfig, BuilderStats, run_builder
@@ -54,6 +55,16 @@ def validator(tokenizer: str = "test") -> Writer:
         validate_index(directory, expect_tokenizer=tokenizer, expect_version=version)
 
     return check
+
+
+def rewrite_array(version: Path, name: str, arr: np.ndarray) -> None:
+    """Replace an array of a version directory *and* its checksum: only the structural
+    checks can object."""
+    path = version / f"{name}.npy"
+    np.save(path, arr)
+    manifest = json.loads((version / "manifest.json").read_text())
+    manifest["arrays"][name].update(sha256=file_sha256(path), shape=list(arr.shape))
+    (version / "manifest.json").write_text(json.dumps(manifest))
 
 
 def flip_byte(path: Path, at: int = -1) -> None:

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 import index_builder.publish as publish_module
-from contracts.index_format import file_sha256
 from contracts.index_validation import IndexValidationError, validate_index
 from contracts.versions import writer_lock
 from index_builder.build import build_index
@@ -37,6 +36,7 @@ from tests.helpers.indexes import (
     corrupt_builds,
     corrupting,
     flip_byte,
+    rewrite_array,
     small_index,
     validator,
     writer,
@@ -257,15 +257,6 @@ def test_missing_manifest_is_caught(published: Path) -> None:
         validate_index(published)
 
 
-def _rewrite(published: Path, name: str, arr: np.ndarray) -> None:
-    """Replace an array *and* its checksum: only the structural checks can object."""
-    path = published / f"{name}.npy"
-    np.save(path, arr)
-    manifest = json.loads((published / "manifest.json").read_text())
-    manifest["arrays"][name].update(sha256=file_sha256(path), shape=list(arr.shape))
-    (published / "manifest.json").write_text(json.dumps(manifest))
-
-
 @pytest.mark.parametrize(
     ("name", "mutate", "fault"),
     [
@@ -281,7 +272,7 @@ def _rewrite(published: Path, name: str, arr: np.ndarray) -> None:
 )
 def test_structural_corruption_is_caught(published: Path, name, mutate, fault) -> None:
     arr = np.load(published / f"{name}.npy")
-    _rewrite(published, name, mutate(arr))
+    rewrite_array(published, name, mutate(arr))
     with pytest.raises(IndexValidationError, match=fault):
         validate_index(published)
 
@@ -303,8 +294,8 @@ def test_a_prefix_matcher_missing_a_childs_bits_is_caught(
     child = children[same if shared else ~same][-1]
     broken = index.copy()
     broken[parent[child] - 1] = len(table)  # a new, empty row
-    _rewrite(published, f"trie.{kind}_table", np.vstack([table, np.zeros_like(table[:1])]))
-    _rewrite(published, f"trie.{kind}_index", broken)
+    rewrite_array(published, f"trie.{kind}_table", np.vstack([table, np.zeros_like(table[:1])]))
+    rewrite_array(published, f"trie.{kind}_index", broken)
     with pytest.raises(IndexValidationError, match=f"prefix's {word} matcher misses"):
         validate_index(published)
 

@@ -13,7 +13,6 @@ test checks that blocks of any size give the faults one block gives.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,10 +20,10 @@ import numpy as np
 import pytest
 
 from contracts import index_validation
-from contracts.index_format import file_sha256
 from contracts.index_validation import IndexValidationError, validate_index
 from index_builder.build import build_index
 from index_builder.publish import current_path
+from tests.helpers.indexes import rewrite_array
 from tests.helpers.peak_memory import CAN_RESET, peak_bytes_per_ad, write_catalog
 
 ADS = 300_000
@@ -49,15 +48,6 @@ def _build(root: Path, ads: int) -> Path:
 def test_validate_index_peak_memory_per_ad(tmp_path: Path) -> None:
     per_ad = peak_bytes_per_ad(_SETUP, _CALL, _build(tmp_path, ADS), ADS)
     assert per_ad < BOUND, f"validate_index peaked at {per_ad:.0f} bytes per ad (bound {BOUND})"
-
-
-def _rewrite(version: Path, name: str, arr: np.ndarray) -> None:
-    """Replace an array and its checksum: only the structural checks can object."""
-    path = version / f"{name}.npy"
-    np.save(path, arr)
-    manifest = json.loads((version / "manifest.json").read_text())
-    manifest["arrays"][name].update(sha256=file_sha256(path), shape=list(arr.shape))
-    (version / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _faults(version: Path) -> list[str]:
@@ -142,7 +132,7 @@ def test_blocks_of_any_size_find_the_faults_one_block_finds(
         (version / f.name).write_bytes(f.read_bytes())
     if corruption != "sound":
         name, corrupted = CORRUPTIONS[corruption]
-        _rewrite(version, name, corrupted(version))
+        rewrite_array(version, name, corrupted(version))
     monkeypatch.setattr(index_validation, "BLOCK", 1 << 30)
     monkeypatch.setattr(index_validation, "ID_BUCKET", 1 << 30)
     whole = _faults(version)
