@@ -36,7 +36,7 @@ from service.index.prune import Subtrees, Widened
 from service.post import PostRequest, PostResult, PostStage
 from service.post.expand import lists_of
 
-DEFAULT_SPARE_ROWS = 16_384  # per matcher table: ~2 MB of GPU memory for a wide schema
+DEFAULT_SPARE_ROWS = 16_384  # per matcher table: 1.2 MB of device memory at the default schema
 
 
 class Spare:
