@@ -121,12 +121,18 @@ def test_goodput_holds_at_twice_capacity_and_shrinking_beams_answer_more(
     of it in time: the two compared with each other, in one run."""
 
     async def run(server: ServerProcess, rate: float | None) -> tuple[float, float, object]:
+        """Twice the capacity probed before and after it (`rate` None: their mean is the
+        capacity returned), or `rate` as given; (capacity, offered, the overload run)."""
+        if rate is not None:
+            overload = await run_open_loop(server.target, requests, rate, 12, 1.0)
+            await asyncio.to_thread(server.wait_idle)
+            return 0.0, rate, overload
         before = await probe_capacity(server.target, requests, concurrency=16,
                                       seconds=6, warmup_s=2)  # fmt: skip
-        offered = rate or 2 * before.ok_rps
-        overload = await run_open_loop(server.target, requests, offered, 12, 1.0)
+        overload = await run_open_loop(server.target, requests, 2 * before.ok_rps, 12, 1.0)
         await asyncio.to_thread(server.wait_idle)
-        return before.ok_rps, offered, overload
+        after = await probe_capacity(server.target, requests, concurrency=16, seconds=6)
+        return (before.ok_rps + after.ok_rps) / 2, 2 * before.ok_rps, overload
 
     with serving(data, tmp_path / "refusing.log", env={"GRACE_BEAM_LADDER": "off"}) as server:
         capacity, offered, refusing = asyncio.run(run(server, None))
