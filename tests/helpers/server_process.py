@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 300.0  # a cold start on a busy box: torch import, model, index
+_RANDOM = random.SystemRandom()  # not the seeded global one: parallel test runs draw apart
 
 
 def free_port() -> int:
@@ -33,7 +35,10 @@ def free_ports(*runs: int) -> list[int]:
     """The first port of each of `runs` runs of free localhost ports (run i spans
     `runs[i]` ports: workers take metrics_port + i), no two overlapping. Every port stays
     bound until all are chosen, so the kernel cannot hand the same one out twice (two
-    `free_port()` calls in a row once gave a server the same port for gRPC and metrics)."""
+    `free_port()` calls in a row once gave a server the same port for gRPC and metrics).
+    They are drawn below the kernel's ephemeral range: a port from it can be taken by any
+    outgoing connection before the server binds it (a worker's metrics port once was, by
+    the test's own scrapes, and the worker failed to start)."""
     held: list[socket.socket] = []
 
     def bind(port: int) -> bool:
@@ -46,13 +51,13 @@ def free_ports(*runs: int) -> list[int]:
         held.append(s)
         return True
 
+    lo, hi = _below_ephemeral()
     try:
         bases: list[int] = []
         for n in runs:
             for _ in range(100):
-                bind(0)
-                base = int(held[-1].getsockname()[1])
-                if base + n <= 65536 and all(bind(base + i) for i in range(1, n)):
+                base = _RANDOM.randrange(lo, hi - n)
+                if all(bind(base + i) for i in range(n)):
                     bases.append(base)
                     break
             else:
@@ -61,6 +66,16 @@ def free_ports(*runs: int) -> list[int]:
     finally:
         for s in held:
             s.close()
+
+
+def _below_ephemeral() -> tuple[int, int]:
+    """[lo, hi): the ports under the kernel's ephemeral range (Linux: from
+    /proc/sys/net/ipv4/ip_local_port_range, 32768 by default), from 10000."""
+    try:
+        first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32768
+    return (10000, first) if first - 10000 >= 1000 else (first, 65536)
 
 
 def metric_value(text: str, name: str, labels: Mapping[str, str] | None = None) -> float | None:
