@@ -106,7 +106,10 @@ def _publish_model(args: argparse.Namespace) -> int:
     into ROOT/<version>/ with the gate's figures (gate.json), verify the copy and move
     ROOT/CURRENT to it atomically; servers whose --model is ROOT swap it in between batches
     if its SID space fits their index (docs/MODEL.md, 'Model repository', 'The model
-    gate'). A checkpoint refused is named on one line and nothing changes."""
+    gate'). A checkpoint refused is named on one line and nothing changes. With --index
+    and --world the version also gets an FP8 quality record (FP8 against bfloat16 on
+    held-out users): where it passes, servers with dtype auto on a GPU with FP8 serve the
+    version in FP8 (docs/FP8.md, 'FP8 by default')."""
     from service.model.repository import publish_model
 
     if (args.index is None) != (args.world is None and args.requests is None):
@@ -114,9 +117,15 @@ def _publish_model(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     source, canary = Path(args.checkpoint), lambda: _canary(args, Path(args.checkpoint))
+    fp8 = None
+    if args.index and args.world and args.fp8_users > 0:
+        fp8 = lambda: _fp8_record(args, Path(args.checkpoint))  # noqa: E731
+    elif args.index:
+        print("grace publish-model: no FP8 quality record (it needs --world and --fp8-users "
+              "> 0): dtype auto serves this version in bfloat16")  # fmt: skip
     try:
         version = publish_model(source, Path(args.root), keep=args.keep,
-                                canary=canary if args.index else None)  # fmt: skip
+                                canary=canary if args.index else None, fp8=fp8)  # fmt: skip
     except (ValueError, FileNotFoundError) as e:  # CheckpointError, ModelRefused, an index's
         print(f"grace publish-model: {' '.join(str(e).split())}; nothing published",
               file=sys.stderr)  # fmt: skip
@@ -162,6 +171,29 @@ def _canary(args: argparse.Namespace, checkpoint: Path) -> dict[str, object]:
     print(f"canary: {figures.requests} requests on index {index.version}, "
           f"{figures.ads_per_request:g} ads per request")  # fmt: skip
     return vars(figures)
+
+
+def _fp8_record(args: argparse.Namespace, checkpoint: Path) -> dict[str, object]:
+    """The FP8 quality record of `checkpoint` on --index and held-out users of --world
+    (`training/fp8_record.py`), printed on one line."""
+    from contracts.index_manifest import manifest_schema
+    from contracts.index_validation import validate_index
+    from contracts.versions import resolve
+    from index_builder.synth import load_world
+    from service.model.checkpoint import load_checkpoint
+    from training.fp8_record import fp8_record
+
+    loaded = load_checkpoint(checkpoint, args.device)
+    index = validate_index(resolve(Path(args.index)), expect_tokenizer=loaded.sid_space)
+    record = fp8_record(
+        loaded.model, load_world(Path(args.world)), index.arrays, manifest_schema(index.manifest),
+        users=args.fp8_users, device=args.device, tolerance=args.fp8_tolerance,
+        progress=show_progress(args),
+    )  # fmt: skip
+    record["index_version"] = index.manifest["index_version"]
+    verdict = "passes" if record["passed"] else "fails"
+    print(f"FP8 quality record ({record['users']} users) {verdict}: {record['why']}")
+    return record
 
 
 def _flops(args: argparse.Namespace) -> int:
@@ -230,7 +262,17 @@ def register(add: AddCommand) -> None:
     p.add_argument("--world", help="canary requests: the first users of this world")
     p.add_argument("--requests", metavar="FILE", help="canary requests: a replay (grace record)")
     p.add_argument("--canary", type=positive_int, default=64, metavar="N", help="how many (64)")
-    p.add_argument("--device", default="cpu", help="where the canary runs (cpu)")
+    p.add_argument("--device", default="cpu",
+                   help="where the canary and the FP8 record run (cpu; cuda: faster)")  # fmt: skip
+    p.add_argument("--fp8-users", type=int, default=1000, metavar="N",
+                   help="with --index and --world: held-out users of the FP8 quality "
+                   "record (1000, at most the world's; 0: no record, dtype auto serves "
+                   "bfloat16)")  # fmt: skip
+    p.add_argument("--fp8-tolerance", type=positive_float, default=0.01, metavar="R",
+                   help="the record passes when FP8 is not shown to lose more than R of "
+                   "recall@100 and @1000 against bfloat16 (0.01: the lower end of the paired "
+                   "95%% interval >= -R) and keeps >= 0.95 of its top-K SIDs")  # fmt: skip
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = add("flops", _flops)
     p.add_argument("--profile", choices=["tiny", "demo", "paper"], default="paper")

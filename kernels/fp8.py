@@ -32,11 +32,18 @@ SCALE_BLOCK = 128  # the FFN down projection's scales: 1 x 128 (input), 128 x 12
 BLOCK_GEMM_ROWS = 4
 
 
-def check_fp8_device(device: torch.device) -> None:
-    """Raise, in one line, on a GPU without FP8 (compute capability below 8.9: before Ada
-    and Hopper); a CPU runs the same call, slowly (the numerics CI checks)."""
+def lacks_fp8(device: torch.device) -> str | None:
+    """The GPU's name when `device` is a GPU without FP8 (compute capability below 8.9:
+    before Ada and Hopper), else None; a CPU runs the same calls, slowly (the numerics CI
+    checks)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device)
+        return torch.cuda.get_device_name(device)
+    return None
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Raise, in one line, where `lacks_fp8`."""
+    if (name := lacks_fp8(device)) is not None:
         raise ValueError(f"dtype fp8 needs a GPU with FP8 (compute capability 8.9 or newer: "
                          f"Ada, Hopper); {name} is not one")  # fmt: skip
 

@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 
 from service.admission import Admission, ServiceEstimate, Verdict
 from service.batch_policy import LOOKAHEAD, BatchPolicy
-from service.beam_ladder import Ladder
+from service.beam_ladder import Ladder, queue_slack
 from service.settings import BUSY_BATCHES, MAX_GROUPS
 
 
@@ -177,7 +177,7 @@ class Batcher:
             return
         scale = 1.0
         if self.ladder is not None and rung is not None:  # the estimate learns in rung 0's units
-            self.ladder.observe(rung, service)
+            self.ladder.observe(rung, service, size / self.max_batch)
             scale = self.ladder.cost(rung)
             self.admission.scale = self.ladder.floor
         self.admission.estimate.observe(size, dispatched, done, service, scale)
@@ -226,16 +226,23 @@ class Batcher:
     def _rung(self, batch: list[Pending]) -> int | None:
         """The ladder rung `batch` decodes at (None: no ladder, or no request of it
         without beam_widths of its own): chosen from what the work ahead and its own
-        service are predicted to take at rung 0 and its shortest deadline."""
+        service are predicted to take at rung 0, its shortest deadline, and what the
+        requests still queued behind it can absorb (`queue_slack`)."""
         if self.ladder is None:
             return None
         mine = [p for p in batch if self._adaptive(p.payload)]
         if not mine:
             return None
+        now = time.monotonic()
         deadlines = [p.deadline for p in mine if p.deadline is not None]
-        remaining = min(deadlines) - time.monotonic() if deadlines else None
-        predicted = self.admission.estimate.predict(self.inflight_requests + len(batch) - 1)
-        return self.ladder.choose(predicted, remaining)
+        remaining = min(deadlines) - now if deadlines else None
+        e = self.admission.estimate
+        predicted = e.predict(self.inflight_requests + len(batch) - 1)
+        own = e.per_batch + len(batch) * (e.per_request or 0.0)  # its busy time at rung 0
+        behind = (p.deadline for p in self._queue if not p.abandoned)
+        slack = queue_slack(now, behind, self.inflight_requests + len(batch), e,
+                            self.admission.scale)  # fmt: skip
+        return self.ladder.choose(predicted, remaining, own, slack)
 
     async def _wait_arrival(self, timeout: float | None) -> None:
         self._arrived.clear()

@@ -16,14 +16,24 @@ to spare, one rung at a time, so the rung does not flap with each batch's noise.
 a deadline the widest allowed rung serves. An operator bounds the ladder (`widest`,
 `narrowest`), or pins a rung (both the same). Admission refuses only what the narrowest
 rung cannot answer in time (`Ladder.floor`).
+
+**The queue behind.** Admission let every queued request in on the promise that the work
+ahead of it runs at the narrowest rung; a batch decoded wider makes all of them wait
+longer. So a rung must also fit `queue_slack` — the least, over the queued requests, of
+`HEADROOM` × their time left less their predicted answer at the narrowest rung — with
+the batch's extra time over the narrowest rung (its own rung-0 time × the cost
+difference). Under overload the queue settles at admission's edge, its slack near 0, and
+batches stay at the narrowest rung instead of widening for the head of the queue while
+the requests behind it miss (issue #49: half the misses at 2-3× offered followed a batch
+widened that way); when the slack runs out (service slowed) batches narrow at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from service.admission import ALPHA, HEADROOM
+from service.admission import ALPHA, HEADROOM, ServiceEstimate
 
 WIDEN_AFTER = 8  # batches in a row that must want a wider rung before it is taken
 WIDEN_MARGIN = 0.8  # ... with its prediction at most this share of the budget
@@ -78,23 +88,37 @@ class Ladder:
         assert self.narrowest is not None
         return self.cost(self.narrowest)
 
-    def choose(self, predicted: float, remaining: float | None) -> int:
+    def choose(
+        self,
+        predicted: float,
+        remaining: float | None,
+        own: float = 0.0,
+        slack: float | None = None,
+    ) -> int:
         """The rung of a batch that rung 0 would answer in `predicted` seconds, whose
-        shortest deadline is `remaining` seconds away (None: no deadline)."""
+        shortest deadline is `remaining` seconds away (None: no deadline); `own`: the
+        batch's own pipeline time at rung 0, `slack`: how much later the queued requests
+        behind it may be answered than at the narrowest rung (`queue_slack`; None: no
+        bound)."""
         assert self.narrowest is not None
         allowed = range(self.widest, self.narrowest + 1)
+        floor = self.floor
+
+        def behind(r: int, margin: float = 1.0) -> bool:  # the queue still fits
+            return slack is None or (self.cost(r) - floor) * own <= margin * slack
+
         if remaining is None:
-            want = self.widest
+            want = next((r for r in allowed if behind(r)), self.narrowest)
         else:
             budget = HEADROOM * remaining
-            want = next((r for r in allowed if predicted * self.cost(r) <= budget),
-                        self.narrowest)  # fmt: skip
+            want = next((r for r in allowed if predicted * self.cost(r) <= budget
+                         and behind(r)), self.narrowest)  # fmt: skip
         if want > self.current:  # narrower: at once
             self.current, self._wanted = want, 0
         elif want < self.current:  # wider: only when it has fitted for a while, with room
             step = self.current - 1
-            fits = remaining is None or predicted * self.cost(step) <= (
-                WIDEN_MARGIN * HEADROOM * remaining)  # fmt: skip
+            fits = (remaining is None or predicted * self.cost(step) <= (
+                WIDEN_MARGIN * HEADROOM * remaining)) and behind(step, WIDEN_MARGIN)  # fmt: skip
             self._wanted = self._wanted + 1 if fits else 0
             if self._wanted >= WIDEN_AFTER:
                 self.current, self._wanted = step, 0
@@ -102,7 +126,34 @@ class Ladder:
             self._wanted = 0
         return self.current
 
-    def observe(self, rung: int, service: float) -> None:
-        """A batch served at `rung` took `service` seconds of stage time."""
+    def observe(self, rung: int, service: float, weight: float = 1.0) -> None:
+        """A batch served at `rung` took `service` seconds of stage time; `weight` (0..1]:
+        how much it counts, its size over a full batch's — the lone requests that start
+        a burst after an idle spell must not halve a rung's cost in one batch (the
+        estimate in rung-0 units and admission's scale follow it: issue #49)."""
         old = self._service[rung]
-        self._service[rung] = service if old is None else old + ALPHA * (service - old)
+        alpha = ALPHA * min(max(weight, 0.0), 1.0)
+        self._service[rung] = service if old is None else old + alpha * (service - old)
+
+
+def queue_slack(
+    now: float,
+    deadlines: Iterable[float | None],
+    ahead: int,
+    estimate: ServiceEstimate,
+    scale: float,
+) -> float | None:
+    """Seconds by which the queued requests with `deadlines` (time.monotonic; in queue
+    order, the first with `ahead` requests before it) may all be answered later than the
+    estimate predicts at `scale` (the narrowest rung's cost, admission's) and still fit
+    `HEADROOM` of their time left: the least such margin, negative when one already does
+    not fit. None when none has a deadline, or before the estimate has learned."""
+    if estimate.service is None or estimate.per_request is None:
+        return None
+    least: float | None = None
+    for i, deadline in enumerate(deadlines):
+        if deadline is None:
+            continue
+        margin = HEADROOM * (deadline - now) - scale * estimate.predict(ahead + i)
+        least = margin if least is None else min(least, margin)
+    return least

@@ -191,7 +191,8 @@ class Metrics:
             "grace_model",
             "The model being served: version (what the repository's CURRENT names, or the "
             "checkpoint directory's name), model_version (the checkpoint's own name, which "
-            "responses carry) and sid_space.",
+            "responses carry), sid_space and dtype (what it serves in: fp8, bfloat16 or "
+            "float32; with dtype auto, FP8 where its quality record passes: docs/FP8.md).",
         )
         self.model_loaded = gauge(
             "grace_model_loaded_timestamp_seconds", "When the served model was loaded."
@@ -312,11 +313,14 @@ class Metrics:
         if self._created is not None:
             self.index_created.set(self._created)
 
-    def set_model(self, version: str, model_version: str, sid_space: str, loaded_at: float) -> None:
+    def set_model(
+        self, version: str, model_version: str, sid_space: str, loaded_at: float, dtype: str
+    ) -> None:
         """Record the model now being served."""
         self.model_info.info(
-            {"version": version, "model_version": model_version, "sid_space": sid_space}
-        )
+            {"version": version, "model_version": model_version, "sid_space": sid_space,
+             "dtype": dtype}
+        )  # fmt: skip
         self.model_loaded.set(loaded_at)
 
     def _index_age(self) -> float:

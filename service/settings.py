@@ -146,9 +146,11 @@ class ServerSettings(BaseSettings):
     )
     dtype: Precision = Field(
         "auto",
-        description="The precision a model serves in: 'auto' is bfloat16 on CUDA and float32 "
-        "on CPU; 'fp8' (opt-in) is 'auto' with the decode step's linear layers in FP8 e4m3, "
-        "on CUDA compute capability 8.9 or newer (service/model/precision.py, docs/FP8.md).",
+        description="The precision a model serves in: 'auto' is, per model version, FP8 on a "
+        "GPU with FP8 (compute capability 8.9 or newer) where the version's FP8 quality record "
+        "(grace publish-model --world) passes, else bfloat16 on CUDA and float32 on CPU; "
+        "'fp8' forces the decode step's linear layers in FP8 e4m3, 'bfloat16' and 'float32' "
+        "force those (service/model/precision.py, docs/FP8.md).",
     )
     max_batch: AtLeastOne = Field(16, description="Most requests in one batch.")
     graph_buckets: Annotated[list[int] | None, NoDecode] = Field(

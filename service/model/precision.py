@@ -2,25 +2,35 @@
 version loads (`for_serving`, called by `service/rollout/sources.py`), after which the
 decode engine runs whatever the model holds (docs/FP8.md).
 
-"auto" is bfloat16 on CUDA (the kernels' dtype) and float32 on a CPU (bfloat16 is slow on
-most CPUs); "fp8" is "auto" with the decode step's linear layers as FP8 e4m3 layers,
-quantised here once (the cross K/V, LayerNorms, embeddings and head keep the model's
-dtype). Refused on a GPU without FP8 (compute capability below 8.9).
+"auto" (the default) is, per model version, FP8 on a GPU with FP8 when the version carries
+a passing FP8 quality record (`fp8_verdict`, made by `grace publish-model` and kept in its
+gate.json), else bfloat16 on CUDA (the kernels' dtype) and float32 on a CPU (bfloat16 is
+slow on most CPUs): `choose` says which and why. "fp8" forces the decode step's linear
+layers as FP8 e4m3 layers, quantised here once (the cross K/V, LayerNorms, embeddings and
+head keep bfloat16); it is refused on a GPU without FP8 (compute capability below 8.9).
+"bfloat16" and "float32" force those.
 """
 
 from __future__ import annotations
 
-from typing import get_args
+from collections.abc import Mapping
+from typing import Any, get_args
 
 import torch
 from torch import nn
 
-from kernels.fp8 import Fp8Linear, check_fp8_device
+from kernels.fp8 import Fp8Linear, check_fp8_device, lacks_fp8
 from service.settings import Precision
 
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 # the decoder layers' linear layers in FP8 with per-channel scales (layer 0's QKV: never)
 FP8_LINEARS = ("qkv", "self_out", "cross_q", "cross_out", "ffn_up")
+# The pass rule of an FP8 quality record (docs/FP8.md, "FP8 by default"): on held-out
+# users, FP8 is not shown to lose more than TOLERANCE of recall@K against bfloat16 at any
+# K (the lower end of the paired 95 % bootstrap interval of FP8 - bf16 is at least
+# -TOLERANCE) and keeps, on average, at least MIN_SIDS_KEPT of bf16's top-K SIDs.
+FP8_TOLERANCE = 0.01
+FP8_MIN_SIDS_KEPT = 0.95
 
 
 def weights_dtype(precision: Precision, device: torch.device | str) -> torch.dtype:
@@ -36,6 +46,64 @@ def check(precision: Precision, device: torch.device | str) -> None:
         raise ValueError(f"dtype must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8":
         check_fp8_device(torch.device(device))
+
+
+def fp8_verdict(vs_bf16: Mapping[str, Any], *, tolerance: float = FP8_TOLERANCE,
+                min_sids_kept: float = FP8_MIN_SIDS_KEPT) -> dict[str, Any]:  # fmt: skip
+    """An FP8 quality record: the figures of `vs_bf16` (a study's `vs_full_precision`:
+    `recall@K` paired differences FP8 - bf16 and `sid_overlap` per `@K`, each with `mean`,
+    `lo`, `hi`), the rule they were judged by, `passed` and `why` (one line)."""
+    recalls = {k: dict(v) for k, v in vs_bf16.items() if k.startswith("recall@")}
+    kept = {k: dict(v) for k, v in vs_bf16["sid_overlap"].items()}
+    if not recalls or not kept:
+        raise ValueError("an FP8 quality record needs recall@K differences and SID overlaps")
+
+    def diff(k: str) -> str:
+        d = recalls[k]
+        return f"{k} {d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]"
+
+    def share(k: str) -> str:
+        return f"top-{k.lstrip('@')} SIDs kept {kept[k]['mean']:.3f}"
+
+    fails = [f"{diff(k)} may lose more than {tolerance:g}"
+             for k, d in recalls.items() if d["lo"] < -tolerance]  # fmt: skip
+    fails += [
+        f"{share(k)} < {min_sids_kept:g}" for k, d in kept.items() if d["mean"] < min_sids_kept
+    ]
+    shown = ", ".join([*map(diff, recalls), *map(share, kept)])
+    return {
+        "passed": not fails,
+        "why": "; ".join(fails) if fails else shown,
+        "rule": {"tolerance": tolerance, "min_sids_kept": min_sids_kept},
+        "recall_vs_bf16": recalls,
+        "sids_kept": kept,
+    }
+
+
+def choose(precision: Precision, device: torch.device | str,
+           record: Mapping[str, Any] | None) -> tuple[Precision, str]:  # fmt: skip
+    """The precision a model version serves in under the setting `precision` on `device`,
+    given its FP8 quality record (None: it has none), and why, in words for a log line."""
+    dev = torch.device(device)
+    if precision != "auto":
+        return precision, "set by dtype"
+    if dev.type != "cuda":
+        return "auto", "a CPU serves float32"
+    if (name := lacks_fp8(dev)) is not None:
+        return "auto", f"{name} has no FP8"
+    if record is None:
+        return "auto", ("it has no FP8 quality record (grace publish-model --index --world "
+                        "makes one)")  # fmt: skip
+    if record.get("passed"):
+        return "fp8", f"its FP8 quality record passes: {record.get('why')}"
+    return "auto", f"its FP8 quality record fails: {record.get('why')}"
+
+
+def served_dtype(precision: Precision, device: torch.device | str) -> str:
+    """What `precision` serves in on `device`, in words: fp8, bfloat16 or float32."""
+    if precision == "fp8":
+        return "fp8"
+    return str(weights_dtype(precision, device)).removeprefix("torch.")
 
 
 def for_serving(model: nn.Module, precision: Precision, device: torch.device | str) -> nn.Module:

@@ -52,6 +52,20 @@ def resolve_checkpoint(path: Path) -> Path:
     return path / version
 
 
+def fp8_record(checkpoint: Path) -> dict[str, Any] | None:
+    """The FP8 quality record the gate kept in `checkpoint`'s gate.json at publish
+    (`precision.fp8_verdict`), or None: none made, or a checkpoint not published."""
+    path = Path(checkpoint) / GATE_FILE
+    try:
+        record = json.loads(path.read_text()).get("fp8")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as exc:
+        log.warning("%s cannot be read (%s): taken as no FP8 quality record", path, exc)
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def list_versions(root: Path) -> list[str]:
     """Complete model versions under root, oldest first."""
     return versions.list_versions(root, COMPLETE)
@@ -76,16 +90,27 @@ def version_is_valid(root: Path, version: str) -> bool | None:
 
 
 def publish_model(
-    checkpoint: Path, root: Path, *, keep: int = 3, canary: Callable[[], Any] | None = None
+    checkpoint: Path,
+    root: Path,
+    *,
+    keep: int = 3,
+    canary: Callable[[], Any] | None = None,
+    fp8: Callable[[], dict[str, Any]] | None = None,
 ) -> str:
     """Publish the checkpoint at `checkpoint` as a new version of the repository `root`
     and point CURRENT at it; keep the newest `keep` valid versions. Raises CheckpointError
     or FileNotFoundError (nothing published) for a checkpoint that does not verify or that
-    the model gate refuses (`gate.py`: the weights, then `canary`, which returns figures)."""
+    the model gate refuses (`gate.py`: the weights, then `canary`, which returns figures).
+    `fp8` makes the version's FP8 quality record (`precision.fp8_verdict`), which never
+    refuses: a record that fails only keeps `dtype = auto` at bfloat16."""
     source = Path(checkpoint)
     verify_checkpoint(source)  # refuse before copying gigabytes
     gate.check_finite(load_file(source / WEIGHTS_FILE), f"checkpoint {source}")
-    checked = {"finite": True, "canary": canary() if canary is not None else None}
+    checked = {
+        "finite": True,
+        "canary": canary() if canary is not None else None,
+        "fp8": fp8() if fp8 is not None else None,
+    }
 
     def write(directory: Path, version: str) -> None:
         shutil.copyfile(source / WEIGHTS_FILE, directory / WEIGHTS_FILE)

@@ -25,6 +25,7 @@ from service.model import gate
 from service.model.config import ModelConfig
 from service.model.embeddings import FeatureEmbedder
 from service.model.encoder import ContextEncoder
+from service.model.precision import is_fp8
 from service.model.retriever import GenerativeRetriever
 from service.model.static_encoder import StaticEncoder
 from service.model.static_features import StaticFeatures
@@ -72,6 +73,13 @@ class ModelRuntime:
             self.encoder = StaticEncoder(model.encoder, buckets)
 
     @property
+    def dtype(self) -> str:
+        """What the model serves in (`service/model/precision.py`): fp8, bfloat16 or float32."""
+        if is_fp8(self.model.decoder):
+            return "fp8"
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    @property
     def config(self) -> ModelConfig:
         return self.model.config
 
@@ -108,12 +116,16 @@ class ModelRuntime:
             most = max((a.max_request_values for a in index.schema.families), default=1)
             rows = tuple(sorted({*self.engine.location_buckets, most}))
             schedules = tuple(dict.fromkeys((beams, *rungs)))
-            n = 0
+            n, each = 0, []
             for schedule in schedules:  # `warm` counts every plan made so far
-                n = self.engine.warm(plans, schedule, locations=rows, pace=pace)
-            log.info("model %s, index %s: %d decode plans (beam schedules %s) captured as "
-                     "CUDA graphs in %.1f s", self.model_version, index.version, n,
-                     ", ".join(map(str, schedules)), time.perf_counter() - t0)  # fmt: skip
+                t1, held = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+                before, n = n, self.engine.warm(plans, schedule, locations=rows, pace=pace)
+                grew = (torch.cuda.memory_reserved(self.device) - held) / 2**20
+                each.append(f"{schedule}: {n - before} in {time.perf_counter() - t1:.1f} s, "
+                            f"+{grew:.0f} MiB")  # fmt: skip
+            log.info("model %s, index %s: %d decode plans captured as CUDA graphs in %.1f s "
+                     "(per beam schedule: %s)", self.model_version, index.version, n,
+                     time.perf_counter() - t0, "; ".join(each))  # fmt: skip
         if not self._gated:  # not later: those prepares run beside its graphs serving
             gate.check_answers(self, index, beams)
             self._gated = True

@@ -40,7 +40,7 @@ def build_rollout(
             if old is not None:
                 metrics.model_swaps.inc()
             m = new.model
-            metrics.set_model(m.version, m.model_version, m.sid_space, m.loaded_at)
+            metrics.set_model(m.version, m.model_version, m.sid_space, m.loaded_at, m.dtype)
         if old is None or new.index is not old.index:
             if old is not None:
                 metrics.swaps.inc()

@@ -1,5 +1,6 @@
 """How a version of each root the server follows (`follower.py`) loads for this process's
-device: a model with every checksum verified, in the serving precision, as a
+device: a model with every checksum verified, in the precision it serves in (`dtype`; for
+"auto", per version, by its FP8 quality record: `precision.choose`, logged once), as a
 `ModelRuntime` of the pipeline's stages; an index with every array validated.
 """
 
@@ -13,8 +14,8 @@ from pathlib import Path
 from contracts.index_manifest import MANIFEST, manifest_sid_space
 from service.index.loaded import LoadedIndex, load_index
 from service.model.checkpoint import load_checkpoint, sid_space_of
-from service.model.precision import Precision, for_serving
-from service.model.repository import COMPLETE, is_checkpoint
+from service.model.precision import Precision, choose, for_serving, served_dtype
+from service.model.repository import COMPLETE, fp8_record, is_checkpoint
 from service.pace import Pace
 from service.pipeline.runtime import ModelRuntime
 from service.pipeline.stages import Stages
@@ -42,7 +43,10 @@ def model_follower(
         slept = pace.slept if pace is not None else 0.0
         loaded = load_checkpoint(path, stages.device, pace=pace)
         t1 = time.perf_counter()
-        for_serving(loaded.model, precision, stages.device)
+        chosen, why = choose(precision, stages.device, fp8_record(path))
+        log.info("model %s serves in %s: %s", loaded.model_version,
+                 served_dtype(chosen, stages.device), why)  # fmt: skip
+        for_serving(loaded.model, chosen, stages.device)
         runtime = stages.runtime(loaded.model, version=version, model_version=loaded.model_version,
                                  sid_space=loaded.sid_space, meta=loaded.meta)  # fmt: skip
         phases = {**loaded.seconds, "precision": time.perf_counter() - t1}

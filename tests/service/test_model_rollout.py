@@ -135,7 +135,7 @@ def test_a_model_hot_swaps_under_load_and_an_incompatible_one_is_refused(
         app = await start(serving_settings(data, model_dir=repo))
         try:
             space = app.servicer.serving.current.model.sid_space
-            info = {"version": first, "model_version": m1, "sid_space": space}
+            info = {"version": first, "model_version": m1, "sid_space": space, "dtype": "float32"}
             assert sample(app, "grace_model_info", info) == 1
             async with Load(app.port, data) as load:
                 await until(lambda: load.served(m1) >= 30, "answers from the first model")
@@ -259,7 +259,7 @@ def test_a_restart_with_current_on_a_refused_model_serves_the_previous_one(
         assert len(reply.ads) > 0
         assert server.metric("grace_model_behind_current") == 1
         info = server.metrics_text()
-        assert f'grace_model_info{{model_version="{reply.model_version}",sid_space=' in info
+        assert f'grace_model_info{{dtype="float32",model_version="{reply.model_version}",' in info
         assert f'version="{good}"' in info
         log = server.log_text()
         assert f"model CURRENT names {bad}, which was rejected" in log

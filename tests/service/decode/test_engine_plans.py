@@ -15,10 +15,12 @@ from contracts.tensors import GtmTables, RequestTensors
 from index_builder.build import build_arrays
 from index_builder.kway import KwaySpec
 from kernels._triton_beam_advance import triton_beam_advance
+from service.beam_ladder import default_rungs
 from service.decode import engine as engine_module
 from service.decode.engine import SPLIT_MIN_BUCKET, DecodeEngine
 from service.model.config import PROFILES
 from service.model.decoder import SIDDecoder
+from service.model.precision import quantize_decoder
 from service.pipeline.stages import GRAPH_BUCKETS
 from tests.helpers.catalogs import catalog_from_ads
 from tests.helpers.indexes import small_index
@@ -329,6 +331,39 @@ def test_gpu_paper_profile_graph_equals_eager() -> None:
         assert_same(got, want)
         assert (want.leaves >= 0).any()
     assert graph_plans.graphs == 2 and eager_plans.graphs == 0  # buckets 16 and 4
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_every_rung_of_the_beam_ladder_graph_equals_eager(fp8: bool) -> None:
+    """Paper shapes, bf16 and FP8: each rung of the default ladder (service/beam_ladder.py:
+    the paper's beams, halved, quartered) replays as a captured graph what the same engine
+    computes uncaptured, on one set of plans holding all of them."""
+    c = PROFILES["paper"]
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with FP8")
+    arrays, locs = random_index(20_000, 64)
+    torch.manual_seed(0)
+    decoder = SIDDecoder(c).to("cuda", torch.bfloat16).eval()
+    if fp8:
+        quantize_decoder(decoder)
+    tables = GtmTables.from_arrays(arrays.trie, device="cuda")
+    offsets = torch.from_numpy(arrays.trie.level_offsets)
+    graph, eager = DecodeEngine(decoder), DecodeEngine(decoder)
+    eager.cuda_graphs = False
+    graph_plans, eager_plans = graph.plan(tables, offsets), eager.plan(tables, offsets)
+    ts = [Targeting("US", 30, "", (locs[i % 40],)) for i in range(12)]
+    reqs = requests(ts, "cuda")
+    ctx = torch.randn(len(ts), c.t_ctx, c.d_model, device="cuda", dtype=torch.bfloat16)
+    rungs = default_rungs(c.beams)
+    assert len(set(rungs)) == 3 and rungs[0] == tuple(c.beams)
+    for schedule in rungs:
+        want = eager.run(eager_plans, ctx, reqs, schedule, FilterMode.CD_GTM)
+        got = graph.run(graph_plans, ctx, reqs, schedule, FilterMode.CD_GTM)
+        assert_same(got, want)
+        assert (want.leaves >= 0).sum(dim=1).max() <= schedule[-1]
+    assert graph_plans.graphs == len(rungs) and eager_plans.graphs == 0
 
 
 @pytest.mark.gpu
