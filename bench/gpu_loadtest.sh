@@ -3,8 +3,10 @@
 # lent H200 machine (wheels from bench/fetch_gpu_wheels.sh, `. bench/gpu_env.sh` first).
 #   1. the paper-scale world and index (bench/bench_paper_index.py), an untrained `paper`
 #      model (`grace init-model`: serving speed does not depend on the weights);
-#   2. `grace serve` on CUDA with the paper profile (bf16, CUDA graphs captured before
-#      SERVING), waited for with `grace health`;
+#   2. the model published into DATA/models with its canary and FP8 quality record
+#      (`grace publish-model`), then `grace serve` on CUDA with the paper profile (dtype auto:
+#      FP8 where the record passes, else bf16; GRACE_DTYPE forces; CUDA graphs captured
+#      before SERVING), waited for with `grace health`;
 #   3. open-loop locust at each rate for DURATION, thresholds P99 <= 100 ms and <= 0.1 %
 #      failures, after an unjudged warm-up (WARMUP_RATE req/s for WARMUP): the highest
 #      rate that passes is the figure. CSVs, logs and the server's
@@ -41,6 +43,7 @@ mkdir -p "$OUT" "$DATA"
   echo "PROFILE=$PROFILE"; echo "DATA=$DATA"; echo "ADS=$ADS"; } | sort > "$OUT/settings.env"
 paper_data "$DATA/paper_index.json"
 init_model "$DATA/model"
+publish_model
 SERVER=""
 DONE_RATES=""
 finish() {  # stop the server; summarise the rates run so far (all of them, or a timeout's)
@@ -57,7 +60,7 @@ finish() {  # stop the server; summarise the rates run so far (all of them, or a
 trap finish EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-"${GRACE[@]}" serve --data-dir "$DATA" --model "$DATA/model" --index-root "$DATA/index" \
+"${GRACE[@]}" serve --data-dir "$DATA" --model "$DATA/models" --index-root "$DATA/index" \
     --device "$DEVICE" --no-progress --workers "$WORKERS" > "$OUT/server.log" 2>&1 &
 SERVER=$!
 start=$(date +%s)

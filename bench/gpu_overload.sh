@@ -23,9 +23,10 @@ GRACE=(python3 -m cli)
 mkdir -p "$OUT" "$DATA"
 paper_data "$OUT/paper_index.json"
 init_model "$DATA/model"
+publish_model
 [ -f "$DATA/requests.jsonl" ] || "${GRACE[@]}" record --world "$DATA/world" --users 1000 \
     --out "$DATA/requests.jsonl" || exit 1
-"${GRACE[@]}" serve --data-dir "$DATA" --model "$DATA/model" --index-root "$DATA/index" \
+"${GRACE[@]}" serve --data-dir "$DATA" --model "$DATA/models" --index-root "$DATA/index" \
     --device "$DEVICE" --no-progress --workers "$WORKERS" > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT

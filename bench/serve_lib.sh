@@ -2,6 +2,10 @@
 #   paper_data JSON   unless DATA holds them, the paper-scale world, tokenizer and index (ADS
 #                     ads, on DEVICE) in DATA; bench/bench_paper_index.py's figures to JSON
 #   init_model DIR [SEED]   unless DIR holds one, an untrained PROFILE model on DATA's tokenizer
+#   publish_model     unless DATA/models holds one, DATA/model published into the model
+#                     repository DATA/models as an operator deploys one (`grace publish-model`
+#                     with the canary and the FP8 quality record on DATA's index and world:
+#                     dtype auto then serves it in FP8 where its record passes)
 #   wait_serving PID LOG [START]   until `grace health` says SERVING on :50051 (exit 1 with
 #                     the log's tail if the server exits first); prints the seconds since START
 #   worker_metrics I  worker I's Prometheus text (its /metrics on port 9464 + I)
@@ -15,6 +19,11 @@ paper_data() {
 init_model() {
     [ -f "$1/config.json" ] || python3 -m cli init-model --profile "$PROFILE" \
         --tokenizer "$DATA/tokenizer" --out "$1" ${2:+--seed "$2"} || exit 1
+}
+
+publish_model() {
+    [ -f "$DATA/models/CURRENT" ] || python3 -m cli publish-model "$DATA/model" --root "$DATA/models" \
+        --index "$DATA/index" --world "$DATA/world" --device "$DEVICE" --no-progress || exit 1
 }
 
 wait_serving() {

@@ -34,6 +34,7 @@ SCRIPT = Path(__file__).resolve()
 STAGES = ("input", "features", "compute", "post")
 _SUMMARY = re.compile(r"grace loadtest: .*P50 (?P<p50>[\d.]+) ms, P99 (?P<p99>[\d.]+) ms")
 _CAPTURE = re.compile(r"(?P<plans>\d+) decode plans captured as CUDA graphs in (?P<s>[\d.]+) s")
+_SERVES = re.compile(r"model (?P<model>\S+) serves in (?P<dtype>\w+): (?P<why>.*)$")  # dtype auto
 
 
 def seconds(duration: str) -> float:
@@ -177,11 +178,13 @@ def summarize(out: Path, rates: list[str], duration_s: float, p99_ms: float = 10
         prev = rate  # its scrape, if any, is still the next rate's baseline
     passing = [r["ok_rps"] for r in rows if r["passed"]]
     log = out / "server.log"
+    lines = log.read_text().splitlines() if log.exists() else []
     captures = [
         {"plans": int(m["plans"]), "seconds": float(m["s"])}
-        for m in map(_CAPTURE.search, log.read_text().splitlines() if log.exists() else [])
+        for m in map(_CAPTURE.search, lines)
         if m
     ]
+    served = [m.groupdict() for m in map(_SERVES.search, lines) if m]
     env = out / "settings.env"  # what the load script ran with (GRACE_*, WORKERS, USERS)
     settings = dict(
         line.split("=", 1) for line in (env.read_text().splitlines() if env.exists() else [])
@@ -194,6 +197,7 @@ def summarize(out: Path, rates: list[str], duration_s: float, p99_ms: float = 10
         "rates": rows,
         "max_ok_rps_passing": max(passing) if passing else None,
         "decode_plan_captures": captures,
+        "served_in": served,  # each model load's dtype and why (docs/FP8.md, "FP8 by default")
     }
 
 

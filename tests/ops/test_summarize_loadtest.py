@@ -60,7 +60,10 @@ def run_dir(tmp_path: Path) -> Path:
         "# gpu sm mem\n# Idx % %\n 0 0 0\n 0 96 3\n 0 97 3\n 0 99 4\n"
     )
     capture = "index v1: 6 decode plans captured as CUDA graphs in 67.8 s"
-    (out / "server.log").write_text(f"INFO grace.pipeline[worker 0]: {capture}\n")
+    serves = "model m-1 serves in fp8: its FP8 quality record passes: recall@100 +0.0000"
+    (out / "server.log").write_text(
+        f"INFO grace.rollout[worker 0]: {serves}\nINFO grace.pipeline[worker 0]: {capture}\n"
+    )
     return out
 
 
@@ -81,6 +84,8 @@ def test_rates_workers_and_thresholds(run_dir: Path) -> None:
     assert r800["server_workers"]["w1"]["stage_mean_ms"]["post"] == 25.0
     assert r700["gpu"]["median_pct_under_load"] == 97 and r800["gpu"] is None
     assert f["decode_plan_captures"] == [{"plans": 6, "seconds": 67.8}]
+    why = "its FP8 quality record passes: recall@100 +0.0000"
+    assert f["served_in"] == [{"model": "m-1", "dtype": "fp8", "why": why}]
     text = table(f)
     assert "| 700 | 700.0 | 0.0 % | 30 / 59 ms | yes | 97 % | 4.0 + 4.0 | 10.0 / 10.0 |" in text
     assert "| 800 | 799.6 | 0.05 % | 98 / 160 ms | no | — |" in text
