@@ -52,13 +52,12 @@ def fp8_record(
                 Variant("cd_gtm_fp8", arrays, FilterMode.CD_GTM, fp8=True)]  # fmt: skip
     rows = run_study(model, examples, variants, picked, beams, RECORD_KS, device=device,
                      resamples=resamples, seed=seed, progress=progress, schema=schema)  # fmt: skip
-    verdict = fp8_verdict(rows[1]["vs_full_precision"], tolerance=tolerance,
+    verdict = fp8_verdict(rows[1]["vs_full_precision"], len(picked), tolerance=tolerance,
                           min_sids_kept=min_sids_kept)  # fmt: skip
     return {
         **verdict,
         "against": "bfloat16",
         "filter": "cd_gtm",
-        "users": len(picked),
         "beams": list(beams),
         "seed": seed,
         **{

@@ -17,7 +17,13 @@ import torch
 from cli import main
 from contracts.versions import current_version
 from service.model import precision
-from service.model.precision import FP8_MIN_SIDS_KEPT, FP8_TOLERANCE, choose, fp8_verdict
+from service.model.precision import (
+    FP8_MIN_SIDS_KEPT,
+    FP8_MIN_USERS,
+    FP8_TOLERANCE,
+    choose,
+    fp8_verdict,
+)
 from service.model.repository import fp8_record
 from service.pipeline.stages import Stages
 from service.rollout.sources import model_follower
@@ -46,28 +52,34 @@ def figures(*recall: tuple[float, float, float], kept: float = 0.99) -> dict:
 def test_the_pass_rule_needs_the_interval_to_exclude_a_loss_beyond_the_tolerance() -> None:
     """Passes only when, at every K, the lower end of FP8 - bf16's interval is at least
     -tolerance and top-K SIDs kept is at least the floor; the reason names what failed."""
-    shown = fp8_verdict(figures((-0.001, -0.005, 0.003), (-0.003, -0.007, 0.0)))
+    shown = fp8_verdict(figures((-0.001, -0.005, 0.003), (-0.003, -0.007, 0.0)), 1000)
     assert shown["passed"] and "recall@100 -0.0010 [-0.0050, +0.0030]" in shown["why"]
     assert "top-100 SIDs kept 0.990" in shown["why"]
-    assert shown["rule"] == {"tolerance": FP8_TOLERANCE, "min_sids_kept": FP8_MIN_SIDS_KEPT}
-    edge = fp8_verdict(figures((0.0, -FP8_TOLERANCE, 0.01), (0.0, 0.0, 0.0)))
+    assert shown["rule"] == {"tolerance": FP8_TOLERANCE, "min_sids_kept": FP8_MIN_SIDS_KEPT,
+                             "min_users": FP8_MIN_USERS}  # fmt: skip
+    assert shown["users"] == 1000
+    edge = fp8_verdict(figures((0.0, -FP8_TOLERANCE, 0.01), (0.0, 0.0, 0.0)), 1000)
     assert edge["passed"]  # exactly the tolerance: not shown to lose more
-    wide = fp8_verdict(figures((0.0, -0.02, 0.02), (0.0, -0.001, 0.001)))
+    wide = fp8_verdict(figures((0.0, -0.02, 0.02), (0.0, -0.001, 0.001)), 1000)
     assert not wide["passed"]  # a sample too small to prove it is no pass
     assert wide["why"] == "recall@100 +0.0000 [-0.0200, +0.0200] may lose more than 0.01"
-    assert fp8_verdict(figures((0.0, -0.02, 0.02)), tolerance=0.05)["passed"]
-    sids = fp8_verdict(figures((0.0, 0.0, 0.0), kept=0.9))
+    assert fp8_verdict(figures((0.0, -0.02, 0.02)), 1000, tolerance=0.05)["passed"]
+    sids = fp8_verdict(figures((0.0, 0.0, 0.0), kept=0.9), 1000)
     assert not sids["passed"] and sids["why"] == "top-100 SIDs kept 0.900 < 0.95"
+    # too few users fail whatever they read: one user, resampled, reads [0, 0]
+    few = fp8_verdict(figures((0.0, 0.0, 0.0)), FP8_MIN_USERS - 1)
+    assert not few["passed"] and few["why"] == f"{FP8_MIN_USERS - 1} users < 200: too few to judge"
+    assert fp8_verdict(figures((0.0, 0.0, 0.0)), FP8_MIN_USERS)["passed"]
     with pytest.raises(ValueError, match="needs recall@K"):
-        fp8_verdict({"sid_overlap": {}})
+        fp8_verdict({"sid_overlap": {}}, 1000)
 
 
 def test_auto_serves_fp8_only_on_a_gpu_with_fp8_and_a_passing_record(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     passing, failing = (
-        fp8_verdict(figures((0.0, -0.001, 0.001))),
-        fp8_verdict(figures((0.0, -0.5, 0.1))),
+        fp8_verdict(figures((0.0, -0.001, 0.001)), 1000),
+        fp8_verdict(figures((0.0, -0.5, 0.1)), 1000),
     )
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
@@ -109,18 +121,21 @@ def test_publish_model_records_fp8_quality_and_a_server_says_what_it_serves(
         data / "index"
     )
     assert 0 < record["final_pass"]["fp8"] <= 1 and record["recall@100"]["bf16"] > 0
-    # the default tolerance on a small sample: the verdict is the rule's on the figures kept
-    assert main([*publish, "--fp8-users", "150"]) == 0
+    # the default tolerance on 250 users: the verdict is the rule's on the figures kept
+    assert main([*publish, "--fp8-users", "250"]) == 0
     small = fp8_record(repo / current_version(repo))
-    assert small is not None and small["users"] == 150
+    assert small is not None and small["users"] == 250
     lows = [d["lo"] for d in small["recall_vs_bf16"].values()]
     assert small["passed"] == (
         min(lows) >= -FP8_TOLERANCE and small["sids_kept"]["@100"]["mean"] >= 0.95
     )
-    assert small == {
-        **small,
-        **fp8_verdict({**small["recall_vs_bf16"], "sid_overlap": small["sids_kept"]}),
-    }
+    rejudged = fp8_verdict({**small["recall_vs_bf16"], "sid_overlap": small["sids_kept"]}, 250)
+    assert small == {**small, **rejudged}
+    assert main([*publish, "--fp8-users", "20", "--fp8-tolerance", "1"]) == 0
+    few = fp8_record(repo / current_version(repo))
+    assert (
+        few is not None and not few["passed"] and few["why"] == "20 users < 200: too few to judge"
+    )
     capsys.readouterr()
     assert main([*publish, "--fp8-users", "0"]) == 0
     assert "no FP8 quality record" in capsys.readouterr().out
@@ -164,7 +179,7 @@ def test_a_gpu_server_picks_fp8_per_the_record(
                  *extra]) == 0  # fmt: skip
     record = fp8_record(repo / current_version(repo))
     assert (record is None) == (passed is None)
-    if passed is False:  # one user cannot prove anything: the rule fails it
+    if passed is False:  # one user proves nothing: the rule fails it
         assert record is not None and not record["passed"]
     follower = model_follower(repo, Stages("cuda"), setting, served=lambda: None,  # type: ignore[arg-type]
                               on_failure=lambda *a: None, backoff_seconds=1.0)  # fmt: skip
