@@ -259,7 +259,8 @@ def register(add: AddCommand) -> None:
     p.add_argument("--index", metavar="ROOT", help="the gate's canary: refuse a model that "
                    "brings no ads to the requests of --world or --requests on this index (root "
                    "or version); without it only the weights' finiteness is checked")  # fmt: skip
-    p.add_argument("--world", help="canary requests: the first users of this world")
+    p.add_argument("--world", help="canary requests: the first users of this world; its "
+                   "held-out users make the FP8 quality record")  # fmt: skip
     p.add_argument("--requests", metavar="FILE", help="canary requests: a replay (grace record)")
     p.add_argument("--canary", type=positive_int, default=64, metavar="N", help="how many (64)")
     p.add_argument("--device", default="cpu",
@@ -269,9 +270,10 @@ def register(add: AddCommand) -> None:
                    "record (1000, at most the world's; 0: no record, dtype auto serves "
                    "bfloat16)")  # fmt: skip
     p.add_argument("--fp8-tolerance", type=positive_float, default=0.01, metavar="R",
-                   help="the record passes when FP8 is not shown to lose more than R of "
-                   "recall@100 and @1000 against bfloat16 (0.01: the lower end of the paired "
-                   "95%% interval >= -R) and keeps >= 0.95 of its top-K SIDs")  # fmt: skip
+                   help="the record passes when, over >= 200 users, FP8 is not shown to lose "
+                   "more than R of recall@100 and @1000 against bfloat16 (0.01: the lower end "
+                   "of the paired 95%% interval >= -R) and keeps >= 0.95 of its top-K "
+                   "SIDs")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = add("flops", _flops)
