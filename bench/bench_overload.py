@@ -12,6 +12,13 @@ serve --device cpu`, index polled every 0.1 s), then:
      capacity), outcome counts, OK latency P50/P99, refusal P99, generator lag; with
      --refusal-only the same sweep again on a second server with the beam ladder off
      (service/beam_ladder.py: refusal is then its only answer to load), same capacity;
+     with --baseline-src DIR the same sweep on a server run from DIR (another checkout of
+     this repository, e.g. the parent commit's tree), same capacity. The servers of a
+     sweep are up together and take each point in turn (interleaved), so a shift in
+     what else runs on the box hits every one of them alike. Each point also records
+     where the box's CPU went while it ran (the server's, this generator's, the rest)
+     and the server's own counters over the point (batches by beam rung, refusals by
+     reason, expiries and drops, compute stage seconds);
   3. hot swaps under load: --swaps new index versions published (`index_builder.publish`,
      the current arrays rewritten under a new version name) one after another as fast
      as the server swaps them, while open-loop load at --swap-load x capacity runs;
@@ -22,10 +29,13 @@ serve --device cpu`, index polled every 0.1 s), then:
 Writes bench/results/overload_cpu.json (command, commit, device, date, figures) and the
 plot docs/figures/goodput_cpu.svg (goodput / capacity against offered load / capacity, one
 line per deadline, and the ideal min(offered, capacity)); --out DIR writes both there
-instead. Prints a markdown table of the sweep. --quick: a short smoke run of every part.
+instead. Prints a markdown table of the sweep. --quick: a short smoke run of every part;
+--sweep-only: capacity and sweep, no swaps or memory.
 
     .venv/bin/python bench/bench_overload.py               # ~8 minutes
     .venv/bin/python bench/bench_overload.py --quick --out /tmp/overload
+    .venv/bin/python bench/bench_overload.py --sweep-only --deadlines-ms 1000 \\
+        --baseline-src /tmp/parent --out /tmp/overload       # this tree against another
 """
 
 from __future__ import annotations
@@ -33,6 +43,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +54,8 @@ from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -51,7 +66,7 @@ from contracts.index_format import read_index_dir, write_index_dir
 from index_builder.publish import current_path, publish
 from loadtest.overload import probe_capacity, run_open_loop, world_requests
 from loadtest.overload_results import OK, OverloadResult
-from tests.helpers.server_process import ServerProcess, metric_value
+from tests.helpers.server_process import ServerProcess, free_ports, metric_value
 
 FIGURES = ROOT / "docs" / "figures"
 # manifest keys write_index_dir fills in itself
@@ -91,32 +106,134 @@ def republisher(index_root: Path) -> Callable[[Path, str], None]:
 Offer = Callable[..., Awaitable[OverloadResult]]
 
 
-def sweep(server: ServerProcess, gen: Offer, capacity: float, a: argparse.Namespace,
-          policy: str = "ladder") -> list[dict]:  # fmt: skip
+# the server's counters a sweep point records (their increase over the point), by label
+COUNTERS = {
+    "rung_batches": ("grace_beam_rung_batches_total", "rung"),
+    "refused": ("grace_admission_refused_total", "reason"),
+    "queue_expired": ("grace_queue_expired_total", None),
+    "stage_dropped": ("grace_stage_dropped_total", "reason"),
+    "batches": ("grace_batch_size_count", None),
+    "batched_requests": ("grace_batch_size_sum", None),
+    "compute_seconds": ("grace_stage_duration_seconds_sum", "stage=compute"),
+}
+
+
+def counters(text: str) -> dict[str, Any]:
+    """The COUNTERS of one metrics scrape: a number, or a number by label value."""
+    out: dict[str, Any] = {}
+    for key, (name, label) in COUNTERS.items():
+        if label is None or "=" in label:
+            want = dict([label.split("=")]) if label else None
+            out[key] = metric_value(text, name, want) or 0.0
+            continue
+        by: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith(name + "{") and f'{label}="' in line:
+                value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+                by[value] = by.get(value, 0.0) + float(line.rsplit(" ", 1)[1])
+        out[key] = by
+    return out
+
+
+def _delta(after: Any, before: Any) -> Any:
+    if isinstance(after, dict):
+        return {k: round(v - before.get(k, 0.0), 4) for k, v in after.items()
+                if v - before.get(k, 0.0)}  # fmt: skip
+    return round(after - before, 4)
+
+
+class CpuMeter:
+    """Where the box's CPU goes over a span: the server process, this generator (with
+    the generator processes it spawned and reaped) and everything else, in cores."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.server = psutil.Process(server.proc.pid)
+
+    def _read(self) -> tuple[float, float, float, float]:
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        s = self.server.cpu_times()
+        box = psutil.cpu_times()
+        busy = box.user + box.nice + box.system + getattr(box, "irq", 0.0) + getattr(
+            box, "softirq", 0.0) + getattr(box, "steal", 0.0)  # fmt: skip
+        client = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+        return time.monotonic(), s.user + s.system, client, busy
+
+    def __enter__(self) -> CpuMeter:
+        self._start = self._read()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = self._read()
+        wall = max(end[0] - self._start[0], 1e-9)
+        server, client, busy = ((b - a) / wall for a, b in zip(self._start[1:], end[1:],
+                                                                strict=True))  # fmt: skip
+        self.figures = {
+            "cpus": psutil.cpu_count(),
+            "server_cores": round(server, 3),
+            "generator_cores": round(client, 3),
+            "other_cores": round(max(busy - server - client, 0.0), 3),
+            "idle_cores": round(max((psutil.cpu_count() or 1) - busy, 0.0), 3),
+        }
+
+
+def sweep(servers: dict[str, tuple[ServerProcess, Offer]], capacity: float,
+          a: argparse.Namespace) -> list[dict]:  # fmt: skip
+    """Every point on every server of `servers` (policy -> server, its load), the
+    servers taking each point in turn."""
     rows = []
     for deadline_ms in a.deadlines_ms:
         for multiple in a.multiples:
-            settle(server)
-            rate = multiple * capacity
-            r = asyncio.run(gen(rate, a.point_seconds, deadline_ms / 1e3, processes=a.processes))
-            row = {
-                "policy": policy,  # the beam ladder (the default) or refusal-only
-                "multiple": multiple,
-                "deadline_ms": deadline_ms,
-                "goodput_fraction": round(r.steady_goodput_rps / capacity, 4),
-                "goodput_fraction_whole_run": round(r.goodput_rps / capacity, 4),
-                **r.to_dict(),
-            }
-            rows.append(row)
-            counts = ", ".join(f"{k} {v.count}" for k, v in r.outcomes.items())
-            progress(
-                f"{policy}: {multiple:g}x capacity ({rate:.0f} req/s), "
-                f"deadline {deadline_ms:g} ms: "
-                f"goodput {r.steady_goodput_rps:.1f} req/s ({row['goodput_fraction']:.2f}x)"
-                f"; {counts}; lag P99 {r.lag_p99_ms} ms"
-                + ("  GENERATOR BEHIND" if r.generator_behind else "")
-            )
+            for policy, (server, gen) in servers.items():
+                settle(server)
+                rate = multiple * capacity
+                before = counters(server.metrics_text())
+                with CpuMeter(server) as cpu:
+                    r = asyncio.run(gen(rate, a.point_seconds, deadline_ms / 1e3,
+                                        processes=a.processes))  # fmt: skip
+                after = counters(server.metrics_text())
+                share = r.steady_goodput_rps / r.offered_rps if r.offered_rps else 0.0
+                row = {
+                    "policy": policy,  # the beam ladder (the default), refusal-only, baseline
+                    "multiple": multiple,
+                    "deadline_ms": deadline_ms,
+                    "goodput_fraction": round(r.steady_goodput_rps / capacity, 4),
+                    "goodput_fraction_whole_run": round(r.goodput_rps / capacity, 4),
+                    # the share of the offered requests answered in time (steady state)
+                    "answered_share": round(share, 4),
+                    "cpu": cpu.figures,
+                    "server_counters": {k: _delta(after[k], before[k]) for k in after},
+                    **r.to_dict(),
+                }
+                rows.append(row)
+                counts = ", ".join(f"{k} {v.count}" for k, v in r.outcomes.items())
+                c = cpu.figures
+                progress(
+                    f"{policy}: {multiple:g}x capacity ({rate:.0f} req/s), "
+                    f"deadline {deadline_ms:g} ms: "
+                    f"goodput {r.steady_goodput_rps:.1f} req/s ({row['goodput_fraction']:.2f}x"
+                    f", {share:.0%} of offered); {counts}; "
+                    f"lag P99 {r.lag_p99_ms} ms; cores: server {c['server_cores']}, "
+                    f"generator {c['generator_cores']}, other {c['other_cores']}, "
+                    f"idle {c['idle_cores']}; rungs {row['server_counters']['rung_batches']}"
+                    + ("  GENERATOR BEHIND" if r.generator_behind else "")
+                )
     return rows
+
+
+def start_server(data: Path, log: Path, device: str, env: dict[str, str],
+                 src: Path | None = None) -> ServerProcess:  # fmt: skip
+    """`ServerProcess.start`, or the same `grace serve` run from the checkout `src`
+    (its own code on sys.path first: `python -m cli` from its root)."""
+    if src is None:
+        return ServerProcess.start(data, log, device=device, env=env)
+    port, metrics_port = free_ports(1, 1)
+    cmd = [sys.executable, "-m", "cli", "serve", "--data-dir", str(data), "--port", str(port),
+           "--metrics-port", str(metrics_port), "--device", device, "--no-progress"]  # fmt: skip
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, cwd=src, env=os.environ | env, stdout=fh,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+    return ServerProcess(proc, port, metrics_port, log)
 
 
 async def swaps_under_load(
@@ -206,6 +323,7 @@ def markdown_table(rows: list[dict[str, Any]], capacity: float) -> str:
 
     head = (
         "| policy | offered (x cap) | deadline | offered req/s | goodput req/s | goodput (x cap) "
+        "| answered in time "
         "| OK | RESOURCE_EXHAUSTED | DEADLINE_EXCEEDED | other | OK P50 ms | OK P99 ms "
         "| refusal P99 ms | lag P99 ms |"
     )
@@ -221,7 +339,8 @@ def markdown_table(rows: list[dict[str, Any]], capacity: float) -> str:
         lines.append(
             f"| {r.get('policy', 'ladder')} | {r['multiple']:g} "
             f"| {deadline_label(r['deadline_ms'])} | {r['offered_rps']:.1f} "
-            f"| {r['steady_goodput_rps']:.1f} | {r['goodput_fraction']:.2f} | {ok} | {re} "
+            f"| {r['steady_goodput_rps']:.1f} | {r['goodput_fraction']:.2f} "
+            f"| {r.get('answered_share', 0):.0%} | {ok} | {re} "
             f"| {de} | {other} | {v(r['ok_p50_ms'])} | {v(r['ok_p99_ms'])} "
             f"| {v(r['refusal_p99_ms'], '.2f')} | {lag} |"
         )
@@ -296,6 +415,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also sweep a server with the beam ladder off (refusal-only), same capacity",
     )
+    add(
+        "--baseline-src",
+        type=Path,
+        help="also sweep a server run from this checkout (e.g. the parent commit's tree: "
+        "its service/ and cli/ serve), interleaved with this one, same capacity",
+    )
+    add("--sweep-only", action="store_true", help="capacity and sweep only: no swaps, memory")
     known, _ = p.parse_known_args(argv)
     if known.quick:
         p.set_defaults(**QUICK)
@@ -304,6 +430,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--concurrency, --rss-every, --processes, --channels, --users must be >= 1")
     if not a.multiples or not a.deadlines_ms or min(*a.multiples, *a.deadlines_ms) <= 0:
         p.error("--multiples and --deadlines-ms need positive values")
+    if a.baseline_src is not None and not (a.baseline_src / "cli").is_dir():
+        p.error(f"--baseline-src {a.baseline_src}: not a checkout of this repository")
     return a
 
 
@@ -325,9 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     dev = a.device.split(":")[0]
     with served_data(a.data) as (data, scratch):
         requests = world_requests(data / "world", a.users)
-        server = ServerProcess.start(
-            data, scratch / "server.log", device=a.device, env={"GRACE_INDEX_POLL_SECONDS": "0.1"}
-        )
+        env = {"GRACE_INDEX_POLL_SECONDS": "0.1"}
+        server = start_server(data, scratch / "server.log", a.device, env)
+        others: list[ServerProcess] = []
+        hot = mem = None
         try:
             server.wait_serving()
             rss_serving = server.rss_mb()
@@ -344,26 +473,41 @@ def main(argv: list[str] | None = None) -> int:
                 f"capacity {cap.ok_rps:.1f} req/s at concurrency {cap.concurrency} "
                 f"(P50 {cap.p50_ms} ms, P99 {cap.p99_ms} ms, errors {cap.errors})"
             )
-            rows = sweep(server, gen, cap.ok_rps, a)
-            if a.refusal_only:  # the same sweep on a server without the ladder, same capacity
-                off = ServerProcess.start(data, scratch / "refusing.log", device=a.device,
-                                          env={"GRACE_BEAM_LADDER": "off"})  # fmt: skip
-                try:
-                    off.wait_serving()
-                    offer = partial(gen.func, off.target, *gen.args[1:], **gen.keywords)
-                    rows += sweep(off, offer, cap.ok_rps, a, "refusal-only")
-                finally:
-                    off.stop()
-            settle(server)
-            progress(f"publishing {a.swaps} versions under {a.swap_load:g}x capacity")
-            swaps = partial(swaps_under_load, server, data / "index", gen, deadline_s=1.0)
-            hot = asyncio.run(swaps(swaps=a.swaps, rate=a.swap_load * cap.ok_rps))
-            progress(f"hot swaps: {hot['swaps_counted']} counted in {hot['seconds']} s")
-            settle(server)
-            progress(f"memory: {a.memory_swaps} more swaps, RSS every {a.rss_every}")
-            mem = asyncio.run(swaps(swaps=a.memory_swaps, rate=a.memory_load * cap.ok_rps,
-                                    rss_every=a.rss_every))  # fmt: skip
+            servers = {"ladder": (server, gen)}
+            # the same sweep on a server without the ladder, and on the baseline checkout
+            extra = {"refusal-only": ({**env, "GRACE_BEAM_LADDER": "off"}, None)
+                     if a.refusal_only else None,
+                     "baseline": (env, a.baseline_src)
+                     if a.baseline_src is not None else None}  # fmt: skip
+            for policy, how in extra.items():
+                if how is None:
+                    continue
+                other = start_server(data, scratch / f"{policy}.log", a.device, *how)
+                others.append(other)
+                other.wait_serving()
+                # the same closed-loop warm-up the first server had: its estimate learns
+                asyncio.run(probe_capacity(other.target, requests, concurrency=a.concurrency,
+                                           seconds=a.warmup_seconds, warmup_s=0.0,
+                                           channels=a.channels))  # fmt: skip
+                servers[policy] = (other, partial(gen.func, other.target, *gen.args[1:],
+                                                  **gen.keywords))  # fmt: skip
+            rows = sweep(servers, cap.ok_rps, a)
+            for other in others:
+                other.stop()
+            others.clear()
+            if not a.sweep_only:
+                settle(server)
+                progress(f"publishing {a.swaps} versions under {a.swap_load:g}x capacity")
+                swaps = partial(swaps_under_load, server, data / "index", gen, deadline_s=1.0)
+                hot = asyncio.run(swaps(swaps=a.swaps, rate=a.swap_load * cap.ok_rps))
+                progress(f"hot swaps: {hot['swaps_counted']} counted in {hot['seconds']} s")
+                settle(server)
+                progress(f"memory: {a.memory_swaps} more swaps, RSS every {a.rss_every}")
+                mem = asyncio.run(swaps(swaps=a.memory_swaps, rate=a.memory_load * cap.ok_rps,
+                                        rss_every=a.rss_every))  # fmt: skip
         finally:
+            for other in others:
+                other.stop()
             server.stop()
     figures = {
         "quick": a.quick,
@@ -382,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             "filter_mode": "CD_GTM",
             "steady_state_warmup": STEADY_WARMUP,
         },
+        "baseline_src": str(a.baseline_src) if a.baseline_src is not None else None,
         "capacity": cap.to_dict(),
         "sweep": rows,
         "hot_swaps": hot,
@@ -392,14 +537,15 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(markdown_table(rows, cap.ok_rps))
     print()
-    print(
-        f"hot swaps under {a.swap_load:g}x load: {hot['published']} published, "
-        f"{hot['swaps_counted']} swapped, {hot['swap_failures_counted']} rejected, "
-        f"RPCs sent {hot.get('rpcs_sent')}, failed {hot.get('rpcs_failed')} "
-        f"{hot.get('outcomes')}"
-    )
-    rss = ", ".join(f"{r['swaps']}: {r['rss_mb']}" for r in mem["rss_mb"])
-    print(f"server RSS (MiB) by swaps: {rss} (growth {mem['rss_growth_mb']} MiB)")
+    if hot is not None and mem is not None:
+        print(
+            f"hot swaps under {a.swap_load:g}x load: {hot['published']} published, "
+            f"{hot['swaps_counted']} swapped, {hot['swap_failures_counted']} rejected, "
+            f"RPCs sent {hot.get('rpcs_sent')}, failed {hot.get('rpcs_failed')} "
+            f"{hot.get('outcomes')}"
+        )
+        rss = ", ".join(f"{r['swaps']}: {r['rss_mb']}" for r in mem["rss_mb"])
+        print(f"server RSS (MiB) by swaps: {rss} (growth {mem['rss_growth_mb']} MiB)")
     print(f"wrote {path} and {svg}")
     return 0
 

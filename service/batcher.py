@@ -7,9 +7,12 @@
 `admit` refuses at once what admission (service/admission.py) or the bounded queue
 (`capacity`) will not take. Batches form by the policy (service/batch_policy.py); this
 module does the waiting, the queue and the hand-off. A queued request the client gave up
-on, or whose remaining time is below the fastest recent service, is dropped before stage 1
-(`DeadlineExpired`, counted by `on_expired`). `dispatch` must hand the batch to a thread and
-return at once; `Pending.resolve` and `batch_done` are called from the pipeline's threads.
+on, or whose remaining time is below what answering it must take (`expiry_margin`: the
+fastest recent service, or `HEADROOM` × the predicted time through the batches in flight
+ahead of it, whichever is longer), is dropped before stage 1 (`DeadlineExpired`, counted
+by `on_expired`): computing it would only take the pipeline from requests that can still
+make it (issue #49). `dispatch` must hand the batch to a thread and return at once;
+`Pending.resolve` and `batch_done` are called from the pipeline's threads.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from service.admission import Admission, ServiceEstimate, Verdict
+from service.admission import HEADROOM, Admission, ServiceEstimate, Verdict
 from service.batch_policy import LOOKAHEAD, BatchPolicy
 from service.beam_ladder import Ladder, queue_slack
 from service.settings import BUSY_BATCHES, MAX_GROUPS
@@ -223,6 +226,16 @@ class Batcher:
             else:
                 self._slots.release()
 
+    def expiry_margin(self) -> float:
+        """Seconds a queued request must still have to be worth batching now: the
+        fastest recent service, or `HEADROOM` × its predicted answer behind the batches
+        in flight (at the narrowest rung: admission's scale), whichever is longer. Under
+        overload the second is most of it — a request with less time left would be
+        computed and then miss, taking compute from the ones behind it."""
+        e = self.admission.estimate
+        ahead = HEADROOM * self.admission.scale * e.predict(self.inflight_requests)
+        return max(e.fastest, ahead)
+
     def _rung(self, batch: list[Pending]) -> int | None:
         """The ladder rung `batch` decodes at (None: no ladder, or no request of it
         without beam_widths of its own): chosen from what the work ahead and its own
@@ -253,7 +266,7 @@ class Batcher:
         """Move queued requests into `batch`, in queue order, as far as the policy lets
         them join; requests of other groups keep their place. Abandoned and hopeless ones
         are dropped. True if any was taken."""
-        now, floor = time.monotonic(), self.admission.estimate.fastest
+        now, floor = time.monotonic(), self.expiry_margin()
         skipped: list[Pending] = []
         taken = expired = 0
         while self._queue and len(batch) < self.max_batch and len(skipped) < LOOKAHEAD:

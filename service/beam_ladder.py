@@ -24,8 +24,9 @@ longer. So a rung must also fit `queue_slack` — the least, over the queued req
 the batch's extra time over the narrowest rung (its own rung-0 time × the cost
 difference). Under overload the queue settles at admission's edge, its slack near 0, and
 batches stay at the narrowest rung instead of widening for the head of the queue while
-the requests behind it miss (issue #49: half the misses at 2-3× offered followed a batch
-widened that way); when the slack runs out (service slowed) batches narrow at once.
+the requests behind it miss (issue #49: on the CPU demo at 2-3× offered the misses came
+in bursts right after such widened batches); when the slack runs out (service slowed)
+batches narrow at once.
 """
 
 from __future__ import annotations

@@ -1,12 +1,17 @@
-"""Admission: what recent batches teach the estimate, and which deadlines it refuses."""
+"""Admission: what recent batches teach the estimate, which deadlines it refuses, and
+which queued requests the batcher drops as no longer able to finish."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from service.admission import HEADROOM, Admission, ServiceEstimate, Verdict
+from service.batcher import Batcher, DeadlineExpired, Pending
 
 
 def busy_run(estimate: ServiceEstimate, batches: int, size: int, gap: float, service: float):
@@ -85,3 +90,35 @@ def test_more_work_ahead_never_predicts_a_shorter_wait(sizes, gap, service, ahea
     if fits * 1.01 > estimate.fastest:  # not shorter than the service itself
         assert admission.decide(fits * 1.01, ahead, 0) is Verdict.ADMIT
         assert admission.decide(fits * 2, ahead // 2, 0) is Verdict.ADMIT  # less ahead
+
+
+def test_a_queued_request_that_cannot_get_through_the_batches_in_flight_is_dropped() -> None:
+    """Under overload the margin a queued request needs is the work in flight ahead of it,
+    not just one batch's fastest service: one with less time left than HEADROOM × its
+    predicted answer (at the narrowest rung's scale) is answered DeadlineExpired when
+    its batch forms, never computed; one with time enough joins the batch."""
+
+    async def main() -> None:
+        dropped: list[int] = []
+        batcher = Batcher(lambda batch, rung=None: None, max_batch=16, on_expired=dropped.append)
+        est = batcher.admission.estimate
+        busy_run(est, batches=40, size=16, gap=0.1, service=0.1)
+        assert batcher.expiry_margin() == pytest.approx(est.fastest)  # nothing in flight
+        batcher.inflight_requests = 48  # three batches ahead: ~0.4 s
+        margin = batcher.expiry_margin()
+        assert margin == pytest.approx(HEADROOM * est.predict(48)) and margin > 0.3
+        batcher.admission.scale = 0.5  # a narrower rung answers in half the time
+        assert batcher.expiry_margin() == pytest.approx(margin / 2)
+        batcher.admission.scale = 1.0
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()  # deadlines a second apart: no timing in the test
+        late = Pending(1, now + margin - 0.5, loop.create_future(), loop)
+        timely = Pending(2, now + margin + 1.0, loop.create_future(), loop)
+        batcher._queue.extend([late, timely])
+        batch: list[Pending] = []
+        assert batcher._take(batch, set())
+        assert batch == [timely] and dropped == [1]
+        with pytest.raises(DeadlineExpired):
+            late.future.result()
+
+    asyncio.run(main())

@@ -1,6 +1,7 @@
 """The beam ladder (`service/beam_ladder.py`): which rung a batch gets from the predicted
 time at the full schedule and its shortest deadline, with hysteresis; bounds and pins;
-costs from FLOPs until measured; admission scaled to the narrowest rung; the settings
+costs from FLOPs until measured (a small batch counting little); the queue behind a batch
+bounding its rung; admission scaled to the narrowest rung; the settings
 that make it. Pure objects: no clock, no server."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from service.admission import HEADROOM, Admission, ServiceEstimate, Verdict
-from service.beam_ladder import WIDEN_AFTER, Ladder, default_rungs
+from service.beam_ladder import WIDEN_AFTER, Ladder, default_rungs, queue_slack
 from service.settings import ServerSettings
 
 RUNGS = ((1, 512, 1024, 1024), (1, 256, 512, 512), (1, 128, 256, 256))
@@ -116,3 +117,59 @@ def test_settings_make_the_ladder_and_refuse_bad_ones() -> None:
         ServerSettings(profile="paper", beam_rungs="1-5")
     with pytest.raises(ValueError, match="expected 'A-B'"):
         ServerSettings(profile="paper", beam_rungs="wide")
+
+
+def test_a_batch_does_not_widen_at_the_expense_of_the_queue_behind() -> None:
+    """Under overload the head batch's own deadline may fit a wider rung, but the requests
+    queued behind it were admitted at the narrowest rung's cost: without slack for the
+    extra time the rung stays narrow; with it the rung widens as before."""
+    lad = ladder()
+    assert lad.choose(0.300, 0.100) == 2
+    # rung 1 fits the batch with room (50 ms <= 0.8 * 80 ms), and would cost the queue
+    # (0.5 - 0.25) * 100 ms = 25 ms more than rung 2: 10 ms of slack is not enough
+    for _ in range(WIDEN_AFTER * 2):
+        assert lad.choose(0.100, 0.100, own=0.100, slack=0.010) == 2
+    for _ in range(WIDEN_AFTER - 1):
+        assert lad.choose(0.100, 0.100, own=0.100, slack=0.040) == 2
+    assert lad.choose(0.100, 0.100, own=0.100, slack=0.040) == 1  # 25 <= 0.8 * 40 ms
+
+
+def test_a_queue_short_of_time_narrows_the_batch_at_once() -> None:
+    lad = ladder()
+    assert lad.choose(0.010, 0.100, own=0.100, slack=1.0) == 0
+    # rung 0 would cost the queue 75 ms over rung 2, rung 1 25 ms: 30 ms of slack
+    assert lad.choose(0.010, 0.100, own=0.100, slack=0.030) == 1
+    assert lad.choose(0.010, 0.100, own=0.100, slack=-0.010) == 2  # already late: narrowest
+    # without a deadline of its own the queue still bounds it
+    assert ladder().choose(5.0, None, own=0.100, slack=0.030) == 1
+
+
+def test_queue_slack_is_the_least_margin_of_the_queued_requests() -> None:
+    est = ServiceEstimate(max_batch=16)
+    for k in range(40):  # 16-request batches, 100 ms each, back to back
+        est.observe(16, k * 0.1, (k + 1) * 0.1, 0.1)
+    now = 100.0
+    assert queue_slack(now, [now + 1.0], 0, ServiceEstimate(), 1.0) is None  # cold
+    assert queue_slack(now, [None, None], 0, est, 1.0) is None  # no deadlines
+    deadlines = [now + 1.0, None, now + 0.5, now + 2.0]
+    want = min(HEADROOM * (d - now) - 0.5 * est.predict(32 + i)
+               for i, d in enumerate(deadlines) if d is not None)  # fmt: skip
+    assert queue_slack(now, deadlines, 32, est, 0.5) == pytest.approx(want)
+    assert queue_slack(now, [now + 0.1], 64, est, 1.0) < 0  # already short
+
+
+def test_a_small_batch_barely_moves_a_rungs_cost() -> None:
+    """The lone requests that open a burst after an idle spell are quick: counted as full
+    batches they would halve a rung's cost, and with it admission's prediction."""
+    lad = ladder()
+    lad.observe(0, 0.040)
+    lad.observe(2, 0.030)
+    assert lad.cost(2) == pytest.approx(0.75)
+    lad.observe(2, 0.003, weight=1 / 16)
+    assert lad.cost(2) == pytest.approx((0.030 + 0.2 / 16 * (0.003 - 0.030)) / 0.040)
+    assert lad.cost(2) > 0.74
+    full = ladder()
+    full.observe(0, 0.040)
+    full.observe(2, 0.030)
+    full.observe(2, 0.003)
+    assert full.cost(2) == pytest.approx(0.615)
