@@ -102,13 +102,17 @@ class Admission:
             return Verdict.ADMIT
         if remaining <= self.estimate.fastest:
             return Verdict.HOPELESS
-        if HEADROOM * remaining < self.predicted_ms(queued, in_flight) / 1e3:
+        if HEADROOM * remaining < self.predicted(queued, in_flight):
             return Verdict.OVERLOADED
         return Verdict.ADMIT
 
+    def predicted(self, queued: int, in_flight: int) -> float:
+        """Seconds until a request arriving now is answered (what `decide` judges)."""
+        return self.wait + self.scale * self.estimate.predict(queued + in_flight)
+
     def predicted_ms(self, queued: int, in_flight: int) -> float:
         """The prediction a refusal message quotes, in milliseconds."""
-        return 1e3 * (self.wait + self.scale * self.estimate.predict(queued + in_flight))
+        return 1e3 * self.predicted(queued, in_flight)
 
     def retry_after(
         self, queue_full: bool, remaining: float | None, queued: int, in_flight: int
@@ -119,7 +123,7 @@ class Admission:
         refused by a full queue, until one batch has left it. Within RETRY_MIN..MAX_SECONDS."""
         e = self.estimate
         if not queue_full and remaining is not None:
-            delay = self.wait + self.scale * e.predict(queued + in_flight) - HEADROOM * remaining
+            delay = self.predicted(queued, in_flight) - HEADROOM * remaining
         elif e.per_request is not None:
             delay = e.per_batch + e.max_batch * e.per_request
         else:

@@ -51,8 +51,6 @@ from service.grpc_server import (
 from service.logs import AccessLog
 from service.metrics import Metrics
 from service.model import precision
-from service.model.config import ModelConfig
-from service.model.flops import decoder_flops
 from service.mps import mps_client
 from service.pipeline.records import Batch, group_key
 from service.pipeline.runner import Pipeline
@@ -164,7 +162,7 @@ async def start(
         if batch.rung_beams is not None and batch.adaptive:
             metrics.rung_batches.labels(str(batch.rung)).inc()
 
-    ladder = beam_ladder(settings, serving.current.model.config)
+    ladder = Ladder.priced(settings.ladder(), serving.current.model.config, *settings.rung_bounds())
     pipeline = Pipeline(
         stages,
         serving,
@@ -286,16 +284,6 @@ def _bind(server: grpc.aio.Server, address: str, settings: ServerSettings) -> in
             f"cannot listen on {address}: the port is taken (another grace serve?) or the "
             "address is not this host's (--port, --host)"
         ) from exc
-
-
-def beam_ladder(settings: ServerSettings, config: ModelConfig) -> Ladder:
-    """The beam ladder of `settings` (`beam_ladder`, `beam_rungs`), each rung's prior cost
-    its decode FLOPs at `config` over the full schedule's (service/beam_ladder.py)."""
-    rungs = settings.ladder()
-    full = decoder_flops(config, rungs[0]).total
-    widest, narrowest = settings.rung_bounds()
-    return Ladder(rungs, tuple(decoder_flops(config, r).total / full for r in rungs),
-                  widest, narrowest)  # fmt: skip
 
 
 async def _warm_up(batcher: Batcher, settings: ServerSettings) -> None:

@@ -35,6 +35,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from service.admission import ALPHA, HEADROOM, ServiceEstimate
+from service.model.config import ModelConfig
+from service.model.flops import decoder_flops
 
 WIDEN_AFTER = 8  # batches in a row that must want a wider rung before it is taken
 WIDEN_MARGIN = 0.8  # ... with its prediction at most this share of the budget
@@ -74,6 +76,15 @@ class Ladder:
                              f"ladder's 0..{len(self.rungs) - 1}")  # fmt: skip
         self.current = self.widest
         self._service = [None] * len(self.rungs)
+
+    @classmethod
+    def priced(cls, rungs: tuple[tuple[int, ...], ...], config: ModelConfig, widest: int = 0,
+               narrowest: int | None = None) -> Ladder:  # fmt: skip
+        """The ladder of `rungs` (settings `beam_ladder`, bounded by `beam_rungs`), each
+        rung's prior cost its decode FLOPs at `config` over the full schedule's."""
+        full = decoder_flops(config, rungs[0]).total
+        prior = tuple(decoder_flops(config, r).total / full for r in rungs)
+        return cls(rungs, prior, widest, narrowest)
 
     def cost(self, rung: int) -> float:
         """A batch's time at `rung` over its time at rung 0: measured once both have been

@@ -108,11 +108,11 @@ def choose(precision: Precision, device: torch.device | str,
     return "auto", f"its FP8 quality record fails: {record.get('why')}"
 
 
-def served_dtype(precision: Precision, device: torch.device | str) -> str:
-    """What `precision` serves in on `device`, in words: fp8, bfloat16 or float32."""
-    if precision == "fp8":
+def serves_in(model: nn.Module) -> str:
+    """What a `for_serving` model serves in, in words: fp8, bfloat16 or float32."""
+    if is_fp8(model.decoder):
         return "fp8"
-    return str(weights_dtype(precision, device)).removeprefix("torch.")
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def for_serving(model: nn.Module, precision: Precision, device: torch.device | str) -> nn.Module:

@@ -25,7 +25,7 @@ from service.model import gate
 from service.model.config import ModelConfig
 from service.model.embeddings import FeatureEmbedder
 from service.model.encoder import ContextEncoder
-from service.model.precision import is_fp8
+from service.model.precision import serves_in
 from service.model.retriever import GenerativeRetriever
 from service.model.static_encoder import StaticEncoder
 from service.model.static_features import StaticFeatures
@@ -75,9 +75,7 @@ class ModelRuntime:
     @property
     def dtype(self) -> str:
         """What the model serves in (`service/model/precision.py`): fp8, bfloat16 or float32."""
-        if is_fp8(self.model.decoder):
-            return "fp8"
-        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        return serves_in(self.model)
 
     @property
     def config(self) -> ModelConfig:

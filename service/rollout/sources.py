@@ -14,7 +14,7 @@ from pathlib import Path
 from contracts.index_manifest import MANIFEST, manifest_sid_space
 from service.index.loaded import LoadedIndex, load_index
 from service.model.checkpoint import load_checkpoint, sid_space_of
-from service.model.precision import Precision, choose, for_serving, served_dtype
+from service.model.precision import Precision, choose, for_serving, serves_in
 from service.model.repository import COMPLETE, fp8_record, is_checkpoint
 from service.pace import Pace
 from service.pipeline.runtime import ModelRuntime
@@ -44,9 +44,8 @@ def model_follower(
         loaded = load_checkpoint(path, stages.device, pace=pace)
         t1 = time.perf_counter()
         chosen, why = choose(precision, stages.device, fp8_record(path))
-        log.info("model %s serves in %s: %s", loaded.model_version,
-                 served_dtype(chosen, stages.device), why)  # fmt: skip
         for_serving(loaded.model, chosen, stages.device)
+        log.info("model %s serves in %s: %s", loaded.model_version, serves_in(loaded.model), why)
         runtime = stages.runtime(loaded.model, version=version, model_version=loaded.model_version,
                                  sid_space=loaded.sid_space, meta=loaded.meta)  # fmt: skip
         phases = {**loaded.seconds, "precision": time.perf_counter() - t1}

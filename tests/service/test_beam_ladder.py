@@ -10,6 +10,8 @@ import pytest
 
 from service.admission import HEADROOM, Admission, ServiceEstimate, Verdict
 from service.beam_ladder import WIDEN_AFTER, Ladder, default_rungs, queue_slack
+from service.model.config import PROFILES
+from service.model.flops import decoder_flops
 from service.settings import ServerSettings
 
 RUNGS = ((1, 512, 1024, 1024), (1, 256, 512, 512), (1, 128, 256, 256))
@@ -81,6 +83,16 @@ def test_costs_are_flops_until_each_rung_is_measured() -> None:
     lad.observe(0, 0.040)
     assert lad.cost(2) == pytest.approx(0.75)  # fixed costs make a narrow rung dearer
     assert lad.floor == pytest.approx(0.75)
+
+
+def test_a_priced_ladder_starts_from_each_rungs_decode_flops() -> None:
+    """The server's ladder: each rung's prior cost is its decode FLOPs over the full
+    schedule's at the model's profile, falling rung by rung; bounds carried."""
+    lad = Ladder.priced(RUNGS, PROFILES["paper"], 0, 1)
+    full = decoder_flops(PROFILES["paper"], RUNGS[0]).total
+    assert lad.prior == tuple(decoder_flops(PROFILES["paper"], r).total / full for r in RUNGS)
+    assert lad.prior[0] == 1.0 and 1.0 > lad.prior[1] > lad.prior[2] > 0
+    assert (lad.widest, lad.narrowest) == (0, 1) and lad.floor == lad.prior[1]
 
 
 def test_admission_refuses_only_what_the_narrowest_rung_cannot_answer() -> None:

@@ -16,13 +16,15 @@ import torch
 
 from cli import main
 from contracts.versions import current_version
-from service.model import precision
+from service.model.checkpoint import load_checkpoint
 from service.model.precision import (
     FP8_MIN_SIDS_KEPT,
     FP8_MIN_USERS,
     FP8_TOLERANCE,
     choose,
+    for_serving,
     fp8_verdict,
+    serves_in,
 )
 from service.model.repository import fp8_record
 from service.pipeline.stages import Stages
@@ -94,8 +96,6 @@ def test_auto_serves_fp8_only_on_a_gpu_with_fp8_and_a_passing_record(
     assert choose("bfloat16", "cuda", passing) == ("bfloat16", "set by dtype")  # forced
     assert choose("fp8", "cuda", failing) == ("fp8", "set by dtype")
     assert choose("auto", "cpu", passing) == ("auto", "a CPU serves float32")
-    assert precision.served_dtype("auto", "cuda") == "bfloat16"
-    assert precision.served_dtype("auto", "cpu") == "float32"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     assert choose("auto", "cuda", passing) == ("auto", "NVIDIA A100 has no FP8")
 
@@ -142,6 +142,10 @@ def test_publish_model_records_fp8_quality_and_a_server_says_what_it_serves(
     assert fp8_record(repo / current_version(repo)) is None
     assert json.loads((repo / current_version(repo) / "gate.json").read_text())["fp8"] is None
     assert fp8_record(data / "model") is None  # a checkpoint never published: no record
+
+    for precision, serves in (("auto", "float32"), ("bfloat16", "bfloat16"), ("fp8", "fp8")):
+        model = load_checkpoint(data / "model", "cpu").model
+        assert serves_in(for_serving(model, precision, "cpu")) == serves
 
     # a server reads the record of the version it loads, and says what it serves and why
     assert main([*publish, "--fp8-users", "100000", "--fp8-tolerance", "1"]) == 0
